@@ -1,0 +1,138 @@
+"""The decode KV cache: plain per-layer dicts plus pure write/read transforms.
+
+Layout. `init_cache` returns a list with one dict per layer:
+
+    {"k": [B, S, K, H], "v": [B, S, K, H]}                      # bf16 / f32 layers
+    {"k": [B, S, K, H] e4m3, "v": [B, S, K, H] e4m3,
+     "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # fp8 layers
+
+Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
+at position p attends to slots 0..p. FP8 entries dequantize as f32(k) · k_scale.
+
+Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob:
+
+* "token_head": one scale per token and head ([B, S, K, 1]); the scale is
+  amax(|k|)/448 of that head's vector, so every entry uses the full e4m3 range.
+  Costs 4 bytes per token per head per K and V: 2·K·(H+4) bytes per token per layer.
+* "tensor": one scale per layer and sequence ([B, 1, 1, 1]), calibrated at the
+  first write (the prefill) as headroom · amax(|k|)/448 over the prompt and then
+  frozen; later tokens saturate at ±448·scale. 2·K·H bytes per token per layer,
+  i.e. exactly half of BF16: the most capacity, and the most mismatch.
+
+Layers in `KVCacheSpec.bf16_layers` keep a BF16 cache whatever the dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.model_config import ModelConfig
+from opd_jax.quant import FP8_DTYPE, FP8_MAX
+
+KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+KV_GRANULARITIES = ("token_head", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+  """Static description of the KV cache numerics (hashable, a jit static arg)."""
+
+  dtype: str = "bfloat16"  # one of KV_DTYPES
+  granularity: str = "token_head"  # fp8 scale granularity, one of KV_GRANULARITIES
+  bf16_layers: tuple[int, ...] = ()  # layers kept in BF16 when dtype is fp8
+  tensor_headroom: float = 2.0  # "tensor" scale = headroom · prefill amax / 448
+
+  def __post_init__(self):
+    if self.dtype not in KV_DTYPES:
+      raise ValueError(f"unknown KV cache dtype {self.dtype!r}; allowed: {', '.join(KV_DTYPES)}")
+    if self.granularity not in KV_GRANULARITIES:
+      raise ValueError(
+        f"unknown KV scale granularity {self.granularity!r}; allowed: {', '.join(KV_GRANULARITIES)}"
+      )
+    if self.tensor_headroom < 1.0:
+      raise ValueError(f"tensor_headroom must be >= 1, got {self.tensor_headroom}")
+
+  def layer_dtype(self, layer: int) -> str:
+    """The storage dtype of `layer`'s cache."""
+    if self.dtype == "float8_e4m3fn" and layer in self.bf16_layers:
+      return "bfloat16"
+    return self.dtype
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
+  """Allocates a zeroed cache: a list of L per-layer dicts (see module docstring)."""
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  cache = []
+  for layer in range(cfg.num_layers):
+    dtype = spec.layer_dtype(layer)
+    entry = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if dtype == "float8_e4m3fn":
+      if spec.granularity == "token_head":
+        scale_shape = (batch, max_len, cfg.num_kv_heads, 1)
+      else:
+        scale_shape = (batch, 1, 1, 1)
+      entry["k_scale"] = jnp.zeros(scale_shape, jnp.float32)
+      entry["v_scale"] = jnp.zeros(scale_shape, jnp.float32)
+    cache.append(entry)
+  return cache
+
+
+def bytes_per_token(cache: list[dict]) -> float:
+  """Bytes one cached token costs across all layers, from the arrays' `nbytes`.
+
+  Per-sequence scales ("tensor" granularity) are amortised over the S slots.
+  """
+  total = 0
+  for entry in cache:
+    batch, slots = entry["k"].shape[:2]
+    total += sum(x.nbytes for x in entry.values()) / (batch * slots)
+  return total
+
+
+def _quantize_rows(x_btkh: jax.Array, scale) -> jax.Array:
+  """x / scale, clipped to the e4m3 range and rounded to e4m3."""
+  q = x_btkh.astype(jnp.float32) / scale
+  return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def _scatter_time(dst_bs, src_bt, start_b):
+  """dst[b, start_b : start_b + T] = src[b] for every b."""
+
+  def one(d, s, start):
+    idx = (start,) + (0,) * (d.ndim - 1)
+    return jax.lax.dynamic_update_slice(d, s.astype(d.dtype), idx)
+
+  return jax.vmap(one)(dst_bs, src_bt, start_b)
+
+
+def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
+  """Returns `entry` with tokens written at slots start_b .. start_b + T - 1."""
+  out = dict(entry)
+  if "k_scale" not in entry:
+    out["k"] = _scatter_time(entry["k"], k_btkh, start_b)
+    out["v"] = _scatter_time(entry["v"], v_btkh, start_b)
+    return out
+  for name, x in (("k", k_btkh), ("v", v_btkh)):
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)  # [B,T,K,1]
+    if spec.granularity == "token_head":
+      scale = jnp.maximum(amax / FP8_MAX, 1e-12)
+      out[name + "_scale"] = _scatter_time(entry[name + "_scale"], scale, start_b)
+    else:
+      old = entry[name + "_scale"]  # [B,1,1,1]; 0 until the first write calibrates it
+      fresh = jnp.max(amax, axis=(1, 2), keepdims=True) * spec.tensor_headroom / FP8_MAX
+      scale = jnp.where(old > 0, old, jnp.maximum(fresh, 1e-12))
+      out[name + "_scale"] = scale
+    out[name] = _scatter_time(entry[name], _quantize_rows(x, scale), start_b)
+  return out
+
+
+def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
+  """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`."""
+  if "k_scale" not in entry:
+    return entry["k"].astype(dtype), entry["v"].astype(dtype)
+  k = entry["k"].astype(jnp.float32) * entry["k_scale"]
+  v = entry["v"].astype(jnp.float32) * entry["v_scale"]
+  return k.astype(dtype), v.astype(dtype)

@@ -1,0 +1,223 @@
+"""Llama / Qwen2 / Qwen3 decoder as pure functions over a params pytree.
+
+Params layout (one model implementation for BF16, F32 and FP8; any matrix may be
+a `quant.QArray` instead of a plain array):
+
+    {"embed_vd": [V, D],
+     "final_norm_d": [D],
+     "lm_head_dv": [D, V],                      # absent when embeddings are tied
+     "layers": [                                # L dicts, one per layer
+        {"attn_norm_d": [D], "mlp_norm_d": [D],
+         "q_dnh": [D, N, H], "k_dkh": [D, K, H], "v_dkh": [D, K, H], "o_nhd": [N, H, D],
+         "q_bias_nh", "k_bias_kh", "v_bias_kh",  # when cfg.qkv_bias
+         "o_bias_d",                             # when cfg.o_bias
+         "q_norm_h", "k_norm_h",                 # when cfg.qk_norm (Qwen3)
+         "gate_df": [D, F], "up_df": [D, F], "down_fd": [F, D]}]}
+
+Layers are a Python list rather than a stacked scan so that each layer may have its
+own precision (FP8 with BF16 exceptions) and its own KV-cache dtype.
+
+Activations run in the embedding's dtype; norms, softmax and logits in f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax import kvcache
+from opd_jax.model_config import ModelConfig
+from opd_jax.quant import as_dense
+
+
+def rms_norm(x, weight_d, eps: float):
+  """y = w · x / sqrt(mean(x²) + eps), computed in f32 and cast back to x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight_d.astype(x.dtype) * y.astype(x.dtype)
+
+
+def apply_rope(x_btnh, positions_bt, inv_freq_h2):
+  """Rotary embedding, rotate-half convention: x·cos(pθ) + rot(x)·sin(pθ)."""
+  angles = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x_btnh.dtype), jnp.sin(angles).astype(x_btnh.dtype)
+  half = x_btnh.shape[-1] // 2
+  rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+  return x_btnh * cos + rotated * sin
+
+
+def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, cfg: ModelConfig):
+  """softmax(q·kᵀ/√H + mask)·v with grouped KV heads; key s is visible iff k_pos ≤ q_pos.
+
+  Returns [B, T, N, H] in q's dtype; scores and softmax are f32.
+  """
+  b, t, n, h = q_btnh.shape
+  q_btkgh = q_btnh.reshape(b, t, cfg.num_kv_heads, cfg.num_groups, h)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+  scores = scores * (h**-0.5)
+  visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
+  scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+  return out.reshape(b, t, n, h)
+
+
+def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig):
+  dt = x_btd.dtype
+  q = jnp.einsum("btd,dnh->btnh", x_btd, as_dense(layer["q_dnh"], dt))
+  k = jnp.einsum("btd,dkh->btkh", x_btd, as_dense(layer["k_dkh"], dt))
+  v = jnp.einsum("btd,dkh->btkh", x_btd, as_dense(layer["v_dkh"], dt))
+  if cfg.qkv_bias:
+    q = q + layer["q_bias_nh"].astype(dt)
+    k = k + layer["k_bias_kh"].astype(dt)
+    v = v + layer["v_bias_kh"].astype(dt)
+  if cfg.qk_norm:
+    q = rms_norm(q, layer["q_norm_h"], cfg.rms_norm_eps)
+    k = rms_norm(k, layer["k_norm_h"], cfg.rms_norm_eps)
+  inv_freq = jnp.asarray(cfg.rope_inv_freq())
+  return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+
+
+def _mlp(layer, x_btd):
+  """SwiGLU: down(silu(x·gate) ⊙ (x·up))."""
+  dt = x_btd.dtype
+  gate = jnp.einsum("btd,df->btf", x_btd, as_dense(layer["gate_df"], dt))
+  up = jnp.einsum("btd,df->btf", x_btd, as_dense(layer["up_df"], dt))
+  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, as_dense(layer["down_fd"], dt))
+
+
+def _block(layer, x_btd, positions_bt, cfg, kv_fn):
+  """One pre-norm decoder block; `kv_fn(k, v) -> (keys, values, key_positions)`."""
+  h = rms_norm(x_btd, layer["attn_norm_d"], cfg.rms_norm_eps)
+  q, k, v = _qkv(layer, h, positions_bt, cfg)
+  keys, values, k_pos = kv_fn(k, v)
+  attn = attend(q, keys, values, positions_bt, k_pos, cfg)
+  out = jnp.einsum("btnh,nhd->btd", attn, as_dense(layer["o_nhd"], x_btd.dtype))
+  if cfg.o_bias:
+    out = out + layer["o_bias_d"].astype(x_btd.dtype)
+  x_btd = x_btd + out
+  return x_btd + _mlp(layer, rms_norm(x_btd, layer["mlp_norm_d"], cfg.rms_norm_eps))
+
+
+def _embed(params, tokens_bt):
+  embed = params["embed_vd"]
+  return jnp.take(as_dense(embed, embed.dtype), tokens_bt, axis=0)
+
+
+def compute_dtype(params):
+  """Activations run in the embedding table's dtype."""
+  return params["embed_vd"].dtype
+
+
+def unembed(params, x_btd, cfg: ModelConfig):
+  """Final norm and LM head; logits [B, T, V] in f32."""
+  x_btd = rms_norm(x_btd, params["final_norm_d"], cfg.rms_norm_eps)
+  if cfg.tie_word_embeddings:
+    head = as_dense(params["embed_vd"], x_btd.dtype)
+    return jnp.einsum("btd,vd->btv", x_btd, head, preferred_element_type=jnp.float32)
+  head = as_dense(params["lm_head_dv"], x_btd.dtype)
+  return jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+
+
+def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
+  """Causal forward without a cache.
+
+  Args:
+    params: the params pytree (see module docstring).
+    tokens_bt: int tokens [B, T].
+    cfg: the model config.
+    positions_bt: optional positions [B, T]; defaults to 0..T-1.
+
+  Returns:
+    logits [B, T, V] in f32.
+  """
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+  x = _embed(params, tokens_bt)
+  for layer in params["layers"]:
+    x = _block(layer, x, positions_bt, cfg, lambda k, v: (k, v, positions_bt))
+  return unembed(params, x, cfg)
+
+
+def forward_with_cache(
+  params, tokens_bt, start_b, cache, cfg: ModelConfig, spec: kvcache.KVCacheSpec | None = None
+):
+  """Cached forward: prefill (T > 1) or one-token decode (T == 1).
+
+  Token t of sequence b sits at position start_b[b] + t; its key/value is written to
+  that cache slot, and it attends to every slot at or before its position.
+
+  Args:
+    params: the params pytree.
+    tokens_bt: int tokens [B, T].
+    start_b: int positions [B] of each sequence's first token in `tokens_bt`.
+    cache: list of per-layer cache dicts from `kvcache.init_cache`.
+    cfg: the model config.
+    spec: the cache numerics (fp8 granularity and headroom); default BF16.
+
+  Returns:
+    (logits [B, T, V] f32, updated cache).
+  """
+  spec = spec or kvcache.KVCacheSpec()
+  t = tokens_bt.shape[1]
+  positions_bt = start_b[:, None] + jnp.arange(t)[None, :]
+  x = _embed(params, tokens_bt)
+  new_cache = []
+  for layer, entry in zip(params["layers"], cache, strict=True):
+
+    def kv_fn(k, v, entry=entry):
+      updated = kvcache.write(entry, k, v, start_b, spec)
+      new_cache.append(updated)
+      keys, values = kvcache.read(updated, k.dtype)
+      slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+      return keys, values, slots
+
+    x = _block(layer, x, positions_bt, cfg, kv_fn)
+  return unembed(params, x, cfg), new_cache
+
+
+def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, scale: float = 0.02):
+  """Random params: N(0, scale²) matrices, unit norms, zero biases."""
+  d, f, n, k, h, v = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.vocab_size,
+  )
+  keys = iter(jax.random.split(rng, 2 + 7 * cfg.num_layers))
+
+  def normal(shape, std=scale):
+    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+  layers = []
+  for _ in range(cfg.num_layers):
+    layer = {
+      "attn_norm_d": jnp.ones((d,), dtype),
+      "mlp_norm_d": jnp.ones((d,), dtype),
+      "q_dnh": normal((d, n, h)),
+      "k_dkh": normal((d, k, h)),
+      "v_dkh": normal((d, k, h)),
+      "o_nhd": normal((n, h, d), scale / np.sqrt(2 * cfg.num_layers)),
+      "gate_df": normal((d, f)),
+      "up_df": normal((d, f)),
+      "down_fd": normal((f, d), scale / np.sqrt(2 * cfg.num_layers)),
+    }
+    if cfg.qkv_bias:
+      layer |= {
+        "q_bias_nh": jnp.zeros((n, h), dtype),
+        "k_bias_kh": jnp.zeros((k, h), dtype),
+        "v_bias_kh": jnp.zeros((k, h), dtype),
+      }
+    if cfg.o_bias:
+      layer["o_bias_d"] = jnp.zeros((d,), dtype)
+    if cfg.qk_norm:
+      layer |= {"q_norm_h": jnp.ones((h,), dtype), "k_norm_h": jnp.ones((h,), dtype)}
+    layers.append(layer)
+  params = {"embed_vd": normal((v, d)), "final_norm_d": jnp.ones((d,), dtype), "layers": layers}
+  if not cfg.tie_word_embeddings:
+    params["lm_head_dv"] = normal((d, v))
+  return params

@@ -1,0 +1,97 @@
+"""Base config for opd_jax: every field, its default and a one-line meaning.
+
+Variants (`bf16_sync.py`, `fp8_async.py`, ...) start from `get_config()` here and
+override only what differs. A variant argument after the file name shrinks a run:
+`--config=configs/bf16_sync.py:tiny`.
+
+Command: python -m opd_jax.main --config=configs/base.py --workdir=/tmp/opd
+"""
+
+import ml_collections
+
+
+def model_arch(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size):
+  """Architecture of a built-in (synthetic-task) model; vocab comes from the tokenizer."""
+  arch = ml_collections.ConfigDict()
+  arch.model_type = "qwen3"  # llama | qwen2 | qwen3
+  arch.num_layers = num_layers  # L
+  arch.hidden_size = hidden_size  # D
+  arch.num_heads = num_heads  # N query heads
+  arch.num_kv_heads = num_kv_heads  # K key/value heads
+  arch.head_dim = head_dim  # H
+  arch.intermediate_size = intermediate_size  # F, SwiGLU width
+  arch.tie_word_embeddings = True  # share embedding and LM head
+  return arch
+
+
+def get_config(arg=None):
+  """Returns the base ConfigDict. `arg` is unused here (variants interpret it)."""
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # global seed: init, data order, sampling
+  c.tokenizer = "char"  # "char" (built-in task) or a local tokenizer directory
+
+  # Device mesh; -1 takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # pure data parallelism
+  c.mesh.fsdp = 1  # parameter/optimizer sharding
+  c.mesh.tensor = 1  # tensor (model) parallelism
+
+  # Student: a local HF checkpoint, or a built-in architecture when checkpoint is "".
+  c.student = ml_collections.ConfigDict()
+  c.student.checkpoint = ""  # local safetensors dir; "" = built-in model
+  c.student.dtype = "float32"  # parameter dtype: float32 | bfloat16
+  c.student.arch = model_arch(2, 64, 4, 2, 16, 192)  # built-in architecture
+  c.student.warmup_steps = 150  # supervised warm-start steps of a built-in student
+  c.student.warmup_lr = 3e-3  # its learning rate
+
+  # Teacher: frozen; a local HF checkpoint, or bootstrapped on the built-in task.
+  c.teacher = ml_collections.ConfigDict()
+  c.teacher.checkpoint = ""  # local safetensors dir; "" = bootstrap on the task
+  c.teacher.dtype = "float32"  # float32 | bfloat16
+  c.teacher.arch = model_arch(4, 128, 4, 2, 32, 384)  # built-in architecture
+  c.teacher.pretrain_steps = 1500  # supervised steps of the bootstrap
+  c.teacher.pretrain_lr = 3e-3  # its peak learning rate
+  c.teacher.pretrain_batch_size = 64  # its batch size
+  c.teacher.cache_dir = ""  # where bootstrapped teachers are cached; "" = workdir/teacher_cache
+
+  # Prompts: the built-in task or a JSONL file with a "prompt" field.
+  c.data = ml_collections.ConfigDict()
+  c.data.prompt_file = ""  # JSONL with {"prompt": ...}; "" = built-in task
+  c.data.num_operands = 3  # built-in task: operands per problem
+  c.data.max_operand = 99  # built-in task: largest operand
+  c.data.train_size = 200_000  # built-in task: training prompts per epoch
+  c.data.eval_size = 256  # held-out prompts for quality/*
+  c.data.batch_size = 32  # prompts per training step (global)
+
+  # Rollout engine: how the behaviour policy differs from the trainer.
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.weights = "trainer"  # trainer (identical weights) | bf16 (cast) | fp8 (quantized)
+  c.rollout.weight_block_size = 0  # fp8 scales: 0 = per output channel, else block edge
+  c.rollout.bf16_layers = ()  # layers kept unquantized in the fp8 recipe
+  c.rollout.kv_cache = "auto"  # auto (compute dtype) | bf16 | fp8
+  c.rollout.kv_granularity = "token_head"  # fp8 KV scales: token_head | tensor
+  c.rollout.kv_bf16_layers = ()  # layers whose KV cache stays BF16
+  c.rollout.noise_sigma = 0.0  # weight noise: W + sigma * rms(W) * eps
+  c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
+  c.rollout.top_k = 0  # 0 = off
+  c.rollout.top_p = 1.0  # nucleus mass in (0, 1]
+  c.rollout.max_new_tokens = 32  # completion budget
+  c.rollout.mode = "sync"  # sync | async (double-buffered, bounded lag)
+  c.rollout.max_lag = 1  # async: largest allowed weight-version lag
+
+  # Optimisation.
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200  # OPD steps
+  c.train.loss = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
+  c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
+  c.train.jsd_beta = 0.5  # beta for loss=jsd
+  c.train.lr = 1e-3  # peak AdamW learning rate
+  c.train.warmup_steps = 10  # linear warmup
+  c.train.weight_decay = 0.0  # AdamW decoupled weight decay
+  c.train.grad_clip = 1.0  # global-norm clip
+  c.train.log_every = 10  # steps between metric lines
+  c.train.eval_every = 50  # steps between held-out evaluations
+  c.train.checkpoint_every = 50  # steps between orbax checkpoints
+  c.train.keep_checkpoints = 2  # checkpoints kept
+  return c

@@ -1,0 +1,62 @@
+"""Orbax checkpoints of the trainer: what is saved, and when it is safe to save.
+
+A checkpoint at step N holds two items:
+
+* `state`: the `TrainState` pytree (student params, optimizer state, step, RNG),
+  saved with its shardings and restored into the shardings of an abstract target;
+* `extra`: JSON with everything else the loop needs to continue exactly: the data
+  iterator's state, the weight version, and the run's config fingerprint.
+
+The frozen teacher is never checkpointed: it is rebuilt from its own cache or
+checkpoint. A state with a non-finite value is refused, so the last good
+checkpoint always survives a diverged step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+
+def all_finite(tree) -> bool:
+  """True when every floating leaf of `tree` is finite."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+  return bool(all(jnp.all(jnp.isfinite(x)) for x in leaves))
+
+
+class Checkpointer:
+  """Saves and restores (state, extra) under `directory` with orbax."""
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state, extra: dict[str, Any]) -> None:
+    """Writes step `step`; raises ValueError (saving nothing) if `state` is not finite."""
+    if not all_finite(state):
+      raise ValueError(
+        f"refusing to checkpoint step {step}: the state has non-finite values; "
+        f"the last good checkpoint ({self.latest_step()}) is kept"
+      )
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
+    self._manager.save(step, args=args)
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
+    """Restores step `step` into the shapes/shardings of `abstract_state`."""
+    args = ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()
+    )
+    restored = self._manager.restore(step, args=args)
+    return restored["state"], restored["extra"]
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,177 @@
+"""Validation of run configs before anything is built or compiled.
+
+`RULES` is the schema: one entry per dotted key of `configs/base.py`. `validate`
+rejects unknown keys (suggesting the nearest known one), wrong types, non-positive
+sizes, out-of-range values and unknown choices, naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class Num:
+  """An int (or float when `is_float`) in [lo, hi] (exclusive bounds when asked)."""
+
+  is_float: bool = False
+  lo: float | None = None
+  hi: float | None = None
+  lo_open: bool = False
+
+  def check(self, value) -> str | None:
+    kinds = (int, float) if self.is_float else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+      return f"must be {'a number' if self.is_float else 'an int'}, got {value!r}"
+    if self.is_float and not math.isfinite(value):
+      return f"must be finite, got {value!r}"
+    if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+      return f"must be {'>' if self.lo_open else '>='} {self.lo}, got {value!r}"
+    if self.hi is not None and value > self.hi:
+      return f"must be <= {self.hi}, got {value!r}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  options: tuple[str, ...]
+
+  def check(self, value) -> str | None:
+    if value not in self.options:
+      return f"must be one of {', '.join(self.options)}; got {value!r}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A value of a plain type: str, bool, or a tuple of non-negative ints."""
+
+  kind: type
+
+  def check(self, value) -> str | None:
+    if self.kind is tuple:
+      items = list(value) if isinstance(value, (tuple, list)) else None
+      if items is None or not all(isinstance(i, int) and i >= 0 for i in items):
+        return f"must be a tuple of non-negative ints, got {value!r}"
+      return None
+    if not isinstance(value, self.kind):
+      return f"must be a {self.kind.__name__}, got {value!r}"
+    return None
+
+
+POSITIVE = Num(lo=1)
+NON_NEGATIVE = Num(lo=0)
+DTYPES = Choice(("float32", "bfloat16"))
+MESH_AXIS = Num(lo=-1)
+ARCH = {
+  "model_type": Choice(("llama", "qwen2", "qwen3")),
+  "num_layers": POSITIVE,
+  "hidden_size": POSITIVE,
+  "num_heads": POSITIVE,
+  "num_kv_heads": POSITIVE,
+  "head_dim": POSITIVE,
+  "intermediate_size": POSITIVE,
+  "tie_word_embeddings": Kind(bool),
+}
+
+RULES: dict[str, Any] = {
+  "seed": NON_NEGATIVE,
+  "tokenizer": Kind(str),
+  "mesh.data": MESH_AXIS,
+  "mesh.fsdp": MESH_AXIS,
+  "mesh.tensor": MESH_AXIS,
+  "student.checkpoint": Kind(str),
+  "student.dtype": DTYPES,
+  **{f"student.arch.{k}": v for k, v in ARCH.items()},
+  "student.warmup_steps": NON_NEGATIVE,
+  "student.warmup_lr": Num(True, 0, lo_open=True),
+  "teacher.checkpoint": Kind(str),
+  "teacher.dtype": DTYPES,
+  **{f"teacher.arch.{k}": v for k, v in ARCH.items()},
+  "teacher.pretrain_steps": NON_NEGATIVE,
+  "teacher.pretrain_lr": Num(True, 0, lo_open=True),
+  "teacher.pretrain_batch_size": POSITIVE,
+  "teacher.cache_dir": Kind(str),
+  "data.prompt_file": Kind(str),
+  "data.num_operands": Num(lo=2),
+  "data.max_operand": POSITIVE,
+  "data.train_size": POSITIVE,
+  "data.eval_size": POSITIVE,
+  "data.batch_size": POSITIVE,
+  "rollout.weights": Choice(("trainer", "bf16", "fp8")),
+  "rollout.weight_block_size": NON_NEGATIVE,
+  "rollout.bf16_layers": Kind(tuple),
+  "rollout.kv_cache": Choice(("auto", "bf16", "fp8")),
+  "rollout.kv_granularity": Choice(("token_head", "tensor")),
+  "rollout.kv_bf16_layers": Kind(tuple),
+  "rollout.noise_sigma": Num(True, 0),
+  "rollout.temperature": Num(True, 0),
+  "rollout.top_k": NON_NEGATIVE,
+  "rollout.top_p": Num(True, 0, 1, lo_open=True),
+  "rollout.max_new_tokens": POSITIVE,
+  "rollout.mode": Choice(("sync", "async")),
+  "rollout.max_lag": NON_NEGATIVE,
+  "train.steps": NON_NEGATIVE,
+  "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
+  "train.is_clip": Num(True),
+  "train.jsd_beta": Num(True, 0, 1),
+  "train.lr": Num(True, 0, lo_open=True),
+  "train.warmup_steps": NON_NEGATIVE,
+  "train.weight_decay": Num(True, 0),
+  "train.grad_clip": Num(True, 0, lo_open=True),
+  "train.log_every": POSITIVE,
+  "train.eval_every": POSITIVE,
+  "train.checkpoint_every": POSITIVE,
+  "train.keep_checkpoints": POSITIVE,
+}
+
+
+def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+  """Yields (dotted key, value) for every leaf of a nested ConfigDict."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from flatten(value, f"{prefix}{key}.")
+    else:
+      yield f"{prefix}{key}", value
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError listing every invalid key of `config`; returns None if valid."""
+  errors = []
+  seen = set()
+  for key, value in flatten(config):
+    seen.add(key)
+    rule = RULES.get(key)
+    if rule is None:
+      depth = key.count(".") + 1
+      candidates = {".".join(k.split(".")[:depth]) for k in RULES}
+      near = difflib.get_close_matches(key, candidates, n=1)
+      hint = f"; did you mean {near[0]!r}?" if near else ""
+      errors.append(f"unknown config key {key!r}{hint}")
+      continue
+    problem = rule.check(value)
+    if problem:
+      errors.append(f"config.{key} {problem}")
+  missing = sorted(set(RULES) - seen)
+  if missing:
+    errors.append(f"config is missing keys: {', '.join(missing)}")
+  mesh = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor] if "mesh" in config else []
+  if mesh.count(-1) > 1:
+    errors.append(f"config.mesh may have at most one -1 axis, got {mesh}")
+  if any(v == 0 for v in mesh):
+    errors.append(f"config.mesh axes must be positive or -1, got {mesh}")
+  for who in ("student", "teacher"):
+    arch = config.get(who, {}).get("arch")
+    if arch is not None and arch.num_heads % arch.num_kv_heads:
+      errors.append(
+        f"config.{who}.arch.num_heads ({arch.num_heads}) must be a multiple of "
+        f"num_kv_heads ({arch.num_kv_heads})"
+      )
+  if errors:
+    raise ValueError("invalid config:\n  " + "\n  ".join(errors))

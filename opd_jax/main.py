@@ -1,0 +1,102 @@
+"""Entry point: `python -m opd_jax.main --config=configs/<name>.py[:variant] [--workdir=DIR]`.
+
+This file only parses flags, starts the distributed runtime when asked, and calls
+`run(config, workdir)`. The logic lives in libraries that are tested on their own.
+A bare `--config=fp8_async.py` resolves inside the repository's `configs/`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from opd_jax import config_check
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
+_DISTRIBUTED = flags.DEFINE_bool(
+  "distributed", False, "Call jax.distributed.initialize() (multi-host launches)."
+)
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_config_arg(argv: list[str]) -> list[str]:
+  """Rewrites a bare `--config=name.py[:arg]` to the file inside configs/ when needed.
+
+  The config's folder also goes on sys.path, so variants can `import base`.
+  """
+  out = []
+  for arg in argv:
+    if arg.startswith("--config="):
+      path, sep, variant = arg[len("--config=") :].partition(":")
+      if not os.path.exists(path):
+        for root in (Path.cwd() / "configs", CONFIGS_DIR):
+          if (root / path).exists():
+            path = str(root / path)
+            break
+        else:
+          raise SystemExit(
+            f"config file {path!r} not found (looked in ., ./configs, {CONFIGS_DIR})"
+          )
+      arg = f"--config={path}{sep}{variant}"
+      sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    out.append(arg)
+  return out
+
+
+def distributed_args(environ=os.environ) -> dict:
+  """initialize() kwargs from the launch scripts' JAX_NUM_PROCESSES / JAX_PROCESS_ID.
+
+  JAX reads JAX_COORDINATOR_ADDRESS itself and auto-detects SLURM and TPU pods; the
+  process count and id need passing explicitly for a plain multi-host launch.
+  """
+  args = {}
+  if "JAX_NUM_PROCESSES" in environ:
+    args["num_processes"] = int(environ["JAX_NUM_PROCESSES"])
+  if "JAX_PROCESS_ID" in environ:
+    args["process_id"] = int(environ["JAX_PROCESS_ID"])
+  return args
+
+
+def run(config, workdir: str) -> dict:
+  """Validates the config, then runs on-policy distillation as configured."""
+  config_check.validate(config)
+  from opd_jax import trainer  # imported after flag parsing and distributed init
+
+  return trainer.run(config, workdir)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize(**distributed_args())
+  logging.info(
+    "process %d/%d holding %d of %d devices (%s)",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+    jax.default_backend(),
+  )
+  try:
+    run(_CONFIG.value, _WORKDIR.value)
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  argv = resolve_config_arg(sys.argv)
+  try:  # parse once up front so a misspelt --config.key override reads as one line
+    flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    message = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
+    sys.exit(f"error: bad --config override: {message}")
+  app.run(main, argv=argv)

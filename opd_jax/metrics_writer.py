@@ -1,0 +1,358 @@
+"""Training monitoring: TensorBoard event files, a JSONL metrics log and a progress line.
+
+This module owns everything the training loop writes for people to watch:
+
+* `workdir/tb/events.out.tfevents.*`: TensorBoard event files. They are written with
+  TensorBoard's own `EventFileWriter` and the `summary_v2` protobuf helpers, so TensorFlow is
+  never imported. Scalars are stored as v2 tensor summaries (float32, as `tf.summary.scalar`
+  stores them); `read_scalars` reads them back.
+* `workdir/metrics.jsonl`: one JSON object per `write_scalars` call,
+  `{"step": N, "<name>": value, ...}`, at full float64 precision. A step logged by several
+  calls appears on several lines; `read_jsonl` merges them. JSON has no NaN or infinity, so
+  those values are written as the strings "nan", "inf" and "-inf" (`float()` parses all three
+  back; `read_jsonl` does it for you).
+* `Progress`: the human-readable line `step 120/500 | 3.2 steps/s | ETA 1m58s | loss/opd=0.41`.
+
+Metric names are namespaced (`loss/*`, `teacher/*`, `quality/*`, `rollout/*`, `perf/*`,
+`mismatch/*`, `budget/*`); the writer does not enforce the namespaces, callers own them.
+
+Only process 0 should write: construct with `enabled=jax.process_index() == 0`. A disabled
+writer creates no files and every method is a no-op, so callers never branch on the process.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from absl import logging
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.histogram import summary_v2 as histogram_summary
+from tensorboard.plugins.scalar import summary_v2 as scalar_summary
+from tensorboard.plugins.text import summary_v2 as text_summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+TB_SUBDIR = "tb"
+JSONL_NAME = "metrics.jsonl"
+
+
+def _scalar_value(name: str, value: Any) -> int | float:
+  """Converts a Python/NumPy/JAX scalar to a Python int or float.
+
+  Booleans and integer dtypes become `int`, everything else `float`. Arrays with more than one
+  element raise `ValueError` naming the metric.
+  """
+  if isinstance(value, bool | int | float):
+    return int(value) if isinstance(value, bool | int) else float(value)
+  arr = np.asarray(value)
+  if arr.size != 1:
+    raise ValueError(f"metric {name!r} must be a scalar, got an array of shape {arr.shape}")
+  if arr.dtype.kind in "biu":
+    return int(arr.reshape(()))
+  if arr.dtype.kind not in "fV":  # "V": ml_dtypes' bfloat16 / float8
+    raise ValueError(f"metric {name!r} must be numeric, got dtype {arr.dtype}")
+  return float(arr.reshape(()).astype(np.float64))
+
+
+def _json_value(value: int | float) -> int | float | str:
+  """Maps NaN/±inf to the strings "nan"/"inf"/"-inf"; finite values pass through."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+  return value
+
+
+def _check_step(step: Any) -> int:
+  step_int = int(step)
+  if step_int != step or step_int < 0:
+    raise ValueError(f"step must be a non-negative integer, got {step!r}")
+  return step_int
+
+
+def _check_name(name: Any) -> str:
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"metric name must be a non-empty string, got {name!r}")
+  if name == "step":
+    raise ValueError('"step" is reserved for the step number and cannot be a metric name')
+  return name
+
+
+class MetricsWriter:
+  """Writes scalars, histograms and text to TensorBoard, and scalars to `metrics.jsonl`.
+
+  Usage:
+
+      with MetricsWriter(workdir, enabled=jax.process_index() == 0) as writer:
+        writer.write_scalars(step, {"loss/opd": 0.41, "perf/step_time_s": 0.12})
+
+  Args:
+    workdir: run directory; event files go to `workdir/tb/`, the log to `workdir/metrics.jsonl`.
+    enabled: write anything at all. Pass `jax.process_index() == 0`.
+    flush_secs: how often the event-file writer flushes in the background.
+
+  Files are created in the constructor (when enabled). Each JSONL line is appended and closed
+  at once, so a resumed run continues the same log and a crash loses no logged line; the event
+  files are flushed every `flush_secs` and on `flush()`/`close()`. A new event file is started
+  per writer; TensorBoard and `read_scalars` read them all.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, enabled: bool = True, flush_secs: float = 30.0):
+    self.enabled = enabled
+    self.workdir = os.fspath(workdir)
+    self._jsonl_path = os.path.join(self.workdir, JSONL_NAME)
+    self._events = None
+    self._closed = False
+    if not enabled:
+      return
+    tb_dir = os.path.join(self.workdir, TB_SUBDIR)
+    os.makedirs(tb_dir, exist_ok=True)
+    self._events = EventFileWriter(tb_dir, flush_secs=flush_secs)
+    with open(self._jsonl_path, "a", encoding="utf-8"):
+      pass  # the log exists from the start, even before the first scalar
+
+  def _active(self) -> bool:
+    """False when disabled; raises after `close()` so late writes are not silently lost."""
+    if self._closed:
+      raise ValueError(f"write to a closed MetricsWriter({self.workdir!r})")
+    return self.enabled
+
+  def _add_summary(self, step: int, summary: summary_pb2.Summary) -> None:
+    event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+    self._events.add_event(event)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Logs scalar metrics for one step: one TensorBoard event and one JSONL line.
+
+    Args:
+      step: the training step (a non-negative integer).
+      scalars: name -> scalar (Python number, NumPy scalar, or a one-element NumPy/JAX array).
+        NaN and ±inf are written as such to TensorBoard and as "nan"/"inf"/"-inf" to JSONL.
+    """
+    if not self._active():
+      return
+    step = _check_step(step)
+    values = {_check_name(name): _scalar_value(name, v) for name, v in scalars.items()}
+    if not values:
+      return
+    summary = summary_pb2.Summary()
+    for name, value in values.items():
+      summary.value.extend(scalar_summary.scalar_pb(name, value).value)
+    self._add_summary(step, summary)
+    record = {"step": step, **{name: _json_value(v) for name, v in values.items()}}
+    with open(self._jsonl_path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record, allow_nan=False) + "\n")
+
+  def write_histogram(self, step: int, name: str, values: Any, buckets: int = 30) -> None:
+    """Logs a histogram of `values` (any shape; flattened) to TensorBoard.
+
+    Non-finite values are dropped: TensorBoard's bucketing needs a finite range.
+
+    Args:
+      step: the training step.
+      name: tag, e.g. "rollout/staleness".
+      values: array-like of numbers, any shape.
+      buckets: number of equal-width buckets between min and max.
+    """
+    if not self._active():
+      return
+    step, name = _check_step(step), _check_name(name)
+    values_n = np.asarray(values, dtype=np.float64).ravel()
+    values_n = values_n[np.isfinite(values_n)]
+    self._add_summary(step, histogram_summary.histogram_pb(name, values_n, buckets=buckets))
+
+  def write_text(self, step: int, name: str, text: str) -> None:
+    """Logs a text summary (rendered as Markdown by TensorBoard), e.g. rollout samples.
+
+    Args:
+      step: the training step.
+      name: tag, e.g. "rollout/samples".
+      text: the text.
+    """
+    if not self._active():
+      return
+    step, name = _check_step(step), _check_name(name)
+    if not isinstance(text, str):
+      raise ValueError(f"text for {name!r} must be a str, got {type(text).__name__}")
+    self._add_summary(step, text_summary.text_pb(name, text))
+
+  def flush(self) -> None:
+    """Writes everything pending to disk."""
+    if not self._active():
+      return
+    self._events.flush()
+
+  def close(self) -> None:
+    """Flushes and closes the event file; later writes raise ValueError. Closing twice is fine."""
+    if self._events is not None:
+      self._events.close()
+      self._events = None
+    self._closed = True
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _load_events(workdir: str | os.PathLike) -> event_accumulator.EventAccumulator:
+  tb_dir = os.path.join(os.fspath(workdir), TB_SUBDIR)
+  if not os.path.isdir(tb_dir):
+    raise FileNotFoundError(f"no TensorBoard directory at {tb_dir}")
+  # 0 keeps every event; the default keeps a reservoir sample of 10 tensor events per tag.
+  acc = event_accumulator.EventAccumulator(tb_dir, size_guidance={event_accumulator.TENSORS: 0})
+  acc.Reload()
+  return acc
+
+
+def read_scalars(workdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+  """Reads every scalar written by `MetricsWriter` under `workdir/tb/`.
+
+  v2 summaries land in the accumulator's tensor store; scalars are the tags whose plugin is
+  "scalars". Values come back at TensorBoard's float32 precision (`metrics.jsonl` keeps float64).
+
+  Args:
+    workdir: the directory given to `MetricsWriter`.
+
+  Returns:
+    name -> [(step, value), ...] in the order written.
+  """
+  acc = _load_events(workdir)
+  out = {}
+  for tag in acc.Tags()[event_accumulator.TENSORS]:
+    if acc.SummaryMetadata(tag).plugin_data.plugin_name != scalar_summary.metadata.PLUGIN_NAME:
+      continue
+    out[tag] = [
+      (e.step, float(tensor_util.make_ndarray(e.tensor_proto).item())) for e in acc.Tensors(tag)
+    ]
+  return out
+
+
+def read_jsonl(workdir: str | os.PathLike) -> dict[int, dict[str, float]]:
+  """Reads `workdir/metrics.jsonl`, merging lines of the same step.
+
+  Args:
+    workdir: the directory given to `MetricsWriter`.
+
+  Returns:
+    step -> {name: value}, steps in first-logged order; "nan"/"inf"/"-inf" become floats. When a
+    name is logged twice for one step, the later line wins.
+  """
+  path = os.path.join(os.fspath(workdir), JSONL_NAME)
+  out: dict[int, dict[str, float]] = {}
+  with open(path, encoding="utf-8") as f:
+    for line_no, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {line_no}: {e}") from e
+      step = record.pop("step")
+      merged = out.setdefault(step, {})
+      for name, value in record.items():
+        merged[name] = float(value) if isinstance(value, str) else value
+  return out
+
+
+def format_duration(seconds: float) -> str:
+  """Formats a duration compactly: "42s", "1m58s", "2h03m", "3d04h"; "--" when unknown.
+
+  Args:
+    seconds: a non-negative duration, or NaN/inf for unknown.
+
+  Returns:
+    The formatted string. Seconds are rounded to the nearest integer first.
+  """
+  if not math.isfinite(seconds) or seconds < 0:
+    return "--"
+  total = int(round(seconds))
+  days, rem = divmod(total, 86400)
+  hours, rem = divmod(rem, 3600)
+  minutes, secs = divmod(rem, 60)
+  if days:
+    return f"{days}d{hours:02d}h"
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  if minutes:
+    return f"{minutes}m{secs:02d}s"
+  return f"{secs}s"
+
+
+class Progress:
+  """Formats the progress line `step 120/500 | 3.2 steps/s | ETA 1m58s | loss/opd=0.41`.
+
+  The rate is measured over a moving window of the last `window` calls:
+
+      rate = (step_last − step_first) / (time_last − time_first)
+      ETA  = (total_steps − step) / rate
+
+  Until two calls at different steps and times exist, the rate and ETA print as "--". Rates
+  below one step per second print as seconds per step ("12.5 s/step"). A step lower than the
+  previous one (a restart) clears the window.
+  """
+
+  def __init__(
+    self, total_steps: int, window: int = 20, clock: Callable[[], float] = time.monotonic
+  ):
+    """Args:
+    total_steps: the last step of the run.
+    window: how many recent (step, time) points the rate is measured over (>= 2).
+    clock: seconds, monotonic; injectable so the formatting can be checked exactly.
+    """
+    if total_steps < 1:
+      raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if window < 2:
+      raise ValueError(f"window must be >= 2, got {window}")
+    self.total_steps = int(total_steps)
+    self._clock = clock
+    self._points: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+  def rate(self) -> float:
+    """Steps per second over the window; NaN when not yet measurable."""
+    if len(self._points) < 2:
+      return math.nan
+    (s0, t0), (s1, t1) = self._points[0], self._points[-1]
+    if t1 <= t0 or s1 <= s0:
+      return math.nan
+    return (s1 - s0) / (t1 - t0)
+
+  def line(self, step: int, metrics: Mapping[str, Any] | None = None) -> str:
+    """Records that `step` is done now and returns the progress line.
+
+    Args:
+      step: the step just finished.
+      metrics: optional name -> scalar to append, formatted with 4 significant digits.
+
+    Returns:
+      e.g. "step 120/500 | 3.2 steps/s | ETA 1m58s | loss/opd=0.4100".
+    """
+    now = self._clock()
+    if self._points and step < self._points[-1][0]:
+      self._points.clear()
+    self._points.append((int(step), now))
+    rate = self.rate()
+    if math.isnan(rate):
+      rate_s = "-- steps/s"
+    elif rate >= 1.0:
+      rate_s = f"{rate:.1f} steps/s"
+    else:
+      rate_s = f"{1.0 / rate:.1f} s/step"
+    eta = (self.total_steps - step) / rate if not math.isnan(rate) else math.nan
+    parts = [f"step {step}/{self.total_steps}", rate_s, f"ETA {format_duration(max(eta, 0.0))}"]
+    if metrics:
+      parts.append(" ".join(f"{k}={_scalar_value(k, v):.4g}" for k, v in metrics.items()))
+    return " | ".join(parts)
+
+  def log(self, step: int, metrics: Mapping[str, Any] | None = None) -> str:
+    """Like `line`, and also logs it with `absl.logging.info`. Returns the line."""
+    text = self.line(step, metrics)
+    logging.info("%s", text)
+    return text

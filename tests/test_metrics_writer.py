@@ -1,0 +1,170 @@
+"""Tests for TensorBoard/JSONL metric writing, reading back, and the progress line."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+from opd_jax import metrics_writer as mw
+
+
+def _accumulator(workdir):
+  acc = event_accumulator.EventAccumulator(
+    str(workdir / "tb"), size_guidance={event_accumulator.TENSORS: 0}
+  )
+  acc.Reload()
+  return acc
+
+
+def test_scalars_round_trip_through_tensorboard_and_jsonl(tmp_path):
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(0, {"loss/opd": 0.1, "perf/compile_count": 1})
+    writer.write_scalars(1, {"loss/opd": np.float32(0.25), "mismatch/kl": jnp.asarray(1e-3)})
+    writer.write_scalars(2, {"loss/opd": jnp.asarray([0.0625]), "rollout/ok": np.bool_(True)})
+
+  scalars = mw.read_scalars(tmp_path)
+  # TensorBoard stores float32, like tf.summary.scalar.
+  assert scalars["loss/opd"] == [(0, float(np.float32(0.1))), (1, 0.25), (2, 0.0625)]
+  assert scalars["perf/compile_count"] == [(0, 1.0)]
+  assert scalars["mismatch/kl"] == [(1, float(np.float32(1e-3)))]
+  assert scalars["rollout/ok"] == [(2, 1.0)]
+
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line) for line in lines] == [
+    {"step": 0, "loss/opd": 0.1, "perf/compile_count": 1},
+    {"step": 1, "loss/opd": 0.25, "mismatch/kl": float(jnp.asarray(1e-3))},
+    {"step": 2, "loss/opd": 0.0625, "rollout/ok": 1},
+  ]
+
+
+def test_nonfinite_values_and_merging_by_step(tmp_path):
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(5, {"loss/opd": float("nan"), "teacher/kl": math.inf})
+    writer.write_scalars(5, {"teacher/logp": -math.inf, "quality/acc": 0.5})
+  first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+  assert first == {"step": 5, "loss/opd": "nan", "teacher/kl": "inf"}
+
+  merged = mw.read_jsonl(tmp_path)
+  assert list(merged) == [5]
+  assert math.isnan(merged[5]["loss/opd"])
+  assert merged[5]["teacher/kl"] == math.inf and merged[5]["teacher/logp"] == -math.inf
+  assert merged[5]["quality/acc"] == 0.5
+  scalars = mw.read_scalars(tmp_path)
+  assert math.isnan(scalars["loss/opd"][0][1]) and scalars["teacher/kl"] == [(5, math.inf)]
+
+
+def test_histogram_and_text(tmp_path):
+  values = np.array([0, 0, 1, 1, 1, 2, np.nan], np.float32)
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_histogram(3, "rollout/staleness", values, buckets=2)
+    writer.write_text(3, "rollout/samples", "**prompt** 1+2= → 1+2=3>3")
+
+  acc = _accumulator(tmp_path)
+  assert set(acc.Tags()["tensors"]) == {"rollout/staleness", "rollout/samples"}
+  assert acc.SummaryMetadata("rollout/staleness").plugin_data.plugin_name == "histograms"
+  (event,) = acc.Tensors("rollout/staleness")
+  # Rows are [left edge, right edge, count]; the NaN is dropped, range [0, 2] in 2 buckets.
+  buckets = tensor_util.make_ndarray(event.tensor_proto)
+  np.testing.assert_array_equal(buckets, [[0.0, 1.0, 2.0], [1.0, 2.0, 4.0]])
+  (text_event,) = acc.Tensors("rollout/samples")
+  assert text_event.step == 3
+  assert tensor_util.make_ndarray(text_event.tensor_proto).item().decode() == (
+    "**prompt** 1+2= → 1+2=3>3"
+  )
+  assert mw.read_scalars(tmp_path) == {}  # histograms and text are not scalars
+
+
+def test_reopening_appends_to_both_logs(tmp_path):
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(1, {"loss/opd": 2.0})
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(2, {"loss/opd": 1.0})
+  assert mw.read_scalars(tmp_path) == {"loss/opd": [(1, 2.0), (2, 1.0)]}
+  assert mw.read_jsonl(tmp_path) == {1: {"loss/opd": 2.0}, 2: {"loss/opd": 1.0}}
+
+
+def test_disabled_writer_creates_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  with mw.MetricsWriter(workdir, enabled=False) as writer:
+    writer.write_scalars(0, {"loss/opd": 1.0})
+    writer.write_histogram(0, "rollout/staleness", [1, 2])
+    writer.write_text(0, "rollout/samples", "x")
+    writer.flush()
+  assert not workdir.exists()
+
+
+def test_bad_metrics_raise(tmp_path):
+  with mw.MetricsWriter(tmp_path) as writer:
+    with pytest.raises(
+      ValueError, match=r"'loss/opd' must be a scalar, got an array of shape \(2,\)"
+    ):
+      writer.write_scalars(0, {"loss/opd": np.zeros(2)})
+    with pytest.raises(ValueError, match="reserved"):
+      writer.write_scalars(0, {"step": 1.0})
+    with pytest.raises(ValueError, match="non-negative integer"):
+      writer.write_scalars(-1, {"loss/opd": 1.0})
+    with pytest.raises(ValueError, match="must be a str"):
+      writer.write_text(0, "rollout/samples", 3)
+  assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize(
+  "seconds, expected",
+  [
+    (0, "0s"),
+    (59.4, "59s"),
+    (59.6, "1m00s"),
+    (118, "1m58s"),
+    (3600, "1h00m"),
+    (7380, "2h03m"),
+    (90000, "1d01h"),
+    (math.nan, "--"),
+    (math.inf, "--"),
+  ],
+)
+def test_format_duration(seconds, expected):
+  assert mw.format_duration(seconds) == expected
+
+
+class _Clock:
+  """Returns the given times in order, one per call."""
+
+  def __init__(self, times):
+    self._times = iter(times)
+
+  def __call__(self):
+    return next(self._times)
+
+
+def test_progress_line_rate_and_eta():
+  progress = mw.Progress(500, window=20, clock=_Clock([100.0, 110.0, 120.0]))
+  assert progress.line(0) == "step 0/500 | -- steps/s | ETA --"
+  assert progress.line(32) == "step 32/500 | 3.2 steps/s | ETA 2m26s"  # 468 / 3.2 = 146.25 s
+  # Over the window (0 → 64 in 20 s): 3.2 steps/s, (500 − 64) / 3.2 = 136.25 s.
+  line = progress.line(64, {"loss/opd": 0.41234, "perf/compile_count": 1})
+  assert line == "step 64/500 | 3.2 steps/s | ETA 2m16s | loss/opd=0.4123 perf/compile_count=1"
+
+
+def test_progress_moving_window_slow_rate_and_restart():
+  progress = mw.Progress(100, window=2, clock=_Clock([0.0, 10.0, 12.0, 40.0, 50.0]))
+  progress.line(0)
+  progress.line(10)
+  # The window holds only (10, 10 s) and (20, 12 s): 5 steps/s, ETA 80 / 5 = 16 s.
+  assert progress.line(20) == "step 20/100 | 5.0 steps/s | ETA 16s"
+  # A lower step (a restart from a checkpoint) clears the window.
+  assert progress.line(5) == "step 5/100 | -- steps/s | ETA --"
+  # 1 step in 10 s: printed as seconds per step; ETA 94 steps × 10 s.
+  assert progress.line(6) == "step 6/100 | 10.0 s/step | ETA 15m40s"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_write_after_close_raises_on_every_process(tmp_path, enabled):
+  writer = mw.MetricsWriter(tmp_path, enabled=enabled)
+  writer.close()
+  writer.close()  # closing twice is fine
+  with pytest.raises(ValueError, match="closed MetricsWriter"):
+    writer.write_scalars(0, {"loss/opd": 1.0})

@@ -5,6 +5,7 @@ Layout. `init_cache` returns a list with one dict per layer:
     {"k": [B, S, K, H], "v": [B, S, K, H]}                      # bf16 / f32 layers
     {"k": [B, S, K, H] e4m3, "v": [B, S, K, H] e4m3,
      "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # fp8 layers
+                                  # (s, k) = (S, K) for "token_head", (1, 1) for "tensor"
 
 Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
 at position p attends to slots 0..p. FP8 entries dequantize as f32(k) · k_scale.
@@ -16,15 +17,21 @@ Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob
   Costs 4 bytes per token per head per K and V: 2·K·(H+4) bytes per token per layer.
 * "tensor": one scale per layer and sequence ([B, 1, 1, 1]), calibrated at the
   first write (the prefill) as headroom · amax(|k|)/448 over the prompt and then
-  frozen; later tokens saturate at ±448·scale. 2·K·H bytes per token per layer,
-  i.e. exactly half of BF16: the most capacity, and the most mismatch.
+  frozen; later tokens saturate at ±448·scale. 2·K·H bytes per token per layer
+  plus the two f32 scales amortised over the S slots (8/S bytes), i.e. half of
+  BF16 to within 8/S bytes: the most capacity, and the most mismatch.
 
 Layers in `KVCacheSpec.bf16_layers` keep a BF16 cache whatever the dtype.
+
+Capacity accounting (`bytes_per_token`) reads the layout itself, so it works on a
+real cache and on the abstract one from `abstract_cache` (shapes only, nothing
+allocated), which is how model shapes too large for the host are measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +61,11 @@ class KVCacheSpec:
       )
     if self.tensor_headroom < 1.0:
       raise ValueError(f"tensor_headroom must be >= 1, got {self.tensor_headroom}")
+    layers = self.bf16_layers
+    if not isinstance(layers, tuple) or any(
+      isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers
+    ):
+      raise ValueError(f"bf16_layers must be a tuple of non-negative ints, got {layers!r}")
 
   def layer_dtype(self, layer: int) -> str:
     """The storage dtype of `layer`'s cache."""
@@ -63,7 +75,21 @@ class KVCacheSpec:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
-  """Allocates a zeroed cache: a list of L per-layer dicts (see module docstring)."""
+  """Allocates a zeroed cache: a list of L per-layer dicts (see module docstring).
+
+  Args:
+    cfg: the model config (L, K, H).
+    batch: B sequences.
+    max_len: S slots per sequence.
+    spec: the cache numerics.
+
+  Returns:
+    L dicts with "k", "v" [B, S, K, H] and, on fp8 layers, "k_scale", "v_scale"
+    ([B, S, K, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
+  """
+  out_of_range = [i for i in spec.bf16_layers if i >= cfg.num_layers]
+  if out_of_range:
+    raise ValueError(f"bf16_layers {out_of_range} out of range for {cfg.num_layers} layers")
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   cache = []
   for layer in range(cfg.num_layers):
@@ -80,15 +106,34 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
   return cache
 
 
-def bytes_per_token(cache: list[dict]) -> float:
-  """Bytes one cached token costs across all layers, from the arrays' `nbytes`.
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
+  """The cache `init_cache` would build, as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+  return jax.eval_shape(lambda: init_cache(cfg, batch, max_len, spec))
 
-  Per-sequence scales ("tensor" granularity) are amortised over the S slots.
+
+def _nbytes(x) -> int:
+  """`x.nbytes` of an array; size · itemsize of an abstract `jax.ShapeDtypeStruct`."""
+  if hasattr(x, "nbytes"):
+    return int(x.nbytes)
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def bytes_per_token(cache: list[dict]) -> float:
+  """Bytes one cached token costs across all layers, from the cache's own layout.
+
+  bytes_per_token = Σ_layers Σ_arrays nbytes / (B · S), so per-sequence scales
+  ("tensor" granularity) are amortised over the S slots.
+
+  Args:
+    cache: from `init_cache` (arrays) or `abstract_cache` (shapes only).
+
+  Returns:
+    Bytes per cached token (float: amortised scales are fractional).
   """
-  total = 0
+  total = 0.0
   for entry in cache:
     batch, slots = entry["k"].shape[:2]
-    total += sum(x.nbytes for x in entry.values()) / (batch * slots)
+    total += sum(_nbytes(x) for x in entry.values()) / (batch * slots)
   return total
 
 
@@ -109,7 +154,23 @@ def _scatter_time(dst_bs, src_bt, start_b):
 
 
 def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
-  """Returns `entry` with tokens written at slots start_b .. start_b + T - 1."""
+  """Returns `entry` with tokens written at slots start_b .. start_b + T - 1.
+
+  FP8 layers store round_e4m3(clip(x / scale, ±448)) with
+  "token_head": scale = max(amax_h |x| / 448, 1e-12) per token and head;
+  "tensor": scale = max(headroom · amax |x| / 448, 1e-12) per sequence over its
+  first write (the calibration), then frozen.
+
+  Args:
+    entry: one layer's cache dict.
+    k_btkh: keys [B, T, K, H].
+    v_btkh: values [B, T, K, H].
+    start_b: int [B], the slot of each sequence's first new token.
+    spec: the cache numerics (granularity, headroom).
+
+  Returns:
+    The updated layer dict (same shapes and dtypes).
+  """
   out = dict(entry)
   if "k_scale" not in entry:
     out["k"] = _scatter_time(entry["k"], k_btkh, start_b)
@@ -130,7 +191,10 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
 
 
 def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
-  """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`."""
+  """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`.
+
+  FP8 layers dequantize as f32(k) · k_scale (scale broadcast over H, or over all).
+  """
   if "k_scale" not in entry:
     return entry["k"].astype(dtype), entry["v"].astype(dtype)
   k = entry["k"].astype(jnp.float32) * entry["k_scale"]

@@ -112,6 +112,12 @@ class ModelConfig:
         f"unsupported model_type {model_type!r} in config.json; "
         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
       )
+    if hf.get("use_sliding_window"):
+      raise ValueError("use_sliding_window=True is not supported (full attention only)")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+      raise ValueError(
+          f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)"
+      )
     if hf.get("mlp_bias"):
       raise ValueError("mlp_bias=True is not supported (no Llama/Qwen checkpoint uses it)")
     rope = dict(hf.get("rope_parameters") or {})

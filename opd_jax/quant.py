@@ -6,21 +6,35 @@ A quantized matrix is a `QArray`: the weight stored as `float8_e4m3fn` plus an f
 scale, so that W ≈ dequantize(Q) = f32(Q) · scale. e4m3 has 3 mantissa bits and a
 max finite value of 448, so the scale maps each group's absolute maximum to 448:
 
-    scale_g = max(|W_g|) / 448,   Q_g = round_e4m3(W_g / scale_g).
+    scale_g = max(max(|W_g|) / 448, tiny_f32),   Q_g = round_e4m3(clip(W_g / scale_g, ±448)).
+
+The `tiny_f32` floor keeps an all-zero group finite (it quantizes to zeros), and the
+clip guards against the division landing a hair above 448, which e4m3fn (no
+infinities) would turn into NaN. Round-to-nearest in e4m3 has a relative error of
+at most 2^-4 in the normal range and an absolute error of at most 2^-10 in the
+subnormal range, so every element obeys
+
+    |Ŵ − W| ≤ scale_g · max(2^-4 · |W / scale_g|, 2^-10).
 
 Two groupings are offered, chosen by `QuantRecipe.block_size`:
 
 * per output channel (block_size=None, the default). Every weight is viewed as a
   2-D [in, out] matrix (its contraction axes flattened first); each output column
-  gets one scale. This is the granularity that survives outlier-heavy columns best
-  per byte of metadata, and it folds into the matmul epilogue (x @ Q) · scale.
+  gets one scale, stored as [1, out]. This is the granularity that survives
+  outlier-heavy columns best per byte of metadata, and it folds into the matmul
+  epilogue (x @ Q) · scale.
 * 128×128 blocks (block_size=128), the DeepSeek-V3 style. Each block of the 2-D
-  view gets its own scale, which bounds error from outliers that are localised in
-  both dimensions. Edges that do not fill a block get a scale of their own.
+  view gets its own scale, stored as [ceil(in/b), ceil(out/b)], which bounds error
+  from outliers that are localised in both dimensions. Edge blocks that do not fill
+  b×b get a scale of their own, computed over the entries they do hold.
 
-What stays in BF16
-------------------
-The embeddings, the LM head and every norm and bias stay in the compute dtype:
+The contraction ("in") axes are fixed by the params layout: axis 0 of `q_dnh`,
+`k_dkh`, `v_dkh`, `gate_df`, `up_df` and `down_fd`, and axes (n, h) of `o_nhd`.
+
+What stays unquantized
+----------------------
+The embeddings, the LM head and every norm and bias stay dense in the compute
+dtype (the embedding table's dtype unless `QuantRecipe.keep_dtype` says otherwise):
 they are a small share of the bytes and the logits are most sensitive to them.
 A recipe adds whole layers (`bf16_layers`) to that list; the mismatch study shows
 some layers are much more sensitive to reduced precision than others.
@@ -28,21 +42,86 @@ some layers are much more sensitive to reduced precision than others.
 Compute
 -------
 Model code never branches on precision: it calls `as_dense(w, dtype)`, which is the
-identity for a plain array and the dequantization for a `QArray`. XLA fuses the
-dequantization into the following dot, so on GPU the fp8 bytes are what is read
-from memory; on CPU XLA converts fp8 to f32 first, which gives the memory saving
-and the numerics but not the speed.
+identity for a plain array and the dequantization for a `QArray`. This is a
+weights-only scheme (W8A16): the activations stay in the compute dtype and the
+dot runs in that dtype after the weight is dequantized. XLA may fuse the
+convert-and-scale into the dot's operand on GPU, so that the fp8 bytes are what is
+read from memory; this has not been measured here. On CPU XLA converts fp8 to f32
+first, which gives the memory saving and the numerics but not the speed.
+
+There is deliberately no fp8 × fp8 `lax.dot_general` path: a native FP8 GEMM also
+needs the activations in e4m3 with their own (per-token) scales, which is a second
+mismatch source (W8A8) that the recipes here do not model. Adding one means a
+`QArray`-aware matmul in `model.py` and an activation-scale rule, measured on the
+same KL scale as everything else.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
+SCALE_FLOOR = float(jnp.finfo(jnp.float32).tiny)  # guards all-zero groups
+
+# Per-layer matrices that get quantized, with their number of leading contraction axes.
+LAYER_MATRICES = {
+  "q_dnh": 1,
+  "k_dkh": 1,
+  "v_dkh": 1,
+  "o_nhd": 2,
+  "gate_df": 1,
+  "up_df": 1,
+  "down_fd": 1,
+}
+KEEP_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRecipe:
+  """Static FP8 weight recipe (hashable, a jit static arg).
+
+  Attributes:
+    block_size: None for per-output-channel scales, else the edge b of b×b blocks.
+    bf16_layers: indices of layers whose matrices stay unquantized.
+    keep_dtype: dtype of every unquantized leaf, one of KEEP_DTYPES; None keeps the
+      compute dtype of the original params (the embedding table's dtype).
+  """
+
+  block_size: int | None = None
+  bf16_layers: tuple[int, ...] = ()
+  keep_dtype: str | None = None
+
+  def __post_init__(self):
+    b = self.block_size
+    if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+      raise ValueError(f"block_size must be None (per-channel) or a positive int, got {b!r}")
+    layers = self.bf16_layers
+    if not isinstance(layers, tuple) or any(
+      isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers
+    ):
+      raise ValueError(f"bf16_layers must be a tuple of non-negative ints, got {layers!r}")
+    if len(set(layers)) != len(layers):
+      raise ValueError(f"bf16_layers has duplicates: {layers!r}")
+    if self.keep_dtype is not None and self.keep_dtype not in KEEP_DTYPES:
+      raise ValueError(
+        f"unknown keep_dtype {self.keep_dtype!r}; allowed: None, {', '.join(KEEP_DTYPES)}"
+      )
+
+
+def _expand_scale(scale, block_size: int | None, rows: int, cols: int) -> jax.Array:
+  """Broadcasts a [1, out] or [ceil(in/b), ceil(out/b)] scale to the [rows, cols] view."""
+  if block_size is None:
+    return scale
+  b = block_size
+  full = jnp.repeat(jnp.repeat(scale, b, axis=0), b, axis=1)
+  return full[:rows, :cols]
 
 
 @struct.dataclass
@@ -77,13 +156,9 @@ class QArray:
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """Returns f32(value) · expand(scale), cast to `dtype`, in the original shape."""
     shape = self.value.shape
-    rows = int(np.prod(shape[: self.num_in_axes]))
+    rows = math.prod(shape[: self.num_in_axes])
     w_io = self.value.reshape(rows, -1).astype(jnp.float32)
-    scale = self.scale
-    if self.block_size is not None:
-      b = self.block_size
-      scale = jnp.repeat(jnp.repeat(scale, b, axis=0), b, axis=1)
-      scale = scale[: w_io.shape[0], : w_io.shape[1]]
+    scale = _expand_scale(self.scale, self.block_size, *w_io.shape)
     return (w_io * scale).astype(dtype).reshape(shape)
 
 
@@ -92,3 +167,101 @@ def as_dense(w, dtype) -> jax.Array:
   if isinstance(w, QArray):
     return w.dequantize(dtype)
   return w.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_in_axes", "block_size"))
+def quantize(w, num_in_axes: int = 1, block_size: int | None = None) -> QArray:
+  """Quantizes one weight to e4m3 with per-channel or block scales.
+
+  The weight is viewed as W_io = reshape(w, [prod(shape[:num_in_axes]), -1]).
+  Per channel: scale_o = max(max_i |W_io|, ·) / 448. Blocks: scale_rc =
+  max(|W| over block (r, c)) / 448 for the b×b blocks of W_io (edge blocks partial).
+  Both are floored at `SCALE_FLOOR`; Q = round_e4m3(clip(W / scale, ±448)).
+  Jitted (one compile per shape and grouping), so eager `quantize_params` is cheap.
+
+  Args:
+    w: a float array of rank > num_in_axes.
+    num_in_axes: how many leading axes are contracted (the "in" side).
+    block_size: None for per-output-channel scales, else the block edge b.
+
+  Returns:
+    A QArray with value [w.shape] e4m3 and scale [1, out] or
+    [ceil(in/b), ceil(out/b)] f32.
+  """
+  if not 1 <= num_in_axes < w.ndim:
+    raise ValueError(f"num_in_axes must be in [1, {w.ndim - 1}] for shape {w.shape}")
+  if block_size is not None and block_size <= 0:
+    raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  rows = math.prod(w.shape[:num_in_axes])
+  abs_io = jnp.abs(w.reshape(rows, -1).astype(jnp.float32))
+  cols = abs_io.shape[1]
+  if block_size is None:
+    amax = jnp.max(abs_io, axis=0, keepdims=True)  # [1, out]
+  else:
+    b = block_size
+    rb, cb = -(-rows // b), -(-cols // b)
+    padded = jnp.pad(abs_io, ((0, rb * b - rows), (0, cb * b - cols)))  # zeros never win amax
+    amax = jnp.max(padded.reshape(rb, b, cb, b), axis=(1, 3))  # [ceil(in/b), ceil(out/b)]
+  scale = jnp.maximum(amax / FP8_MAX, SCALE_FLOOR)
+  q_io = w.reshape(rows, -1).astype(jnp.float32) / _expand_scale(scale, block_size, rows, cols)
+  value = jnp.clip(q_io, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
+  return QArray(value=value, scale=scale, num_in_axes=num_in_axes, block_size=block_size)
+
+
+def _is_qarray(x) -> bool:
+  return isinstance(x, QArray)
+
+
+def quantize_params(params, recipe: QuantRecipe):
+  """FP8 params for the rollout engine: a pure transform, jittable with a static recipe.
+
+  Every matrix in `LAYER_MATRICES` of every layer not in `recipe.bf16_layers`
+  becomes a `QArray`; every other leaf (embeddings, LM head, norms, biases, the
+  matrices of the kept layers) is cast to the keep dtype.
+
+  Args:
+    params: a dense params pytree (layout in `opd_jax.model`).
+    recipe: the quantization recipe.
+
+  Returns:
+    The params pytree with QArray leaves, usable by `model.forward` and
+    `model.forward_with_cache` unchanged.
+  """
+  if any(_is_qarray(x) for x in jax.tree.leaves(params, is_leaf=_is_qarray)):
+    raise ValueError("params are already quantized (contain QArray leaves)")
+  layers = params["layers"]
+  out_of_range = [i for i in recipe.bf16_layers if i >= len(layers)]
+  if out_of_range:
+    raise ValueError(f"bf16_layers {out_of_range} out of range for a {len(layers)}-layer model")
+  keep = jnp.dtype(recipe.keep_dtype) if recipe.keep_dtype else params["embed_vd"].dtype
+  cast = lambda tree: jax.tree.map(lambda x: x.astype(keep), tree)
+  out = {name: cast(leaf) for name, leaf in params.items() if name != "layers"}
+  out["layers"] = []
+  for i, layer in enumerate(layers):
+    new = {}
+    for name, w in layer.items():
+      if name in LAYER_MATRICES and i not in recipe.bf16_layers:
+        new[name] = quantize(w, LAYER_MATRICES[name], recipe.block_size)
+      else:
+        new[name] = cast(w)
+    out["layers"].append(new)
+  return out
+
+
+def dequantize_params(qparams, dtype=jnp.float32):
+  """Every leaf as a dense `dtype` array (QArrays dequantized): for inspection and tests.
+
+  Args:
+    qparams: a params pytree, possibly with QArray leaves.
+    dtype: the output dtype.
+
+  Returns:
+    The same pytree structure with plain arrays.
+  """
+  return jax.tree.map(lambda x: as_dense(x, dtype), qparams, is_leaf=_is_qarray)
+
+
+def params_nbytes(params) -> int:
+  """Bytes the params occupy, counting a QArray as its e4m3 values plus f32 scales."""
+  leaves = jax.tree.leaves(params, is_leaf=_is_qarray)
+  return int(sum(x.nbytes for x in leaves))

@@ -1,0 +1,418 @@
+"""Hugging Face safetensors checkpoints in and out of the opd_jax params layout.
+
+This module owns the mapping between a local Hugging Face checkpoint directory
+(`config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`)
+and the params pytree of `opd_jax.model`. It needs neither torch nor a hub.
+
+Layout mapping (HF `nn.Linear` weights are [out, in]; ours are [in, out] with the
+head axes split out so that sharding rules can name them):
+
+    model.embed_tokens.weight                 [V, D]    -> embed_vd      [V, D]
+    model.layers.i.self_attn.q_proj.weight    [N·H, D]  -> q_dnh         [D, N, H]
+    model.layers.i.self_attn.{k,v}_proj.weight [K·H, D] -> {k,v}_dkh     [D, K, H]
+    model.layers.i.self_attn.o_proj.weight    [D, N·H]  -> o_nhd         [N, H, D]
+    model.layers.i.self_attn.q_proj.bias      [N·H]     -> q_bias_nh     [N, H]
+    model.layers.i.self_attn.{k,v}_proj.bias  [K·H]     -> {k,v}_bias_kh [K, H]
+    model.layers.i.self_attn.o_proj.bias      [D]       -> o_bias_d      [D]
+    model.layers.i.self_attn.{q,k}_norm.weight [H]      -> {q,k}_norm_h  [H]
+    model.layers.i.input_layernorm.weight     [D]       -> attn_norm_d   [D]
+    model.layers.i.post_attention_layernorm.weight [D]  -> mlp_norm_d    [D]
+    model.layers.i.mlp.{gate,up}_proj.weight  [F, D]    -> {gate,up}_df  [D, F]
+    model.layers.i.mlp.down_proj.weight       [D, F]    -> down_fd       [F, D]
+    model.norm.weight                         [D]       -> final_norm_d  [D]
+    lm_head.weight                            [V, D]    -> lm_head_dv    [D, V]  (untied only)
+
+Every entry is either a plain reshape or "transpose the 2-D HF matrix, then
+reshape", so one flag per tensor describes both directions.
+
+Loading reads one tensor at a time, converts it on the host and waits until it
+is on its device (or sharding) before reading the next, so the host holds at
+most one tensor (and its converted copy) at a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+from safetensors.numpy import save_file
+
+from opd_jax.model_config import ModelConfig
+from opd_jax.quant import QArray
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers that some older checkpoints carry and that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One checkpoint tensor: where it lives in both layouts and how to convert it.
+
+  `to_ours` maps the HF array [hf_shape] to ours [shape]; `to_hf` is its inverse.
+  """
+
+  key: tuple[str | int, ...]  # path into the params pytree, e.g. ("layers", 0, "q_dnh")
+  hf_name: str
+  hf_shape: tuple[int, ...]
+  shape: tuple[int, ...]  # our shape
+  transpose: bool  # HF [out, in] matrix -> ours [in, out] (then reshape)
+
+  def to_ours(self, w: np.ndarray) -> np.ndarray:
+    return (w.T if self.transpose else w).reshape(self.shape)
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    if self.transpose:
+      return w.reshape(self.hf_shape[::-1]).T
+    return w.reshape(self.hf_shape)
+
+  @property
+  def path(self) -> str:
+    return "/".join(str(k) for k in self.key)
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+  """Every tensor `cfg` needs, in checkpoint order (see the module docstring).
+
+  Args:
+    cfg: the model config.
+
+  Returns:
+    one TensorSpec per param leaf: embeddings, then layer by layer, then the
+    final norm and (untied only) the LM head.
+  """
+  d, f, n, k, h, v = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.vocab_size,
+  )
+  specs = [TensorSpec(("embed_vd",), "model.embed_tokens.weight", (v, d), (v, d), False)]
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+
+    def add(name, hf_name, hf_shape, shape, transpose, pre=pre, i=i):
+      specs.append(TensorSpec(("layers", i, name), pre + hf_name, hf_shape, shape, transpose))
+
+    add("attn_norm_d", "input_layernorm.weight", (d,), (d,), False)
+    add("q_dnh", "self_attn.q_proj.weight", (n * h, d), (d, n, h), True)
+    add("k_dkh", "self_attn.k_proj.weight", (k * h, d), (d, k, h), True)
+    add("v_dkh", "self_attn.v_proj.weight", (k * h, d), (d, k, h), True)
+    add("o_nhd", "self_attn.o_proj.weight", (d, n * h), (n, h, d), True)
+    if cfg.qkv_bias:
+      add("q_bias_nh", "self_attn.q_proj.bias", (n * h,), (n, h), False)
+      add("k_bias_kh", "self_attn.k_proj.bias", (k * h,), (k, h), False)
+      add("v_bias_kh", "self_attn.v_proj.bias", (k * h,), (k, h), False)
+    if cfg.o_bias:
+      add("o_bias_d", "self_attn.o_proj.bias", (d,), (d,), False)
+    if cfg.qk_norm:
+      add("q_norm_h", "self_attn.q_norm.weight", (h,), (h,), False)
+      add("k_norm_h", "self_attn.k_norm.weight", (h,), (h,), False)
+    add("mlp_norm_d", "post_attention_layernorm.weight", (d,), (d,), False)
+    add("gate_df", "mlp.gate_proj.weight", (f, d), (d, f), True)
+    add("up_df", "mlp.up_proj.weight", (f, d), (d, f), True)
+    add("down_fd", "mlp.down_proj.weight", (d, f), (f, d), True)
+  specs.append(TensorSpec(("final_norm_d",), "model.norm.weight", (d,), (d,), False))
+  if not cfg.tie_word_embeddings:
+    specs.append(TensorSpec(("lm_head_dv",), "lm_head.weight", (v, d), (d, v), True))
+  return specs
+
+
+def _checked_dir(path) -> str:
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint path {path!r} is not a directory")
+  return path
+
+
+def _read_json(file: str) -> dict[str, Any]:
+  try:
+    with open(file, encoding="utf-8") as fh:
+      data = json.load(fh)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{file} must hold a JSON object, found {type(data).__name__}")
+  return data
+
+
+def load_config(path) -> ModelConfig:
+  """Reads `config.json` of a Hugging Face checkpoint directory.
+
+  Args:
+    path: the checkpoint directory.
+
+  Returns:
+    the ModelConfig it describes.
+
+  Raises:
+    FileNotFoundError: the directory or its config.json is missing.
+    ValueError: the file is not JSON, lacks a required key, or describes an
+      unsupported architecture (the message lists the supported model types).
+  """
+  file = os.path.join(_checked_dir(path), CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(path)!r}")
+  hf = _read_json(file)
+  try:
+    return ModelConfig.from_hf_dict(hf)
+  except KeyError as e:
+    raise ValueError(f"{file} lacks required key {e.args[0]!r}") from e
+  except ValueError as e:
+    raise ValueError(f"{file}: {e}") from e
+
+
+def _weight_map(directory: str) -> tuple[dict[str, str], str]:
+  """(tensor name -> safetensors file, a description of where that map came from)."""
+  single = os.path.join(directory, SINGLE_FILE)
+  index = os.path.join(directory, INDEX_FILE)
+  if os.path.isfile(single):
+    try:
+      with safetensors.safe_open(single, framework="numpy") as fh:
+        return dict.fromkeys(fh.keys(), single), single
+    except (safetensors.SafetensorError, OSError) as e:
+      raise ValueError(f"cannot read safetensors file {single}: {e}") from e
+  if os.path.isfile(index):
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no 'weight_map' object")
+    out = {}
+    for name, rel in weight_map.items():
+      file = os.path.join(directory, rel)
+      if not os.path.isfile(file):
+        raise FileNotFoundError(f"{index} maps {name!r} to {file}, which does not exist")
+      out[name] = file
+    return out, f"{index} and the {len(set(out.values()))} shard(s) it lists"
+  raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {directory!r}")
+
+
+def _lookup(tree, key: tuple):
+  return functools.reduce(lambda node, k: node[k], key, tree)
+
+
+def _sharding_for(shardings, spec: TensorSpec):
+  if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+    return shardings
+  try:
+    return _lookup(shardings, spec.key)
+  except (KeyError, IndexError, TypeError) as e:
+    raise ValueError(f"shardings has no entry for param {spec.path!r}") from e
+
+
+def _empty_params(cfg: ModelConfig) -> dict:
+  return {"layers": [{} for _ in range(cfg.num_layers)]}
+
+
+def _set(params: dict, key: tuple, value) -> None:
+  _lookup(params, key[:-1])[key[-1]] = value
+
+
+ShardingsArg = jax.sharding.Sharding | dict | Callable[[ModelConfig], Any] | None
+
+
+def load_checkpoint(
+  path, dtype=jnp.float32, shardings: ShardingsArg = None
+) -> tuple[ModelConfig, dict]:
+  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
+
+  Tensors are read one at a time, converted to our layout and `dtype` on the
+  host, and placed with `jax.device_put(array, sharding)` before the next one
+  is read. Tensors the config does not need (a tied `lm_head.weight`, RoPE
+  buffers) are skipped; any other unused tensor is an error, since it means
+  config.json and the weights disagree.
+
+  Args:
+    path: directory holding config.json and model.safetensors or
+      model.safetensors.index.json with its shards.
+    dtype: dtype of every returned param (f32, bf16, ...).
+    shardings: None (default device); one `jax.sharding.Sharding` for every
+      param; a pytree of shardings with the params' structure (None leaves mean
+      the default device); or a callable `cfg -> such a pytree`.
+
+  Returns:
+    (cfg, params) with params laid out as in `opd_jax.model`.
+
+  Raises:
+    FileNotFoundError: a missing directory, config.json or weight file.
+    ValueError: an unsupported or malformed config, a corrupt weight file, a
+      missing or unexpected tensor, or a tensor of the wrong shape.
+  """
+  directory = _checked_dir(path)
+  cfg = load_config(directory)
+  if callable(shardings):
+    shardings = shardings(cfg)
+  weight_map, searched = _weight_map(directory)
+  specs = tensor_specs(cfg)
+  np_dtype = np.dtype(dtype)
+  params = _empty_params(cfg)
+  with ExitStack() as stack:
+    handles = {}
+    for spec in specs:
+      file = weight_map.get(spec.hf_name)
+      if file is None:
+        raise ValueError(
+          f"tensor {spec.hf_name!r} (needed for {spec.path}) not found in {searched}"
+        )
+      if file not in handles:
+        try:
+          handles[file] = stack.enter_context(safetensors.safe_open(file, framework="numpy"))
+        except (safetensors.SafetensorError, OSError) as e:
+          raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+      handle = handles[file]
+      found = tuple(handle.get_slice(spec.hf_name).get_shape())
+      if found != spec.hf_shape:
+        raise ValueError(
+          f"tensor {spec.hf_name!r} in {file} has shape {found}, but config.json "
+          f"implies {spec.hf_shape}"
+        )
+      try:
+        raw = handle.get_tensor(spec.hf_name)
+      except (safetensors.SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read tensor {spec.hf_name!r} from {file}: {e}") from e
+      host = np.ascontiguousarray(spec.to_ours(raw), dtype=np_dtype)
+      placed = jax.device_put(host, _sharding_for(shardings, spec)).block_until_ready()
+      _set(params, spec.key, placed)
+      del raw, host
+  used = {spec.hf_name for spec in specs}
+  if cfg.tie_word_embeddings:
+    used.add("lm_head.weight")
+  unexpected = sorted(
+    name for name in weight_map if name not in used and not name.endswith(_IGNORED_SUFFIXES)
+  )
+  if unexpected:
+    shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
+    raise ValueError(
+      f"{len(unexpected)} tensor(s) in {directory} are not described by its config.json: {shown}"
+    )
+  return cfg, params
+
+
+def _key_tuple(path_and_leaf) -> tuple[str | int, ...]:
+  """("layers", 0, "q_dnh") from a `tree_leaves_with_path` entry."""
+  path, _ = path_and_leaf
+  return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _dtype_name(dtype) -> str:
+  return np.dtype(dtype).name  # "float32", "bfloat16", "float16"
+
+
+def _plan_shards(specs, leaves, max_shard_bytes: int) -> list[list[int]]:
+  """Groups spec indices into consecutive shards of at most max_shard_bytes (or one tensor)."""
+  shards, current, size = [], [], 0
+  for i, leaf in enumerate(leaves):
+    nbytes = int(np.prod(specs[i].shape)) * np.dtype(leaf.dtype).itemsize
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append(i)
+    size += nbytes
+  shards.append(current)
+  return shards
+
+
+def save_checkpoint(path, cfg: ModelConfig, params, max_shard_bytes: int = 4 * 2**30) -> None:
+  """Writes params as a Hugging Face checkpoint that `transformers` loads.
+
+  Writes config.json (`cfg.to_hf_dict()` plus `torch_dtype`/`dtype`, the
+  embedding's dtype) and the weights in HF layout, each tensor in its own
+  dtype. Models up to `max_shard_bytes` go to one model.safetensors; larger
+  ones to model-0000i-of-0000n.safetensors shards plus
+  model.safetensors.index.json. Weight files already in `path` are removed
+  first so that no stale shard or index survives. The host holds at most one
+  shard at a time; params must be fully addressable from this process.
+
+  Args:
+    path: output directory (created if needed).
+    cfg: the model config.
+    params: the unquantized params pytree of `opd_jax.model`.
+    max_shard_bytes: largest shard size in bytes (a single larger tensor gets
+      a shard of its own).
+
+  Raises:
+    ValueError: params hold a QArray, lack or add a tensor relative to `cfg`,
+      or have a tensor of the wrong shape.
+  """
+  quantized = [
+    jax.tree_util.keystr(p)
+    for p, leaf in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=lambda x: isinstance(x, QArray)
+    )
+    if isinstance(leaf, QArray)
+  ]
+  if quantized:
+    raise ValueError(
+      f"params hold fp8 QArrays ({', '.join(quantized[:3])}"
+      f"{', ...' if len(quantized) > 3 else ''}); save the unquantized params instead"
+    )
+  specs = tensor_specs(cfg)
+  leaves = []
+  for spec in specs:
+    try:
+      leaf = _lookup(params, spec.key)
+    except (KeyError, IndexError, TypeError) as e:
+      raise ValueError(f"params lack {spec.path!r}, which {cfg.model_type} needs") from e
+    if tuple(leaf.shape) != spec.shape:
+      raise ValueError(f"param {spec.path!r} has shape {tuple(leaf.shape)}, expected {spec.shape}")
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      raise ValueError(f"param {spec.path!r} is not fully addressable from this process")
+    leaves.append(leaf)
+  known = {spec.key for spec in specs}
+  extra = [
+    "/".join(str(k) for k in key)
+    for key in map(_key_tuple, jax.tree_util.tree_leaves_with_path(params))
+    if key not in known
+  ]
+  if extra:
+    raise ValueError(
+      f"params hold tensors that the {cfg.model_type} config does not describe "
+      f"(tie_word_embeddings={cfg.tie_word_embeddings}, qkv_bias={cfg.qkv_bias}, "
+      f"o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}): {', '.join(extra)}"
+    )
+
+  directory = os.fspath(path)
+  os.makedirs(directory, exist_ok=True)
+  for name in os.listdir(directory):
+    if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(name):
+      os.remove(os.path.join(directory, name))
+
+  shards = _plan_shards(specs, leaves, max_shard_bytes)
+  weight_map, total = {}, 0
+  for s, members in enumerate(shards):
+    name = (
+      SINGLE_FILE if len(shards) == 1 else f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
+    )
+    tensors = {}
+    for i in members:
+      host = np.asarray(jax.device_get(leaves[i]))
+      tensors[specs[i].hf_name] = np.ascontiguousarray(specs[i].to_hf(host))
+      weight_map[specs[i].hf_name] = name
+      total += tensors[specs[i].hf_name].nbytes
+    save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+    del tensors
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as fh:
+      json.dump(index, fh, indent=2, sort_keys=True)
+
+  dtype = _dtype_name(params["embed_vd"].dtype)
+  hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "dtype": dtype}
+  with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as fh:
+    json.dump(hf, fh, indent=2, sort_keys=True)

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built on the spot.
+
+`make_hf_checkpoint(model_type, **overrides)` builds a tiny `transformers` model
+(torch, CPU, seeded), perturbs every parameter, saves it with `save_pretrained`
+and returns an `HFCheckpoint(path, model)`. Typical use:
+
+    def test_something(make_hf_checkpoint):
+      ckpt = make_hf_checkpoint("llama", tie_word_embeddings=True)
+      cfg, params = opd_jax.hf.load_checkpoint(ckpt.path)
+      logits = ckpt.model(torch.tensor(tokens)).logits   # the reference
+
+Checkpoints are cached for the whole session by their arguments, so the same call
+in two tests returns the same directory and the same torch model. Treat both as
+read-only: copy the directory (`shutil.copytree`) before editing files in it, and
+never change the model's parameters.
+
+torch and transformers are imported inside the factory so that test files that
+do not use it do not pay for the import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+# Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
+# several RoPE frequencies, and two layers.
+TINY_CONFIG = {
+  "vocab_size": 128,
+  "hidden_size": 32,
+  "intermediate_size": 64,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "max_position_embeddings": 64,
+  "rms_norm_eps": 1e-6,
+  "tie_word_embeddings": False,
+  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCheckpoint:
+  """A saved tiny checkpoint and the torch model it was saved from."""
+
+  path: pathlib.Path  # directory with config.json and safetensors weights
+  model: Any  # transformers *ForCausalLM, eval mode, CPU, eager attention
+
+
+@pytest.fixture(scope="session")
+def make_hf_checkpoint(tmp_path_factory):
+  """Factory fixture: `make(model_type="qwen3", *, seed=0, dtype="float32",
+  max_shard_size=None, noise=0.05, **overrides) -> HFCheckpoint`.
+
+  Args of the returned function:
+    model_type: "llama", "qwen2" or "qwen3".
+    seed: torch seed for the initialisation and the perturbation.
+    dtype: torch dtype name the model is cast to before saving ("bfloat16" saves
+      a bf16 checkpoint; perturbation happens in f32 first).
+    max_shard_size: passed to `save_pretrained` (e.g. "20KB" gives a sharded
+      checkpoint with model.safetensors.index.json); None saves one file.
+    noise: std of the Gaussian added to every parameter. HF initialises norms to
+      1 and biases to 0, which would hide a swapped norm or a dropped bias.
+    **overrides: config fields replacing `TINY_CONFIG`, e.g. head_dim=16,
+      num_key_value_heads=1, attention_bias=True, tie_word_embeddings=True,
+      rope_parameters={"rope_type": "llama3", ...}.
+  """
+  cache: dict[str, HFCheckpoint] = {}
+
+  def make(
+    model_type: str = "qwen3",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    noise: float = 0.05,
+    **overrides,
+  ) -> HFCheckpoint:
+    key = json.dumps([model_type, seed, dtype, max_shard_size, noise, overrides], sort_keys=True)
+    if key in cache:
+      return cache[key]
+    import torch
+    import transformers
+
+    fields = TINY_CONFIG | overrides
+    if model_type == "qwen3" and "head_dim" not in fields:
+      # Qwen3Config defaults head_dim to 128 rather than hidden / heads.
+      fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+      for param in model.parameters():
+        param.add_(noise * torch.randn(param.shape, generator=generator))
+    model = model.to(getattr(torch, dtype)).eval()
+    path = tmp_path_factory.mktemp(f"hf_{model_type}")
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    cache[key] = HFCheckpoint(path=path, model=model)
+    return cache[key]
+
+  return make

@@ -1,0 +1,217 @@
+"""The OPD loop end to end on the tiny variant: logs, resume, and bad-input errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from opd_jax import checkpointing, metrics_writer, trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "configs"))
+
+import bf16_sync  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def teacher_cache(tmp_path_factory):
+  """One bootstrapped tiny teacher shared by every run in this module."""
+  return str(tmp_path_factory.mktemp("teacher_cache"))
+
+
+def tiny_config(teacher_cache, **overrides):
+  config = bf16_sync.get_config("tiny")
+  config.teacher.cache_dir = teacher_cache
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def tiny_run(teacher_cache, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  result = trainer.run(tiny_config(teacher_cache), workdir, log=lambda *a: None)
+  return workdir, result
+
+
+def test_tiny_run_logs_every_namespace_to_tensorboard_and_jsonl(tiny_run):
+  workdir, result = tiny_run
+  scalars = metrics_writer.read_scalars(workdir)
+  for name in (
+    "loss/total",
+    "teacher/reverse_kl",
+    "quality/student_accuracy",
+    "quality/teacher_accuracy",
+    "rollout/tokens_per_s",
+    "perf/train_seconds",
+  ):
+    assert name in scalars, f"{name} missing from TensorBoard; have {sorted(scalars)}"
+  assert [s for s, _ in scalars["loss/total"]] == [2, 4, 6]
+  assert [s for s, _ in scalars["quality/student_accuracy"]] == [0, 3, 6]
+  rows = metrics_writer.read_jsonl(workdir)
+  # TensorBoard keeps f32; the JSONL keeps full precision of the same values.
+  for step, value in scalars["teacher/reverse_kl"]:
+    assert value == pytest.approx(rows[step]["teacher/reverse_kl"], rel=1e-6)
+  assert rows[6]["quality/student_accuracy"] == result["student_accuracy_after"]
+  assert result["student_teacher_kl_after"] >= 0.0
+  from tensorboard.backend.event_processing import event_accumulator
+
+  acc = event_accumulator.EventAccumulator(
+    os.path.join(workdir, "tb"), size_guidance={"tensors": 0}
+  )
+  acc.Reload()
+  assert "loss/advantage" in acc.Tags()["tensors"]  # the per-token advantage histogram
+  assert "quality/student_samples" in acc.Tags()["tensors"]
+
+
+def test_checkpoint_holds_state_and_data_position(tiny_run):
+  workdir, _ = tiny_run
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+  assert ckpt.latest_step() == 6
+  assert sorted(int(d) for d in os.listdir(ckpt.directory) if d.isdigit()) == [3, 6]
+
+
+def test_empty_prompt_file_is_refused(teacher_cache, tmp_path):
+  empty = tmp_path / "prompts.jsonl"
+  empty.write_text("")
+  config = tiny_config(teacher_cache, **{"data.prompt_file": str(empty)})
+  with pytest.raises(ValueError, match=f"prompt file {empty} is empty"):
+    trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
+
+
+def test_malformed_prompt_file_names_the_line(teacher_cache, tmp_path):
+  bad = tmp_path / "prompts.jsonl"
+  bad.write_text('{"prompt": "12+34+56="}\n{"prompt": 12+\n')
+  config = tiny_config(teacher_cache, **{"data.prompt_file": str(bad)})
+  with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+    trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
+
+
+def test_prompt_with_unknown_characters_is_refused(teacher_cache, tmp_path):
+  bad = tmp_path / "prompts.jsonl"
+  bad.write_text('{"prompt": "12+34+56="}\n{"prompt": "what is 2+2?"}\n')
+  config = tiny_config(teacher_cache, **{"data.prompt_file": str(bad)})
+  with pytest.raises(ValueError, match="prompt file line 2"):
+    trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
+
+
+def test_student_teacher_vocab_mismatch_is_refused(teacher_cache, tmp_path, make_hf_checkpoint):
+  student = make_hf_checkpoint("qwen3", vocab_size=128)
+  teacher = make_hf_checkpoint("qwen3", vocab_size=96)
+  config = tiny_config(
+    teacher_cache,
+    **{"student.checkpoint": str(student.path), "teacher.checkpoint": str(teacher.path)},
+  )
+  expected = "student and teacher vocabularies differ: student vocab_size=128, teacher vocab_size=96"
+  with pytest.raises(ValueError, match=expected):
+    trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(teacher_cache, tmp_path):
+  # A learning rate of 1e30 sends the weights to ~1e30 after one update; the next
+  # forward pass overflows and the loss becomes NaN.
+  config = tiny_config(
+    teacher_cache,
+    **{
+      "train.lr": 1e30,
+      "train.warmup_steps": 0,
+      "train.checkpoint_every": 1,
+      "train.eval_every": 100,
+      "train.steps": 6,
+    },
+  )
+  workdir = tmp_path / "w"
+  with pytest.raises(ValueError, match=r"non-finite loss .* at step \d+; stopping. The last good"):
+    trainer.run(config, str(workdir), log=lambda *a: None)
+  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"))
+  last = ckpt.latest_step()
+  assert last is not None and last >= 1
+  assert all(
+    np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(_restore_params(ckpt, last))
+  )
+
+
+def _restore_params(ckpt, step):
+  import orbax.checkpoint as ocp
+
+  restored = ckpt._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  return restored["state"]["params"]
+
+
+def _main_cmd(workdir, teacher_cache):
+  return [
+    sys.executable,
+    "-m",
+    "opd_jax.main",
+    "--config=bf16_sync.py:tiny",
+    f"--workdir={workdir}",
+    f"--config.teacher.cache_dir={teacher_cache}",
+    "--config.train.steps=8",
+    "--config.train.checkpoint_every=2",
+    "--config.train.eval_every=4",
+    "--config.train.log_every=1",
+  ]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(teacher_cache, tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  subprocess.run(
+    _main_cmd(straight, teacher_cache),
+    cwd=ROOT,
+    env=env,
+    check=True,
+    capture_output=True,
+    timeout=600,
+  )
+
+  proc = subprocess.Popen(
+    _main_cmd(killed, teacher_cache),
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  ckpt_dir = killed / "checkpoints"
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    done = [int(d) for d in os.listdir(ckpt_dir) if d.isdigit()] if ckpt_dir.exists() else []
+    if any(s >= 4 for s in done):
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, "the run finished before it could be killed"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  before = metrics_writer.read_jsonl(killed)
+  assert max(before) < 8, "the killed run must not have reached the last step"
+
+  subprocess.run(
+    _main_cmd(killed, teacher_cache),
+    cwd=ROOT,
+    env=env,
+    check=True,
+    capture_output=True,
+    timeout=600,
+  )
+  a, b = metrics_writer.read_jsonl(straight), metrics_writer.read_jsonl(killed)
+  for name in (
+    "loss/total",
+    "teacher/reverse_kl",
+    "loss/student_logprob",
+    "quality/student_accuracy",
+    "quality/student_teacher_kl",
+  ):
+    assert b[8][name] == a[8][name], name
+  assert json.loads((killed / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 8

@@ -77,8 +77,8 @@ def get_config(arg=None):
   c.rollout.top_k = 0  # 0 = off
   c.rollout.top_p = 1.0  # nucleus mass in (0, 1]
   c.rollout.max_new_tokens = 32  # completion budget
-  c.rollout.mode = "sync"  # sync | async (double-buffered, bounded lag)
-  c.rollout.max_lag = 1  # async: largest allowed weight-version lag
+  c.rollout.mode = "sync"  # sync (the async double buffer is not built yet)
+  c.rollout.max_lag = 1  # async: largest allowed weight-version lag (reserved)
 
   # Optimisation.
   c.train = ml_collections.ConfigDict()

@@ -75,15 +75,14 @@ def run(config, workdir: str) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # keep library INFO chatter (orbax) out of the way
+    logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value:
     jax.distributed.initialize(**distributed_args())
-  logging.info(
-    "process %d/%d holding %d of %d devices (%s)",
-    jax.process_index(),
-    jax.process_count(),
-    jax.local_device_count(),
-    jax.device_count(),
-    jax.default_backend(),
+  print(
+    f"process {jax.process_index()}/{jax.process_count()} holding "
+    f"{jax.local_device_count()} of {jax.device_count()} devices ({jax.default_backend()})",
+    flush=True,
   )
   try:
     run(_CONFIG.value, _WORKDIR.value)

@@ -1,0 +1,327 @@
+"""On-policy distillation losses and the per-token f32 utilities they share.
+
+Notation: π_θ is the student, π_T the frozen teacher, π_b the rollout engine's
+behaviour policy that sampled the completion tokens y_t. Every loss takes logits
+[B, T, V] aligned so that logits[:, t] is the distribution over tokens[:, t] (the
+caller shifts), and a completion mask [B, T].
+
+Reduction, for every loss: the mean over masked tokens of the whole batch,
+
+    loss = Σ_{b,t} m_bt · ℓ_bt / max(Σ_{b,t} m_bt, 1),
+
+so an all-zero mask gives 0. Everything is computed in f32 whatever the logits' dtype.
+
+The losses:
+- `reverse_kl_sampled`: the policy-gradient form of KL(π_θ ‖ π_T) on the sampled
+  tokens (Tinker, slime), with truncated importance weights for π_b ≠ π_θ.
+- `reverse_kl_full`: exact KL(π_θ ‖ π_T) over the vocabulary, or over the student's
+  top-k plus a tail bucket.
+- `forward_kl`: exact KL(π_T ‖ π_θ), or over the teacher's top-k plus a tail bucket.
+- `jsd`: TRL's generalized Jensen-Shannon divergence, which is `forward_kl` at β=0
+  and `reverse_kl_full` at β=1.
+
+Each returns `(loss, metrics)` with namespaced metric names (`loss/*`, `teacher/*`).
+Configuration arguments (`is_clip`, `top_k`, `beta`) are Python numbers, static
+under `jax.jit`.
+
+The helpers `token_logprobs`, `per_token_kl`, `topk_logprobs_with_tail`,
+`logprobs_with_tail` and `bucket_kl` also serve the mismatch metrics.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_logprobs(logits, tokens):
+  """log π(y) of the given tokens, in f32.
+
+  Args:
+    logits: [..., V] (e.g. [B, T, V]).
+    tokens: int [...] (e.g. [B, T]).
+
+  Returns:
+    [...] f32: log_softmax(logits)[..., tokens].
+  """
+  if logits.shape[:-1] != tokens.shape:
+    raise ValueError(
+      f"logits {logits.shape} and tokens {tokens.shape} disagree; expected logits [..., V] "
+      "with tokens [...]"
+    )
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def bucket_kl(p_logprobs, q_logprobs):
+  """KL(p ‖ q) = Σ_i p_i (log p_i − log q_i) over the last axis of log-probabilities.
+
+  Buckets with p_i = 0 (log p_i = −inf) contribute 0.
+
+  Args:
+    p_logprobs: [..., K] log-probabilities of p (any partition of the vocabulary).
+    q_logprobs: [..., K] log-probabilities of q on the same buckets.
+
+  Returns:
+    [...] f32.
+  """
+  p = p_logprobs.astype(jnp.float32)
+  q = q_logprobs.astype(jnp.float32)
+  empty = p == -jnp.inf
+  safe_p = jnp.where(empty, 0.0, p)
+  terms = jnp.where(empty, 0.0, jnp.exp(safe_p) * (safe_p - jnp.where(empty, 0.0, q)))
+  return jnp.sum(terms, axis=-1)
+
+
+def logprobs_with_tail(logits, ids):
+  """Log-probabilities of the tokens `ids` plus one tail bucket holding the rest.
+
+  Args:
+    logits: [..., V].
+    ids: int [..., k], distinct token ids per position, k < V.
+
+  Returns:
+    [..., k + 1] f32: log π(ids_1..k), then log(1 − Σ_i π(ids_i)) computed as a
+    logsumexp over the other V − k logits (no cancellation).
+  """
+  logits = logits.astype(jnp.float32)
+  vocab = logits.shape[-1]
+  norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  top = jnp.take_along_axis(logits, ids, axis=-1) - norm
+  flat_ids = ids.reshape(-1, ids.shape[-1])
+  rows = jnp.arange(flat_ids.shape[0])[:, None]
+  in_top = jnp.zeros((flat_ids.shape[0], vocab), bool).at[rows, flat_ids].set(True)
+  in_top = in_top.reshape(logits.shape)
+  tail = jax.nn.logsumexp(jnp.where(in_top, -jnp.inf, logits), axis=-1, keepdims=True) - norm
+  return jnp.concatenate([top, tail], axis=-1)
+
+
+def topk_logprobs_with_tail(logits, k: int):
+  """The k most likely tokens' log-probabilities plus a tail bucket.
+
+  Args:
+    logits: [..., V].
+    k: number of tokens kept, 1 ≤ k < V.
+
+  Returns:
+    (logprobs [..., k + 1] f32 as in `logprobs_with_tail`, ids int32 [..., k]).
+  """
+  vocab = logits.shape[-1]
+  if not isinstance(k, int) or not 1 <= k < vocab:
+    raise ValueError(f"top_k must be an int in [1, V) = [1, {vocab}) here, got {k!r}")
+  _, ids = jax.lax.top_k(jax.lax.stop_gradient(logits.astype(jnp.float32)), k)
+  return logprobs_with_tail(logits, ids), ids
+
+
+def per_token_kl(p_logits, q_logits, top_k: int | None = None):
+  """Per-position KL(p ‖ q) from logits, in f32.
+
+  Exact:  KL = Σ_v p(v) (log p(v) − log q(v)).
+  top_k:  the same sum over p's k most likely tokens S plus one tail bucket,
+          p(tail) = 1 − Σ_{v∈S} p(v), q(tail) = 1 − Σ_{v∈S} q(v). By the data-processing
+          inequality this never exceeds the exact KL; top_k = V gives the exact KL.
+
+  Args:
+    p_logits: [..., V], the distribution the expectation is under.
+    q_logits: [..., V].
+    top_k: None for exact, else 1 ≤ top_k ≤ V.
+
+  Returns:
+    [...] f32.
+  """
+  if p_logits.shape != q_logits.shape:
+    raise ValueError(f"logit shapes differ: {p_logits.shape} vs {q_logits.shape}")
+  vocab = p_logits.shape[-1]
+  if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
+    raise ValueError(f"top_k must be None or an int in [1, V={vocab}], got {top_k!r}")
+  if top_k is None or top_k == vocab:
+    p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)
+    q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)
+    return bucket_kl(p, q)
+  p, ids = topk_logprobs_with_tail(p_logits, top_k)
+  return bucket_kl(p, logprobs_with_tail(q_logits, ids))
+
+
+def masked_mean(x_bt, mask_bt):
+  """Σ m·x / max(Σ m, 1) in f32; values at masked-out positions (even inf/NaN) are ignored."""
+  m = mask_bt.astype(jnp.float32)
+  x = jnp.where(m > 0, x_bt.astype(jnp.float32), 0.0)
+  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _check_logits(student_logits, teacher_logits, mask):
+  if student_logits.ndim != 3:
+    raise ValueError(f"student logits must be [B, T, V], got shape {student_logits.shape}")
+  if student_logits.shape != teacher_logits.shape:
+    raise ValueError(
+      f"student logits {student_logits.shape} and teacher logits {teacher_logits.shape} differ; "
+      "student and teacher must share one vocabulary (see tokenizer.check_same_vocab)"
+    )
+  if mask.shape != student_logits.shape[:2]:
+    raise ValueError(f"mask {mask.shape} must be [B, T] = {student_logits.shape[:2]}")
+
+
+def reverse_kl_sampled(
+  student_logits, teacher_logits, tokens, mask, behaviour_logprobs, is_clip: float | None = 2.0
+):
+  """Sampled reverse KL in policy-gradient form (Tinker / slime on-policy distillation).
+
+  With y_t the sampled tokens and sg the stop-gradient:
+
+      A_t = sg(log π_T(y_t) − log π_θ(y_t))                    per-token advantage
+      r_t = sg(min(exp(log π_θ(y_t) − log π_b(y_t)), C))        truncated IS weight
+      loss = −mean_t[ r_t · A_t · log π_θ(y_t) ]
+
+  Gradient: ∇loss = −mean_t[r_t A_t ∇log π_θ(y_t)]. Without truncation and with
+  y_t ~ π_b, its expectation at each position is
+  Σ_y π_θ(y) (log π_θ(y) − log π_T(y)) ∇log π_θ(y) = ∇ KL(π_θ ‖ π_T), the gradient of
+  the reverse KL (the Σ_y π_θ ∇log π_θ = 0 term vanishes). The loss value itself is
+  a surrogate; `teacher/reverse_kl_k1` reports the sampled KL estimate.
+
+  Args:
+    student_logits: [B, T, V] under θ, at the sampler's temperature.
+    teacher_logits: [B, T, V]; receives no gradient.
+    tokens: int [B, T] sampled tokens.
+    mask: [B, T] completion mask (bool or float).
+    behaviour_logprobs: [B, T] log π_b(y_t) as returned by the sampler.
+    is_clip: truncation C > 0 of the importance ratio, or None for r_t = 1 (treat the
+      rollout as on-policy).
+
+  Returns:
+    (loss scalar f32, metrics): loss/reverse_kl_sampled, teacher/reverse_kl_k1
+    (mean of log π_θ − log π_T), teacher/logprob, loss/student_logprob, loss/is_ratio
+    (mean r_t), loss/is_clip_frac (share of tokens with ratio > C), loss/num_tokens.
+  """
+  _check_logits(student_logits, teacher_logits, mask)
+  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
+    raise ValueError(
+      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
+      f"{mask.shape} must all be [B, T]"
+    )
+  if is_clip is not None and not is_clip > 0:
+    raise ValueError(f"is_clip must be None or > 0, got {is_clip!r}")
+  student_lp = token_logprobs(student_logits, tokens)
+  teacher_lp = jax.lax.stop_gradient(token_logprobs(teacher_logits, tokens))
+  advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
+  if is_clip is None:
+    ratio = jnp.ones_like(student_lp)
+    clipped = jnp.zeros_like(student_lp)
+  else:
+    # Padding may hold any behaviour log-prob; zero it so no NaN reaches the gradient.
+    behaviour_lp = jnp.where(mask > 0, behaviour_logprobs.astype(jnp.float32), 0.0)
+    raw = jnp.exp(jax.lax.stop_gradient(student_lp) - behaviour_lp)
+    ratio = jnp.minimum(raw, is_clip)
+    clipped = (raw > is_clip).astype(jnp.float32)
+  loss = -masked_mean(ratio * advantage * student_lp, mask)
+  metrics = {
+    "loss/reverse_kl_sampled": loss,
+    "teacher/reverse_kl_k1": masked_mean(-advantage, mask),
+    "teacher/logprob": masked_mean(teacher_lp, mask),
+    "loss/student_logprob": masked_mean(jax.lax.stop_gradient(student_lp), mask),
+    "loss/is_ratio": masked_mean(ratio, mask),
+    "loss/is_clip_frac": masked_mean(clipped, mask),
+    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
+  }
+  return loss, metrics
+
+
+def reverse_kl_full(student_logits, teacher_logits, mask, top_k: int | None = None):
+  """Reverse KL(π_θ ‖ π_T), summed over the vocabulary at every position.
+
+      ℓ_t = Σ_v π_θ(v) (log π_θ(v) − log π_T(v))
+
+  With top_k, the sum runs over the student's k most likely tokens plus one tail
+  bucket holding the remaining mass of each distribution (`per_token_kl`).
+  Gradients flow to the student only.
+
+  Args:
+    student_logits: [B, T, V].
+    teacher_logits: [B, T, V]; receives no gradient.
+    mask: [B, T].
+    top_k: None for the exact sum, else 1 ≤ top_k ≤ V.
+
+  Returns:
+    (loss, metrics): loss/reverse_kl_full, teacher/reverse_kl, loss/num_tokens.
+  """
+  _check_logits(student_logits, teacher_logits, mask)
+  kl_bt = per_token_kl(student_logits, jax.lax.stop_gradient(teacher_logits), top_k)
+  loss = masked_mean(kl_bt, mask)
+  metrics = {
+    "loss/reverse_kl_full": loss,
+    "teacher/reverse_kl": loss,
+    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
+  }
+  return loss, metrics
+
+
+def forward_kl(student_logits, teacher_logits, mask, top_k: int | None = None):
+  """Forward KL(π_T ‖ π_θ), summed over the vocabulary at every position.
+
+      ℓ_t = Σ_v π_T(v) (log π_T(v) − log π_θ(v))
+
+  With top_k, the sum runs over the teacher's k most likely tokens plus one tail
+  bucket holding the remaining mass of each distribution (`per_token_kl`).
+  Gradients flow to the student only.
+
+  Args:
+    student_logits: [B, T, V].
+    teacher_logits: [B, T, V]; receives no gradient.
+    mask: [B, T].
+    top_k: None for the exact sum, else 1 ≤ top_k ≤ V.
+
+  Returns:
+    (loss, metrics): loss/forward_kl, teacher/forward_kl, loss/num_tokens.
+  """
+  _check_logits(student_logits, teacher_logits, mask)
+  kl_bt = per_token_kl(jax.lax.stop_gradient(teacher_logits), student_logits, top_k)
+  loss = masked_mean(kl_bt, mask)
+  metrics = {
+    "loss/forward_kl": loss,
+    "teacher/forward_kl": loss,
+    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
+  }
+  return loss, metrics
+
+
+def jsd(student_logits, teacher_logits, mask, beta: float = 0.5):
+  """Generalized Jensen-Shannon divergence, in TRL's `generalized_jsd_loss` convention.
+
+  For 0 < β < 1, with the mixture M = β·π_T + (1 − β)·π_θ:
+
+      ℓ_t = β · KL(π_T ‖ M) + (1 − β) · KL(π_θ ‖ M)
+
+  and, as TRL special-cases them, the endpoints are the two KLs:
+
+      β = 0:  ℓ_t = KL(π_T ‖ π_θ)   (exactly `forward_kl`)
+      β = 1:  ℓ_t = KL(π_θ ‖ π_T)   (exactly `reverse_kl_full`)
+
+  The interior formula tends to 0 at both ends, so the endpoints are not its limits.
+  β = 0.5 is the symmetric Jensen-Shannon divergence. Gradients flow to the student only.
+
+  Args:
+    student_logits: [B, T, V].
+    teacher_logits: [B, T, V]; receives no gradient.
+    mask: [B, T].
+    beta: β in [0, 1], a Python float.
+
+  Returns:
+    (loss, metrics): loss/jsd, loss/num_tokens.
+  """
+  _check_logits(student_logits, teacher_logits, mask)
+  if not 0.0 <= beta <= 1.0:
+    raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+  if beta == 0.0:
+    loss, _ = forward_kl(student_logits, teacher_logits, mask)
+  elif beta == 1.0:
+    loss, _ = reverse_kl_full(student_logits, teacher_logits, mask)
+  else:
+    student_lp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    teacher_lp = jax.lax.stop_gradient(
+      jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    )
+    mixture_lp = jnp.logaddexp(teacher_lp + jnp.log(beta), student_lp + jnp.log1p(-beta))
+    jsd_bt = beta * bucket_kl(teacher_lp, mixture_lp) + (1 - beta) * bucket_kl(
+      student_lp, mixture_lp
+    )
+    loss = masked_mean(jsd_bt, mask)
+  return loss, {"loss/jsd": loss, "loss/num_tokens": jnp.sum(mask.astype(jnp.float32))}

@@ -1,0 +1,213 @@
+"""The synthetic addition task: determinism, splits, lengths, scoring, encodings."""
+
+import numpy as np
+import pytest
+
+from opd_jax import task
+from opd_jax.tokenizer import CharTokenizer
+
+
+def test_solve_hand_example():
+  ex = task.solve([37, 58, 21])
+  assert ex == task.Example(prompt="37+58+21=", completion="37+58=95;95+21=116>116", answer="116")
+  ex4 = task.solve([10, 20, 30, 45])
+  assert ex4.completion == "10+20=30;30+30=60;60+45=105>105"
+
+
+def test_make_example_is_deterministic_and_seeded():
+  a = [task.make_example(0, i) for i in range(50)]
+  b = [task.make_example(0, i) for i in range(50)]
+  c = [task.make_example(1, i) for i in range(50)]
+  assert a == b
+  assert sum(x != y for x, y in zip(a, c, strict=True)) >= 45
+  src = task.TaskSource("heldout", 20, seed=3)
+  assert src[7] == task.TaskSource("heldout", 20, seed=3)[7]
+  assert src[7] == {
+    "prompt": task.make_example(3, 7, "heldout").prompt,
+    "completion": task.make_example(3, 7, "heldout").completion,
+    "answer": task.make_example(3, 7, "heldout").answer,
+  }
+
+
+def test_splits_are_disjoint_and_sized():
+  cfg = task.TaskConfig()
+  train = {task.make_example(0, i, "train").prompt for i in range(3000)}
+  heldout = {task.make_example(0, i, "heldout").prompt for i in range(1000)}
+  heldout_other_seed = {task.make_example(5, i, "heldout").prompt for i in range(500)}
+  assert not train & heldout
+  assert not train & heldout_other_seed
+  assert all(task.split_of(p, cfg) == "heldout" for p in heldout)
+  # About heldout_fraction of all prompts go to the held-out split.
+  rng = np.random.default_rng(0)
+  prompts = [task.format_prompt(rng.integers(10, 100, size=3)) for _ in range(4000)]
+  share = np.mean([task.split_of(p, cfg) == "heldout" for p in prompts])
+  assert 0.08 < share < 0.12
+
+
+def test_lengths_match_the_stated_bounds():
+  cfg = task.TaskConfig()
+  tok = CharTokenizer()
+  assert (cfg.max_prompt_tokens, cfg.min_completion_tokens, cfg.max_completion_tokens) == (
+    10,
+    21,
+    25,
+  )
+  assert cfg.seq_len == 35
+  # The bounds are attained by all-min and all-max operands.
+  assert len(task.solve([10, 10, 10]).completion) + 1 == cfg.min_completion_tokens
+  assert len(task.solve([99, 99, 99]).completion) + 1 == cfg.max_completion_tokens
+  for i in range(500):
+    ex = task.make_example(0, i)
+    n_completion = len(tok.encode(ex.completion)) + 1  # + eos
+    assert 16 <= cfg.min_completion_tokens <= n_completion <= cfg.max_completion_tokens
+    assert len(tok.encode(ex.prompt)) + 1 <= cfg.max_prompt_tokens
+  four = task.TaskConfig(num_operands=4, min_operand=0, max_operand=999)
+  assert four.max_prompt_chars == len("999+999+999+999=")
+  assert four.max_completion_chars == len(task.solve([999] * 4).completion)
+  assert four.min_completion_chars == len(task.solve([0] * 4).completion)
+
+
+def test_every_character_encodes():
+  tok = CharTokenizer()
+  for split in task.SPLITS:
+    for i in range(300):
+      ex = task.make_example(2, i, split, task.TaskConfig(num_operands=4, min_operand=0))
+      text = ex.prompt + ex.completion
+      assert tok.decode(tok.encode(text)) == text
+
+
+def test_score():
+  prompt = "37+58+21="
+  assert task.score(prompt, "37+58=95;95+21=116>116")
+  assert task.score(prompt, "wrong steps do not matter>116")
+  assert not task.score(prompt, "37+58=95;95+21=117>117")
+  malformed = ["", "116", "37+58=95;95+21=116", ">116>116", ">0116", ">116 ", "> 116", ">+116", ">"]
+  for completion in malformed:
+    assert not task.score(prompt, completion), completion
+  assert task.parse_answer("1+2=3>3") == "3"
+  assert task.parse_answer("1+2=3>3x") is None
+  for i in range(200):
+    ex = task.make_example(0, i, "heldout")
+    assert task.score(ex.prompt, ex.completion)
+    assert task.parse_answer(ex.completion) == ex.answer
+  with pytest.raises(ValueError, match="not a task prompt"):
+    task.score("37+58", ">95")
+
+
+def test_encode_example_layout():
+  tok = CharTokenizer()
+  ex = task.solve([37, 58, 21])
+  enc = task.encode_example(ex, tok, 35)
+  tokens, mask = enc["tokens"], enc["loss_mask"]
+  assert tokens.shape == mask.shape == (35,) and tokens.dtype == np.int32
+  assert int(enc["prompt_len"]) == 10
+  assert tokens[0] == tok.bos_id
+  assert tok.decode(tokens[1:10]) == ex.prompt
+  assert tok.decode(tokens[10:]) == ex.completion
+  n = 10 + len(ex.completion)
+  assert tokens[n] == tok.eos_id and (tokens[n + 1 :] == tok.pad_id).all()
+  np.testing.assert_array_equal(mask, (np.arange(35) >= 10) & (np.arange(35) <= n))
+  batch = task.encode_batch([ex, task.TaskSource("train", 4)[1]], tok, 35)
+  assert batch["tokens"].shape == (2, 35) and batch["prompt_len"].tolist() == [10, 10]
+  with pytest.raises(ValueError, match="seq_len=30"):
+    task.encode_example(ex, tok, 30)
+
+
+def test_encode_prompts_right_padded():
+  tok = CharTokenizer()
+  tokens, lengths = task.encode_prompts(["1+2=", "37+58+21="], tok, 12)
+  assert lengths.tolist() == [5, 10]
+  assert tokens[0, :5].tolist() == [tok.bos_id] + tok.encode("1+2=")
+  assert (tokens[0, 5:] == tok.pad_id).all()
+  assert tok.decode(tokens[1]) == "37+58+21="
+  with pytest.raises(ValueError, match="length=4"):
+    task.encode_prompts(["1+2="], tok, 4)
+
+
+def test_task_source_with_grain():
+  import grain
+
+  src = task.TaskSource("train", 16, seed=0)
+  ds = grain.MapDataset.source(src).seed(1).shuffle()
+  prompts = {ds[i]["prompt"] for i in range(len(ds))}
+  assert prompts == {src[i]["prompt"] for i in range(16)}
+  with pytest.raises(IndexError):
+    src[16]
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="num_operands"):
+    task.TaskConfig(num_operands=1)
+  with pytest.raises(ValueError, match="min_operand"):
+    task.TaskConfig(min_operand=50, max_operand=10)
+  with pytest.raises(ValueError, match="heldout_fraction"):
+    task.TaskConfig(heldout_fraction=1.0)
+  with pytest.raises(ValueError, match="unknown split"):
+    task.TaskSource("test", 4)
+  with pytest.raises(ValueError, match="unknown split"):
+    task.make_example(0, 0, "validation")
+
+
+@pytest.mark.slow
+def test_tiny_transformer_learns_the_task():
+  """A 2-layer d=128 model reaches ≥ 90% held-out exact match in 800 steps (minutes on CPU)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from opd_jax import model
+  from opd_jax.model_config import ModelConfig
+
+  tok, tc = CharTokenizer(), task.TaskConfig()
+  cfg = ModelConfig(
+    model_type="llama",
+    vocab_size=tok.vocab_size,
+    hidden_size=128,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=32,
+  )
+  steps, batch = 800, 64
+  params = model.init_params(jax.random.key(0), cfg)
+  opt = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, steps, 1e-4)),
+  )
+  opt_state = opt.init(params)
+
+  def loss_fn(p, tokens_bt, mask_bt):
+    logp = jax.nn.log_softmax(model.forward(p, tokens_bt[:, :-1], cfg))
+    ll = jnp.take_along_axis(logp, tokens_bt[:, 1:, None], -1)[..., 0]
+    return -jnp.sum(ll * mask_bt[:, 1:]) / jnp.sum(mask_bt[:, 1:])
+
+  @jax.jit
+  def train_step(p, s, tokens_bt, mask_bt):
+    grads = jax.grad(loss_fn)(p, tokens_bt, mask_bt)
+    updates, s = opt.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+
+  @jax.jit
+  def greedy(p, tokens_bt):
+    def body(t, toks):
+      nxt = jnp.argmax(model.forward(p, toks, cfg)[:, t - 1], -1).astype(jnp.int32)
+      return toks.at[:, t].set(nxt)
+
+    return jax.lax.fori_loop(tc.max_prompt_tokens, tc.seq_len, body, tokens_bt)
+
+  train = task.TaskSource("train", steps * batch, seed=0)
+  for i in range(steps):
+    b = task.encode_batch([train[i * batch + j] for j in range(batch)], tok, tc.seq_len)
+    params, opt_state = train_step(params, opt_state, b["tokens"], b["loss_mask"])
+
+  heldout = task.TaskSource("heldout", 256, seed=0)
+  prompts = [heldout[i]["prompt"] for i in range(len(heldout))]
+  prompt_bp, _ = task.encode_prompts(prompts, tok, tc.max_prompt_tokens)
+  tokens = np.zeros((len(prompts), tc.seq_len), np.int32)
+  tokens[:, : tc.max_prompt_tokens] = prompt_bp
+  out = np.asarray(greedy(params, jnp.asarray(tokens)))
+  accuracy = np.mean(
+    [task.score(p, tok.decode(out[i, tc.max_prompt_tokens :])) for i, p in enumerate(prompts)]
+  )
+  assert accuracy >= 0.9, accuracy

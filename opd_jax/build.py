@@ -46,8 +46,7 @@ def init_sharded(cfg: ModelConfig, mesh, rng, dtype):
   """Random params created directly in their shardings (never whole on one host)."""
   init = lambda rng: model.init_params(rng, cfg, dtype)
   shardings = sharding.tree_shardings(jax.eval_shape(init, rng), mesh)
-  with mesh:
-    return jax.jit(init, out_shardings=shardings)(rng)
+  return jax.jit(init, out_shardings=shardings)(rng)
 
 
 def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):

@@ -116,7 +116,7 @@ class ModelConfig:
       raise ValueError("use_sliding_window=True is not supported (full attention only)")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
       raise ValueError(
-          f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)"
+        f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported (only 1.0)"
       )
     if hf.get("mlp_bias"):
       raise ValueError("mlp_bias=True is not supported (no Llama/Qwen checkpoint uses it)")

@@ -55,8 +55,7 @@ def supervised_train(
     batch = task.encode_batch(examples, tokenizer, task_cfg.seq_len)
     tokens = jax.device_put(batch["tokens"], batch_sharding)
     mask = jax.device_put(batch["loss_mask"], batch_sharding)
-    with mesh:
-      state, metrics = step_fn(state, tokens, mask)
+    state, metrics = step_fn(state, tokens, mask)
     if (s + 1) % max(steps // 10, 1) == 0 or s + 1 == steps:
       m = jax.device_get(metrics)
       log(

@@ -266,8 +266,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
     rollout = next(rollouts)
     queue_wait = time.perf_counter() - wait_start
     train_start = time.perf_counter()
-    with mesh:
-      state, metrics = step_fn(state, m.teacher_params, rollout)
+    state, metrics = step_fn(state, m.teacher_params, rollout)
     scalars = _scalars(jax.device_get(metrics))
     train_seconds = time.perf_counter() - train_start
     step += 1

@@ -113,7 +113,9 @@ def test_student_teacher_vocab_mismatch_is_refused(teacher_cache, tmp_path, make
     teacher_cache,
     **{"student.checkpoint": str(student.path), "teacher.checkpoint": str(teacher.path)},
   )
-  expected = "student and teacher vocabularies differ: student vocab_size=128, teacher vocab_size=96"
+  expected = (
+    "student and teacher vocabularies differ: student vocab_size=128, teacher vocab_size=96"
+  )
   with pytest.raises(ValueError, match=expected):
     trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
 

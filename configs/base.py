@@ -82,7 +82,7 @@ def get_config(arg=None):
 
   # Optimisation.
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 500  # OPD steps
+  c.train.steps = 1000  # OPD steps
   # Exact per-token KL over the vocabulary: the lowest-variance OPD estimator, and cheap
   # for small vocabularies. reverse_kl_sampled is the Tinker/slime policy-gradient form.
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
@@ -93,7 +93,7 @@ def get_config(arg=None):
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay
   c.train.grad_clip = 1.0  # global-norm clip
   c.train.log_every = 10  # steps between metric lines
-  c.train.eval_every = 100  # steps between held-out evaluations
-  c.train.checkpoint_every = 100  # steps between orbax checkpoints
+  c.train.eval_every = 200  # steps between held-out evaluations
+  c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
   return c

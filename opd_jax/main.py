@@ -90,12 +90,17 @@ def main(argv):
     sys.exit(f"error: {e}")
 
 
-if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  argv = resolve_config_arg(sys.argv)
-  try:  # parse once up front so a misspelt --config.key override reads as one line
-    flags.FLAGS(argv)
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing, with a one-line error for a misspelt --config.key override."""
+  try:
+    return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     message = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
     sys.exit(f"error: bad --config override: {message}")
-  app.run(main, argv=argv)
+  except flags.Error as e:
+    sys.exit(f"error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main, argv=resolve_config_arg(sys.argv), flags_parser=parse_flags)

@@ -1,0 +1,270 @@
+"""Sampler throughput: opd_jax against `transformers.generate`, and FP8 against BF16.
+
+Command (CPU, one core; about 5 minutes, `--quick` about 3):
+
+    python -m opd_jax.bench.sampler            # readable table
+    python -m opd_jax.bench.sampler --json     # {"rows": [...]} on stdout only
+
+Both engines run in this process on the same weights: our random params are
+written with `hf.save_checkpoint` and read back by `from_pretrained`, so the
+models are identical. Every run is greedy with a fixed number of new tokens
+(transformers gets `min_new_tokens = max_new_tokens`, opd_jax no stop tokens), on
+a batch of random prompts of equal length, so both produce exactly
+batch × new_tokens tokens. Throughput is that count over the wall time of the
+whole call (prefill + decode), the median of several runs. Runs of the two
+engines are interleaved, so a load change from other processes hits both; the
+ratio is the figure to read. The first call of each engine is a warm-up and is
+excluded; for opd_jax its time minus the median run is reported as the compile
+time. The greedy tokens of the two engines are compared (`tokens_match`).
+
+Threads: the process is pinned to `--threads` cores (default 1) before either
+engine starts, and torch gets that many threads, so both engines have the same
+cores. One core is the default because on a shared machine torch's OpenMP
+barriers collapse when another process holds one of the cores (measured on a
+busy 2-core box: a 50M-model prefill takes 900 ms with 2 threads, 60 ms with 1),
+which would flatter opd_jax; `--threads 0` uses every core.
+
+Rows (kind):
+* "vs_transformers": f32 on both sides. Torch on CPU is slow in bf16, so f32 is
+  the fair comparison.
+* "fp8_vs_bf16": opd_jax with FP8 weights (per-channel e4m3) and an FP8 KV cache
+  (per-token, per-head scales) against opd_jax with BF16 weights and KV cache.
+  On CPU XLA converts e4m3 to f32 before each matmul, so this row shows the cost
+  of the emulation, not the GPU speed-up.
+
+Models: "tiny" (the test-suite shape) and "qwen3-50m" (Qwen3-shaped, 58M params),
+each with a 64-token prompt and 128 new tokens, at batch 1 and 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax import hf, kvcache, model, quant, sampler
+from opd_jax.model_config import ModelConfig
+
+MODELS = {
+  "tiny": ModelConfig(
+    model_type="qwen3",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+  ),
+  "qwen3-50m": ModelConfig(
+    model_type="qwen3",
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    qk_norm=True,
+  ),
+}
+PROMPT_LEN = 64
+NEW_TOKENS = 128
+BATCHES = (1, 16)
+
+
+def _timed(fn):
+  """(seconds, result) of one call."""
+  start = time.perf_counter()
+  result = fn()
+  return time.perf_counter() - start, result
+
+
+def _opd_runner(params, prompts, cfg: ModelConfig, kv: kvcache.KVCacheSpec):
+  scfg = sampler.SamplerConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, kv=kv)
+
+  def run():
+    out = sampler.sample(params, prompts, jax.random.key(0), scfg, cfg)
+    return np.asarray(out.completion_tokens)  # waits for the device
+
+  return run
+
+
+def _hf_runner(hf_model, tokens_bp):
+  import torch
+
+  ids = torch.from_numpy(tokens_bp.astype(np.int64))
+  mask = torch.ones_like(ids)
+
+  def run():
+    with torch.inference_mode():
+      out = hf_model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        pad_token_id=0,
+      )
+    return out[:, tokens_bp.shape[1] :].numpy()
+
+  return run
+
+
+def _interleaved(runners: dict, repeats: int) -> dict:
+  """Warm-up call, then `repeats` interleaved timed calls of every runner.
+
+  Returns:
+    {name: {"median_s", "first_s", "tokens"}}.
+  """
+  stats = {}
+  for name, run in runners.items():
+    first_s, tokens = _timed(run)
+    stats[name] = {"first_s": first_s, "tokens": tokens, "times": []}
+  for _ in range(repeats):
+    for name, run in runners.items():
+      seconds, _ = _timed(run)
+      stats[name]["times"].append(seconds)
+  for s in stats.values():
+    s["median_s"] = statistics.median(s.pop("times"))
+  return stats
+
+
+def bench_model(name: str, repeats: int, log) -> list[dict]:
+  """All rows for one model shape."""
+  import torch
+  import transformers
+
+  cfg = MODELS[name]
+  params = model.init_params(jax.random.key(0), cfg, jnp.float32)
+  with tempfile.TemporaryDirectory() as directory:
+    hf.save_checkpoint(directory, cfg, params)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+  hf_model.eval()
+  bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  fp8_params = quant.quantize_params(bf16_params, quant.QuantRecipe())
+  f32_kv = kvcache.KVCacheSpec(dtype="float32")
+  bf16_kv = kvcache.KVCacheSpec(dtype="bfloat16")
+  fp8_kv = kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="token_head")
+  rows = []
+  for batch in BATCHES:
+    tokens_bp = np.random.default_rng(batch).integers(3, cfg.vocab_size, (batch, PROMPT_LEN))
+    prompts = (tokens_bp.astype(np.int32), np.full((batch,), PROMPT_LEN, np.int32))
+    num_tokens = batch * NEW_TOKENS
+    log(f"{name} batch {batch}: opd_jax f32 vs transformers f32 ...")
+    stats = _interleaved(
+      {
+        "opd_jax": _opd_runner(params, prompts, cfg, f32_kv),
+        "transformers": _hf_runner(hf_model, tokens_bp),
+      },
+      repeats,
+    )
+    ours, theirs = stats["opd_jax"], stats["transformers"]
+    rows.append(
+      {
+        "kind": "vs_transformers",
+        "model": name,
+        "params_m": round(cfg.num_params() / 1e6, 2),
+        "batch": batch,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "prompt_len": PROMPT_LEN,
+        "new_tokens": NEW_TOKENS,
+        "opd_jax_tokens_per_s": round(num_tokens / ours["median_s"], 1),
+        "transformers_tokens_per_s": round(num_tokens / theirs["median_s"], 1),
+        "ratio_vs_transformers": round(theirs["median_s"] / ours["median_s"], 2),
+        "opd_jax_compile_s": round(max(ours["first_s"] - ours["median_s"], 0.0), 2),
+        "tokens_match": float(np.mean(ours["tokens"] == theirs["tokens"])),
+      }
+    )
+    log(f"  {rows[-1]}")
+    log(f"{name} batch {batch}: opd_jax fp8 weights+kv vs bf16 ...")
+    stats = _interleaved(
+      {
+        "fp8": _opd_runner(fp8_params, prompts, cfg, fp8_kv),
+        "bf16": _opd_runner(bf16_params, prompts, cfg, bf16_kv),
+      },
+      repeats,
+    )
+    fp8, bf16 = stats["fp8"], stats["bf16"]
+    rows.append(
+      {
+        "kind": "fp8_vs_bf16",
+        "model": name,
+        "params_m": round(cfg.num_params() / 1e6, 2),
+        "batch": batch,
+        "dtype": "fp8 weights + fp8 kv (token_head) vs bf16",
+        "prompt_len": PROMPT_LEN,
+        "new_tokens": NEW_TOKENS,
+        "opd_jax_tokens_per_s": round(num_tokens / fp8["median_s"], 1),
+        "bf16_tokens_per_s": round(num_tokens / bf16["median_s"], 1),
+        "ratio_vs_bf16": round(bf16["median_s"] / fp8["median_s"], 2),
+        "opd_jax_compile_s": round(max(fp8["first_s"] - fp8["median_s"], 0.0), 2),
+        "tokens_match": float(np.mean(fp8["tokens"] == bf16["tokens"])),
+      }
+    )
+    log(f"  {rows[-1]}")
+  return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the benchmark; prints a table, or {"rows": [...]} with --json."""
+  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.sampler")
+  parser.add_argument("--json", action="store_true", help='print only {"rows": [...]}')
+  parser.add_argument("--quick", action="store_true", help="2 timed runs per row instead of 3")
+  parser.add_argument(
+    "--threads", type=int, default=1, help="cores for both engines; 0 = all (default 1)"
+  )
+  parser.add_argument(
+    "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}"
+  )
+  args = parser.parse_args(argv)
+  names = [m for m in args.models.split(",") if m]
+  unknown = [m for m in names if m not in MODELS]
+  if unknown:
+    raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+  if args.threads < 0:
+    raise ValueError(f"--threads must be >= 0, got {args.threads}")
+  cores = sorted(os.sched_getaffinity(0))
+  if args.threads:
+    cores = cores[: args.threads]
+    for tid in os.listdir("/proc/self/task"):  # threads started later inherit it
+      os.sched_setaffinity(int(tid), cores)
+  import torch
+
+  torch.set_num_threads(len(cores))
+  log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+  log(
+    f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both "
+    f"pinned to {len(cores)} core(s), torch with {torch.get_num_threads()} threads; f32 for "
+    "the transformers comparison (torch CPU bf16 is slow, so it would flatter opd_jax)"
+  )
+  repeats = 2 if args.quick else 3
+  rows = [row for name in names for row in bench_model(name, repeats, log)]
+  if args.json:
+    print(json.dumps({"rows": rows}))
+    return 0
+  print()
+  header = ("model", "batch", "kind", "opd_jax tok/s", "baseline tok/s", "ratio", "compile s")
+  print("{:<10} {:>5} {:<16} {:>13} {:>14} {:>6} {:>9}".format(*header))
+  for r in rows:
+    base = r.get("transformers_tokens_per_s", r.get("bf16_tokens_per_s"))
+    ratio = r.get("ratio_vs_transformers", r.get("ratio_vs_bf16"))
+    print(
+      f"{r['model']:<10} {r['batch']:>5} {r['kind']:<16} {r['opd_jax_tokens_per_s']:>13} "
+      f"{base:>14} {ratio:>6} {r['opd_jax_compile_s']:>9}"
+    )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

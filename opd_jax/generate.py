@@ -1,0 +1,211 @@
+"""`python -m opd_jax.generate`: sample completions from a local checkpoint.
+
+Loads a Hugging Face style checkpoint directory, optionally turns the weights into
+the rollout engine's FP8 weights and picks the KV-cache numerics, then runs
+`sampler.sample` once on every prompt. Example:
+
+    python -m opd_jax.generate --checkpoint /path/to/ckpt --prompt-ids 1,2,3 \
+        --prompt-ids 7,7 --max-new-tokens 16 --temperature 0 --weights fp8 \
+        --kv-cache fp8 --json
+
+With `--json` it prints one object
+
+    {"completions": [[ids...], ...],  # new tokens only, up to and including the stop token
+     "logprobs": [[...], ...],        # behaviour log-probs of those tokens
+     "text": [...]}                   # only when a tokenizer is available
+
+Stop tokens are the tokenizer's eos (or config.json's `eos_token_id` when there is
+no tokenizer), plus `--stop-ids`; `--ignore-eos` drops the eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax import engine, hf, kvcache, sampler, tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+WEIGHTS = {"dense": "trainer", "bf16": "bf16", "fp8": "fp8"}  # flag value -> EngineConfig.weights
+KV_CACHES = {"bf16": "bfloat16", "f32": "float32", "fp8": "float8_e4m3fn"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line interface (see the module docstring)."""
+  p = argparse.ArgumentParser(prog="python -m opd_jax.generate", description=__doc__.split("\n")[0])
+  p.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + weights)")
+  p.add_argument(
+    "--prompt",
+    dest="prompts",
+    action="append",
+    type=lambda s: ("text", s),
+    default=[],
+    help="a text prompt (needs a tokenizer); repeatable",
+  )
+  p.add_argument(
+    "--prompt-ids",
+    dest="prompts",
+    action="append",
+    type=lambda s: ("ids", s),
+    help="a prompt as comma-separated token ids, e.g. 1,2,3; repeatable",
+  )
+  p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
+  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+  p.add_argument("--seed", type=int, default=0, help="PRNG seed")
+  p.add_argument("--dtype", default="bfloat16", help=f"load/compute dtype: {', '.join(DTYPES)}")
+  p.add_argument(
+    "--weights",
+    default="dense",
+    help="dense (as loaded in --dtype), bf16, or fp8 (e4m3 layer matrices) (default dense)",
+  )
+  p.add_argument(
+    "--kv-cache", default="auto", help="auto (the compute dtype), bf16, f32 or fp8 (default auto)"
+  )
+  p.add_argument(
+    "--kv-granularity",
+    default="token_head",
+    help=f"fp8 KV scale granularity: {', '.join(kvcache.KV_GRANULARITIES)}",
+  )
+  p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
+  p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
+  p.add_argument(
+    "--tokenizer", default=None, help="tokenizer directory or 'char' (default: the checkpoint dir)"
+  )
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  return p
+
+
+def _parse_ids(text: str, flag: str) -> list[int]:
+  """'1, 2,3' -> [1, 2, 3]; a clear ValueError otherwise."""
+  parts = [s.strip() for s in text.split(",") if s.strip()]
+  try:
+    return [int(s) for s in parts]
+  except ValueError:
+    raise ValueError(f"{flag} {text!r}: expected comma-separated integer token ids") from None
+
+
+def _choice(value: str, allowed, flag: str) -> str:
+  if value not in allowed:
+    raise ValueError(f"{flag} {value!r} is not one of: {', '.join(allowed)}")
+  return value
+
+
+def _load_tokenizer(args):
+  """The tokenizer named by --tokenizer, or the checkpoint's own, or None."""
+  if args.tokenizer is not None:
+    return tokenizer.load_tokenizer(args.tokenizer)
+  if any(os.path.exists(os.path.join(args.checkpoint, f)) for f in TOKENIZER_FILES):
+    return tokenizer.load_tokenizer(args.checkpoint)
+  return None
+
+
+def _config_eos_ids(checkpoint: str) -> list[int]:
+  """`eos_token_id` (an int or a list) from config.json, or []."""
+  with open(os.path.join(checkpoint, hf.CONFIG_FILE)) as f:
+    eos = json.load(f).get("eos_token_id")
+  if eos is None:
+    return []
+  return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def generate(args) -> dict:
+  """Runs the sampler for parsed arguments.
+
+  Args:
+    args: the `argparse.Namespace` from `build_parser()`.
+
+  Returns:
+    {"completions": list[list[int]], "logprobs": list[list[float]], "text"?: list[str],
+     "engine_id": str, "stop_tokens": list[int]}.
+
+  Raises:
+    ValueError: a bad flag value, no prompt, or a text prompt without a tokenizer.
+    FileNotFoundError: a missing checkpoint or tokenizer directory.
+  """
+  dtype = DTYPES[_choice(args.dtype, DTYPES, "--dtype")]
+  weights = WEIGHTS[_choice(args.weights, WEIGHTS, "--weights")]
+  kv_flag = _choice(args.kv_cache, ("auto", *KV_CACHES), "--kv-cache")
+  granularity = _choice(args.kv_granularity, kvcache.KV_GRANULARITIES, "--kv-granularity")
+  if not args.prompts:
+    raise ValueError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
+  if not os.path.isdir(args.checkpoint):
+    raise FileNotFoundError(f"checkpoint directory {args.checkpoint!r} does not exist")
+  tok = _load_tokenizer(args)
+  prompts = []
+  for kind, value in args.prompts:
+    if kind == "ids":
+      prompts.append(_parse_ids(value, "--prompt-ids"))
+    elif tok is None:
+      raise ValueError(
+        f"--prompt {value!r} needs a tokenizer, but {args.checkpoint} has none "
+        f"({' / '.join(TOKENIZER_FILES)}); pass --tokenizer DIR or use --prompt-ids"
+      )
+    else:
+      bos = [] if tok.bos_id is None else [tok.bos_id]
+      prompts.append(bos + tok.encode(value))
+
+  stops = _parse_ids(args.stop_ids, "--stop-ids")
+  if not args.ignore_eos:
+    stops += [tok.eos_id] if tok is not None else _config_eos_ids(args.checkpoint)
+  model_cfg, params = hf.load_checkpoint(args.checkpoint, dtype)
+  kv_dtype = jnp.dtype(dtype).name if kv_flag == "auto" else KV_CACHES[kv_flag]
+  engine_cfg = engine.EngineConfig(
+    weights=weights, kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity)
+  )
+  params = engine.engine_params(params, engine_cfg, jax.random.key(args.seed))
+  cfg = sampler.SamplerConfig(
+    max_new_tokens=args.max_new_tokens,
+    temperature=args.temperature,
+    top_k=args.top_k,
+    top_p=args.top_p,
+    stop_tokens=tuple(dict.fromkeys(stops)),
+    kv=engine_cfg.kv,
+  )
+  out = sampler.sample(
+    params, prompts, jax.random.key(args.seed), cfg, model_cfg, engine_id=engine_cfg.engine_id
+  )
+  tokens, mask, logprobs = jax.device_get(
+    (out.completion_tokens, out.completion_mask, out.behaviour_logprobs)
+  )
+  keep = [np.asarray(m, bool) for m in mask]
+  result = {
+    "completions": [t[k].tolist() for t, k in zip(tokens, keep, strict=True)],
+    "logprobs": [lp[k].tolist() for lp, k in zip(logprobs, keep, strict=True)],
+  }
+  if tok is not None:
+    result["text"] = [tok.decode(ids) for ids in result["completions"]]
+  result["engine_id"] = out.engine_id
+  result["stop_tokens"] = list(cfg.stop_tokens)
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Parses `argv`, samples, and prints the result (JSON with --json)."""
+  args = build_parser().parse_args(argv)
+  result = generate(args)
+  if args.json:
+    print(json.dumps({k: result[k] for k in ("completions", "logprobs", "text") if k in result}))
+    return 0
+  print(f"engine {result['engine_id']}, stop tokens {result['stop_tokens']}")
+  for i, ids in enumerate(result["completions"]):
+    mean_lp = float(np.mean(result["logprobs"][i])) if ids else 0.0
+    shown = repr(result["text"][i]) if "text" in result else " ".join(map(str, ids))
+    print(f"[{i}] {len(ids)} tokens, mean logprob {mean_lp:.3f}: {shown}")
+  return 0
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main())
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,484 @@
+"""The rollout engine: a jitted KV-cache sampler that returns a `Rollout`.
+
+`sample(params, prompts, rng, cfg, model_cfg)` pads the prompts to a bucketed
+shape on the host, then runs one jitted function that
+
+1. builds the KV cache on the device (never a host copy, so there is nothing to
+   donate; the while loop updates it in place),
+2. prefills it with the right-padded prompts (all sequences start at position 0),
+   without computing prefill logits,
+3. runs a `lax.while_loop` of one-token decode steps: step i feeds sequence b's
+   previous token (the last prompt token for i = 0) at its own position
+   len_b − 1 + i and samples token i from that step's logits.
+
+The loop stops after `max_new_tokens`, when every sequence has produced a stop
+token, or when no sequence has a free cache slot left. A sequence whose next
+token would need slot ≥ cache_len ends there (its mask stops). Nothing returns
+to the host between steps.
+
+Shapes are bucketed so that repeated calls reuse one compiled program: the prompt
+width is the next power of two ≥ max(longest prompt, 16) and the batch is padded
+to the next power of two with rows that start finished. `SamplerConfig` and
+`ModelConfig` are static jit arguments; `trace_count()` counts how often the core
+was traced, which tests use to catch recompiles.
+
+Sampling math (f32), for temperature T > 0:
+
+    z = logits / T
+    top-k:  z_j = -inf unless j is among the k largest z
+    top-p:  sort the surviving tokens by probability q (softmax of z); keep token j
+            iff the mass of the tokens ranked above it is < p (the top token is
+            always kept, and the kept set is the smallest whose mass reaches p)
+    π_b = softmax(z)  (renormalised over the kept tokens)
+    y ~ π_b by inverse-CDF sampling with key fold_in(rng, step)
+
+T = 0 is greedy: y = argmax(logits) and π_b is the point mass on y, so the
+behaviour log-prob is 0 (see `rollout.py` for all log-prob conventions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax import kvcache, model
+from opd_jax.model_config import ModelConfig
+from opd_jax.quant import QArray
+from opd_jax.rollout import Rollout
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+MIN_PROMPT_BUCKET = 16
+
+_TRACES = 0
+
+
+def trace_count() -> int:
+  """How many times the jitted sampler core has been traced (≈ compiled)."""
+  return _TRACES
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static, hashable sampling settings (a jit static argument).
+
+  Attributes:
+    max_new_tokens: C, tokens to generate per sequence (≥ 1).
+    temperature: T; 0 means greedy decoding.
+    top_k: keep the k most likely tokens; 0 disables the filter.
+    top_p: nucleus mass in (0, 1]; 1 disables the filter.
+    stop_tokens: ids that end a sequence (the stop token itself is kept and counted).
+    cache_len: KV-cache slots S per sequence; None derives S = prompt bucket + C.
+    kv: KV-cache numerics; None stores the cache in the params' compute dtype.
+    return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
+      with their tail mass, −1 the full behaviour distribution [B, C, V].
+  """
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = ()
+  cache_len: int | None = None
+  kv: kvcache.KVCacheSpec | None = None
+  return_topk: int = 0
+
+  def __post_init__(self):
+    def integer(name, lowest, hint):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lowest:
+        raise ValueError(f"{name} must be {hint}, got {value!r}")
+      object.__setattr__(self, name, int(value))  # numpy ints hash like Python ints
+
+    integer("max_new_tokens", 1, "a positive int")
+    integer("top_k", 0, "an int >= 0 (0 = off)")
+    integer("return_topk", -1, "0 (none), k > 0, or -1 (full distribution)")
+    if self.cache_len is not None:
+      integer("cache_len", 1, "a positive int or None")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    stops = tuple(int(t) for t in self.stop_tokens)
+    if any(t < 0 for t in stops):
+      raise ValueError(f"stop_tokens must be non-negative token ids, got {stops}")
+    object.__setattr__(self, "stop_tokens", stops)
+    if self.kv is not None and not isinstance(self.kv, kvcache.KVCacheSpec):
+      raise ValueError(f"kv must be a kvcache.KVCacheSpec or None, got {type(self.kv).__name__}")
+
+
+def next_pow2(n: int) -> int:
+  """The smallest power of two ≥ n (n ≥ 1)."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt width for a longest prompt of `length` tokens."""
+  return next_pow2(max(length, MIN_PROMPT_BUCKET))
+
+
+def _sortable_u32(x_bv):
+  """Maps f32 to uint32 so that integer order is float order (-inf lowest)."""
+  bits = jax.lax.bitcast_convert_type(x_bv.astype(jnp.float32), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_threshold(key_bv, weight_bv, target_b1):
+  """Per row, the largest uint32 τ with Σ_j weight_j · [key_j ≥ τ] ≥ target.
+
+  The left side only decreases as τ grows, so τ is built bit by bit from the top
+  (32 masked sums, no sort). It is always one of the row's keys. Requires the
+  condition to hold at τ = 0 (the whole row).
+  """
+
+  def step(i, tau_b1):
+    bit = jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+    cand_b1 = tau_b1 | bit
+    mass_b1 = jnp.sum(jnp.where(key_bv >= cand_b1, weight_bv, 0), axis=-1, keepdims=True)
+    return jnp.where(mass_b1 >= target_b1, cand_b1, tau_b1)
+
+  return jax.lax.fori_loop(0, 32, step, jnp.zeros((key_bv.shape[0], 1), jnp.uint32))
+
+
+def process_logits(logits_bv, cfg: SamplerConfig):
+  """Temperature, top-k and top-p applied to logits (T > 0 only).
+
+  Filters are thresholds found without sorting the vocabulary (a full sort per
+  step costs more than the model on CPU): top-k keeps z_j ≥ the k-th largest z;
+  top-p keeps z_j ≥ τ, where τ is the largest value whose upper set
+  {i : z_i ≥ τ} holds mass ≥ p. Both equal the sorted-order definitions, except
+  that tokens tied exactly at the threshold are all kept.
+
+  Args:
+    logits_bv: raw logits [B, V].
+    cfg: sampler settings; `cfg.temperature` must be > 0.
+
+  Returns:
+    f32 [B, V] processed logits z: logits / T on kept tokens, -inf on removed ones.
+    softmax(z) is the behaviour distribution π_b.
+  """
+  z_bv = logits_bv.astype(jnp.float32) / cfg.temperature
+  b, v = z_bv.shape
+  if 0 < cfg.top_k < v:
+    key_bv = _sortable_u32(z_bv)
+    kth_b1 = _largest_threshold(key_bv, jnp.ones((), jnp.int32), jnp.int32(cfg.top_k))
+    z_bv = jnp.where(key_bv >= kth_b1, z_bv, -jnp.inf)
+  if cfg.top_p < 1.0:
+    key_bv = _sortable_u32(z_bv)
+    probs_bv = jax.nn.softmax(z_bv, axis=-1)
+    tau_b1 = _largest_threshold(key_bv, probs_bv, jnp.float32(cfg.top_p))
+    z_bv = jnp.where(key_bv >= tau_b1, z_bv, -jnp.inf)
+  return z_bv
+
+
+def _argmax(x_bv):
+  """First index of the row maximum (a plain max and min; XLA:CPU's argmax is slow)."""
+  v = x_bv.shape[-1]
+  idx_bv = jnp.arange(v, dtype=jnp.int32)
+  is_max_bv = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
+  return jnp.minimum(jnp.min(jnp.where(is_max_bv, idx_bv, v), axis=-1), v - 1)
+
+
+def _last_positive(x_bn):
+  """Index of the last entry > 0 in each row (0 if none)."""
+  idx_bn = jnp.arange(x_bn.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x_bn > 0, idx_bn, 0), axis=-1)
+
+
+def sample_categorical(key, z_bv, block: int = 128):
+  """One draw per row from softmax(z_bv) by inverting its CDF.
+
+  y = min{j : Σ_{i≤j} p_i > u · Σ_i p_i} with one uniform u per row, found in two
+  levels (blocks of `block` tokens, then tokens within the chosen block) so that
+  no cumulative sum runs over the whole vocabulary. Tokens with p_j = 0 are never
+  drawn. Exact up to f32 rounding of the partial sums; ~100× cheaper on CPU than
+  Gumbel-max, which needs V random numbers and logs per row.
+
+  Args:
+    key: PRNG key.
+    z_bv: f32 logits [B, V]; -inf marks zero probability (at least one finite).
+    block: tokens per block.
+
+  Returns:
+    int32 token ids [B].
+  """
+  b, v = z_bv.shape
+  block = min(block, v)
+  nb = -(-v // block)
+  p_bv = jnp.exp(z_bv - jnp.max(z_bv, axis=-1, keepdims=True))
+  p_bnk = jnp.pad(p_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+  mass_bn = jnp.sum(p_bnk, axis=-1)
+  cum_bn = jnp.cumsum(mass_bn, axis=-1)
+  u_b1 = jax.random.uniform(key, (b, 1), jnp.float32) * cum_bn[:, -1:]
+  # Rounding can put u at the total; fall back to the last block (token) with mass.
+  blk_b = jnp.minimum(jnp.sum(cum_bn <= u_b1, axis=-1), _last_positive(mass_bn))
+  before_bn = jnp.pad(cum_bn[:, :-1], ((0, 0), (1, 0)))
+  before_b1 = jnp.take_along_axis(before_bn, blk_b[:, None], axis=-1)
+  inner_bk = jnp.take_along_axis(p_bnk, blk_b[:, None, None], axis=1)[:, 0]
+  cum_bk = before_b1 + jnp.cumsum(inner_bk, axis=-1)
+  tok_b = jnp.minimum(jnp.sum(cum_bk <= u_b1, axis=-1), _last_positive(inner_bk))
+  return (blk_b * block + tok_b).astype(jnp.int32)
+
+
+def _choose(logits_bv, key, cfg: SamplerConfig):
+  """Samples one token per row.
+
+  Returns:
+    (token_b int32, behaviour_lp_b f32, model_lp_b f32, dist) where dist is None or
+    (topk_lp_bk, topk_ids_bk or None, tail_b) per `cfg.return_topk`.
+  """
+  logits_bv = logits_bv.astype(jnp.float32)
+  b, v = logits_bv.shape
+  rows_b1 = jnp.arange(b)[:, None]
+  if cfg.temperature == 0:
+    token_b = _argmax(logits_bv)
+    model_lp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    behaviour_lp_b = jnp.zeros((b,), jnp.float32)
+    dist_lp_bv = None
+  else:
+    z_bv = process_logits(logits_bv, cfg)
+    token_b = sample_categorical(key, z_bv)
+    model_lp_bv = jax.nn.log_softmax(logits_bv / cfg.temperature, axis=-1)
+    dist_lp_bv = jax.nn.log_softmax(z_bv, axis=-1)
+    behaviour_lp_b = jnp.take_along_axis(dist_lp_bv, token_b[:, None], axis=-1)[:, 0]
+  model_lp_b = jnp.take_along_axis(model_lp_bv, token_b[:, None], axis=-1)[:, 0]
+
+  dist = None
+  if cfg.return_topk != 0:
+    if dist_lp_bv is None:  # greedy: the point mass on the argmax
+      dist_lp_bv = jnp.where(jnp.arange(v) == token_b[:, None], 0.0, -jnp.inf)
+    if cfg.return_topk == -1 or cfg.return_topk >= v:
+      dist = (dist_lp_bv, None, jnp.full((b,), -jnp.inf, jnp.float32))
+    else:
+      if cfg.temperature == 0:  # rank by the model so that the argmax comes first
+        _, ids_bk = jax.lax.top_k(logits_bv, cfg.return_topk)
+        topk_lp_bk = jnp.take_along_axis(dist_lp_bv, ids_bk, axis=-1)
+      else:
+        topk_lp_bk, ids_bk = jax.lax.top_k(dist_lp_bv, cfg.return_topk)
+      rest_bv = dist_lp_bv.at[rows_b1, ids_bk].set(-jnp.inf)
+      dist = (topk_lp_bk, ids_bk.astype(jnp.int32), jax.nn.logsumexp(rest_bv, axis=-1))
+  return token_b, behaviour_lp_b, model_lp_b, dist
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "model_cfg", "cache_len"))
+def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_len):
+  """Prefill + decode loop on padded inputs; returns a dict of [B, C(, k)] arrays."""
+  global _TRACES
+  _TRACES += 1
+  b, p = tokens_bp.shape
+  c, s, spec = cfg.max_new_tokens, cache_len, cfg.kv
+  v = model_cfg.vocab_size
+  k = v if cfg.return_topk == -1 else min(cfg.return_topk, v)
+  stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+
+  out = {
+    "tokens": jnp.zeros((b, c), jnp.int32),
+    "mask": jnp.zeros((b, c), jnp.int32),
+    "behaviour_lp": jnp.zeros((b, c), jnp.float32),
+    "model_lp": jnp.zeros((b, c), jnp.float32),
+  }
+  if k:
+    out["topk_lp"] = jnp.zeros((b, c, k), jnp.float32)
+    out["tail_lp"] = jnp.zeros((b, c), jnp.float32)
+    if k < v:
+      out["topk_ids"] = jnp.zeros((b, c, k), jnp.int32)
+
+  def record(out, done_b, i, logits_bv):
+    """Samples token i from logits_bv and stores it for the rows not yet done."""
+    token_b, behaviour_b, model_b, dist = _choose(logits_bv, jax.random.fold_in(rng, i), cfg)
+    valid_b = ~done_b
+    values = {
+      "tokens": jnp.where(valid_b, token_b, 0),
+      "mask": valid_b.astype(jnp.int32),
+      "behaviour_lp": jnp.where(valid_b, behaviour_b, 0.0),
+      "model_lp": jnp.where(valid_b, model_b, 0.0),
+    }
+    if dist is not None:
+      topk_lp_bk, ids_bk, tail_b = dist
+      values["topk_lp"] = topk_lp_bk
+      values["tail_lp"] = tail_b
+      if ids_bk is not None:
+        values["topk_ids"] = ids_bk
+    out = {name: out[name].at[:, i].set(values[name]) for name in out}
+    stopped_b = jnp.any(token_b[:, None] == stops[None, :], axis=-1)
+    # Token i sits at position len_b + i; feeding it needs that cache slot.
+    full_b = lens_b + i >= s
+    return out, done_b | stopped_b | full_b, token_b
+
+  # Prefill positions 0 .. len_b − 2 (and padding). Its logits are unused, so XLA
+  # drops the LM head over all P positions; step 0 below feeds the last prompt
+  # token instead, rewriting its own slot, and samples token 0 from one row of
+  # logits per sequence.
+  cache = kvcache.init_cache(model_cfg, b, s, spec)
+  t_prefill = min(p, s)  # every prompt fits in s, so columns ≥ s are padding
+  _, cache = model.forward_with_cache(
+    params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec
+  )
+  last_b = jnp.take_along_axis(tokens_bp, (lens_b - 1)[:, None], axis=1)[:, 0]
+
+  def cond(state):
+    i, _, _, done_b, _ = state
+    return (i < c) & ~jnp.all(done_b)
+
+  def body(state):
+    """Feeds the previous token at position len_b − 1 + i and samples token i."""
+    i, cache, token_b, done_b, out = state
+    pos_b = jnp.minimum(lens_b - 1 + i, s - 1)  # finished rows may run past the cache
+    logits_b1v, cache = model.forward_with_cache(
+      params, token_b[:, None], pos_b, cache, model_cfg, spec
+    )
+    out, done_b, token_b = record(out, done_b, i, logits_b1v[:, 0])
+    return i + 1, cache, token_b, done_b, out
+
+  state = (jnp.int32(0), cache, last_b, ~live_b, out)
+  *_, out = jax.lax.while_loop(cond, body, state)
+  return out
+
+
+def _as_padded_prompts(prompts, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Validates prompts and returns host (tokens [B, P] int32 right-padded, lens [B])."""
+  if isinstance(prompts, tuple) and len(prompts) == 2 and getattr(prompts[0], "ndim", 0) == 2:
+    tokens_bp = np.asarray(prompts[0])
+    lens_b = np.asarray(prompts[1])
+    if tokens_bp.ndim != 2 or lens_b.shape != tokens_bp.shape[:1]:
+      raise ValueError(
+        f"prompt arrays must be tokens [B, P] and lens [B], got shapes "
+        f"{tokens_bp.shape} and {lens_b.shape}"
+      )
+    if tokens_bp.shape[0] == 0:
+      raise ValueError("empty batch: no prompts given")
+    for i, n in enumerate(lens_b.tolist()):
+      if n < 1:
+        raise ValueError(f"prompt {i} is empty (length {n}); every prompt needs >= 1 token")
+      if n > tokens_bp.shape[1]:
+        raise ValueError(f"prompt {i} has length {n} > prompt array width {tokens_bp.shape[1]}")
+    width = tokens_bp.shape[1]
+    tokens_bp = np.where(np.arange(width)[None, :] < lens_b[:, None], tokens_bp, 0)
+  else:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str):
+      raise ValueError(
+        "prompts must be a list of token-id lists or a (tokens [B, P], lens [B]) pair, "
+        f"got {type(prompts).__name__}"
+      )
+    if len(prompts) == 0:
+      raise ValueError("empty batch: no prompts given")
+    rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    for i, row in enumerate(rows):
+      if row.size == 0:
+        raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
+    lens_b = np.asarray([row.size for row in rows])
+    tokens_bp = np.zeros((len(rows), int(lens_b.max())), np.int64)
+    for i, row in enumerate(rows):
+      tokens_bp[i, : row.size] = row
+  bad = (tokens_bp < 0) | (tokens_bp >= vocab_size)
+  if bad.any():
+    i, j = np.argwhere(bad)[0]
+    raise ValueError(
+      f"prompt {i} has token id {tokens_bp[i, j]} at index {j}, outside the vocabulary "
+      f"[0, {vocab_size})"
+    )
+  return tokens_bp.astype(np.int32), lens_b.astype(np.int32)
+
+
+def _weights_label(params) -> str:
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+  if any(isinstance(x, QArray) for x in leaves):
+    return "fp8"
+  return jnp.dtype(model.compute_dtype(params)).name
+
+
+def engine_label(params, cfg: SamplerConfig) -> str:
+  """A readable id of the engine configuration, e.g. `w=fp8,kv=float8_e4m3fn/token_head,T=1`."""
+  kv = cfg.kv or kvcache.KVCacheSpec(dtype=jnp.dtype(model.compute_dtype(params)).name)
+  kv_label = kv.dtype if kv.dtype != "float8_e4m3fn" else f"{kv.dtype}/{kv.granularity}"
+  return (
+    f"w={_weights_label(params)},kv={kv_label},T={cfg.temperature:g},"
+    f"top_k={cfg.top_k},top_p={cfg.top_p:g}"
+  )
+
+
+def sample(
+  params,
+  prompts,
+  rng,
+  cfg: SamplerConfig,
+  model_cfg: ModelConfig,
+  weight_version: int = 0,
+  engine_id: str | None = None,
+) -> Rollout:
+  """Samples completions for a batch of prompts with a KV cache.
+
+  Args:
+    params: the model params pytree (plain or FP8 `QArray` matrices).
+    prompts: a list of B token-id lists (any lengths ≥ 1), or a pair
+      (tokens [B, P] right-padded array, lens [B] array). A list is padded to the bucket of its
+      longest prompt; a pair keeps the bucket of its width P, so fixed-shape callers
+      always get fixed-shape rollouts.
+    rng: a PRNG key; step i uses fold_in(rng, i).
+    cfg: sampler settings (static).
+    model_cfg: the model config (static).
+    weight_version: the version tag of `params`, stored in the rollout.
+    engine_id: stored in the rollout; default `engine_label(params, cfg)`.
+
+  Returns:
+    A `Rollout` with prompt_tokens [B, P'], where P' is the bucketed prompt width,
+    and completion arrays [B, C], C = cfg.max_new_tokens.
+  """
+  if not isinstance(cfg, SamplerConfig):
+    raise ValueError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
+  dtype = jnp.dtype(model.compute_dtype(params)).name
+  if dtype not in COMPUTE_DTYPES:
+    raise ValueError(
+      f"unsupported params dtype {dtype!r} (from the embedding table); "
+      f"allowed: {', '.join(COMPUTE_DTYPES)}"
+    )
+  tokens_bp, lens_b = _as_padded_prompts(prompts, model_cfg.vocab_size)
+  batch, width = tokens_bp.shape
+  bucket = prompt_bucket(width)
+  cache_len = cfg.cache_len or bucket + cfg.max_new_tokens
+  for i, n in enumerate(lens_b.tolist()):
+    if n > cache_len:
+      raise ValueError(
+        f"prompt {i} has {n} tokens, longer than the KV cache ({cache_len} slots); "
+        "raise SamplerConfig.cache_len or shorten the prompt"
+      )
+  if engine_id is None:
+    engine_id = engine_label(params, cfg)
+  if cfg.kv is None:
+    cfg = dataclasses.replace(cfg, kv=kvcache.KVCacheSpec(dtype=dtype))
+
+  padded_batch = next_pow2(batch)
+  tokens = np.zeros((padded_batch, bucket), np.int32)
+  tokens[:batch, :width] = tokens_bp
+  lens = np.ones((padded_batch,), np.int32)
+  lens[:batch] = lens_b
+  live = np.arange(padded_batch) < batch
+  out = _sample_core(params, tokens, lens, live, rng, cfg, model_cfg, cache_len)
+
+  def rows(x):
+    return x if padded_batch == batch else x[:batch]
+
+  topk_ids = out.get("topk_ids")
+  if "topk_lp" in out and topk_ids is None:  # full distribution, vocabulary order
+    topk_ids = jnp.broadcast_to(
+      jnp.arange(model_cfg.vocab_size, dtype=jnp.int32), out["topk_lp"].shape
+    )
+  return Rollout(
+    prompt_tokens=rows(jnp.asarray(tokens)),
+    prompt_lens=rows(jnp.asarray(lens)),
+    completion_tokens=rows(out["tokens"]),
+    completion_mask=rows(out["mask"]),
+    behaviour_logprobs=rows(out["behaviour_lp"]),
+    model_logprobs=rows(out["model_lp"]),
+    weight_version=jnp.asarray(weight_version, jnp.int32),
+    topk_logprobs=None if "topk_lp" not in out else rows(out["topk_lp"]),
+    topk_ids=None if topk_ids is None else rows(topk_ids),
+    tail_logprob=None if "tail_lp" not in out else rows(out["tail_lp"]),
+    engine_id=engine_id,
+  )

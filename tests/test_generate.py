@@ -1,0 +1,86 @@
+"""`python -m opd_jax.generate` against `sampler.sample` on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opd_jax import generate, hf, sampler
+
+
+def _save_tokenizer(path, vocab_size):
+  """A WordLevel tokenizer whose ids are the model's: '<pad>'=0, '<bos>'=1, '<eos>'=2, 'w3'..."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+  raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+  raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  fast = PreTrainedTokenizerFast(
+    tokenizer_object=raw, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+  )
+  fast.save_pretrained(path)
+
+
+def test_json_output_equals_sampler(make_hf_checkpoint, capsys):
+  ckpt = make_hf_checkpoint("qwen3")
+  argv = ["--checkpoint", str(ckpt.path), "--prompt-ids", "5,9,2,77", "--prompt-ids", "100,3"]
+  argv += ["--max-new-tokens", "6", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]
+  argv += ["--seed", "4", "--dtype", "float32", "--ignore-eos", "--stop-ids", "17", "--json"]
+  assert generate.main(argv) == 0
+  got = json.loads(capsys.readouterr().out)
+  assert set(got) == {"completions", "logprobs"}  # no tokenizer in the directory
+
+  cfg, params = hf.load_checkpoint(ckpt.path, jnp.float32)
+  scfg = sampler.SamplerConfig(6, 0.8, top_k=20, top_p=0.9, stop_tokens=(17,))
+  ref = sampler.sample(params, [[5, 9, 2, 77], [100, 3]], jax.random.key(4), scfg, cfg)
+  for b in range(2):
+    mask = np.asarray(ref.completion_mask[b], bool)
+    assert got["completions"][b] == np.asarray(ref.completion_tokens[b])[mask].tolist()
+    np.testing.assert_allclose(got["logprobs"][b], np.asarray(ref.behaviour_logprobs[b])[mask])
+    assert 1 <= len(got["completions"][b]) <= 6
+
+
+def test_text_prompts_with_checkpoint_tokenizer(make_hf_checkpoint, tmp_path, capsys):
+  ckpt = make_hf_checkpoint("qwen3")
+  directory = tmp_path / "ckpt"
+  shutil.copytree(ckpt.path, directory)
+  _save_tokenizer(directory, 128)
+  argv = ["--checkpoint", str(directory), "--prompt", "w5 w9 w77", "--prompt-ids", "1,5,9,77"]
+  argv += ["--max-new-tokens", "5", "--temperature", "0", "--dtype", "float32", "--json"]
+  assert generate.main(argv) == 0
+  got = json.loads(capsys.readouterr().out)
+  # The text prompt is encoded as <bos> w5 w9 w77, i.e. the same ids as the second prompt.
+  assert got["completions"][0] == got["completions"][1]
+  ids = got["completions"][0]
+  assert 1 <= len(ids) <= 5 and (len(ids) == 5 or ids[-1] == 2)  # stops at <eos> = 2
+  words = [f"w{i}" for i in ids if i != 2]
+  assert got["text"][0].split() == words
+  np.testing.assert_array_equal(got["logprobs"][0], 0.0)  # greedy: point-mass behaviour
+
+  assert generate.main(argv[:-1]) == 0  # readable output
+  out = capsys.readouterr().out
+  assert "engine w=trainer,kv=float32" in out and "[1] " in out
+
+
+def test_bad_arguments(make_hf_checkpoint):
+  ckpt = str(make_hf_checkpoint("qwen3").path)
+  with pytest.raises(ValueError, match="--prompt 'hello' needs a tokenizer"):
+    generate.main(["--checkpoint", ckpt, "--prompt", "hello"])
+  with pytest.raises(ValueError, match=r"--prompt-ids '1,x': expected comma-separated integer"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1,x"])
+  with pytest.raises(ValueError, match="no prompt given"):
+    generate.main(["--checkpoint", ckpt])
+  with pytest.raises(ValueError, match="--dtype 'float16' is not one of: float32, bfloat16"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--dtype", "float16"])
+  with pytest.raises(ValueError, match="--kv-cache 'int8' is not one of: auto, bf16, f32, fp8"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--kv-cache", "int8"])
+  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--top-p", "2"])
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    generate.main(["--checkpoint", ckpt + "-missing", "--prompt-ids", "1"])

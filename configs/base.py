@@ -97,3 +97,20 @@ def get_config(arg=None):
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
   return c
+
+
+def shrink_to_tiny(c):
+  """The `:tiny` variant of any config: seconds on a CPU, for wiring checks, not quality."""
+  c.teacher.arch = model_arch(1, 32, 4, 2, 8, 64)
+  c.teacher.pretrain_steps = 20
+  c.teacher.pretrain_batch_size = 16
+  c.student.arch = model_arch(1, 32, 4, 2, 8, 64)
+  c.student.warmup_steps = 5
+  c.data.batch_size = 8
+  c.data.eval_size = 16
+  c.rollout.max_new_tokens = 28
+  c.train.steps = 6
+  c.train.log_every = 2
+  c.train.eval_every = 3
+  c.train.checkpoint_every = 3
+  return c

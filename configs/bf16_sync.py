@@ -22,25 +22,8 @@ def get_config(arg=None):
   c.rollout.weights = "trainer"
   c.rollout.kv_cache = "auto"
   c.rollout.mode = "sync"
-  if arg == "tiny":  # seconds on a CPU: wiring checks, not quality
-    c.teacher.arch.num_layers = 1
-    c.teacher.arch.hidden_size = 32
-    c.teacher.arch.head_dim = 8
-    c.teacher.arch.intermediate_size = 64
-    c.teacher.pretrain_steps = 20
-    c.teacher.pretrain_batch_size = 16
-    c.student.arch.num_layers = 1
-    c.student.arch.hidden_size = 32
-    c.student.arch.head_dim = 8
-    c.student.arch.intermediate_size = 64
-    c.student.warmup_steps = 5
-    c.data.batch_size = 8
-    c.data.eval_size = 16
-    c.rollout.max_new_tokens = 28
-    c.train.steps = 6
-    c.train.log_every = 2
-    c.train.eval_every = 3
-    c.train.checkpoint_every = 3
+  if arg == "tiny":
+    base.shrink_to_tiny(c)
   elif arg is not None:
     raise ValueError(f"unknown variant {arg!r} of bf16_sync.py; known: {', '.join(VARIANTS)}")
   return c

@@ -24,9 +24,13 @@ def model_arch(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, inter
   return arch
 
 
+VARIANTS = ("tiny",)
+
+
 def get_config(arg=None):
-  """Returns the base ConfigDict. `arg` is unused here (variants interpret it)."""
-  del arg
+  """Returns the base ConfigDict; `arg="tiny"` shrinks it to CPU-test size."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of base.py; known: {', '.join(VARIANTS)}")
   c = ml_collections.ConfigDict()
   c.seed = 0  # global seed: init, data order, sampling
   c.tokenizer = "char"  # "char" (built-in task) or a local tokenizer directory
@@ -44,6 +48,7 @@ def get_config(arg=None):
   c.student.arch = model_arch(2, 128, 4, 2, 32, 384)  # built-in architecture (half the teacher)
   c.student.warmup_steps = 250  # supervised warm-start steps of a built-in student
   c.student.warmup_lr = 1e-3  # its learning rate
+  c.student.warmup_batch_size = 64  # its batch size
 
   # Teacher: frozen; a local HF checkpoint, or bootstrapped on the built-in task.
   c.teacher = ml_collections.ConfigDict()
@@ -96,7 +101,7 @@ def get_config(arg=None):
   c.train.eval_every = 200  # steps between held-out evaluations
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
-  return c
+  return shrink_to_tiny(c) if arg == "tiny" else c
 
 
 def shrink_to_tiny(c):
@@ -106,6 +111,7 @@ def shrink_to_tiny(c):
   c.teacher.pretrain_batch_size = 16
   c.student.arch = model_arch(1, 32, 4, 2, 8, 64)
   c.student.warmup_steps = 5
+  c.student.warmup_batch_size = 16
   c.data.batch_size = 8
   c.data.eval_size = 16
   c.rollout.max_new_tokens = 28

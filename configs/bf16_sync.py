@@ -5,8 +5,11 @@ measured against this run. On the built-in arithmetic task it bootstraps a 4-lay
 teacher (cached under the workdir), warm-starts a 2-layer student and distills.
 
 Command:  python -m opd_jax.main --config=configs/bf16_sync.py --workdir=/tmp/opd_ref
+Expected: on 2 CPU cores about 8 minutes the first time (4.5 of them bootstrapping
+          the teacher, cached afterwards) and 3 minutes after; teacher 95.3% held-out
+          accuracy, student 43.8% after its warm start and 98.4% after 1,000 OPD steps.
 Tiny:     python -m opd_jax.main --config=configs/bf16_sync.py:tiny --workdir=/tmp/opd_tiny
-Expected: see README "Results" (teacher accuracy, student accuracy before and after).
+          (about a minute, mostly compilation; checks the wiring, not quality).
 
 The name follows the study: the engine runs at the trainer's own precision (f32 on
 CPU, where bf16 matmuls are slower; set --config.student.dtype=bfloat16 on GPU/TPU).
@@ -18,12 +21,11 @@ VARIANTS = ("tiny",)
 
 
 def get_config(arg=None):
-  c = base.get_config()
+  """The reference config; `arg="tiny"` gives the seconds-long wiring check."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of bf16_sync.py; known: {', '.join(VARIANTS)}")
+  c = base.get_config(arg)
   c.rollout.weights = "trainer"
   c.rollout.kv_cache = "auto"
   c.rollout.mode = "sync"
-  if arg == "tiny":
-    base.shrink_to_tiny(c)
-  elif arg is not None:
-    raise ValueError(f"unknown variant {arg!r} of bf16_sync.py; known: {', '.join(VARIANTS)}")
   return c

@@ -91,6 +91,7 @@ RULES: dict[str, Any] = {
   **{f"student.arch.{k}": v for k, v in ARCH.items()},
   "student.warmup_steps": NON_NEGATIVE,
   "student.warmup_lr": Num(True, 0, lo_open=True),
+  "student.warmup_batch_size": POSITIVE,
   "teacher.checkpoint": Kind(str),
   "teacher.dtype": DTYPES,
   **{f"teacher.arch.{k}": v for k, v in ARCH.items()},
@@ -117,7 +118,7 @@ RULES: dict[str, Any] = {
   "rollout.max_new_tokens": POSITIVE,
   "rollout.mode": Choice(("sync",)),  # the async double buffer is not built yet
   "rollout.max_lag": NON_NEGATIVE,
-  "train.steps": NON_NEGATIVE,
+  "train.steps": POSITIVE,
   "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
   "train.is_clip": Num(True),
   "train.jsd_beta": Num(True, 0, 1),

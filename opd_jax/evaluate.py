@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from opd_jax import losses, sampler, task, train_step
@@ -100,7 +99,3 @@ def evaluate(
   metrics["quality/relative_accuracy"] = acc / max(teacher_accuracy, 1e-9)
   samples = [f"{p}{t}" for p, t in zip(eval_set.prompts[:4], texts[:4], strict=True)]
   return metrics, samples
-
-
-def mean_completion_len(rollout) -> float:
-  return float(jnp.mean(jnp.sum(rollout.completion_mask, axis=1)))

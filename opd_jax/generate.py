@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd_jax import engine, hf, kvcache, sampler, tokenizer
+from opd_jax.build import DTYPES
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WEIGHTS = {"dense": "trainer", "bf16": "bf16", "fp8": "fp8"}  # flag value -> EngineConfig.weights
 KV_CACHES = {"bf16": "bfloat16", "f32": "float32", "fp8": "float8_e4m3fn"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -153,13 +153,13 @@ def _scatter_time(dst_bs, src_bt, start_b):
   return jax.vmap(one)(dst_bs, src_bt, start_b)
 
 
-def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
+def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=None) -> dict:
   """Returns `entry` with tokens written at slots start_b .. start_b + T - 1.
 
   FP8 layers store round_e4m3(clip(x / scale, ±448)) with
   "token_head": scale = max(amax_h |x| / 448, 1e-12) per token and head;
-  "tensor": scale = max(headroom · amax |x| / 448, 1e-12) per sequence over its
-  first write (the calibration), then frozen.
+  "tensor": scale = max(headroom · amax |x| / 448, 1e-12) per sequence over the
+  real tokens of its first write (the calibration), then frozen.
 
   Args:
     entry: one layer's cache dict.
@@ -167,6 +167,8 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
     v_btkh: values [B, T, K, H].
     start_b: int [B], the slot of each sequence's first new token.
     spec: the cache numerics (granularity, headroom).
+    valid_len_b: optional int [B]; only tokens t < valid_len_b[b] are real (the rest
+      is prompt padding) and count towards a "tensor" scale's calibration.
 
   Returns:
     The updated layer dict (same shapes and dtypes).
@@ -183,6 +185,9 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec) -> dict:
       out[name + "_scale"] = _scatter_time(entry[name + "_scale"], scale, start_b)
     else:
       old = entry[name + "_scale"]  # [B,1,1,1]; 0 until the first write calibrates it
+      if valid_len_b is not None:
+        real_bt = jnp.arange(x.shape[1])[None, :] < valid_len_b[:, None]
+        amax = jnp.where(real_bt[:, :, None, None], amax, 0.0)
       fresh = jnp.max(amax, axis=(1, 2), keepdims=True) * spec.tensor_headroom / FP8_MAX
       scale = jnp.where(old > 0, old, jnp.maximum(fresh, 1e-12))
       out[name + "_scale"] = scale

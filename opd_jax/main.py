@@ -15,8 +15,6 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from opd_jax import config_check
-
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -65,8 +63,7 @@ def distributed_args(environ=os.environ) -> dict:
 
 
 def run(config, workdir: str) -> dict:
-  """Validates the config, then runs on-policy distillation as configured."""
-  config_check.validate(config)
+  """Runs on-policy distillation as configured (the trainer validates the config first)."""
   from opd_jax import trainer  # imported after flag parsing and distributed init
 
   return trainer.run(config, workdir)

@@ -153,7 +153,13 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
 
 
 def forward_with_cache(
-  params, tokens_bt, start_b, cache, cfg: ModelConfig, spec: kvcache.KVCacheSpec | None = None
+  params,
+  tokens_bt,
+  start_b,
+  cache,
+  cfg: ModelConfig,
+  spec: kvcache.KVCacheSpec | None = None,
+  valid_len_b=None,
 ):
   """Cached forward: prefill (T > 1) or one-token decode (T == 1).
 
@@ -167,6 +173,8 @@ def forward_with_cache(
     cache: list of per-layer cache dicts from `kvcache.init_cache`.
     cfg: the model config.
     spec: the cache numerics (fp8 granularity and headroom); default BF16.
+    valid_len_b: optional int [B], real tokens per row of `tokens_bt` (the rest is
+      padding, excluded from fp8 "tensor" scale calibration).
 
   Returns:
     (logits [B, T, V] f32, updated cache).
@@ -179,7 +187,7 @@ def forward_with_cache(
   for layer, entry in zip(params["layers"], cache, strict=True):
 
     def kv_fn(k, v, entry=entry):
-      updated = kvcache.write(entry, k, v, start_b, spec)
+      updated = kvcache.write(entry, k, v, start_b, spec, valid_len_b)
       new_cache.append(updated)
       keys, values = kvcache.read(updated, k.dtype)
       slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])

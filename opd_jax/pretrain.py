@@ -15,7 +15,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from opd_jax import hf, model, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
@@ -73,6 +72,7 @@ def teacher_key(
   batch_size: int,
   seed: int,
   tokenizer_name: str,
+  dtype: str,
 ) -> str:
   """A stable hash of everything that shapes the bootstrapped teacher."""
   blob = json.dumps(
@@ -84,6 +84,7 @@ def teacher_key(
       "batch": batch_size,
       "seed": seed,
       "tokenizer": tokenizer_name,
+      "dtype": dtype,
       "format": 1,
     },
     sort_keys=True,
@@ -125,8 +126,3 @@ def bootstrap_teacher(
     hf.save_checkpoint(tmp, cfg, jax.device_get(params))
     os.replace(tmp, directory)  # a killed bootstrap never leaves a half-written cache
   return params, {"cached": False, "seconds": seconds, "path": directory}
-
-
-def supervised_batch_count(steps: int, batch_size: int) -> int:
-  """How many examples `supervised_train` consumes (for logs)."""
-  return int(np.int64(steps) * batch_size)

@@ -318,7 +318,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   cache = kvcache.init_cache(model_cfg, b, s, spec)
   t_prefill = min(p, s)  # every prompt fits in s, so columns ≥ s are padding
   _, cache = model.forward_with_cache(
-    params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec
+    params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec, lens_b
   )
   last_b = jnp.take_along_axis(tokens_bp, (lens_b - 1)[:, None], axis=1)[:, 0]
 

@@ -181,7 +181,7 @@ class TaskSource:
 
   def __init__(
     self, split: str, size: int, seed: int = 0, config: TaskConfig = TaskConfig()
-  ) -> Example:
+  ) -> None:
     if split not in SPLITS:
       raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if size < 1:

@@ -71,7 +71,7 @@ class LossConfig:
   name: str = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
   jsd_beta: float = 0.5  # β for jsd (0 = forward KL, 1 = reverse KL)
-  temperature: float = 1.0  # the sampler's temperature; logits are divided by it
+  temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
 
   def __post_init__(self):
     if self.name not in ("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd"):
@@ -102,9 +102,12 @@ def opd_loss(
   loss_cfg: LossConfig,
 ):
   """The configured OPD loss of the student on `rollout`; returns (loss, metrics)."""
-  t = loss_cfg.temperature
-  student_bcv, tokens_bc, mask_bc = completion_logits(params, rollout, student_cfg, t)
-  teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg, t)
+  # The student is scored at the sampler's temperature, so π_θ is the distribution the
+  # rollout was drawn from when the engine is exact; the teacher stays at T = 1.
+  student_bcv, tokens_bc, mask_bc = completion_logits(
+    params, rollout, student_cfg, loss_cfg.temperature
+  )
+  teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
   teacher_bcv = jax.lax.stop_gradient(teacher_bcv)
   if loss_cfg.name == "reverse_kl_sampled":
     loss, metrics = losses.reverse_kl_sampled(

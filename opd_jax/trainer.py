@@ -126,6 +126,7 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
       t.pretrain_batch_size,
       config.seed,
       config.tokenizer,
+      t.dtype,
     )
     cache_dir = t.cache_dir or os.path.join(workdir, "teacher_cache")
     models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
@@ -147,68 +148,150 @@ def _scalars(metrics) -> dict[str, float]:
   return {k: float(v) for k, v in metrics.items() if not k.startswith("per_token/")}
 
 
+# Keys that may change between a run and its resumption (how long and how often).
+RESUMABLE_KEYS = (
+  "train.steps",
+  "train.log_every",
+  "train.eval_every",
+  "train.checkpoint_every",
+  "train.keep_checkpoints",
+)
+
+
+def run_fingerprint(config) -> dict[str, str]:
+  """Every config value that shapes the training trajectory, as strings."""
+  return {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
+
+
+def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: str) -> None:
+  changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+  if changed:
+    details = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed[:5])
+    raise ValueError(
+      f"the checkpoints in {directory} come from a different config ({details}); "
+      "resume with the same config or use a new --workdir"
+    )
+
+
+def initial_state(config, setup: Setup, tx, state_shardings, ckpt, prompt_iter, log):
+  """The TrainState to start from: restored from the latest checkpoint (with the data
+  iterator's position), or the warm-started student at step 0."""
+  m = setup.models
+  latest = ckpt.latest_step()
+  if latest is not None:
+    abstract = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params),
+      state_shardings,
+    )
+    state, extra = ckpt.restore(latest, abstract)
+    _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory)
+    prompt_iter.set_state(data.state_from_json(extra["data_state"]))
+    log(f"resumed from step {latest} in {ckpt.directory}")
+    return state
+  params = m.student_params
+  if not config.student.checkpoint and config.student.warmup_steps:
+    log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
+    params = pretrain.supervised_train(
+      params,
+      m.student_cfg,
+      task_cfg=setup.task_cfg,
+      tokenizer=m.tokenizer,
+      steps=config.student.warmup_steps,
+      lr=config.student.warmup_lr,
+      batch_size=config.student.warmup_batch_size,
+      seed=config.seed + 7,
+      mesh=m.mesh,
+      log=log,
+    )
+  return jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings)
+
+
+def _check_shapes(config, setup: Setup) -> None:
+  """Refuses settings that would silently truncate completions or not shard."""
+  r, mesh = config.rollout, setup.models.mesh
+  if not config.data.prompt_file and r.max_new_tokens < setup.task_cfg.max_completion_tokens:
+    raise ValueError(
+      f"rollout.max_new_tokens={r.max_new_tokens} is shorter than the task's longest "
+      f"completion ({setup.task_cfg.max_completion_tokens} tokens with eos)"
+    )
+  batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.data.batch_size % (batch_devices * jax.process_count()):
+    raise ValueError(
+      f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
+      f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
+    )
+
+
+class Evaluator:
+  """Held-out quality at given steps, written to the metrics writer."""
+
+  def __init__(self, config, setup: Setup, writer):
+    self._config, self._setup, self._writer = config, setup, writer
+    self.teacher_accuracy = None
+
+  def __call__(self, step: int, params) -> dict[str, float]:
+    m = self._setup.models
+    metrics, samples = evaluate.evaluate(
+      params,
+      m.student_cfg,
+      m.teacher_params,
+      m.teacher_cfg,
+      self._setup.eval_set,
+      m.tokenizer,
+      self._config.rollout.max_new_tokens,
+      self.teacher_accuracy,
+    )
+    self.teacher_accuracy = metrics["quality/teacher_accuracy"]
+    self._writer.write_scalars(step, metrics)
+    self._writer.write_text(step, "quality/student_samples", "\n".join(samples))
+    return metrics
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
-  """Runs OPD as configured; returns the final quality metrics."""
+  """Runs OPD as configured; returns the quality at the start and the end."""
   config_check.validate(config)
   start = time.time()
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
   log = log if is_main else (lambda *a, **k: None)
   setup = prepare_models(config, workdir, log)
-  m, tok = setup.models, setup.models.tokenizer
-  mesh, t = m.mesh, config.train
+  _check_shapes(config, setup)
+  m, t = setup.models, config.train
+  log(build.summary(m))
+  source = prompt_source(config, setup.task_cfg)
+  width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(config.data.prompt_file))
+  prompt_iter = iter(
+    data.prompt_batches(
+      source,
+      config.data.batch_size // jax.process_count(),
+      config.seed,
+      shard_index=jax.process_index(),
+      shard_count=jax.process_count(),
+    )
+  )
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
+  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
+  state_shardings = sharding.tree_shardings(abstract, m.mesh)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
   writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
-  from_file = bool(config.data.prompt_file)
-  source = prompt_source(config, setup.task_cfg)
-  width = prompt_width(source, tok, setup.task_cfg, from_file)
-  shards = jax.process_count()
-  if config.data.batch_size % shards:
-    raise ValueError(f"data.batch_size {config.data.batch_size} must divide by {shards} processes")
-  prompts = data.prompt_batches(
-    source,
-    config.data.batch_size // shards,
-    config.seed,
-    shard_index=jax.process_index(),
-    shard_count=shards,
-  )
-  prompt_iter = iter(prompts)
-
-  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
-  state_shardings = sharding.tree_shardings(abstract, mesh)
-  latest = ckpt.latest_step()
-  if latest is None:
-    params = m.student_params
-    if not config.student.checkpoint and config.student.warmup_steps:
-      log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
-      params = pretrain.supervised_train(
-        params,
-        m.student_cfg,
-        task_cfg=setup.task_cfg,
-        tokenizer=tok,
-        steps=config.student.warmup_steps,
-        lr=config.student.warmup_lr,
-        batch_size=config.teacher.pretrain_batch_size,
-        seed=config.seed + 7,
-        mesh=mesh,
-        log=log,
-      )
-    state = jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings)
-  else:
-    restored, extra = ckpt.restore(
-      latest,
-      jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
-      ),
+  try:
+    state = initial_state(config, setup, tx, state_shardings, ckpt, prompt_iter, log)
+    m.student_params = None  # donated into the train state; the state owns the student now
+    return _train(
+      config, setup, state, state_shardings, tx, prompt_iter, width, ckpt, writer, start, log
     )
-    state = restored
-    prompt_iter.set_state(data.state_from_json(extra["data_state"]))
-    log(f"resumed from step {latest} in {ckpt.directory}")
+  finally:
+    writer.close()
+    ckpt.close()
 
-  compute_dtype = jnp.dtype(config.student.dtype).name
-  ecfg = engine_config(config, compute_dtype)
-  scfg = sampler_config(config, tok.eos_id, ecfg.kv)
+
+def _train(
+  config, setup, state, state_shardings, tx, prompt_iter, width, ckpt, writer, start, log
+) -> dict:
+  """The step loop: sample, update, publish, log, evaluate, checkpoint."""
+  m, t = setup.models, config.train
+  ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
   loss_cfg = train_step.LossConfig(
     name=t.loss,
     is_clip=t.is_clip if t.is_clip > 0 else None,
@@ -217,48 +300,34 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   )
   step_fn = train_step.jit_step(
     train_step.train_step,
-    mesh,
+    m.mesh,
     state_shardings,
     tx=tx,
     student_cfg=m.student_cfg,
     teacher_cfg=m.teacher_cfg,
     loss_cfg=loss_cfg,
   )
+  step = int(state.step)
   rollouts = SyncRollouts(
     prompt_iter,
-    tok,
+    m.tokenizer,
     width,
     ecfg,
-    scfg,
+    sampler_config(config, m.tokenizer.eos_id, ecfg.kv),
     m.student_cfg,
     jax.random.wrap_key_data(np.asarray(state.rng)),
+    m.mesh,
+    first_batch=step,
   )
-  step = int(state.step)
   rollouts.publish(state.params, step)
-
-  def run_eval(step, teacher_acc=None):
-    metrics, samples = evaluate.evaluate(
-      state.params,
-      m.student_cfg,
-      m.teacher_params,
-      m.teacher_cfg,
-      setup.eval_set,
-      tok,
-      config.rollout.max_new_tokens,
-      teacher_acc,
-    )
-    writer.write_scalars(step, metrics)
-    writer.write_text(step, "quality/student_samples", "\n".join(samples))
-    return metrics
-
-  quality = run_eval(step)
-  teacher_acc = quality["quality/teacher_accuracy"]
+  evaluator = Evaluator(config, setup, writer)
+  initial = evaluator(step, state.params)
+  quality = initial
   log(
-    f"step {step}: teacher accuracy {teacher_acc:.3f}, "
-    f"student accuracy {quality['quality/student_accuracy']:.3f} "
-    f"(setup {time.time() - start:.0f}s, teacher bootstrap {setup.teacher_info['seconds']:.0f}s)"
+    f"step {step}: teacher accuracy {evaluator.teacher_accuracy:.3f}, student accuracy "
+    f"{initial['quality/student_accuracy']:.3f} (setup {time.time() - start:.0f}s, teacher "
+    f"bootstrap {setup.teacher_info['seconds']:.0f}s)"
   )
-  initial = dict(quality)
   progress = metrics_writer.Progress(t.steps)
   loop_start, first_step = time.time(), step
   while step < t.steps:
@@ -288,12 +357,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
       )
       writer.write_scalars(step, scalars)
       mask = np.asarray(rollout.completion_mask) > 0
-      writer.write_histogram(
-        step, "loss/advantage", np.asarray(metrics["per_token/advantage_bc"])[mask]
-      )
+      advantages = np.asarray(metrics["per_token/advantage_bc"])[mask]
+      writer.write_histogram(step, "loss/advantage", advantages)
       log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
     if step % t.eval_every == 0 or step == t.steps:
-      quality = run_eval(step, teacher_acc)
+      quality = evaluator(step, state.params)
       log(
         f"step {step}: student accuracy {quality['quality/student_accuracy']:.3f} "
         f"KL(student||teacher) {quality['quality/student_teacher_kl']:.4f}"
@@ -305,13 +373,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
         {
           "data_state": data.state_to_json(prompt_iter.get_state()).decode(),
           "weight_version": step,
+          "config": run_fingerprint(config),
         },
       )
   writer.write_scalars(step, {"perf/wall_seconds": time.time() - start})
-  writer.close()
-  ckpt.close()
   result = {
-    "teacher_accuracy": teacher_acc,
+    "start_step": first_step,
+    "teacher_accuracy": evaluator.teacher_accuracy,
     "student_accuracy_before": initial["quality/student_accuracy"],
     "student_accuracy_after": quality["quality/student_accuracy"],
     "student_teacher_kl_before": initial["quality/student_teacher_kl"],

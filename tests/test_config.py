@@ -35,7 +35,7 @@ def test_every_config_file_and_variant_validates(name):
 @pytest.mark.parametrize(
   "key,value,message",
   [
-    ("train.steps", -1, "config.train.steps must be >= 0, got -1"),
+    ("train.steps", 0, "config.train.steps must be >= 1, got 0"),
     ("data.batch_size", 0, "config.data.batch_size must be >= 1, got 0"),
     ("rollout.kv_cache", "fp16", "config.rollout.kv_cache must be one of auto, bf16, fp8"),
     ("rollout.top_p", 1.5, "config.rollout.top_p must be <= 1"),

@@ -199,3 +199,16 @@ def test_bench_entry_point_json():
   keys = {"model", "recipe", "granularity", "kv_bytes_per_token", "tokens_in_budget"}
   assert all(keys | {"budget_bytes", "ratio_vs_bf16"} <= set(r) for r in out["rows"])
   assert all(r["budget_bytes"] == 8 * 2**30 for r in out["rows"])
+
+
+def test_tensor_scale_calibrates_on_real_tokens_only():
+  """A "tensor" scale set at prefill ignores the prompt's padding columns."""
+  spec = kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="tensor")
+  cfg = ModelConfig("qwen3", 16, 8, 16, 1, 2, 1, 4)
+  x_btkh = jnp.ones((1, 4, 1, 4), jnp.float32).at[0, 3].set(100.0)  # column 3 is padding
+  entry = kvcache.init_cache(cfg, 1, 8, spec)[0]
+  masked = kvcache.write(entry, x_btkh, x_btkh, jnp.zeros(1, jnp.int32), spec, jnp.array([3]))
+  unmasked = kvcache.write(entry, x_btkh, x_btkh, jnp.zeros(1, jnp.int32), spec)
+  expected = spec.tensor_headroom * 1.0 / 448.0
+  np.testing.assert_allclose(float(masked["k_scale"].reshape(())), expected, rtol=1e-6)
+  np.testing.assert_allclose(float(unmasked["k_scale"].reshape(())), 100 * expected, rtol=1e-6)

@@ -55,16 +55,6 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, cfg: ModelConfig):
   """
   b, t, n, h = q_btnh.shape
   k, g = cfg.num_kv_heads, cfg.num_groups
-  if t == 1:
-    # One-token decode: broadcast-multiply-reduce keeps the [B, S, K, H] cache in its
-    # layout, where an einsum would make XLA transpose the whole cache every step.
-    visible_bs = k_pos_bs <= q_pos_bt
-    q_bkgh = q_btnh.reshape(b, k, g, h).astype(jnp.float32)
-    scores_bskg = jnp.sum(k_bskh[:, :, :, None, :] * q_bkgh[:, None], axis=-1) * (h**-0.5)
-    scores_bskg = jnp.where(visible_bs[:, :, None, None], scores_bskg, jnp.finfo(jnp.float32).min)
-    probs_bskg = jax.nn.softmax(scores_bskg, axis=1)
-    out_bkgh = jnp.sum(probs_bskg[..., None] * v_bskh[:, :, :, None, :], axis=1)
-    return out_bkgh.astype(q_btnh.dtype).reshape(b, 1, n, h)
   q_btkgh = q_btnh.reshape(b, t, k, g, h)
   scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
   scores = scores * (h**-0.5)

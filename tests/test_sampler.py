@@ -322,3 +322,15 @@ def test_bad_inputs_raise_clear_errors(params):
     ValueError, match=r"prompt 0 has token id 128 at index 1, outside the vocabulary"
   ):
     sampler.sample(params, [[1, 128]], jax.random.key(0), cfg, CFG)
+
+
+def test_greedy_with_a_long_cache_matches_uncached_forward(params):
+  """A cache of ≥ 128 slots under jit (a one-token decode attention variant once
+  diverged there on XLA:CPU while staying exact at 127 slots and in eager mode)."""
+  prompt = PROMPTS[0]
+  cfg = SamplerConfig(max_new_tokens=6, temperature=0.0, cache_len=192)
+  out = sampler.sample(params, [prompt], jax.random.key(0), cfg, CFG)
+  seq = list(prompt)
+  for _ in range(6):
+    seq.append(int(np.argmax(reference_logits(params, seq, [0])[0])))
+  np.testing.assert_array_equal(np.asarray(out.completion_tokens[0]), seq[len(prompt) :])

@@ -182,6 +182,34 @@ def _restore(ckpt, step):
   return ckpt._manager.restore(step, args=args)
 
 
+def _sharded_step1(workdir, teacher_cache, mesh):
+  devices = int(np.prod(mesh))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flag = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
+  script = Path(__file__).with_name("_sharded_trainer_check.py")
+  proc = subprocess.run(
+    [sys.executable, str(script), str(workdir), teacher_cache, *map(str, mesh)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["devices"] == devices
+  return result["step1"]
+
+
+@pytest.mark.slow
+def test_opd_step_on_a_2x2x2_mesh_matches_one_device(teacher_cache, tmp_path):
+  """Same first OPD step whether the batch and weights are split 8 ways or not."""
+  one = _sharded_step1(tmp_path / "one", teacher_cache, (1, 1, 1))
+  split = _sharded_step1(tmp_path / "split", teacher_cache, (2, 2, 2))
+  for name in ("loss/total", "teacher/reverse_kl", "teacher/logprob", "perf/grad_norm"):
+    assert split[name] == pytest.approx(one[name], rel=1e-4), name
+
+
 def _main_cmd(workdir, teacher_cache):
   return [
     sys.executable,

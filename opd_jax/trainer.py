@@ -88,7 +88,7 @@ def prompt_width(source, tokenizer, task_cfg, from_file: bool) -> int:
     try:
       longest = max(longest, len(tokenizer.encode(source[i]["prompt"])) + bos)
     except ValueError as e:
-      raise ValueError(f"prompt file line {i + 1}: {e}") from e
+      raise ValueError(f"prompt {i} of {getattr(source, 'path', 'the prompts')}: {e}") from e
   return longest
 
 

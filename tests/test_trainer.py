@@ -126,7 +126,7 @@ def test_prompt_with_unknown_characters_is_refused(teacher_cache, tmp_path):
   bad = tmp_path / "prompts.jsonl"
   bad.write_text('{"prompt": "12+34+56="}\n{"prompt": "what is 2+2?"}\n')
   config = tiny_config(teacher_cache, **{"data.prompt_file": str(bad)})
-  with pytest.raises(ValueError, match="prompt file line 2"):
+  with pytest.raises(ValueError, match=r"prompt 1 of .*prompts.jsonl: character 'w' at position 0"):
     trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)
 
 

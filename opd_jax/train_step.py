@@ -138,7 +138,7 @@ def opd_loss(
 def _apply(state: TrainState, grads, tx, loss, metrics):
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(metrics, **{"loss/total": loss, "perf/grad_norm": optax.global_norm(grads)})
+  metrics = dict(metrics, **{"loss/total": loss, "perf/grad_norm": optax.tree.norm(grads)})
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 

@@ -44,7 +44,7 @@ def supervised_train(
   state = train_step.init_state(params, tx, seed)
   state_shardings = sharding.tree_shardings(jax.eval_shape(lambda: state), mesh)
   state = jax.device_put(state, state_shardings)
-  step_fn = train_step.jit_step(train_step.sft_step, mesh, state_shardings, tx=tx, cfg=cfg)
+  step_fn = train_step.jit_step(train_step.sft_step, state_shardings, tx=tx, cfg=cfg)
   batch_sharding = sharding.batch_sharding(mesh, 2)
   start = time.time()
   for s in range(steps):

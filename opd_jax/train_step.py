@@ -191,7 +191,7 @@ def sft_step(state: TrainState, tokens_bt, loss_mask_bt, *, tx, cfg: ModelConfig
   return _apply(state, grads, tx, loss, metrics)
 
 
-def jit_step(step_fn, mesh, state_shardings, **static):
+def jit_step(step_fn, state_shardings, **static):
   """`step_fn` partially applied to its static arguments, jitted with the state donated
   and the state's output sharding pinned to `state_shardings`."""
   fn = functools.partial(step_fn, **static)

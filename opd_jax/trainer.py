@@ -300,7 +300,6 @@ def _train(
   )
   step_fn = train_step.jit_step(
     train_step.train_step,
-    m.mesh,
     state_shardings,
     tx=tx,
     student_cfg=m.student_cfg,

@@ -28,7 +28,6 @@ def _jitted(tx, mesh, state, loss="reverse_kl_sampled"):
   shardings = sharding.tree_shardings(jax.eval_shape(lambda: state), mesh)
   return train_step.jit_step(
     train_step.train_step,
-    mesh,
     shardings,
     tx=tx,
     student_cfg=CFG,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from opd_jax import (
   build,
@@ -145,7 +146,15 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
 
 
 def _scalars(metrics) -> dict[str, float]:
+  """The replicated scalar metrics as floats (per-token arrays stay on device)."""
   return {k: float(v) for k, v in metrics.items() if not k.startswith("per_token/")}
+
+
+def _to_host(x) -> np.ndarray:
+  """A batch-sharded array as one host array, gathered across processes if needed."""
+  if jax.process_count() > 1:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 # Keys that may change between a run and its resumption (how long and how often).
@@ -335,7 +344,7 @@ def _train(
     queue_wait = time.perf_counter() - wait_start
     train_start = time.perf_counter()
     state, metrics = step_fn(state, m.teacher_params, rollout)
-    scalars = _scalars(jax.device_get(metrics))
+    scalars = _scalars(metrics)
     train_seconds = time.perf_counter() - train_start
     step += 1
     if not np.isfinite(scalars["loss/total"]):
@@ -355,8 +364,8 @@ def _train(
         }
       )
       writer.write_scalars(step, scalars)
-      mask = np.asarray(rollout.completion_mask) > 0
-      advantages = np.asarray(metrics["per_token/advantage_bc"])[mask]
+      mask = _to_host(rollout.completion_mask) > 0
+      advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
       writer.write_histogram(step, "loss/advantage", advantages)
       log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
     if step % t.eval_every == 0 or step == t.steps:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _sharded_forward_check import CFG  # the model the subprocess check uses
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, SequenceKey
@@ -17,18 +18,6 @@ from jax.tree_util import DictKey, SequenceKey
 from opd_jax import model, sharding
 from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray
-
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=64,
-  hidden_size=64,
-  intermediate_size=128,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=4,
-  head_dim=16,
-  qk_norm=True,
-)
 
 
 def abstract_mesh(data, fsdp, tensor):

@@ -42,11 +42,16 @@ def arch_config(arch: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig
   )
 
 
+def param_shardings(cfg: ModelConfig, mesh, dtype):
+  """NamedShardings of a `cfg` params pytree, from its abstract shapes and the rules."""
+  abstract = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg, dtype))
+  return sharding.tree_shardings(abstract, mesh)
+
+
 def init_sharded(cfg: ModelConfig, mesh, rng, dtype):
   """Random params created directly in their shardings (never whole on one host)."""
   init = lambda rng: model.init_params(rng, cfg, dtype)
-  shardings = sharding.tree_shardings(jax.eval_shape(init, rng), mesh)
-  return jax.jit(init, out_shardings=shardings)(rng)
+  return jax.jit(init, out_shardings=param_shardings(cfg, mesh, dtype))(rng)
 
 
 def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
@@ -58,9 +63,7 @@ def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
   """
   dtype = DTYPES[block.dtype]
   if block.checkpoint:
-    shardings = lambda cfg: sharding.tree_shardings(
-      jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg, dtype)), mesh
-    )
+    shardings = lambda cfg: param_shardings(cfg, mesh, dtype)
     return hf.load_checkpoint(block.checkpoint, dtype, shardings=shardings)
   cfg = arch_config(block.arch, vocab_size)
   return cfg, init_sharded(cfg, mesh, rng, dtype)

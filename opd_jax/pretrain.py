@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from opd_jax import hf, model, sharding, task, train_step
+from opd_jax import build, hf, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
 
 
@@ -110,9 +110,7 @@ def bootstrap_teacher(
     training took.
   """
   directory = os.path.join(cache_dir, f"teacher-{key}")
-  shardings = sharding.tree_shardings(
-    jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg, dtype)), mesh
-  )
+  shardings = build.param_shardings(cfg, mesh, dtype)
   if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
     _, params = hf.load_checkpoint(directory, dtype, shardings=shardings)
     log(f"teacher loaded from cache {directory}")

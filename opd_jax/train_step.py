@@ -125,10 +125,11 @@ def opd_loss(
   else:
     loss, metrics = losses.jsd(student_bcv, teacher_bcv, mask_bc, beta=loss_cfg.jsd_beta)
   student_bcv = jax.lax.stop_gradient(student_bcv)
-  kl_bc = losses.per_token_kl(student_bcv, teacher_bcv)
   teacher_lp_bc = losses.token_logprobs(teacher_bcv, tokens_bc)
   metrics = dict(metrics)
-  metrics["teacher/reverse_kl"] = losses.masked_mean(kl_bc, mask_bc)
+  if "teacher/reverse_kl" not in metrics:  # reverse_kl_full already reports it
+    kl_bc = losses.per_token_kl(student_bcv, teacher_bcv)
+    metrics["teacher/reverse_kl"] = losses.masked_mean(kl_bc, mask_bc)
   metrics["teacher/logprob"] = losses.masked_mean(teacher_lp_bc, mask_bc)
   # Per-token advantage A_t = log π_T(y_t) − log π_θ(y_t), for histograms.
   metrics["per_token/advantage_bc"] = teacher_lp_bc - losses.token_logprobs(student_bcv, tokens_bc)

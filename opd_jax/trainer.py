@@ -182,18 +182,19 @@ def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: s
     )
 
 
-def initial_state(config, setup: Setup, tx, state_shardings, ckpt, prompt_iter, log):
+def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log):
   """The TrainState to start from: restored from the latest checkpoint (with the data
-  iterator's position), or the warm-started student at step 0."""
+  iterator's position), or the warm-started student at step 0.
+
+  `abstract` is `eval_shape` of the initial state; `state_shardings` its shardings.
+  """
   m = setup.models
   latest = ckpt.latest_step()
   if latest is not None:
-    abstract = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params),
-      state_shardings,
+    target = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
     )
-    state, extra = ckpt.restore(latest, abstract)
+    state, extra = ckpt.restore(latest, target)
     _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     log(f"resumed from step {latest} in {ckpt.directory}")
@@ -285,7 +286,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
   writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
   try:
-    state = initial_state(config, setup, tx, state_shardings, ckpt, prompt_iter, log)
+    state = initial_state(config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log)
     m.student_params = None  # donated into the train state; the state owns the student now
     return _train(
       config, setup, state, state_shardings, tx, prompt_iter, width, ckpt, writer, start, log

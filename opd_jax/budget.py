@@ -1,0 +1,30 @@
+"""`opd_jax.budget`: the stable import path of the mismatch budget and the admission check.
+
+A thin re-export: the code lives in `opd_jax.mismatch.budget` (the pure fit and `admit`) and
+`opd_jax.mismatch.budget_file` (the JSON budget file and its fingerprint), which document the
+equations, the record format and the file schema.
+"""
+
+from opd_jax.mismatch.budget import Budget, Threshold, Verdict, admit, fit_budget
+from opd_jax.mismatch.budget_file import (
+  budget_from_json,
+  budget_to_json,
+  fingerprint,
+  load_budget,
+  save_budget,
+  stale_reasons,
+)
+
+__all__ = [
+  "Budget",
+  "Threshold",
+  "Verdict",
+  "admit",
+  "budget_from_json",
+  "budget_to_json",
+  "fingerprint",
+  "fit_budget",
+  "load_budget",
+  "save_budget",
+  "stale_reasons",
+]

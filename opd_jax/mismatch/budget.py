@@ -1,0 +1,495 @@
+"""The mismatch budget: a monotone fit of quality drop against `mismatch/kl`, and admission.
+
+This module owns the pure half of budget and admission (DESIGN.md, "Budget and admission"):
+`fit_budget` turns calibration records into a `Budget`, and `admit` screens one measured rollout
+configuration against it. Neither does I/O, reads a clock or touches global state: the bootstrap
+draws from a numpy Generator seeded from an argument (default `SEED`), so the same records give
+the same `Budget` on every call, and the records passed in are never modified. Saving, loading
+and fingerprinting a budget live in `opd_jax.mismatch.budget_file`.
+
+Records
+-------
+A calibration record is a mapping with at least
+
+  "source"        what was perturbed (str), e.g. "noise", "fp8", "stale", "kv";
+  "mismatch/kl"   the mismatch the admission check measures for that configuration, in nats
+                  per completion token (DESIGN.md: "the x-axis is what the check measures");
+  "quality_drop"  reference quality minus the run's quality, in the quality's own units
+                  (bigger is worse; may be negative within the seed-to-seed noise).
+
+Any other keys (other `mismatch/*` metrics, the setting, the seed) are kept in `Budget.records`
+untouched. A record that also has an integer "layer": i belongs to the layer-sensitivity scan of
+decoder layer i: a run in which only layer i was perturbed, its "mismatch/kl" being the
+whole-model KL that perturbation causes. Such records feed layer i's threshold, not the overall
+fit; their "source" is free (e.g. "layer_sensitivity/noise"). A measurement given to `admit` may
+carry the matching per-layer values as "mismatch/kl/layer_<i>": the KL measured with the
+candidate's perturbation restricted to layer i.
+
+Fit
+---
+Let x_1 < … < x_m be the distinct values of mismatch/kl, ȳ_j the mean quality drop of the w_j
+records at x_j. The isotonic (non-decreasing) least-squares fit is
+
+  f = argmin_f  Σ_j w_j (ȳ_j − f_j)²   subject to  f_1 ≤ f_2 ≤ … ≤ f_m,
+
+computed exactly by pool-adjacent-violators (PAVA): scan j = 1…m keeping a stack of blocks,
+each holding the weighted mean of the points it pooled; push point j as a block, and while the
+block below the top has a larger mean than the top, merge the two (summed weights, weighted
+mean). Every point's fitted value is its block's mean. Between the points, the predicted drop
+g(x) interpolates linearly between (x_j, f_j) and (x_{j+1}, f_{j+1}); g is not defined beyond
+the data (no extrapolation). Given the tolerance τ, the budget is
+
+  max_kl = sup { x ∈ [x_1, x_m] : g(x) ≤ τ }.
+
+Since g is non-decreasing this is, with k the last index such that f_k ≤ τ,
+
+  max_kl = x_k + (τ − f_k) / (f_{k+1} − f_k) · (x_{k+1} − x_k)    when k < m (censored = "none"),
+  max_kl = x_m                                                    when k = m (censored = "above"),
+  max_kl = 0                                                      when f_1 > τ (censored = "below").
+
+"above": the largest measured mismatch is still within tolerance; the true budget is at least
+x_m but the data say nothing about how far beyond it, so `max_kl = x_m` is a lower bound and
+`admit` rejects anything above it. "below": even the smallest measured mismatch x_1 predicts a
+drop above τ; the true budget lies somewhere in [0, x_1), and the only mismatch the data vouch
+for is none at all (the reference itself), so `max_kl = 0`. Below x_1 (when f_1 ≤ τ) the fit is
+not extrapolated either: monotonicity alone says g(x) ≤ f_1 ≤ τ there, so such a mismatch is
+within budget.
+
+Uncertainty: B bootstrap resamples of the records (n draws with replacement, B = `num_bootstrap`)
+are each fitted by the same rule, and `interval` is the equal-tailed percentile interval of their
+max_kl at `level` (numpy's linear quantile). With few records the interval is wide and, when
+resamples hit the "below"/"above" cases, it mixes in their conventions (0, or a lower bound).
+
+Admission
+---------
+`admit` admits a measurement iff mismatch/kl ≤ limit and every per-layer value it carries is
+within its layer's limit, where limit = max_kl by default, or the interval's lower end with
+`conservative=True`. The default is the point estimate: it is the fit's best guess of where the
+drop crosses τ, which is what a verdict is validated against (agreement with full runs); the lower
+end can sit far below it when the records are few or noisy (a resample that hits the "below" case
+pulls it to 0), rejecting configurations the data do not condemn. Choose `conservative=True` when
+a wrongly admitted configuration (a full training run that degrades) costs much more than a
+wrongly rejected one (a slower but safer engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+SEED = 0  # default bootstrap seed: a constant, so that fit_budget stays a pure function
+NUM_BOOTSTRAP = 1000  # default number of bootstrap resamples
+LEVEL = 0.95  # default coverage of the bootstrap interval
+MIN_DISTINCT_KL = 2  # a fit needs records at this many distinct mismatch/kl values
+KL_KEY = "mismatch/kl"
+DROP_KEY = "quality_drop"
+LAYER_KEY = "layer"
+LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_KL_PREFIX}{i}"
+CENSORED = ("none", "above", "below")
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+  """One fitted monotone curve and the largest mismatch it allows.
+
+  Attributes:
+    max_kl: sup{x in [x_1, x_m] : g(x) <= tolerance}, nats per token; see the module docstring
+      for the "above" (= x_m, a lower bound) and "below" (= 0) cases.
+    interval: (low, high) bootstrap percentile interval of max_kl at the budget's level.
+    censored: "none", "above" (the budget is at least max_kl) or "below" (below x_1).
+    curve_kl: [m] the distinct mismatch/kl values x_1 < … < x_m.
+    curve_drop: [m] the isotonic fit f_1 <= … <= f_m at those values.
+    num_records: how many records the fit used.
+  """
+
+  max_kl: float
+  interval: tuple[float, float]
+  censored: str
+  curve_kl: tuple[float, ...]
+  curve_drop: tuple[float, ...]
+  num_records: int
+
+  def predicted_drop(self, kl: float) -> float:
+    """g(kl): the fit interpolated linearly between its points; NaN outside [x_1, x_m]."""
+    if not self.curve_kl[0] <= kl <= self.curve_kl[-1]:
+      return math.nan
+    return float(np.interp(kl, self.curve_kl, self.curve_drop))
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """The mismatch budget fitted by `fit_budget`.
+
+  Attributes:
+    tolerance: τ, the largest acceptable predicted quality drop.
+    overall: the fit over every record without a "layer" key.
+    layers: layer index -> that layer's Threshold, for layers with enough scan records.
+    unfitted_layers: layers that had scan records at fewer than MIN_DISTINCT_KL distinct
+      mismatch/kl values, so no threshold (sorted).
+    records: the input records, each copied into a dict, in input order.
+    level: coverage of the bootstrap intervals.
+    num_bootstrap: bootstrap resamples per fit.
+    seed: the bootstrap seed.
+  """
+
+  tolerance: float
+  overall: Threshold
+  layers: dict[int, Threshold]
+  unfitted_layers: tuple[int, ...]
+  records: tuple[dict[str, Any], ...]
+  level: float = LEVEL
+  num_bootstrap: int = NUM_BOOTSTRAP
+  seed: int = SEED
+
+  @property
+  def max_kl(self) -> float:
+    """The overall budget in nats per token (`overall.max_kl`)."""
+    return self.overall.max_kl
+
+  @property
+  def interval(self) -> tuple[float, float]:
+    """The bootstrap interval of `max_kl` (`overall.interval`)."""
+    return self.overall.interval
+
+  @property
+  def censored(self) -> str:
+    """ "none", "above" or "below" (`overall.censored`)."""
+    return self.overall.censored
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """The outcome of `admit` for one measurement.
+
+  Attributes:
+    admitted: True iff margin >= 0 and every checked layer margin >= 0.
+    margin: limit − measured mismatch/kl, nats per token (negative: over budget).
+    limit: the overall limit used: budget.max_kl, or its interval's lower end if conservative.
+    measured_kl: the measurement's mismatch/kl.
+    conservative: whether the interval's lower end was used.
+    reasons: one line per failed threshold (empty when admitted).
+    layer_margins: layer -> its limit minus the measured "mismatch/kl/layer_<i>", for the layers
+      that have a threshold and a measured value.
+  """
+
+  admitted: bool
+  margin: float
+  limit: float
+  measured_kl: float
+  conservative: bool
+  reasons: tuple[str, ...]
+  layer_margins: dict[int, float]
+
+
+def _describe(index: int, record: Any) -> str:
+  source = record.get("source", "?") if isinstance(record, Mapping) else "?"
+  return f"record {index} (source {source!r})"
+
+
+def _number(index: int, record: Mapping, key: str) -> float:
+  if key not in record:
+    raise ValueError(f"fit_budget: {_describe(index, record)} has no {key!r}")
+  value = record[key]
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"fit_budget: {_describe(index, record)} has {key} {value!r}, not a number")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"fit_budget: {_describe(index, record)} has non-finite {key}: {value}")
+  return value
+
+
+def validate_records(records: Sequence[Mapping[str, Any]]):
+  """Checks calibration records (format in the module docstring).
+
+  Returns:
+    (kl [n], drop [n], layer [n]) as numpy arrays, layer = -1 for records without "layer".
+
+  Raises:
+    ValueError: naming the first bad record (index and source) and its problem.
+  """
+  if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Sequence):
+    raise ValueError(f"fit_budget: records must be a sequence of mappings, got {type(records)}")
+  if not records:
+    raise ValueError("fit_budget: records is empty; a fit needs records at >= 2 mismatch/kl values")
+  kl, drop, layer = [], [], []
+  for i, record in enumerate(records):
+    if not isinstance(record, Mapping):
+      raise ValueError(f"fit_budget: record {i} is a {type(record).__name__}, not a mapping")
+    if "source" not in record:
+      raise ValueError(f"fit_budget: {_describe(i, record)} has no 'source'")
+    kl.append(_number(i, record, KL_KEY))
+    drop.append(_number(i, record, DROP_KEY))
+    if LAYER_KEY in record:
+      value = record[LAYER_KEY]
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(
+          f"fit_budget: {_describe(i, record)} has layer {value!r}, not a non-negative int"
+        )
+      layer.append(int(value))
+    else:
+      layer.append(-1)
+  return np.asarray(kl, np.float64), np.asarray(drop, np.float64), np.asarray(layer, np.int64)
+
+
+def isotonic_fit(kl: np.ndarray, drop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Weighted isotonic regression of drop on kl by pool-adjacent-violators.
+
+  Records at equal kl are pooled first (weight = their count, value = their mean drop); then
+  f = argmin Σ_j w_j (ȳ_j − f_j)² subject to f_1 <= … <= f_m, as in the module docstring.
+
+  Args:
+    kl: [n] mismatch values, any order, ties allowed.
+    drop: [n] quality drops.
+
+  Returns:
+    (x [m], f [m]): the distinct kl values ascending and the fitted non-decreasing drops.
+  """
+  x, inverse, counts = np.unique(kl, return_inverse=True, return_counts=True)
+  sums = np.bincount(inverse, weights=drop, minlength=len(x))
+  # Stack of blocks (sum of drops, weight, number of distinct points pooled).
+  block_sum, block_weight, block_len = [], [], []
+  for s, w in zip(sums.tolist(), counts.tolist(), strict=True):
+    block_sum.append(s)
+    block_weight.append(float(w))
+    block_len.append(1)
+    # Merge while the block below has a larger mean: s1/w1 > s2/w2 (weights are positive).
+    while (
+      len(block_sum) > 1 and block_sum[-2] * block_weight[-1] > block_sum[-1] * block_weight[-2]
+    ):
+      s2, w2, n2 = block_sum.pop(), block_weight.pop(), block_len.pop()
+      block_sum[-1] += s2
+      block_weight[-1] += w2
+      block_len[-1] += n2
+  means = [s / w for s, w in zip(block_sum, block_weight, strict=True)]
+  f = np.repeat(np.asarray(means, np.float64), block_len)
+  return x, f
+
+
+def _crossing(x: np.ndarray, f: np.ndarray, tolerance: float) -> tuple[float, str]:
+  """max_kl and its censoring for a fitted curve (x ascending, f non-decreasing)."""
+  within = np.nonzero(f <= tolerance)[0]
+  if within.size == 0:
+    return 0.0, "below"
+  k = int(within[-1])
+  if k == len(x) - 1:
+    return float(x[-1]), "above"
+  # f[k] <= tolerance < f[k + 1], so the denominator is positive.
+  t = (tolerance - f[k]) / (f[k + 1] - f[k])
+  return float(x[k] + t * (x[k + 1] - x[k])), "none"
+
+
+def _fit_one(
+  kl: np.ndarray, drop: np.ndarray, tolerance: float, level: float, num_bootstrap: int, seed
+) -> Threshold:
+  x, f = isotonic_fit(kl, drop)
+  max_kl, censored = _crossing(x, f, tolerance)
+  rng = np.random.default_rng(seed)
+  n = len(kl)
+  draws = np.empty(num_bootstrap, np.float64)
+  for b in range(num_bootstrap):
+    idx = rng.integers(0, n, size=n)
+    bx, bf = isotonic_fit(kl[idx], drop[idx])
+    draws[b] = _crossing(bx, bf, tolerance)[0]
+  alpha = (1.0 - level) / 2.0
+  low, high = np.quantile(draws, [alpha, 1.0 - alpha])
+  return Threshold(
+    max_kl=max_kl,
+    interval=(float(low), float(high)),
+    censored=censored,
+    curve_kl=tuple(float(v) for v in x),
+    curve_drop=tuple(float(v) for v in f),
+    num_records=n,
+  )
+
+
+def _too_few(what: str, records: Sequence[Mapping], indices: np.ndarray) -> str:
+  named = ", ".join(
+    f"{i} (source {records[i]['source']!r}, mismatch/kl {records[i][KL_KEY]!r})"
+    for i in indices[:5].tolist()
+  )
+  more = f" and {len(indices) - 5} more" if len(indices) > 5 else ""
+  count = f"{len(indices)} record" + ("s" if len(indices) != 1 else "")
+  return (
+    f"fit_budget: {what} needs records at >= {MIN_DISTINCT_KL} distinct mismatch/kl values; "
+    f"got {count}: {named}{more}"
+  )
+
+
+def fit_budget(
+  records: Sequence[Mapping[str, Any]],
+  tolerance: float,
+  *,
+  level: float = LEVEL,
+  num_bootstrap: int = NUM_BOOTSTRAP,
+  seed: int = SEED,
+) -> Budget:
+  """Fits the mismatch budget: the largest mismatch/kl whose predicted quality drop <= tolerance.
+
+  Pure: no I/O, no clock, no global state; the bootstrap Generator is seeded from `seed`, so the
+  same arguments give an equal Budget, and `records` is not modified. The fit, the censoring
+  rules and the record format (overall records, and per-layer scan records with "layer": i) are
+  in the module docstring.
+
+  Args:
+    records: sequence of n mappings, each with "source", "mismatch/kl" (finite, nats per token)
+      and "quality_drop" (finite); optionally "layer" (int >= 0) and any other keys.
+    tolerance: τ >= 0, the largest acceptable quality drop, in quality_drop's units.
+    level: coverage of the bootstrap interval, in (0, 1).
+    num_bootstrap: B >= 1 resamples per fit.
+    seed: seed of the bootstrap Generator (per-layer fits use the seed sequence (seed, 1 + i)).
+
+  Returns:
+    A Budget with the overall Threshold (from the records without "layer"), one Threshold per
+    layer whose scan records span >= 2 distinct mismatch/kl values, and the records copied.
+
+  Raises:
+    ValueError: empty records, a record that is not a mapping, a missing key, a non-numeric or
+      non-finite value, a bad "layer", overall records at fewer than 2 distinct mismatch/kl
+      values, or a bad tolerance/level/num_bootstrap; the message names the record (index and
+      source) where there is one.
+  """
+  if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
+    raise ValueError(f"fit_budget: tolerance must be a number, got {tolerance!r}")
+  tolerance = float(tolerance)
+  if not (math.isfinite(tolerance) and tolerance >= 0):
+    raise ValueError(f"fit_budget: tolerance must be finite and >= 0, got {tolerance}")
+  if not 0.0 < level < 1.0:
+    raise ValueError(f"fit_budget: level must be in (0, 1), got {level}")
+  if isinstance(num_bootstrap, bool) or not isinstance(num_bootstrap, int) or num_bootstrap < 1:
+    raise ValueError(f"fit_budget: num_bootstrap must be an int >= 1, got {num_bootstrap!r}")
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f"fit_budget: seed must be an int >= 0, got {seed!r}")
+  kl, drop, layer = validate_records(records)
+
+  overall_idx = np.nonzero(layer < 0)[0]
+  if overall_idx.size == 0:
+    raise ValueError(
+      f"fit_budget: all {len(records)} records have a 'layer' key; the overall fit needs "
+      f"records without one at >= {MIN_DISTINCT_KL} distinct mismatch/kl values"
+    )
+  if np.unique(kl[overall_idx]).size < MIN_DISTINCT_KL:
+    raise ValueError(_too_few("the overall fit", records, overall_idx))
+  overall = _fit_one(kl[overall_idx], drop[overall_idx], tolerance, level, num_bootstrap, seed)
+
+  layers, unfitted = {}, []
+  for i in np.unique(layer[layer >= 0]).tolist():
+    idx = np.nonzero(layer == i)[0]
+    if np.unique(kl[idx]).size < MIN_DISTINCT_KL:
+      unfitted.append(i)
+      continue
+    layers[i] = _fit_one(kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 1 + i])
+
+  return Budget(
+    tolerance=tolerance,
+    overall=overall,
+    layers=layers,
+    unfitted_layers=tuple(unfitted),
+    records=tuple(dict(r) for r in records),
+    level=float(level),
+    num_bootstrap=num_bootstrap,
+    seed=seed,
+  )
+
+
+def _measured(measurement: Mapping, key: str) -> float:
+  value = measurement[key]
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"admit: measurement has {key} {value!r}, not a number")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"admit: measurement has non-finite {key}: {value}")
+  return value
+
+
+def _over(
+  name: str, kl: float, threshold: Threshold, limit: float, conservative: bool, tolerance: float
+) -> str:
+  """The reason line for a mismatch `kl` above `limit` under `threshold`."""
+  if threshold.censored == "below":
+    return (
+      f"{name} {kl:.4g} > 0: every calibrated mismatch is over the tolerance {tolerance:.4g} "
+      f"(the smallest, {threshold.curve_kl[0]:.4g}, predicts a drop of "
+      f"{threshold.curve_drop[0]:.4g}), so the budget is below {threshold.curve_kl[0]:.4g} "
+      "and only zero mismatch is admitted"
+    )
+  if conservative:
+    low, high = threshold.interval
+    return (
+      f"{name} {kl:.4g} > {limit:.4g}, the lower end of the max_kl interval "
+      f"[{low:.4g}, {high:.4g}] (max_kl {threshold.max_kl:.4g}, tolerance {tolerance:.4g}): "
+      f"margin {limit - kl:.4g}"
+    )
+  if threshold.censored == "above":
+    return (
+      f"{name} {kl:.4g} > {limit:.4g}, the largest calibrated mismatch, which is still within "
+      f"the tolerance {tolerance:.4g}: the budget is at least {limit:.4g} (censored), but no "
+      "record says how far beyond"
+    )
+  return (
+    f"{name} {kl:.4g} > max_kl {limit:.4g} (tolerance {tolerance:.4g}): margin {limit - kl:.4g}"
+  )
+
+
+def admit(measurement: Mapping[str, Any], budget: Budget, *, conservative: bool = False) -> Verdict:
+  """Screens one measured rollout configuration against a budget.
+
+  With limit = budget.max_kl (or, if `conservative`, the lower end of budget.interval):
+
+    margin = limit − measurement["mismatch/kl"]            (nats per token)
+    admitted ⇔ margin >= 0  and  limit_i − measurement["mismatch/kl/layer_<i>"] >= 0
+               for every layer i that has a threshold in the budget and a value in the
+               measurement (limit_i likewise max_kl or the interval's lower end of layer i).
+
+  Layers measured but not in the budget, and budget layers not measured, are not checked.
+
+  Args:
+    measurement: mapping with "mismatch/kl" (finite) and optionally "mismatch/kl/layer_<i>".
+    budget: from fit_budget (or load_budget).
+    conservative: use the lower end of each bootstrap interval instead of the point estimate.
+
+  Returns:
+    A Verdict; `reasons` names each threshold that failed.
+
+  Raises:
+    ValueError: "mismatch/kl" missing, or a checked value non-numeric or non-finite.
+  """
+  if not isinstance(measurement, Mapping):
+    raise ValueError(f"admit: measurement must be a mapping, got {type(measurement).__name__}")
+  if KL_KEY not in measurement:
+    raise ValueError(f"admit: measurement has no {KL_KEY!r}")
+  kl = _measured(measurement, KL_KEY)
+
+  def limit_of(threshold: Threshold) -> float:
+    return threshold.interval[0] if conservative else threshold.max_kl
+
+  limit = limit_of(budget.overall)
+  margin = limit - kl
+  reasons = []
+  if margin < 0:
+    reasons.append(_over(KL_KEY, kl, budget.overall, limit, conservative, budget.tolerance))
+  layer_margins = {}
+  for i in sorted(budget.layers):
+    key = f"{LAYER_KL_PREFIX}{i}"
+    if key not in measurement:
+      continue
+    value = _measured(measurement, key)
+    threshold = budget.layers[i]
+    layer_limit = limit_of(threshold)
+    layer_margins[i] = layer_limit - value
+    if layer_margins[i] < 0:
+      line = _over(key, value, threshold, layer_limit, conservative, budget.tolerance)
+      reasons.append(f"layer {i}: {line}")
+  return Verdict(
+    admitted=not reasons,
+    margin=margin,
+    limit=limit,
+    measured_kl=kl,
+    conservative=conservative,
+    reasons=tuple(reasons),
+    layer_margins=layer_margins,
+  )

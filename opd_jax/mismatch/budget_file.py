@@ -1,0 +1,361 @@
+"""The budget file: a fitted `Budget` as JSON, with the fingerprint of the setup it was fitted on.
+
+This module owns the I/O half of the budget (the fit itself is pure, in `budget.py`): writing and
+reading the file, fingerprinting a student/teacher/engine setup, and saying what changed when a
+saved fingerprint no longer matches (a stale budget must be recalibrated; DESIGN.md, "Budget and
+admission").
+
+File schema (version 1), one JSON object:
+
+  {"schema": "opd_jax.budget", "version": 1,
+   "budget": {"tolerance": τ, "level": 0.95, "num_bootstrap": B, "seed": s,
+              "max_kl": …, "interval": [low, high], "censored": "none" | "above" | "below",
+              "curve": {"mismatch/kl": [x_1, …, x_m], "quality_drop": [f_1, …, f_m]},
+              "num_records": n,
+              "layers": [{"layer": i, "max_kl": …, "interval": […], "censored": …,
+                          "curve": {…}, "num_records": n_i}, …],
+              "unfitted_layers": [i, …],
+              "records": [{…the calibration records as given…}, …]},
+   "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…"},
+                   "teacher": {"architecture": {…}, "weights_sha256": "…"},
+                   "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
+                   "jax_version": "…", "jaxlib_version": "…"}}
+
+Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
+compares equal to the original (numpy scalars in the records come back as Python numbers). A
+non-finite value in a record's extra keys is written as Python's `NaN`/`Infinity` token; the
+fitted numbers are always finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from opd_jax.mismatch import budget as budget_lib
+
+SCHEMA = "opd_jax.budget"
+VERSION = 1
+_HASH_SHOWN = 12  # hex digits of a weights hash shown in a stale reason
+
+
+def weights_sha256(params) -> str:
+  """sha256 over a params pytree, in jax's fixed flattening order (dict keys sorted).
+
+  For each leaf, in order: its key path, dtype name and shape as one text line, then its bytes in
+  C order and native byte order (little-endian on every platform jax supports). Key paths and
+  shapes are hashed so that the same bytes under a different structure hash differently; QArray
+  leaves contribute their fp8 values and their scales.
+
+  Args:
+    params: a pytree of arrays; every jax.Array must be fully addressable from this process.
+
+  Returns:
+    The hex digest (64 characters).
+  """
+  digest = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      raise ValueError(
+        f"weights_sha256: leaf {jax.tree_util.keystr(path)} spans several processes; gather it "
+        "to every process first (jax.experimental.multihost_utils.process_allgather)"
+      )
+    arr = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+    digest.update(f"{jax.tree_util.keystr(path)}|{arr.dtype.name}|{arr.shape}\n".encode())
+    digest.update(arr.reshape(-1).view(np.uint8))
+  return digest.hexdigest()
+
+
+def _architecture(cfg, who: str) -> dict[str, Any]:
+  if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+    return dataclasses.asdict(cfg)
+  if isinstance(cfg, Mapping):
+    return dict(cfg)
+  raise ValueError(f"fingerprint: {who}_cfg must be a dataclass or a mapping, got {type(cfg)}")
+
+
+def fingerprint(
+  student_cfg, student_params, teacher_cfg, teacher_params, quant_format: str
+) -> dict:
+  """The identity of the setup a budget is calibrated on.
+
+  Args:
+    student_cfg: the student's ModelConfig (any dataclass or mapping describing the architecture).
+    student_params: the student's params pytree (the trainer's weights, before any engine
+      transform).
+    teacher_cfg: the teacher's ModelConfig.
+    teacher_params: the teacher's params pytree.
+    quant_format: the quantization format the budget is for, e.g. "fp8_e4m3/channel".
+
+  Returns:
+    A JSON-native dict: {"student": {"architecture", "weights_sha256"}, "teacher": {…},
+    "quant_format", "backend" (jax.default_backend()), "device_kind" (of jax.devices()[0]),
+    "jax_version", "jaxlib_version"}.
+  """
+  if not isinstance(quant_format, str):
+    raise ValueError(f"fingerprint: quant_format must be a str, got {quant_format!r}")
+  import jaxlib
+
+  fp = {
+    "student": {
+      "architecture": _architecture(student_cfg, "student"),
+      "weights_sha256": weights_sha256(student_params),
+    },
+    "teacher": {
+      "architecture": _architecture(teacher_cfg, "teacher"),
+      "weights_sha256": weights_sha256(teacher_params),
+    },
+    "quant_format": quant_format,
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "jax_version": jax.__version__,
+    "jaxlib_version": jaxlib.__version__,
+  }
+  # Tuples become lists, as in a loaded file, so that a saved and a fresh fingerprint compare.
+  return json.loads(json.dumps(fp))
+
+
+_LABELS = {
+  "quant_format": "quantization format",
+  "backend": "backend",
+  "device_kind": "device kind",
+  "jax_version": "jax version",
+  "jaxlib_version": "jaxlib version",
+}
+
+
+def _label(path: tuple[str, ...]) -> str:
+  if len(path) == 1 and path[0] in _LABELS:
+    return _LABELS[path[0]]
+  if len(path) >= 2 and path[1] == "architecture":
+    return " ".join([path[0], "architecture", *path[2:]])
+  return ".".join(path)
+
+
+def _diff(saved, current, path: tuple[str, ...], out: list[str]):
+  if isinstance(saved, Mapping) and isinstance(current, Mapping):
+    keys = list(saved) + [k for k in current if k not in saved]
+    for key in keys:
+      sub = (*path, str(key))
+      if key not in current:
+        out.append(f"{_label(sub)} is in the saved fingerprint but not in the current one")
+      elif key not in saved:
+        out.append(f"{_label(sub)} is in the current fingerprint but not in the saved one")
+      else:
+        _diff(saved[key], current[key], sub, out)
+    return
+  if saved == current:
+    return
+  if path[-1] == "weights_sha256" and isinstance(saved, str) and isinstance(current, str):
+    out.append(
+      f"{path[0]} weights hash changed: {saved[:_HASH_SHOWN]}… -> {current[:_HASH_SHOWN]}…"
+    )
+  elif len(path) == 1 and path[0] in _LABELS:
+    out.append(f"{_label(path)} {saved} -> {current}")
+  else:
+    out.append(f"{_label(path)} changed: {saved!r} -> {current!r}")
+
+
+def stale_reasons(saved_fp: Mapping, current_fp: Mapping) -> list[str]:
+  """What differs between a saved fingerprint and the current one; empty when the budget holds.
+
+  One line per differing leaf, e.g. "student weights hash changed: 3f2a… -> 9b1c…",
+  "jax version 0.10.1 -> 0.10.2", "teacher architecture num_layers changed: 4 -> 8",
+  "quantization format fp8/channel -> fp8/block128".
+  """
+  out: list[str] = []
+  _diff(saved_fp, current_fp, (), out)
+  return out
+
+
+def _threshold_dict(t: budget_lib.Threshold) -> dict[str, Any]:
+  return {
+    "max_kl": t.max_kl,
+    "interval": list(t.interval),
+    "censored": t.censored,
+    "curve": {budget_lib.KL_KEY: list(t.curve_kl), budget_lib.DROP_KEY: list(t.curve_drop)},
+    "num_records": t.num_records,
+  }
+
+
+def _json_default(value):
+  if isinstance(value, np.generic | np.ndarray):
+    return value.tolist()
+  raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
+  """The budget file's text (schema in the module docstring)."""
+  body = {
+    "tolerance": budget.tolerance,
+    "level": budget.level,
+    "num_bootstrap": budget.num_bootstrap,
+    "seed": budget.seed,
+    **_threshold_dict(budget.overall),
+    "layers": [{"layer": i, **_threshold_dict(t)} for i, t in sorted(budget.layers.items())],
+    "unfitted_layers": list(budget.unfitted_layers),
+    "records": [dict(r) for r in budget.records],
+  }
+  doc = {"schema": SCHEMA, "version": VERSION, "budget": body, "fingerprint": dict(fingerprint)}
+  return json.dumps(doc, indent=1, default=_json_default) + "\n"
+
+
+class _Reader:
+  """Typed access to the parsed document; errors name the file and the JSON path."""
+
+  def __init__(self, source: str):
+    self.source = source
+
+  def fail(self, where: str, problem: str):
+    raise ValueError(f"budget file {self.source}: {where}: {problem}")
+
+  def get(self, obj: Mapping, key: str, where: str):
+    if key not in obj:
+      self.fail(where, f"missing key {key!r}")
+    return obj[key]
+
+  def obj(self, obj: Mapping, key: str, where: str) -> Mapping:
+    value = self.get(obj, key, where)
+    if not isinstance(value, Mapping):
+      self.fail(f"{where}.{key}", f"expected an object, got {value!r}"[:200])
+    return value
+
+  def num(self, obj: Mapping, key: str, where: str) -> float:
+    value = self.get(obj, key, where)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+      self.fail(f"{where}.{key}", f"expected a finite number, got {value!r}")
+    return float(value)
+
+  def integer(self, obj: Mapping, key: str, where: str) -> int:
+    value = self.get(obj, key, where)
+    if isinstance(value, bool) or not isinstance(value, int):
+      self.fail(f"{where}.{key}", f"expected an integer, got {value!r}")
+    return value
+
+  def nums(self, obj: Mapping, key: str, where: str, length: int | None = None) -> tuple:
+    value = self.get(obj, key, where)
+    if (
+      not isinstance(value, list)
+      or (length is not None and len(value) != length)
+      or (length is None and not value)
+      or any(
+        isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in value
+      )
+    ):
+      size = f"{length} " if length is not None else "a non-empty list of "
+      self.fail(f"{where}.{key}", f"expected {size}finite numbers, got {value!r}"[:300])
+    return tuple(float(v) for v in value)
+
+  def threshold(self, obj: Mapping, where: str) -> budget_lib.Threshold:
+    censored = self.get(obj, "censored", where)
+    if censored not in budget_lib.CENSORED:
+      self.fail(f"{where}.censored", f"expected one of {budget_lib.CENSORED}, got {censored!r}")
+    curve = self.obj(obj, "curve", where)
+    curve_kl = self.nums(curve, budget_lib.KL_KEY, f"{where}.curve")
+    curve_drop = self.nums(curve, budget_lib.DROP_KEY, f"{where}.curve", len(curve_kl))
+    return budget_lib.Threshold(
+      max_kl=self.num(obj, "max_kl", where),
+      interval=self.nums(obj, "interval", where, 2),
+      censored=censored,
+      curve_kl=curve_kl,
+      curve_drop=curve_drop,
+      num_records=self.integer(obj, "num_records", where),
+    )
+
+
+def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Budget, dict]:
+  """Parses a budget file's text; `source` names it in errors.
+
+  Returns:
+    (Budget, fingerprint dict).
+
+  Raises:
+    ValueError: text that is not JSON, another schema or version, a missing or mistyped field;
+      the message starts with "budget file <source>:" and gives the JSON path.
+  """
+  r = _Reader(source)
+  try:
+    doc = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"budget file {source}: not valid JSON ({e})") from e
+  if not isinstance(doc, Mapping):
+    r.fail("top level", f"expected an object, got {type(doc).__name__}")
+  if doc.get("schema") != SCHEMA:
+    r.fail("schema", f"expected {SCHEMA!r}, got {doc.get('schema')!r}")
+  if doc.get("version") != VERSION:
+    r.fail("version", f"expected {VERSION}, got {doc.get('version')!r} (refit the budget)")
+  body = r.obj(doc, "budget", "top level")
+  fp = r.obj(doc, "fingerprint", "top level")
+
+  layers = {}
+  layer_list = r.get(body, "layers", "budget")
+  if not isinstance(layer_list, list):
+    r.fail("budget.layers", f"expected a list, got {layer_list!r}"[:200])
+  for j, entry in enumerate(layer_list):
+    where = f"budget.layers[{j}]"
+    if not isinstance(entry, Mapping):
+      r.fail(where, f"expected an object, got {entry!r}"[:200])
+    layers[r.integer(entry, "layer", where)] = r.threshold(entry, where)
+  unfitted = r.get(body, "unfitted_layers", "budget")
+  if not isinstance(unfitted, list) or any(
+    isinstance(i, bool) or not isinstance(i, int) for i in unfitted
+  ):
+    r.fail("budget.unfitted_layers", f"expected a list of integers, got {unfitted!r}"[:200])
+  records = r.get(body, "records", "budget")
+  if not isinstance(records, list):
+    r.fail("budget.records", f"expected a list, got {records!r}"[:200])
+  try:
+    budget_lib.validate_records(records)
+  except ValueError as e:
+    r.fail("budget.records", str(e).removeprefix("fit_budget: "))
+  seed = r.integer(body, "seed", "budget")
+  num_bootstrap = r.integer(body, "num_bootstrap", "budget")
+  budget = budget_lib.Budget(
+    tolerance=r.num(body, "tolerance", "budget"),
+    overall=r.threshold(body, "budget"),
+    layers=layers,
+    unfitted_layers=tuple(unfitted),
+    records=tuple(dict(rec) for rec in records),
+    level=r.num(body, "level", "budget"),
+    num_bootstrap=num_bootstrap,
+    seed=seed,
+  )
+  return budget, dict(fp)
+
+
+def save_budget(path, budget: budget_lib.Budget, fingerprint: Mapping) -> None:
+  """Writes the budget file at `path` (parents created; written to a temporary file first and
+  renamed, so a reader never sees half a file)."""
+  path = pathlib.Path(path)
+  text = budget_to_json(budget, fingerprint)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text, encoding="utf-8")
+  os.replace(tmp, path)
+
+
+def load_budget(path) -> tuple[budget_lib.Budget, dict]:
+  """Reads a budget file written by `save_budget`.
+
+  Returns:
+    (Budget, fingerprint dict); compare the fingerprint with `stale_reasons`.
+
+  Raises:
+    FileNotFoundError: no file at `path`.
+    ValueError: a corrupt file or another schema; the message names the file.
+  """
+  path = pathlib.Path(path)
+  try:
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"budget file {path}: not UTF-8 text ({e})") from e
+  return budget_from_json(text, source=str(path))

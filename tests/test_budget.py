@@ -1,0 +1,534 @@
+"""The mismatch budget (fit, admission) and the budget file, on hand-made records.
+
+Every expected number below is worked out by hand in the comment beside it: the isotonic fit by
+pool-adjacent-violators, then the linear crossing max_kl = x_k + (τ − f_k)/(f_{k+1} − f_k)·Δx.
+"""
+
+import copy
+import hashlib
+import json
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from opd_jax import budget as budget_api
+from opd_jax.budget import admit, fit_budget
+from opd_jax.mismatch import budget as budget_lib
+from opd_jax.mismatch import budget_file
+from opd_jax.model import init_params
+from opd_jax.model_config import ModelConfig
+from opd_jax.quant import QuantRecipe, quantize_params
+
+
+def recs(points, source="noise", **extra):
+  return [{"source": source, "mismatch/kl": x, "quality_drop": y, **extra} for x, y in points]
+
+
+STEP = recs([(0.1, 0.0), (0.2, 0.0), (0.3, 1.0), (0.4, 1.0)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The fit
+
+
+def test_step_function_crosses_halfway_between_the_last_flat_and_the_first_high_point():
+  b = fit_budget(STEP, 0.5)
+  assert b.overall.curve_kl == (0.1, 0.2, 0.3, 0.4)
+  assert b.overall.curve_drop == (0.0, 0.0, 1.0, 1.0)
+  # f(0.2) = 0 <= 0.5 < f(0.3) = 1: 0.2 + (0.5 - 0) / (1 - 0) * 0.1 = 0.25.
+  assert b.max_kl == pytest.approx(0.25, abs=1e-15)
+  assert b.censored == "none"
+  assert b.tolerance == 0.5
+  assert b.overall.num_records == 4
+
+
+def test_linear_ramp_crosses_at_tolerance_over_slope():
+  # drop = 2·kl on kl = 0, 0.01, …, 0.1; τ = 0.05 crosses at 0.025 (between 0.02 and 0.03).
+  b = fit_budget(recs([(0.01 * i, 0.02 * i) for i in range(11)]), 0.05)
+  assert b.overall.curve_drop == pytest.approx([0.02 * i for i in range(11)], abs=1e-15)
+  assert b.max_kl == pytest.approx(0.025, abs=1e-12)
+  assert b.censored == "none"
+  # Order of the records does not matter.
+  shuffled = recs([(0.01 * i, 0.02 * i) for i in (7, 3, 10, 0, 5, 1, 9, 2, 8, 4, 6)])
+  assert fit_budget(shuffled, 0.05).max_kl == pytest.approx(0.025, abs=1e-12)
+
+
+def test_noisy_points_pool_their_violators():
+  # y = 0, .3, .1, .5, .4: PAVA pools (.3, .1) -> .2 and (.5, .4) -> .45.
+  b = fit_budget(recs([(1, 0.0), (2, 0.3), (3, 0.1), (4, 0.5), (5, 0.4)]), 0.3)
+  assert b.overall.curve_drop == pytest.approx([0.0, 0.2, 0.2, 0.45, 0.45], abs=1e-15)
+  # f(3) = .2 <= .3 < f(4) = .45: 3 + (.3 - .2) / .25 * 1 = 3.4.
+  assert b.max_kl == pytest.approx(3.4, abs=1e-12)
+
+
+def test_pava_merges_cascade_backwards():
+  # .1 | .6 .5 -> .55 (w 2) | .1 -> .55 > .1, so (.6 + .5 + .1) / 3 = .4 over three points.
+  x, f = budget_lib.isotonic_fit(np.array([1.0, 2, 3, 4]), np.array([0.1, 0.6, 0.5, 0.1]))
+  assert x.tolist() == [1, 2, 3, 4]
+  assert f == pytest.approx([0.1, 0.4, 0.4, 0.4], abs=1e-15)
+  # Already monotone data is returned unchanged; a decreasing run becomes its mean.
+  assert budget_lib.isotonic_fit(np.array([3.0, 1, 2]), np.array([5.0, 1, 2]))[1].tolist() == [
+    1,
+    2,
+    5,
+  ]
+  assert budget_lib.isotonic_fit(np.array([1.0, 2, 3]), np.array([3.0, 2, 1]))[1] == pytest.approx(
+    [2, 2, 2], abs=1e-15
+  )
+
+
+def test_ties_are_pooled_with_their_counts_as_weights():
+  # Ties: kl=1 -> mean(0, .2) = .1 (w 2), kl=2 -> mean(.4, 0) = .2 (w 2), kl=3 -> 1 (w 1).
+  b = fit_budget(recs([(1, 0.0), (1, 0.2), (2, 0.4), (2, 0.0), (3, 1.0)]), 0.6)
+  assert b.overall.curve_kl == (1.0, 2.0, 3.0)
+  assert b.overall.curve_drop == pytest.approx([0.1, 0.2, 1.0], abs=1e-15)
+  assert b.max_kl == pytest.approx(2.5, abs=1e-12)  # 2 + (.6 - .2) / .8
+  # Weights matter: three records at .3 and one at 0 pool to (3·.3 + 0) / 4 = .225, not .15.
+  x, f = budget_lib.isotonic_fit(np.array([1.0, 1, 1, 2]), np.array([0.3, 0.3, 0.3, 0.0]))
+  assert x.tolist() == [1, 2]
+  assert f == pytest.approx([0.225, 0.225], abs=1e-15)
+
+
+def test_flat_stretch_at_the_tolerance_gives_its_right_end():
+  # f = 0, .5, .5, 1 with τ = .5: every x in [2, 3] predicts exactly τ; the sup is 3.
+  b = fit_budget(recs([(1, 0.0), (2, 0.5), (3, 0.5), (4, 1.0)]), 0.5)
+  assert b.max_kl == 3.0
+  assert b.censored == "none"
+
+
+def test_censored_above_when_the_largest_mismatch_is_still_within_tolerance():
+  b = fit_budget(recs([(0.1, 0.0), (0.2, 0.01), (0.3, 0.02)]), 0.05)
+  assert b.max_kl == 0.3
+  assert b.censored == "above"
+  assert b.overall.interval[1] <= 0.3  # the resamples cannot see beyond the data either
+
+
+def test_censored_below_when_even_the_smallest_mismatch_is_over_tolerance():
+  b = fit_budget(recs([(0.1, 0.2), (0.2, 0.3)]), 0.05)
+  assert b.max_kl == 0.0
+  assert b.censored == "below"
+  assert b.interval == (0.0, 0.0)
+
+
+def test_bootstrap_interval_of_a_two_point_censored_fit():
+  # Both points within tolerance: a resample's max_kl is the largest kl it drew, 1 with
+  # probability 1/4 and 2 with 3/4, so the 2.5% and 97.5% quantiles are 1 and 2.
+  b = fit_budget(recs([(1, 0.0), (2, 0.0)]), 0.1)
+  assert b.interval == (1.0, 2.0)
+
+
+def test_bootstrap_interval_brackets_a_sharp_step():
+  # drop jumps from 0 to 1 between kl = .5 and .6; every resample crosses somewhere in
+  # (.1, 1.0], and the point estimate .55 sits inside the interval.
+  b = fit_budget(recs([(0.1 * i, float(i > 5)) for i in range(1, 11)]), 0.5)
+  assert b.max_kl == pytest.approx(0.55, abs=1e-12)
+  low, high = b.interval
+  assert 0.1 <= low < 0.55 < high <= 1.0
+  narrower = fit_budget(recs([(0.1 * i, float(i > 5)) for i in range(1, 11)]), 0.5, level=0.5)
+  assert low <= narrower.interval[0] <= narrower.interval[1] <= high
+
+
+def test_predicted_drop_interpolates_inside_the_data_and_is_nan_outside():
+  t = fit_budget(STEP, 0.5).overall
+  assert t.predicted_drop(0.25) == pytest.approx(0.5, abs=1e-15)
+  assert t.predicted_drop(0.1) == 0.0
+  assert t.predicted_drop(0.4) == 1.0
+  assert np.isnan(t.predicted_drop(0.05))
+  assert np.isnan(t.predicted_drop(0.5))
+
+
+# ---------------------------------------------------------------------------------------------
+# Purity
+
+
+def test_fit_is_pure():
+  records = recs([(0.1 * i, 0.1 * i + 0.05 * (-1) ** i) for i in range(1, 9)], setting="x")
+  records[0]["mismatch/k3"] = 0.01  # extra keys are kept
+  before = copy.deepcopy(records)
+  np.random.seed(1)
+  global_state = np.random.get_state()[1].tolist()
+  first = fit_budget(records, 0.3)
+  assert np.random.get_state()[1].tolist() == global_state  # the global numpy RNG is not drawn
+  np.random.seed(2)  # and has no say
+  second = fit_budget(records, 0.3)
+  assert records == before
+  assert first == second
+  assert first.records == tuple(before)
+  assert first.records[0]["mismatch/k3"] == 0.01
+  assert first.records[0] is not records[0]  # copied, so later edits of the input do not leak
+  # The seed is what drives the interval: another seed moves it, the point estimate stays.
+  other = fit_budget(records, 0.3, seed=7)
+  assert other.max_kl == first.max_kl
+  assert other.interval != first.interval
+
+
+def test_read_only_records_are_accepted():
+  frozen = tuple(types.MappingProxyType(r) for r in STEP)
+  assert fit_budget(frozen, 0.5).max_kl == pytest.approx(0.25, abs=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-layer thresholds
+
+LAYERED = (
+  recs([(0.1, 0.0), (0.2, 0.0), (0.3, 1.0)])
+  + recs([(0.01, 0.0), (0.03, 0.2)], source="layer_sensitivity/noise", layer=0)
+  + recs([(0.1, 0.0), (0.3, 0.0), (0.5, 1.0)], source="layer_sensitivity/fp8", layer=1)
+  + recs([(0.05, 0.0)], source="layer_sensitivity/noise", layer=4)
+)
+
+
+def test_layer_records_give_per_layer_thresholds_and_leave_the_overall_fit_alone():
+  b = fit_budget(LAYERED, 0.1)
+  assert sorted(b.layers) == [0, 1]
+  # Layer 0: 0.01 + (.1 - 0) / .2 * .02 = 0.02.
+  assert b.layers[0].max_kl == pytest.approx(0.02, abs=1e-15)
+  # Layer 1: 0.3 + (.1 - 0) / 1 * .2 = 0.32.
+  assert b.layers[1].max_kl == pytest.approx(0.32, abs=1e-15)
+  assert b.layers[1].num_records == 3
+  assert b.unfitted_layers == (4,)  # one point: no curve
+  assert b.overall == fit_budget(LAYERED[:3], 0.1).overall  # 0.2 + .1 * .1 = 0.21
+  assert b.max_kl == pytest.approx(0.21, abs=1e-15)
+  assert len(b.records) == len(LAYERED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission
+
+
+def test_admit_margin_and_reasons():
+  b = fit_budget(STEP, 0.5)
+  inside = admit({"mismatch/kl": 0.2, "mismatch/k3": 9.0}, b)
+  assert inside.admitted
+  assert inside.margin == pytest.approx(0.05, abs=1e-15)
+  assert inside.limit == b.max_kl
+  assert inside.reasons == ()
+  # Below the smallest calibrated point: monotonicity says the drop is at most f(0.1) = 0.
+  assert admit({"mismatch/kl": 0.0}, b).admitted
+  assert admit({"mismatch/kl": 0.25}, b).admitted  # exactly on the budget: margin 0
+  over = admit({"mismatch/kl": 0.3}, b)
+  assert not over.admitted
+  assert over.margin == pytest.approx(-0.05, abs=1e-15)
+  assert over.reasons == ("mismatch/kl 0.3 > max_kl 0.25 (tolerance 0.5): margin -0.05",)
+
+
+def test_admit_conservative_uses_the_lower_end_of_the_interval():
+  b = fit_budget(recs([(0.1 * i, float(i > 5)) for i in range(1, 11)]), 0.5)
+  low, high = b.interval
+  kl = (low + b.max_kl) / 2
+  assert admit({"mismatch/kl": kl}, b).admitted
+  v = admit({"mismatch/kl": kl}, b, conservative=True)
+  assert not v.admitted
+  assert v.conservative
+  assert v.limit == low
+  assert v.margin == pytest.approx(low - kl, abs=1e-15)
+  assert v.reasons == (
+    f"mismatch/kl {kl:.4g} > {low:.4g}, the lower end of the max_kl interval "
+    f"[{low:.4g}, {high:.4g}] (max_kl 0.55, tolerance 0.5): margin {low - kl:.4g}",
+  )
+
+
+def test_admit_refuses_to_extrapolate_a_censored_budget():
+  b = fit_budget(recs([(0.1, 0.0), (0.2, 0.0)]), 0.05)
+  assert admit({"mismatch/kl": 0.2}, b).admitted
+  v = admit({"mismatch/kl": 0.3}, b)
+  assert not v.admitted
+  assert v.margin == pytest.approx(-0.1, abs=1e-15)
+  assert v.reasons == (
+    "mismatch/kl 0.3 > 0.2, the largest calibrated mismatch, which is still within the "
+    "tolerance 0.05: the budget is at least 0.2 (censored), but no record says how far beyond",
+  )
+
+
+def test_admit_below_censored_budget_admits_only_zero_mismatch():
+  b = fit_budget(recs([(0.1, 0.2), (0.2, 0.3)]), 0.05)
+  assert admit({"mismatch/kl": 0.0}, b).admitted
+  v = admit({"mismatch/kl": 0.01}, b)
+  assert not v.admitted
+  assert v.reasons == (
+    "mismatch/kl 0.01 > 0: every calibrated mismatch is over the tolerance 0.05 (the smallest, "
+    "0.1, predicts a drop of 0.2), so the budget is below 0.1 and only zero mismatch is admitted",
+  )
+
+
+def test_admit_checks_sensitive_layers():
+  b = fit_budget(LAYERED, 0.1)  # overall 0.21, layer 0: 0.02, layer 1: 0.32
+  ok = admit({"mismatch/kl": 0.1, "mismatch/kl/layer_0": 0.01, "mismatch/kl/layer_1": 0.3}, b)
+  assert ok.admitted
+  assert ok.layer_margins == pytest.approx({0: 0.01, 1: 0.02}, abs=1e-15)
+  # Within the overall budget, but layer 0 alone is over its own threshold.
+  v = admit(
+    {"mismatch/kl": 0.1, "mismatch/kl/layer_0": 0.03, "mismatch/kl/layer_4": 99.0}, b
+  )  # layer 4 has no threshold, layer 1 was not measured: neither is checked
+  assert not v.admitted
+  assert v.margin == pytest.approx(0.11, abs=1e-15)
+  assert v.layer_margins == pytest.approx({0: -0.01}, abs=1e-15)
+  assert v.reasons == (
+    "layer 0: mismatch/kl/layer_0 0.03 > max_kl 0.02 (tolerance 0.1): margin -0.01",
+  )
+  both = admit({"mismatch/kl": 0.5, "mismatch/kl/layer_1": 0.4}, b)
+  assert [r.split(" ")[0] for r in both.reasons] == ["mismatch/kl", "layer"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize(
+  "records, message",
+  [
+    ([], "fit_budget: records is empty; a fit needs records at >= 2 mismatch/kl values"),
+    (
+      [STEP[0], {"source": "fp8", "quality_drop": 0.1}],
+      "fit_budget: record 1 (source 'fp8') has no 'mismatch/kl'",
+    ),
+    (
+      [STEP[0], {"source": "kv", "mismatch/kl": 0.1}],
+      "fit_budget: record 1 (source 'kv') has no 'quality_drop'",
+    ),
+    (
+      [{"mismatch/kl": 0.1, "quality_drop": 0.0}],
+      "fit_budget: record 0 (source '?') has no 'source'",
+    ),
+    (
+      [*STEP, {"source": "stale", "mismatch/kl": float("nan"), "quality_drop": 0.0}],
+      "fit_budget: record 4 (source 'stale') has non-finite mismatch/kl: nan",
+    ),
+    (
+      [{"source": "noise", "mismatch/kl": 0.1, "quality_drop": float("-inf")}],
+      "fit_budget: record 0 (source 'noise') has non-finite quality_drop: -inf",
+    ),
+    (
+      [{"source": "noise", "mismatch/kl": "0.1", "quality_drop": 0.0}],
+      "fit_budget: record 0 (source 'noise') has mismatch/kl '0.1', not a number",
+    ),
+    ([STEP[0], [0.1, 0.0]], "fit_budget: record 1 is a list, not a mapping"),
+    (
+      [*STEP, {"source": "layer_sensitivity", "layer": -1, "mismatch/kl": 0.1, "quality_drop": 0}],
+      "fit_budget: record 4 (source 'layer_sensitivity') has layer -1, not a non-negative int",
+    ),
+    (
+      recs([(0.1, 0.0), (0.1, 0.2)], source="fp8"),
+      "fit_budget: the overall fit needs records at >= 2 distinct mismatch/kl values; got 2 "
+      "records: 0 (source 'fp8', mismatch/kl 0.1), 1 (source 'fp8', mismatch/kl 0.1)",
+    ),
+    (
+      recs([(0.1, 0.0)], source="fp8") + recs([(0.2, 0.1), (0.3, 0.2)], layer=0),
+      "fit_budget: the overall fit needs records at >= 2 distinct mismatch/kl values; got 1 "
+      "record: 0 (source 'fp8', mismatch/kl 0.1)",
+    ),
+    (
+      recs([(0.2, 0.1), (0.3, 0.2)], layer=0),
+      "fit_budget: all 2 records have a 'layer' key; the overall fit needs records without one "
+      "at >= 2 distinct mismatch/kl values",
+    ),
+  ],
+)
+def test_bad_records_are_refused_by_name(records, message):
+  with pytest.raises(ValueError) as e:
+    fit_budget(records, 0.1)
+  assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    ({"tolerance": -0.1}, "fit_budget: tolerance must be finite and >= 0, got -0.1"),
+    ({"tolerance": float("inf")}, "fit_budget: tolerance must be finite and >= 0, got inf"),
+    ({"tolerance": "0.1"}, "fit_budget: tolerance must be a number, got '0.1'"),
+    ({"tolerance": 0.1, "level": 1.0}, "fit_budget: level must be in (0, 1), got 1.0"),
+    (
+      {"tolerance": 0.1, "num_bootstrap": 0},
+      "fit_budget: num_bootstrap must be an int >= 1, got 0",
+    ),
+    ({"tolerance": 0.1, "seed": -1}, "fit_budget: seed must be an int >= 0, got -1"),
+  ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+  with pytest.raises(ValueError) as e:
+    fit_budget(STEP, **kwargs)
+  assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+  "measurement, message",
+  [
+    ({"mismatch/k3": 0.1}, "admit: measurement has no 'mismatch/kl'"),
+    ({"mismatch/kl": float("nan")}, "admit: measurement has non-finite mismatch/kl: nan"),
+    ({"mismatch/kl": None}, "admit: measurement has mismatch/kl None, not a number"),
+    (
+      {"mismatch/kl": 0.1, "mismatch/kl/layer_1": float("inf")},
+      "admit: measurement has non-finite mismatch/kl/layer_1: inf",
+    ),
+  ],
+)
+def test_bad_measurements_are_refused(measurement, message):
+  with pytest.raises(ValueError) as e:
+    admit(measurement, fit_budget(LAYERED, 0.1))
+  assert str(e.value) == message
+
+
+# ---------------------------------------------------------------------------------------------
+# The budget file
+
+CFG = ModelConfig("qwen3", 16, 8, 16, 1, 2, 1, 4, qk_norm=True)
+TEACHER_CFG = ModelConfig("qwen3", 16, 8, 16, 2, 2, 1, 4, qk_norm=True)
+
+
+def random_params(cfg, seed):
+  """Params with the model's tree and shapes, drawn in numpy (init_params compiles per op)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+  return jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), shapes)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  student = random_params(CFG, 0)
+  teacher = random_params(TEACHER_CFG, 1)
+  return (
+    student,
+    teacher,
+    budget_file.fingerprint(CFG, student, TEACHER_CFG, teacher, "fp8/channel"),
+  )
+
+
+def test_round_trip(tmp_path, setup):
+  fp = setup[2]
+  records = [dict(r) for r in LAYERED]
+  records[0]["mismatch/kl_p95"] = np.float32(0.5)  # numpy scalars come back as Python floats
+  b = fit_budget(records, 0.1)
+  path = tmp_path / "sub" / "budget.json"
+  budget_file.save_budget(path, b, fp)
+  loaded, loaded_fp = budget_file.load_budget(path)
+  assert loaded == b
+  assert loaded_fp == fp
+  assert budget_file.stale_reasons(loaded_fp, fp) == []
+  v = {"mismatch/kl": 0.15, "mismatch/kl/layer_0": 0.03}
+  assert admit(v, loaded) == admit(v, b)
+  doc = json.loads(path.read_text())
+  assert doc["budget"]["max_kl"] == b.max_kl
+  assert doc["budget"]["curve"] == {"mismatch/kl": [0.1, 0.2, 0.3], "quality_drop": [0, 0, 1]}
+  assert doc["fingerprint"]["backend"] == jax.default_backend()
+  assert doc["fingerprint"]["jax_version"] == jax.__version__
+  assert budget_api.budget_from_json(budget_api.budget_to_json(b, fp)) == (b, fp)
+
+
+def test_weights_hash_follows_the_documented_recipe_and_tree_order():
+  a = np.arange(3, dtype=np.float32)
+  c = np.ones((2, 1), np.int8)
+  expected = hashlib.sha256()
+  expected.update(b"['a']|float32|(3,)\n" + a.tobytes())
+  expected.update(b"['c']|int8|(2, 1)\n" + c.tobytes())
+  assert budget_file.weights_sha256({"c": c, "a": a}) == expected.hexdigest()
+  assert budget_file.weights_sha256({"a": a, "c": c}) == expected.hexdigest()
+  # Same bytes, other shape or dtype: another hash.
+  assert budget_file.weights_sha256({"a": a, "c": c.reshape(1, 2)}) != expected.hexdigest()
+  assert budget_file.weights_sha256({"a": a.view(np.int32), "c": c}) != expected.hexdigest()
+
+
+def test_fingerprint_is_stable_and_fp8_weights_hash_differently(setup):
+  student, teacher, fp = setup
+  again = budget_file.fingerprint(CFG, student, TEACHER_CFG, teacher, "fp8/channel")
+  assert again == fp
+  on_device = jax.device_put(student)  # jax arrays hash like the numpy arrays they hold
+  assert budget_file.weights_sha256(on_device) == fp["student"]["weights_sha256"]
+  assert fp["student"]["architecture"]["num_layers"] == 1
+  qstudent = quantize_params(student, QuantRecipe())
+  q = budget_file.fingerprint(CFG, qstudent, TEACHER_CFG, teacher, "fp8/channel")
+  assert q["student"]["weights_sha256"] != fp["student"]["weights_sha256"]
+  assert q["teacher"] == fp["teacher"]
+
+
+def test_stale_reasons_say_what_changed(setup):
+  student, teacher, fp = setup
+  edited = jax.tree.map(np.copy, student)
+  edited["embed_vd"][0, 0] += 1e-3
+  current = budget_file.fingerprint(CFG, edited, TEACHER_CFG, teacher, "fp8/block128")
+  old_hash, new_hash = fp["student"]["weights_sha256"], current["student"]["weights_sha256"]
+  assert budget_file.stale_reasons(fp, current) == [
+    f"student weights hash changed: {old_hash[:12]}… -> {new_hash[:12]}…",
+    "quantization format fp8/channel -> fp8/block128",
+  ]
+  saved = json.loads(json.dumps(fp))
+  saved["jax_version"] = "0.10.1"
+  saved["teacher"]["architecture"]["num_layers"] = 3
+  del saved["device_kind"]
+  assert budget_file.stale_reasons(saved, fp) == [
+    "teacher architecture num_layers changed: 3 -> 2",
+    f"jax version 0.10.1 -> {jax.__version__}",
+    "device kind is in the current fingerprint but not in the saved one",
+  ]
+
+
+def _write_edited(tmp_path, setup, edit):
+  doc = json.loads(budget_file.budget_to_json(fit_budget(STEP, 0.5), setup[2]))
+  edit(doc)
+  path = tmp_path / "budget.json"
+  path.write_text(json.dumps(doc))
+  return path
+
+
+def _drop_max_kl(doc):
+  del doc["budget"]["max_kl"]
+
+
+def _short_interval(doc):
+  doc["budget"]["interval"] = [0.1]
+
+
+def _bad_censoring(doc):
+  doc["budget"]["censored"] = "maybe"
+
+
+def _bad_record(doc):
+  doc["budget"]["records"][2]["quality_drop"] = None
+
+
+def _other_schema(doc):
+  doc["schema"] = "something.else"
+
+
+@pytest.mark.parametrize(
+  "edit, problem",
+  [
+    (_drop_max_kl, "budget: missing key 'max_kl'"),
+    (_short_interval, "budget.interval: expected 2 finite numbers, got [0.1]"),
+    (_bad_censoring, "budget.censored: expected one of ('none', 'above', 'below'), got 'maybe'"),
+    (_bad_record, "budget.records: record 2 (source 'noise') has quality_drop None, not a number"),
+    (_other_schema, "schema: expected 'opd_jax.budget', got 'something.else'"),
+  ],
+)
+def test_wrong_schema_is_refused_naming_the_file(tmp_path, setup, edit, problem):
+  path = _write_edited(tmp_path, setup, edit)
+  with pytest.raises(ValueError) as e:
+    budget_file.load_budget(path)
+  assert str(e.value) == f"budget file {path}: {problem}"
+
+
+def test_corrupt_file_is_refused_naming_the_file(tmp_path, setup):
+  path = tmp_path / "budget.json"
+  path.write_text(budget_file.budget_to_json(fit_budget(STEP, 0.5), setup[2])[:-40])
+  with pytest.raises(ValueError, match=f"^budget file {path}: not valid JSON"):
+    budget_file.load_budget(path)
+  path.write_bytes(b"\xff\xfe")
+  with pytest.raises(ValueError, match=f"^budget file {path}: not UTF-8 text"):
+    budget_file.load_budget(path)
+
+
+def test_same_budget_in_a_fresh_process():
+  """The fit depends on its arguments only: a second interpreter computes the same numbers."""
+  code = (
+    "from opd_jax.budget import fit_budget\n"
+    "r = [{'source': 's', 'mismatch/kl': 0.1 * i, 'quality_drop': float(i > 5)}\n"
+    "     for i in range(1, 11)]\n"
+    "b = fit_budget(r, 0.5)\n"
+    "print(repr((b.max_kl, b.interval)))\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  b = fit_budget(recs([(0.1 * i, float(i > 5)) for i in range(1, 11)], source="s"), 0.5)
+  assert out.stdout.strip() == repr((b.max_kl, b.interval))

@@ -116,8 +116,12 @@ RULES: dict[str, Any] = {
   "rollout.top_k": NON_NEGATIVE,
   "rollout.top_p": Num(True, 0, 1, lo_open=True),
   "rollout.max_new_tokens": POSITIVE,
-  "rollout.mode": Choice(("sync",)),  # the async double buffer is not built yet
+  "rollout.mode": Choice(("sync", "async")),
   "rollout.max_lag": NON_NEGATIVE,
+  "rollout.max_ahead": Num(lo=-1),
+  "rollout.stale_policy": Choice(("drop", "correct")),
+  "rollout.producer_timeout_s": Num(True, 0, lo_open=True),
+  "rollout.stale_k": NON_NEGATIVE,
   "train.steps": POSITIVE,
   "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
   "train.is_clip": Num(True),
@@ -174,5 +178,31 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.{who}.arch.num_heads ({arch.num_heads}) must be a multiple of "
         f"num_kv_heads ({arch.num_kv_heads})"
       )
+  errors += _rollout_errors(config)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _rollout_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """Combinations of rollout and loss settings that cannot work together."""
+  r, t = config.get("rollout"), config.get("train")
+  if r is None or t is None or not {"mode", "stale_policy", "stale_k"} <= set(r):
+    return []
+  errors = []
+  if (
+    r.mode == "async"
+    and r.stale_policy == "correct"
+    and (t.get("loss") != "reverse_kl_sampled" or not t.get("is_clip", 0) > 0)
+  ):
+    errors.append(
+      "config.rollout.stale_policy='correct' trains stale batches with the truncated "
+      "importance ratio, which only train.loss='reverse_kl_sampled' with train.is_clip > 0 "
+      f"applies (got loss={t.get('loss')!r}, is_clip={t.get('is_clip')!r}); use "
+      "stale_policy='drop'"
+    )
+  if r.mode == "async" and r.stale_k:
+    errors.append(
+      f"config.rollout.stale_k={r.stale_k} is the synchronous stale-k setting; in async mode "
+      "staleness comes from rollout.max_lag (set stale_k=0)"
+    )
+  return errors

@@ -1,18 +1,69 @@
 """Where the trainer's rollouts come from: an iterator of version-tagged `Rollout`s.
 
-The trainer only ever calls `publish(params, version)` after each update and
-`next(source)` before each step. `SyncRollouts` samples every batch with the newest
-published weights (lag 0); an async source keeps the same two calls and samples
-ahead on older versions.
+The trainer only ever calls `publish(params, version)` after each update (version v
+is the student after v updates, so version == the trainer's step) and `next(source)`
+before each step. Two sources keep those two calls:
+
+* `SyncRollouts` samples every batch, in the trainer's thread, with the newest
+  published weights (lag 0), or with the weights `stale_k` versions old.
+* `AsyncRollouts` samples ahead in a producer thread into a double buffer (a queue
+  of at most two batches), so sampling batch t + 1 overlaps training on batch t.
 
 Each published version is transformed once, params_r = T(θ_v) (`engine.engine_params`:
 bf16 cast, fp8 recipe, weight noise), and every rollout sampled from it carries v.
+
+Weight-version semantics of the async loop (the same words are in the README):
+
+* **Lag** of a batch = the trainer's step when it consumes the batch − the batch's
+  weight version. `max_lag` bounds it.
+* **One batch, one version.** The producer reads the newest published version at a
+  batch boundary and samples the whole batch with it. A version published while a
+  batch is being sampled serves the next batch, never the rest of this one.
+* **The gate.** The producer starts batch n (n counts the batches it has produced)
+  only once a version v ≥ (n − dropped) − `max_ahead` is published, where `dropped`
+  counts batches the trainer discarded. Batch n is consumed at step t ≤ n − dropped,
+  so its lag t − v ≤ `max_ahead`. With the default `max_ahead = max_lag` the bound
+  holds by construction and nothing is ever stale; `max_lag = 0` is the synchronous
+  loop, batch for batch (same prompts, same keys, same weights).
+* **Stale batches.** With `max_ahead > max_lag` the producer may run further ahead
+  than the bound. A batch whose lag exceeds `max_lag` at consumption is then
+  `drop`ped (discarded, counted in `rollout/dropped`; the producer samples a new one
+  and the dropped prompts are not revisited) or, with `correct`, trained on: the
+  sampled reverse-KL loss weights every token by the truncated importance ratio
+  min(π_θ(y)/π_b(y), C) against the batch's behaviour log-probs (counted in
+  `rollout/corrected`).
+* **Resume.** A checkpoint stores the data position after the last *consumed*
+  batch and the producer's next batch index; batches sampled ahead but not consumed
+  are sampled again after a restart, with the restored weights. The version counter
+  restarts at the restored step. What timing decides (which batches go stale, and so
+  the trajectory when `max_lag > 0`) is not reproducible across runs; with
+  `max_lag = 0` everything is.
+
+Devices. The producer is a Python thread that dispatches jitted sampler calls. JAX
+releases the GIL while XLA runs, so sampler and train-step programs run at the same
+time; on a CPU both compete for the same cores (each op already uses all of them), so
+the overlap is partial, while with separate device sets (`engine_shardings` on other
+devices) they run fully in parallel. `publish` makes an explicit device copy
+(`device_put(..., may_alias=False)`) of the trainer's params onto the engine's
+shardings before the train step donates them, so the engine never reads a donated
+buffer; the copy is dispatched asynchronously and the trainer does not wait for it.
+
+With several processes, every process gathers all processes' prompts so the
+sampler's inputs are identical everywhere (JAX treats host arrays as replicated),
+and the rollout is then laid out batch-sharded for the train step. The async source
+is single-process for now: two threads issuing multi-process programs in an order
+that differs between processes can deadlock their collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import queue
+import threading
 import time
+import traceback
+import zlib
 from collections.abc import Iterator
 
 import jax
@@ -22,6 +73,18 @@ from jax.experimental import multihost_utils
 from opd_jax import engine, sampler, sharding, task
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
+
+STALE_POLICIES = ("drop", "correct")
+QUEUE_SLOTS = 2  # the double buffer
+
+
+def named_stream(key, name: str):
+  """An independent key stream for `name`: fold_in(key, crc32(name)).
+
+  Sampling and weight noise each get their own stream of the run's key, so no
+  rollout key ever equals a model-initialisation key (those come from split(key)).
+  """
+  return jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -38,25 +101,20 @@ def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
   return jax.jit(lambda r: r, out_shardings=shardings)(rollout)
 
 
-class SyncRollouts:
-  """Samples each prompt batch with the latest published weights (lag 0).
+class RolloutEngine:
+  """Prompts in, sharded `Rollout`s out: the part both sources share.
 
   Args:
     prompt_batches: iterator of this process's collated prompt batches
-      ({"prompt": [B_local strings], ...}).
+      ({"prompt": [B_local strings], ...}); it must support `get_state()`.
     tokenizer: encodes prompts.
     prompt_len: P, padded prompt width.
     engine_cfg: the weight transform (T(θ)) and the KV-cache numerics.
     sampler_cfg: the sampling settings.
     model_cfg: the student's ModelConfig.
-    rng: base key; batch i samples with fold_in(rng, i), and version v's weight
-      noise uses fold_in(rng, 2**30 + v).
+    rng: the run's key. Batch n samples with fold_in(stream "rollout/sample", n) and
+      version v's weight noise uses fold_in(stream "rollout/noise", v).
     mesh: the device mesh the train step runs on.
-    first_batch: the index of the next batch (the step when resuming).
-
-  With several processes, every process gathers all processes' prompts so the
-  sampler's inputs are identical everywhere (JAX treats host arrays as replicated),
-  and the rollout is then laid out batch-sharded for the train step.
   """
 
   def __init__(
@@ -69,36 +127,28 @@ class SyncRollouts:
     model_cfg: ModelConfig,
     rng,
     mesh,
-    first_batch: int = 0,
   ):
-    self._prompts = prompt_batches
+    self.prompts = prompt_batches
     self._tokenizer = tokenizer
     self._prompt_len = prompt_len
     self.engine_cfg = engine_cfg
     self._sampler_cfg = sampler_cfg
     self._model_cfg = model_cfg
-    self._rng = rng
+    self._sample_key = named_stream(rng, "rollout/sample")
+    self._noise_key = named_stream(rng, "rollout/noise")
     self._mesh = mesh
-    self._batch_index = first_batch
-    self._params_r = None
-    self.version = -1
-    self.last_stats: dict[str, float] = {}
 
-  def publish(self, params, version: int) -> None:
-    """Makes θ_version the weights for the next rollouts (transformed once here).
+  def transform(self, params, version: int):
+    """params_r = T(θ_version), computed once per version."""
+    return _engine_params(params, self.engine_cfg, jax.random.fold_in(self._noise_key, version))
 
-    In sync mode the engine may alias the trainer's buffers (the identity transform
-    does): the train step that donates them runs only after the rollout is drawn.
-    """
-    noise_key = jax.random.fold_in(self._rng, 2**30 + version)
-    self._params_r = _engine_params(params, self.engine_cfg, noise_key)
-    self.version = version
+  def data_state(self) -> dict:
+    """The prompt iterator's position (what a checkpoint stores)."""
+    return self.prompts.get_state()
 
-  def __iter__(self):
-    return self
-
-  def _next_prompts(self) -> tuple[np.ndarray, np.ndarray]:
-    batch = next(self._prompts)
+  def draw_prompts(self) -> tuple[np.ndarray, np.ndarray]:
+    """The next prompt batch as (tokens [B, P], lens [B]); StopIteration at the end."""
+    batch = next(self.prompts)
     tokens_bp, lens_b = task.encode_prompts(
       list(batch["prompt"]), self._tokenizer, self._prompt_len
     )
@@ -107,27 +157,366 @@ class SyncRollouts:
       lens_b = multihost_utils.process_allgather(lens_b, tiled=True)
     return tokens_bp, lens_b
 
-  def __next__(self) -> Rollout:
-    if self._params_r is None:
-      raise RuntimeError("publish() weights before drawing rollouts")
-    tokens_bp, lens_b = self._next_prompts()
+  def sample(self, params_r, prompts, batch_index: int, version: int):
+    """Samples one batch; returns (train-sharded Rollout, per-batch stats)."""
     start = time.perf_counter()
     rollout = sampler.sample(
-      self._params_r,
-      (tokens_bp, lens_b),
-      jax.random.fold_in(self._rng, self._batch_index),
+      params_r,
+      prompts,
+      jax.random.fold_in(self._sample_key, batch_index),
       self._sampler_cfg,
       self._model_cfg,
-      weight_version=self.version,
+      weight_version=version,
       engine_id=self.engine_cfg.engine_id,
     )
-    self._batch_index += 1
     num_tokens = int(np.asarray(rollout.completion_mask).sum())  # waits for the sampler
     seconds = time.perf_counter() - start
-    self.last_stats = {
+    stats = {
       "rollout/seconds": seconds,
       "rollout/tokens_per_s": num_tokens / max(seconds, 1e-9),
       "rollout/mean_completion_len": num_tokens / rollout.batch_size,
-      "rollout/weight_lag": float(self._batch_index - 1 - self.version),
     }
-    return _shard_rollout(rollout, self._mesh)
+    return _shard_rollout(rollout, self._mesh), stats
+
+
+class _LagLog:
+  """Lags of the consumed batches since the last `window()` call."""
+
+  def __init__(self):
+    self.lags: list[int] = []
+    self.queue_wait = 0.0
+
+  def window(self) -> tuple[dict[str, float], np.ndarray]:
+    lags = np.asarray(self.lags, np.float64)
+    stats = {
+      "rollout/version_lag_mean": float(lags.mean()) if lags.size else 0.0,
+      "rollout/version_lag_max": float(lags.max()) if lags.size else 0.0,
+      "rollout/queue_wait_seconds": self.queue_wait,
+    }
+    self.lags, self.queue_wait = [], 0.0
+    return stats, lags
+
+
+class SyncRollouts:
+  """Samples each batch in the trainer's thread with version t − k (k = `stale_k`).
+
+  With `stale_k = 0` (the default) every batch uses the newest published weights
+  (lag 0). With k > 0 it uses the weights published k versions earlier (or the
+  oldest it has, at the start of a run): a deterministic staleness, independent of
+  any timing, for placing `stale` on the mismatch scale. It keeps the last k + 1
+  transformed versions.
+
+  Args:
+    engine: the `RolloutEngine`.
+    first_batch: the index of the next batch (the step when resuming).
+    stale_k: the version lag to sample with.
+  """
+
+  mode = "sync"
+
+  def __init__(self, engine: RolloutEngine, first_batch: int = 0, stale_k: int = 0):
+    if stale_k < 0:
+      raise ValueError(f"stale_k must be >= 0, got {stale_k}")
+    self.engine = engine
+    self.stale_k = stale_k
+    self._batch_index = first_batch
+    self._versions: dict[int, object] = {}  # version -> params_r, the last k + 1
+    self.version = -1
+    self._consumed_data_state = engine.data_state()
+    self._lags = _LagLog()
+    self.last_stats: dict[str, float] = {}
+
+  def publish(self, params, version: int) -> None:
+    """Makes θ_version available (transformed once here).
+
+    In sync mode the engine may alias the trainer's buffers (the identity transform
+    does) when k = 0: the train step that donates them runs only after the rollout is
+    drawn. Older versions kept for k > 0 are explicit copies.
+    """
+    if self.stale_k:
+      params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, params), may_alias=False)
+    self._versions[version] = self.engine.transform(params, version)
+    for old in [v for v in self._versions if v < version - self.stale_k]:
+      del self._versions[old]
+    self.version = version
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Rollout:
+    if not self._versions:
+      raise RuntimeError("publish() weights before drawing rollouts")
+    use = max(self.version - self.stale_k, min(self._versions))
+    prompts = self.engine.draw_prompts()
+    rollout, stats = self.engine.sample(self._versions[use], prompts, self._batch_index, use)
+    self._batch_index += 1
+    self._consumed_data_state = self.engine.data_state()
+    self._lags.lags.append(self.version - use)
+    self.last_stats = stats
+    return rollout
+
+  def window_stats(self) -> tuple[dict[str, float], np.ndarray]:
+    """Scalars for the log window since the last call, and the window's lags."""
+    stats, lags = self._lags.window()
+    return {**self.last_stats, **stats}, lags
+
+  def resume_state(self) -> dict:
+    """What a checkpoint stores to continue: data position and next batch index."""
+    return {"data_state": self._consumed_data_state, "next_batch": self._batch_index}
+
+  def close(self) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class _Batch:
+  """A produced batch and its bookkeeping."""
+
+  rollout: Rollout
+  index: int  # the producer's batch counter n
+  version: int
+  data_state: dict  # the prompt iterator's position after this batch's prompts
+  stats: dict[str, float]
+  produced_at: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+_END = object()  # the prompts ran out
+
+
+class ProducerError(RuntimeError):
+  """The rollout producer raised; the message carries its traceback."""
+
+
+class AsyncRollouts:
+  """A producer thread samples ahead into a two-slot queue; see the module docstring.
+
+  Args:
+    engine: the `RolloutEngine`.
+    max_lag: largest lag (step − version) a batch may be trained with uncorrected.
+    stale_policy: "drop" or "correct", for batches over `max_lag`.
+    max_ahead: how far ahead the producer may run, in versions; None = `max_lag`.
+    first_batch: the producer's first batch index (the checkpoint's `next_batch`).
+    producer_timeout_s: `next()` raises TimeoutError when no batch arrives for this
+      long while the trainer waits.
+    engine_shardings: where the engine's copy of the weights lives (a pytree of
+      shardings like the params, or one sharding); None keeps the params' own.
+  """
+
+  mode = "async"
+
+  def __init__(
+    self,
+    engine: RolloutEngine,
+    max_lag: int,
+    stale_policy: str = "drop",
+    max_ahead: int | None = None,
+    first_batch: int = 0,
+    producer_timeout_s: float = 600.0,
+    engine_shardings=None,
+  ):
+    if max_lag < 0:
+      raise ValueError(f"max_lag must be >= 0, got {max_lag}")
+    if stale_policy not in STALE_POLICIES:
+      raise ValueError(
+        f"stale_policy must be one of {', '.join(STALE_POLICIES)}, got {stale_policy!r}"
+      )
+    max_ahead = max_lag if max_ahead is None else max_ahead
+    if max_ahead < 0:
+      raise ValueError(f"max_ahead must be >= 0 (or None for max_lag), got {max_ahead}")
+    if producer_timeout_s <= 0:
+      raise ValueError(f"producer_timeout_s must be > 0, got {producer_timeout_s}")
+    if jax.process_count() > 1:
+      raise ValueError(
+        "rollout.mode=async runs in one process for now; use rollout.mode=sync for "
+        f"multi-process runs ({jax.process_count()} processes)"
+      )
+    self.engine = engine
+    self.max_lag, self.max_ahead, self.stale_policy = max_lag, max_ahead, stale_policy
+    self._timeout = producer_timeout_s
+    self._engine_shardings = engine_shardings
+    self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_SLOTS)
+    self._cond = threading.Condition()
+    self._stop = threading.Event()
+    self._error: tuple[BaseException, str] | None = None
+    # Shared under self._cond: the newest published version, its raw params until
+    # the producer takes them, and how many batches the trainer dropped.
+    self.version = -1
+    self._pending = None
+    self._dropped = 0
+    self._next_batch = first_batch
+    self._consumed_data_state = engine.data_state()
+    self._thread: threading.Thread | None = None
+    # Counters (read by tests and logs).
+    self.produced = self.trained = self.dropped = self.corrected = 0
+    self._lags = _LagLog()
+    self._producer_wait = 0.0
+    self._publish_seconds: list[float] = []
+    self._time_in_queue: list[float] = []
+    self.last_stats: dict[str, float] = {}
+
+  # -- trainer side -------------------------------------------------------------
+
+  def publish(self, params, version: int) -> None:
+    """Hands θ_version to the producer without waiting for it.
+
+    The explicit copy (`may_alias=False`) is what the producer reads, so the
+    trainer may donate `params` to its next step right away; the copy is enqueued
+    before that step, and the runtime orders the two.
+    """
+    shardings = self._engine_shardings
+    if shardings is None:
+      shardings = jax.tree.map(lambda x: x.sharding, params)
+    copy = jax.device_put(params, shardings, may_alias=False)
+    with self._cond:
+      self._pending = (copy, version)
+      self.version = version
+      self._cond.notify_all()
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+      self._thread.start()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Rollout:
+    if self._thread is None:
+      raise RuntimeError("publish() weights before drawing rollouts")
+    while True:
+      item = self._get()
+      if item is _END:
+        raise StopIteration
+      lag = self.version - item.version
+      self._consumed_data_state = item.data_state
+      self._next_batch = item.index + 1
+      if lag > self.max_lag and self.stale_policy == "drop":
+        with self._cond:
+          self._dropped += 1
+          self.dropped = self._dropped
+          self._cond.notify_all()
+        continue
+      if lag > self.max_lag:
+        self.corrected += 1
+      self.trained += 1
+      self._lags.lags.append(lag)
+      self._time_in_queue.append(time.perf_counter() - item.produced_at)
+      self.last_stats = item.stats
+      return item.rollout
+
+  def _get(self):
+    """The next queue item; raises the producer's error or a timeout."""
+    start = time.perf_counter()
+    try:
+      while True:
+        self._raise_if_failed()
+        try:
+          return self._queue.get(timeout=0.05)
+        except queue.Empty:
+          waited = time.perf_counter() - start
+          if waited > self._timeout:
+            alive = self._thread is not None and self._thread.is_alive()
+            raise TimeoutError(
+              f"no rollout batch from the producer for {waited:.1f}s "
+              f"(rollout.producer_timeout_s={self._timeout:g}); producer thread "
+              f"{'still running: it hangs' if alive else 'has exited'} after "
+              f"{self.produced} batches"
+            ) from None
+    finally:
+      self._lags.queue_wait += time.perf_counter() - start
+
+  def _raise_if_failed(self) -> None:
+    if self._error is not None:
+      error, trace = self._error
+      raise ProducerError(f"the rollout producer failed:\n{trace}") from error
+
+  def window_stats(self) -> tuple[dict[str, float], np.ndarray]:
+    """Scalars for the log window since the last call, and the window's lags.
+
+    TRL's async names, for orientation: sample/staleness_mean ↔ version_lag_mean,
+    sample/dropped_stale_total ↔ dropped, perf/weight_sync_s ↔ publish_seconds,
+    sample/time_in_queue_s ↔ time_in_queue_seconds.
+    """
+    stats, lags = self._lags.window()
+    publish = self._publish_seconds
+    in_queue = self._time_in_queue
+    stats |= {
+      "rollout/queue_depth": float(self._queue.qsize()),
+      "rollout/producer_wait_seconds": self._producer_wait,
+      "rollout/publish_seconds": float(np.mean(publish)) if publish else 0.0,
+      "rollout/time_in_queue_seconds": float(np.mean(in_queue)) if in_queue else 0.0,
+      "rollout/dropped": float(self.dropped),
+      "rollout/corrected": float(self.corrected),
+    }
+    self._producer_wait, self._publish_seconds, self._time_in_queue = 0.0, [], []
+    return {**self.last_stats, **stats}, lags
+
+  def resume_state(self) -> dict:
+    """What a checkpoint stores: the position after the last consumed batch."""
+    return {"data_state": self._consumed_data_state, "next_batch": self._next_batch}
+
+  def close(self, timeout_s: float = 30.0) -> None:
+    """Stops the producer and waits for it (a hung producer is left behind, as a daemon)."""
+    self._stop.set()
+    with self._cond:
+      self._cond.notify_all()
+    while True:  # unblock a producer waiting on a full queue
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        break
+    if self._thread is not None:
+      self._thread.join(timeout_s)
+
+  # -- producer side ------------------------------------------------------------
+
+  def _take_version(self, index: int):
+    """Waits for the gate of batch `index`; returns (raw params or None, version)."""
+    start = time.perf_counter()
+    with self._cond:
+      while not self._stop.is_set() and self.version < index - self._dropped - self.max_ahead:
+        self._cond.wait(0.1)
+      pending, self._pending = self._pending, None
+      version = self.version
+    self._producer_wait += time.perf_counter() - start
+    return pending, version
+
+  def _put(self, item) -> bool:
+    start = time.perf_counter()
+    try:
+      while not self._stop.is_set():
+        try:
+          self._queue.put(item, timeout=0.05)
+          return True
+        except queue.Full:
+          continue
+      return False
+    finally:
+      self._producer_wait += time.perf_counter() - start
+
+  def _produce(self) -> None:
+    params_r, version_r = None, None
+    index = self._next_batch
+    try:
+      while not self._stop.is_set():
+        pending, version = self._take_version(index)
+        if self._stop.is_set():
+          return
+        if pending is not None:  # T(θ) once per version: finish the copy, transform
+          start = time.perf_counter()
+          raw, version = pending
+          params_r = jax.block_until_ready(self.engine.transform(raw, version))
+          self._publish_seconds.append(time.perf_counter() - start)
+          version_r = version
+          del raw, pending
+        try:
+          prompts = self.engine.draw_prompts()
+        except StopIteration:
+          self._put(_END)
+          return
+        rollout, stats = self.engine.sample(params_r, prompts, index, version_r)
+        item = _Batch(rollout, index, version_r, self.engine.data_state(), stats)
+        self.produced += 1
+        if not self._put(item):
+          return
+        index += 1
+    except BaseException as e:  # reaches the trainer through _get
+      self._error = (e, traceback.format_exc())

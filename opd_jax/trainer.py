@@ -5,16 +5,26 @@
               rollouts.publish(state.params, step + 1)
               log / evaluate / checkpoint
 
+`rollouts` is `SyncRollouts` or `AsyncRollouts` (`rollout.mode`); the loop is the
+same for both (see `opd_jax.rollouts` for the weight-version semantics).
+
 Setup order: models (HF checkpoints or built-in), the teacher bootstrap (cached),
 the student warm start, then resume from the latest checkpoint in the workdir if
 there is one. Everything written (TensorBoard, metrics.jsonl, checkpoints' JSON)
 comes from process 0 only.
+
+SIGTERM and SIGINT stop the run at the next step boundary: it saves a checkpoint,
+stops the rollout producer and returns (a second SIGINT interrupts at once). The
+same command resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -38,7 +48,7 @@ from opd_jax import (
   task,
   train_step,
 )
-from opd_jax.rollouts import SyncRollouts
+from opd_jax import rollouts as rollouts_lib
 
 
 def task_config(config) -> task.TaskConfig:
@@ -46,9 +56,15 @@ def task_config(config) -> task.TaskConfig:
 
 
 def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
-  """The rollout configuration named by `config.rollout`."""
+  """The rollout configuration named by `config.rollout`.
+
+  `kv_cache=auto` stores the cache in the engine's compute dtype: bf16 for
+  `weights=bf16`, the trainer's dtype for `trainer` and `fp8` (whose unquantized
+  leaves keep the trainer's dtype).
+  """
   r = config.rollout
-  kv_dtype = {"auto": compute_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[r.kv_cache]
+  engine_dtype = "bfloat16" if r.weights == "bf16" else compute_dtype
+  kv_dtype = {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[r.kv_cache]
   return engine.EngineConfig(
     weights=r.weights,
     weight_block_size=r.weight_block_size or None,
@@ -183,8 +199,9 @@ def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: s
 
 
 def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log):
-  """The TrainState to start from: restored from the latest checkpoint (with the data
-  iterator's position), or the warm-started student at step 0.
+  """The TrainState to start from, and the rollout source's next batch index:
+  restored from the latest checkpoint (with the data iterator's position), or the
+  warm-started student at step 0.
 
   `abstract` is `eval_shape` of the initial state; `state_shardings` its shardings.
   """
@@ -198,7 +215,7 @@ def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, pro
     _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     log(f"resumed from step {latest} in {ckpt.directory}")
-    return state
+    return state, int(extra.get("next_batch", latest))
   params = m.student_params
   if not config.student.checkpoint and config.student.warmup_steps:
     log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
@@ -214,7 +231,7 @@ def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, pro
       mesh=m.mesh,
       log=log,
     )
-  return jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings)
+  return jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings), 0
 
 
 def _check_shapes(config, setup: Setup) -> None:
@@ -286,22 +303,99 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
   writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
   try:
-    state = initial_state(config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log)
-    m.student_params = None  # donated into the train state; the state owns the student now
-    return _train(
-      config, setup, state, state_shardings, tx, prompt_iter, width, ckpt, writer, start, log
+    state, next_batch = initial_state(
+      config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log
     )
+    m.student_params = None  # donated into the train state; the state owns the student now
+    source = make_rollouts(config, setup, prompt_iter, width, state, next_batch)
+    try:
+      return _train(config, setup, state, state_shardings, tx, source, ckpt, writer, start, log)
+    finally:
+      source.close()
   finally:
     writer.close()
     ckpt.close()
 
 
-def _train(
-  config, setup, state, state_shardings, tx, prompt_iter, width, ckpt, writer, start, log
-) -> dict:
+def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_batch: int):
+  """The rollout source `rollout.mode` names, starting at batch `next_batch`."""
+  m, r = setup.models, config.rollout
+  ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
+  engine_ = rollouts_lib.RolloutEngine(
+    prompt_iter,
+    m.tokenizer,
+    width,
+    ecfg,
+    sampler_config(config, m.tokenizer.eos_id, ecfg.kv),
+    m.student_cfg,
+    jax.random.wrap_key_data(np.asarray(state.rng)),
+    m.mesh,
+  )
+  if r.mode == "sync":
+    return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)
+  return rollouts_lib.AsyncRollouts(
+    engine_,
+    max_lag=r.max_lag,
+    stale_policy=r.stale_policy,
+    max_ahead=None if r.max_ahead < 0 else r.max_ahead,
+    first_batch=next_batch,
+    producer_timeout_s=r.producer_timeout_s,
+  )
+
+
+class StopOnSignal(contextlib.AbstractContextManager):
+  """Turns SIGTERM and the first SIGINT into a flag the loop checks at step boundaries.
+
+  A second SIGINT raises KeyboardInterrupt as usual. Outside the main thread (where
+  Python cannot install handlers) it installs nothing and never fires.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: int | None = None
+    self._old = {}
+
+  def _handle(self, signum, frame):
+    if self.received == signal.SIGINT and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signum
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc_info):
+    for s, handler in self._old.items():
+      signal.signal(s, handler)
+
+
+class _LagBreakdown:
+  """`mismatch/*` means per version lag over a log window: mismatch/kl/lag_k, ...
+
+  So that staleness and numerics can be told apart in async runs.
+  """
+
+  KEYS = ("mismatch/kl", "mismatch/k3", "mismatch/abs_logp_diff")
+
+  def __init__(self):
+    self._sums: dict[tuple[str, int], list[float]] = {}
+
+  def add(self, lag: int, scalars: dict[str, float]) -> None:
+    for key in self.KEYS:
+      if key in scalars:
+        self._sums.setdefault((key, lag), []).append(scalars[key])
+
+  def window(self) -> dict[str, float]:
+    out = {f"{key}/lag_{lag}": float(np.mean(v)) for (key, lag), v in self._sums.items()}
+    self._sums = {}
+    return out
+
+
+def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, start, log) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint."""
   m, t = setup.models, config.train
-  ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
   loss_cfg = train_step.LossConfig(
     name=t.loss,
     is_clip=t.is_clip if t.is_clip > 0 else None,
@@ -317,17 +411,6 @@ def _train(
     loss_cfg=loss_cfg,
   )
   step = int(state.step)
-  rollouts = SyncRollouts(
-    prompt_iter,
-    m.tokenizer,
-    width,
-    ecfg,
-    sampler_config(config, m.tokenizer.eos_id, ecfg.kv),
-    m.student_cfg,
-    jax.random.wrap_key_data(np.asarray(state.rng)),
-    m.mesh,
-    first_batch=step,
-  )
   rollouts.publish(state.params, step)
   evaluator = Evaluator(config, setup, writer)
   initial = evaluator(step, state.params)
@@ -335,59 +418,73 @@ def _train(
   log(
     f"step {step}: teacher accuracy {evaluator.teacher_accuracy:.3f}, student accuracy "
     f"{initial['quality/student_accuracy']:.3f} (setup {time.time() - start:.0f}s, teacher "
-    f"bootstrap {setup.teacher_info['seconds']:.0f}s)"
+    f"bootstrap {setup.teacher_info['seconds']:.0f}s; rollouts {rollouts.mode})"
   )
+
+  def save(step):
+    resume = rollouts.resume_state()
+    extra = {
+      "data_state": data.state_to_json(resume["data_state"]).decode(),
+      "next_batch": resume["next_batch"],
+      "weight_version": step,
+      "config": run_fingerprint(config),
+    }
+    ckpt.save(step, state, extra)
+
   progress = metrics_writer.Progress(t.steps)
-  loop_start, first_step = time.time(), step
-  while step < t.steps:
-    wait_start = time.perf_counter()
-    rollout = next(rollouts)
-    queue_wait = time.perf_counter() - wait_start
-    train_start = time.perf_counter()
-    state, metrics = step_fn(state, m.teacher_params, rollout)
-    scalars = _scalars(metrics)
-    train_seconds = time.perf_counter() - train_start
-    step += 1
-    if not np.isfinite(scalars["loss/total"]):
-      raise ValueError(
-        f"non-finite loss {scalars['loss/total']} at step {step}; stopping. The last good "
-        f"checkpoint ({ckpt.latest_step()}) in {ckpt.directory} is kept"
-      )
-    rollouts.publish(state.params, step)
-    if step % t.log_every == 0 or step == t.steps:
-      scalars.update(rollouts.last_stats)
-      scalars.update(
-        {
-          "perf/train_seconds": train_seconds,
-          "rollout/queue_wait_seconds": queue_wait,
-          "perf/sampler_traces": sampler.trace_count(),
-          "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
-        }
-      )
-      writer.write_scalars(step, scalars)
-      mask = _to_host(rollout.completion_mask) > 0
-      advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
-      writer.write_histogram(step, "loss/advantage", advantages)
-      log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
-    if step % t.eval_every == 0 or step == t.steps:
-      quality = evaluator(step, state.params)
-      log(
-        f"step {step}: student accuracy {quality['quality/student_accuracy']:.3f} "
-        f"KL(student||teacher) {quality['quality/student_teacher_kl']:.4f}"
-      )
-    if step % t.checkpoint_every == 0 or step == t.steps:
-      ckpt.save(
-        step,
-        state,
-        {
-          "data_state": data.state_to_json(prompt_iter.get_state()).decode(),
-          "weight_version": step,
-          "config": run_fingerprint(config),
-        },
-      )
+  lag_breakdown = _LagBreakdown()
+  loop_start, first_step, stopped_by = time.time(), step, None
+  with StopOnSignal() as stop:
+    while step < t.steps:
+      if stop.received is not None:
+        stopped_by = signal.Signals(stop.received).name
+        if ckpt.latest_step() != step:
+          save(step)
+        log(f"{stopped_by} received: stopped at step {step}; checkpoint saved, rerun to resume")
+        break
+      rollout = next(rollouts)
+      train_start = time.perf_counter()
+      state, metrics = step_fn(state, m.teacher_params, rollout)
+      scalars = _scalars(metrics)
+      train_seconds = time.perf_counter() - train_start
+      lag_breakdown.add(step - int(rollout.weight_version), scalars)
+      step += 1
+      if not np.isfinite(scalars["loss/total"]):
+        raise ValueError(
+          f"non-finite loss {scalars['loss/total']} at step {step}; stopping. The last good "
+          f"checkpoint ({ckpt.latest_step()}) in {ckpt.directory} is kept"
+        )
+      rollouts.publish(state.params, step)
+      if step % t.log_every == 0 or step == t.steps:
+        window, lags = rollouts.window_stats()
+        scalars.update(window)
+        scalars.update(lag_breakdown.window())
+        scalars.update(
+          {
+            "perf/train_seconds": train_seconds,
+            "perf/sampler_traces": sampler.trace_count(),
+            "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
+          }
+        )
+        writer.write_scalars(step, scalars)
+        writer.write_histogram(step, "rollout/version_lag", lags)
+        mask = _to_host(rollout.completion_mask) > 0
+        advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
+        writer.write_histogram(step, "loss/advantage", advantages)
+        log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
+      if step % t.eval_every == 0 or step == t.steps:
+        quality = evaluator(step, state.params)
+        log(
+          f"step {step}: student accuracy {quality['quality/student_accuracy']:.3f} "
+          f"KL(student||teacher) {quality['quality/student_teacher_kl']:.4f}"
+        )
+      if step % t.checkpoint_every == 0 or step == t.steps:
+        save(step)
   writer.write_scalars(step, {"perf/wall_seconds": time.time() - start})
   result = {
     "start_step": first_step,
+    "end_step": step,
+    "stopped_by": stopped_by,
     "teacher_accuracy": evaluator.teacher_accuracy,
     "student_accuracy_before": initial["quality/student_accuracy"],
     "student_accuracy_after": quality["quality/student_accuracy"],

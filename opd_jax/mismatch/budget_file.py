@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jaxlib
 import numpy as np
 
 from opd_jax.mismatch import budget as budget_lib
@@ -103,8 +104,6 @@ def fingerprint(
   """
   if not isinstance(quant_format, str):
     raise ValueError(f"fingerprint: quant_format must be a str, got {quant_format!r}")
-  import jaxlib
-
   fp = {
     "student": {
       "architecture": _architecture(student_cfg, "student"),

@@ -5,12 +5,23 @@ for given weights:
 
     quality/<who>_accuracy   = mean_b 1[score(prompt_b, decode(y_b))]
     quality/student_teacher_kl = mean over completion tokens of KL(π_θ ‖ π_T) at the
-                                 prefixes the student's greedy decode visits.
+                                 prefixes the student's greedy decode visits, with
+                                 the student at T = 1 (the model itself).
+    quality/student_teacher_kl_at_rollout_t = the same KL with π_θ under the training
+                                 rollouts' transform (temperature T, top-k, top-p, as
+                                 `sampler.process_logits` applies them to the
+                                 student's own logits): the quantity the OPD loss
+                                 trains. Reported when `evaluate` gets the training
+                                 `SamplerConfig`; equal to the T = 1 value for greedy
+                                 training rollouts, whose losses score T = 1.
+
+The teacher is always at T = 1, unfiltered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -57,11 +68,33 @@ def _masked_kl(student_bcv, teacher_bcv, mask_bc):
   return losses.masked_mean(losses.per_token_kl(student_bcv, teacher_bcv), mask_bc)
 
 
-def student_teacher_kl(student_params, student_cfg, teacher_params, teacher_cfg, rollout) -> float:
-  """Mean per-token KL(π_θ ‖ π_T) over the rollout's completion tokens."""
+@functools.partial(jax.jit, static_argnames="sampling")
+def _masked_kl_transformed(student_bcv, teacher_bcv, mask_bc, sampling):
+  b, c, v = student_bcv.shape
+  z_bcv = sampler.process_logits(student_bcv.reshape(b * c, v), sampling).reshape(b, c, v)
+  return losses.masked_mean(losses.per_token_kl(z_bcv, teacher_bcv), mask_bc)
+
+
+def student_teacher_kl(
+  student_params, student_cfg, teacher_params, teacher_cfg, rollout, sampling=None
+) -> float:
+  """Mean per-token KL(π_θ ‖ π_T) over the rollout's completion tokens.
+
+  Args:
+    student_params, student_cfg, teacher_params, teacher_cfg: the two models.
+    rollout: the completions whose prefixes are scored.
+    sampling: None scores the student at T = 1; a `sampler.SamplerConfig` with
+      temperature > 0 scores π_θ = softmax(process_logits(logits, sampling)) instead
+      (its temperature, top-k and top-p on the student's own logits).
+
+  Returns:
+    The mean KL as a float.
+  """
   s_bcv, _, mask_bc = _logits(student_params, rollout, student_cfg)
   t_bcv, _, _ = _logits(teacher_params, rollout, teacher_cfg)
-  return float(_masked_kl(s_bcv, t_bcv, mask_bc))
+  if sampling is None or sampling.temperature == 0:
+    return float(_masked_kl(s_bcv, t_bcv, mask_bc))
+  return float(_masked_kl_transformed(s_bcv, t_bcv, mask_bc, sampling))
 
 
 _logits = jax.jit(train_step.completion_logits, static_argnums=(2, 3))
@@ -76,8 +109,12 @@ def evaluate(
   tokenizer,
   max_new_tokens: int,
   teacher_accuracy: float | None = None,
+  train_sampling: sampler.SamplerConfig | None = None,
 ):
   """quality/* metrics of the student (and the teacher's accuracy when not given).
+
+  `train_sampling`, the training rollouts' `SamplerConfig`, adds
+  `quality/student_teacher_kl_at_rollout_t` (see the module docstring).
 
   Returns:
     (metrics dict, a few decoded student samples for the text log).
@@ -90,6 +127,10 @@ def evaluate(
       student_params, student_cfg, teacher_params, teacher_cfg, rollout
     ),
   }
+  if train_sampling is not None:
+    metrics["quality/student_teacher_kl_at_rollout_t"] = student_teacher_kl(
+      student_params, student_cfg, teacher_params, teacher_cfg, rollout, train_sampling
+    )
   if teacher_accuracy is None:
     t_rollout = greedy_rollout(
       teacher_params, teacher_cfg, eval_set, max_new_tokens, tokenizer.eos_id

@@ -158,8 +158,20 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=N
 
   FP8 layers store round_e4m3(clip(x / scale, ±448)) with
   "token_head": scale = max(amax_h |x| / 448, 1e-12) per token and head;
-  "tensor": scale = max(headroom · amax |x| / 448, 1e-12) per sequence over the
-  real tokens of its first write (the calibration), then frozen.
+  "tensor": scale = headroom · amax |x| / 448 per sequence over the real tokens of
+  its first write whose real tokens are not all zero (the calibration), then frozen.
+  A scale of 0 means "not calibrated yet": a write whose real tokens are all zero
+  (e.g. a prompt whose keys vanish) stores zeros (exact) and leaves the scale at 0,
+  so the first non-zero write calibrates it instead of a 1e-12 floor that would clip
+  every later value to ±4.5e-10.
+
+  Saturation. On "tensor" layers the returned dict also holds "k_clipped" and
+  "v_clipped": int32 [B], how many of *this write's* real elements had
+  |x / scale| > 448 and were clipped to ±448 · scale (the sampler sums them into
+  `Rollout.kv_saturated_fraction`). "token_head" scales are each vector's own
+  amax / 448, so they cannot clip (beyond f32 rounding) and carry no counter.
+  `init_cache` does not allocate the counters (they are not cache storage and do not
+  count in `bytes_per_token`); the first write adds them.
 
   Args:
     entry: one layer's cache dict.
@@ -168,30 +180,38 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=N
     start_b: int [B], the slot of each sequence's first new token.
     spec: the cache numerics (granularity, headroom).
     valid_len_b: optional int [B]; only tokens t < valid_len_b[b] are real (the rest
-      is prompt padding) and count towards a "tensor" scale's calibration.
+      is prompt padding): they alone calibrate a "tensor" scale and count as clipped.
 
   Returns:
-    The updated layer dict (same shapes and dtypes).
+    The updated layer dict (same shapes and dtypes, plus the counters above).
   """
   out = dict(entry)
   if "k_scale" not in entry:
     out["k"] = _scatter_time(entry["k"], k_btkh, start_b)
     out["v"] = _scatter_time(entry["v"], v_btkh, start_b)
     return out
+  batch, tokens = k_btkh.shape[:2]
+  if valid_len_b is None:
+    real_bt = jnp.ones((batch, tokens), bool)
+  else:
+    real_bt = jnp.arange(tokens)[None, :] < valid_len_b[:, None]
   for name, x in (("k", k_btkh), ("v", v_btkh)):
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)  # [B,T,K,1]
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [B,T,K,1]
     if spec.granularity == "token_head":
       scale = jnp.maximum(amax / FP8_MAX, 1e-12)
       out[name + "_scale"] = _scatter_time(entry[name + "_scale"], scale, start_b)
-    else:
-      old = entry[name + "_scale"]  # [B,1,1,1]; 0 until the first write calibrates it
-      if valid_len_b is not None:
-        real_bt = jnp.arange(x.shape[1])[None, :] < valid_len_b[:, None]
-        amax = jnp.where(real_bt[:, :, None, None], amax, 0.0)
-      fresh = jnp.max(amax, axis=(1, 2), keepdims=True) * spec.tensor_headroom / FP8_MAX
-      scale = jnp.where(old > 0, old, jnp.maximum(fresh, 1e-12))
-      out[name + "_scale"] = scale
-    out[name] = _scatter_time(entry[name], _quantize_rows(x, scale), start_b)
+      out[name] = _scatter_time(entry[name], _quantize_rows(x, scale), start_b)
+      continue
+    old = entry[name + "_scale"]  # [B,1,1,1]; 0 until a non-zero write calibrates it
+    amax = jnp.where(real_bt[:, :, None, None], amax, 0.0)
+    fresh = jnp.max(amax, axis=(1, 2), keepdims=True) * spec.tensor_headroom / FP8_MAX
+    scale = jnp.where(old > 0, old, fresh)  # still 0 when every real entry is 0
+    safe = jnp.where(scale > 0, scale, 1.0)  # uncalibrated: real entries are all 0, read as 0
+    over = (jnp.abs(x / safe) > FP8_MAX) & real_bt[:, :, None, None]
+    out[name + "_clipped"] = jnp.sum(over, axis=(1, 2, 3), dtype=jnp.int32)
+    out[name + "_scale"] = scale
+    out[name] = _scatter_time(entry[name], _quantize_rows(x, safe), start_b)
   return out
 
 

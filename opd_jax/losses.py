@@ -25,7 +25,9 @@ Configuration arguments (`is_clip`, `top_k`, `beta`) are Python numbers, static
 under `jax.jit`.
 
 The helpers `token_logprobs`, `per_token_kl`, `topk_logprobs_with_tail`,
-`logprobs_with_tail` and `bucket_kl` also serve the mismatch metrics.
+`logprobs_with_tail`, `bucket_kl` and `masked_mean` also serve the mismatch metrics
+(`opd_jax.mismatch`). Student logits may hold -inf outside a top-k/top-p kept set
+(`train_step.student_policy_logits`): every helper treats exp(-inf) · (-inf) as 0.
 """
 
 from __future__ import annotations
@@ -178,8 +180,14 @@ def reverse_kl_sampled(
   the reverse KL (the Σ_y π_θ ∇log π_θ = 0 term vanishes). The loss value itself is
   a surrogate; `teacher/reverse_kl_k1` reports the sampled KL estimate.
 
+  π_θ must be the policy the rollout was sampled under when the engine is exact: the
+  student's logits at the sampler's temperature, restricted to the engine's top-k/top-p
+  kept set (`train_step.student_policy_logits`, -inf elsewhere). Then r_t = 1 for an
+  exact engine and the estimator targets KL(π_θ ‖ π_T) of that filtered policy. Every
+  counted y_t must have finite student logit (the kept set holds it).
+
   Args:
-    student_logits: [B, T, V] under θ, at the sampler's temperature.
+    student_logits: [B, T, V] under θ, at the sampler's temperature and filter.
     teacher_logits: [B, T, V]; receives no gradient.
     tokens: int [B, T] sampled tokens.
     mask: [B, T] completion mask (bool or float).

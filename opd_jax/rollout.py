@@ -22,8 +22,13 @@ Log-probability conventions (all f32, natural log):
   non-argmax token under greedy) have log-prob -inf; consumers must treat
   exp(-inf) · (-inf) as 0 (e.g. with `jnp.where(p > 0, ...)`).
 
+* `support_ids` is the engine's kept set K_b (the support of π_b) at every step when
+  the sampler filtered with top-k or top-p: the trainer restricts its student to the
+  same set (`train_step.student_policy_logits`), so π_θ and π_b are compared under
+  one transform. Greedy rollouts carry none: their support is the sampled token.
+
 Masked positions (after the stop token) hold token 0 and log-probs 0; the `topk_*`
-fields there are unspecified, so always weight by `completion_mask`.
+and `support_ids` fields there are unspecified, so always weight by `completion_mask`.
 """
 
 from __future__ import annotations
@@ -72,6 +77,14 @@ class Rollout:
     topk_logprobs: f32 [B, C, k] or [B, C, V] behaviour log-probs, or None.
     topk_ids: int32 [B, C, k] or [B, C, V] token ids of `topk_logprobs`, or None.
     tail_logprob: f32 [B, C], log of the behaviour mass outside `topk_ids`, or None.
+    support_ids: int32 [B, C, M], the token ids the top-k/top-p filter kept at each
+      step, -1 in unused slots; None when the sampler did not filter. With top-k,
+      M = top_k (the k largest, descending, those removed by top-p set to -1); with
+      top-p alone, M = V and slot j holds j if kept (4·V bytes per token: bound the
+      support with top-k on large vocabularies).
+    kv_saturated_fraction: f32 scalar, the share of the K/V elements written to FP8
+      cache layers (prompt and counted completion tokens, K and V) that clipped at
+      ±448 · scale; 0 without FP8 layers. None for hand-built rollouts.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -85,6 +98,8 @@ class Rollout:
   topk_logprobs: jax.Array | None = None
   topk_ids: jax.Array | None = None
   tail_logprob: jax.Array | None = None
+  support_ids: jax.Array | None = None
+  kv_saturated_fraction: jax.Array | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

@@ -25,15 +25,28 @@ was traced, which tests use to catch recompiles.
 Sampling math (f32), for temperature T > 0:
 
     z = logits / T
-    top-k:  z_j = -inf unless j is among the k largest z
+    top-k:  z_j = -inf unless j is among the k largest z (exactly k tokens; ties at
+            the k-th value go to the lower token id, as `jax.lax.top_k` orders them)
     top-p:  sort the surviving tokens by probability q (softmax of z); keep token j
             iff the mass of the tokens ranked above it is < p (the top token is
             always kept, and the kept set is the smallest whose mass reaches p)
-    π_b = softmax(z)  (renormalised over the kept tokens)
+    π_b = softmax(z)  (renormalised over the kept set K_b)
     y ~ π_b by inverse-CDF sampling with key fold_in(rng, step)
 
 T = 0 is greedy: y = argmax(logits) and π_b is the point mass on y, so the
 behaviour log-prob is 0 (see `rollout.py` for all log-prob conventions).
+
+The kept set travels with the rollout (`Rollout.support_ids`) whenever a filter is
+on, so the trainer scores its student under the same filter (the "keep sampling
+mask" practice): π_θ = softmax(student logits / T) restricted to K_b and
+renormalised. Replaying the engine's own kept set, rather than re-running top-k/top-p
+on the trainer's logits, makes an exact engine read exactly zero mismatch (no
+boundary token flips between the two rankings) and keeps π_b and π_θ on one support,
+so KL(π_b ‖ π_θ) and the importance ratios stay finite for any engine.
+
+KV saturation: with an FP8 "tensor"-scaled cache, values beyond 448 · scale are
+clipped; `Rollout.kv_saturated_fraction` is the share of the K/V elements written
+to FP8 layers (prompt and counted completion tokens) that clipped.
 """
 
 from __future__ import annotations
@@ -75,7 +88,8 @@ class SamplerConfig:
     cache_len: KV-cache slots S per sequence; None derives S = prompt bucket + C.
     kv: KV-cache numerics; None stores the cache in the params' compute dtype.
     return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
-      with their tail mass, −1 the full behaviour distribution [B, C, V].
+      with their tail mass, −1 the full behaviour distribution [B, C, V]
+      (`opd_jax.mismatch.default_return_topk(V)` picks one from the vocabulary size).
   """
 
   max_new_tokens: int
@@ -146,35 +160,61 @@ def _largest_threshold(key_bv, weight_bv, target_b1):
   return jax.lax.fori_loop(0, 32, step, jnp.zeros((key_bv.shape[0], 1), jnp.uint32))
 
 
-def process_logits(logits_bv, cfg: SamplerConfig):
-  """Temperature, top-k and top-p applied to logits (T > 0 only).
+def support_width(cfg: SamplerConfig, vocab_size: int) -> int:
+  """M, the width of `Rollout.support_ids`: top_k with a top-k filter, V with top-p
+  alone, 0 when nothing is filtered (or greedy, whose support is the sampled token)."""
+  if cfg.temperature == 0:
+    return 0
+  if 0 < cfg.top_k < vocab_size:
+    return cfg.top_k
+  return vocab_size if cfg.top_p < 1.0 else 0
 
-  Filters are thresholds found without sorting the vocabulary (a full sort per
-  step costs more than the model on CPU): top-k keeps z_j ≥ the k-th largest z;
-  top-p keeps z_j ≥ τ, where τ is the largest value whose upper set
-  {i : z_i ≥ τ} holds mass ≥ p. Both equal the sorted-order definitions, except
-  that tokens tied exactly at the threshold are all kept.
+
+def filter_logits(logits_bv, cfg: SamplerConfig):
+  """Temperature, top-k and top-p applied to logits (T > 0 only), with the kept set.
+
+  top-k takes the k largest z with `jax.lax.top_k`, and top-p within them is a
+  cumulative sum over those k sorted values. top-p alone avoids sorting the
+  vocabulary (a full sort per step costs more than the model on CPU): it keeps
+  z_j ≥ τ, where τ is the largest value whose upper set {i : z_i ≥ τ} holds
+  mass ≥ p, which equals the sorted-order definition except that tokens tied
+  exactly at τ are all kept.
 
   Args:
     logits_bv: raw logits [B, V].
     cfg: sampler settings; `cfg.temperature` must be > 0.
 
   Returns:
-    f32 [B, V] processed logits z: logits / T on kept tokens, -inf on removed ones.
-    softmax(z) is the behaviour distribution π_b.
+    (z_bv, support_bm): f32 [B, V] processed logits (logits / T on kept tokens, -inf
+    on removed ones; softmax(z) is π_b), and the kept set as int32 [B, M] token ids
+    with -1 in unused slots (M = `support_width(cfg, V)`): with top-k the k largest
+    tokens in descending order, those removed by top-p set to -1; with top-p alone
+    slot j holds j if kept, else -1; None when nothing is filtered.
   """
   z_bv = logits_bv.astype(jnp.float32) / cfg.temperature
   b, v = z_bv.shape
   if 0 < cfg.top_k < v:
-    key_bv = _sortable_u32(z_bv)
-    kth_b1 = _largest_threshold(key_bv, jnp.ones((), jnp.int32), jnp.int32(cfg.top_k))
-    z_bv = jnp.where(key_bv >= kth_b1, z_bv, -jnp.inf)
+    top_z_bk, ids_bk = jax.lax.top_k(z_bv, cfg.top_k)
+    keep_bk = jnp.ones(top_z_bk.shape, bool)
+    if cfg.top_p < 1.0:
+      q_bk = jax.nn.softmax(top_z_bk, axis=-1)
+      keep_bk = jnp.cumsum(q_bk, axis=-1) - q_bk < cfg.top_p  # mass ranked above < p
+    rows_b1 = jnp.arange(b)[:, None]
+    kept_bv = jnp.zeros((b, v), bool).at[rows_b1, ids_bk].set(keep_bk)
+    return jnp.where(kept_bv, z_bv, -jnp.inf), jnp.where(keep_bk, ids_bk, -1)
   if cfg.top_p < 1.0:
     key_bv = _sortable_u32(z_bv)
     probs_bv = jax.nn.softmax(z_bv, axis=-1)
     tau_b1 = _largest_threshold(key_bv, probs_bv, jnp.float32(cfg.top_p))
-    z_bv = jnp.where(key_bv >= tau_b1, z_bv, -jnp.inf)
-  return z_bv
+    kept_bv = key_bv >= tau_b1
+    support_bv = jnp.where(kept_bv, jnp.arange(v, dtype=jnp.int32), -1)
+    return jnp.where(kept_bv, z_bv, -jnp.inf), support_bv
+  return z_bv, None
+
+
+def process_logits(logits_bv, cfg: SamplerConfig):
+  """The processed logits z of `filter_logits` alone: softmax(z) is π_b ([B, V] f32)."""
+  return filter_logits(logits_bv, cfg)[0]
 
 
 def _argmax(x_bv):
@@ -230,8 +270,9 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
   """Samples one token per row.
 
   Returns:
-    (token_b int32, behaviour_lp_b f32, model_lp_b f32, dist) where dist is None or
-    (topk_lp_bk, topk_ids_bk or None, tail_b) per `cfg.return_topk`.
+    (token_b int32, behaviour_lp_b f32, model_lp_b f32, dist, support_bm) where dist
+    is None or (topk_lp_bk, topk_ids_bk or None, tail_b) per `cfg.return_topk`, and
+    support_bm the kept set of `filter_logits` (None when nothing is filtered).
   """
   logits_bv = logits_bv.astype(jnp.float32)
   b, v = logits_bv.shape
@@ -241,8 +282,9 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
     model_lp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
     behaviour_lp_b = jnp.zeros((b,), jnp.float32)
     dist_lp_bv = None
+    support_bm = None
   else:
-    z_bv = process_logits(logits_bv, cfg)
+    z_bv, support_bm = filter_logits(logits_bv, cfg)
     token_b = sample_categorical(key, z_bv)
     model_lp_bv = jax.nn.log_softmax(logits_bv / cfg.temperature, axis=-1)
     dist_lp_bv = jax.nn.log_softmax(z_bv, axis=-1)
@@ -263,7 +305,7 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
         topk_lp_bk, ids_bk = jax.lax.top_k(dist_lp_bv, cfg.return_topk)
       rest_bv = dist_lp_bv.at[rows_b1, ids_bk].set(-jnp.inf)
       dist = (topk_lp_bk, ids_bk.astype(jnp.int32), jax.nn.logsumexp(rest_bv, axis=-1))
-  return token_b, behaviour_lp_b, model_lp_b, dist
+  return token_b, behaviour_lp_b, model_lp_b, dist, support_bm
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "model_cfg", "cache_len"))
@@ -275,6 +317,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   c, s, spec = cfg.max_new_tokens, cache_len, cfg.kv
   v = model_cfg.vocab_size
   k = v if cfg.return_topk == -1 else min(cfg.return_topk, v)
+  m = support_width(cfg, v)
   stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
 
   out = {
@@ -288,10 +331,13 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
     out["tail_lp"] = jnp.zeros((b, c), jnp.float32)
     if k < v:
       out["topk_ids"] = jnp.zeros((b, c, k), jnp.int32)
+  if m:
+    out["support"] = jnp.zeros((b, c, m), jnp.int32)
 
   def record(out, done_b, i, logits_bv):
     """Samples token i from logits_bv and stores it for the rows not yet done."""
-    token_b, behaviour_b, model_b, dist = _choose(logits_bv, jax.random.fold_in(rng, i), cfg)
+    key = jax.random.fold_in(rng, i)
+    token_b, behaviour_b, model_b, dist, support_bm = _choose(logits_bv, key, cfg)
     valid_b = ~done_b
     values = {
       "tokens": jnp.where(valid_b, token_b, 0),
@@ -305,6 +351,8 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
       values["tail_lp"] = tail_b
       if ids_bk is not None:
         values["topk_ids"] = ids_bk
+    if support_bm is not None:
+      values["support"] = support_bm
     out = {name: out[name].at[:, i].set(values[name]) for name in out}
     stopped_b = jnp.any(token_b[:, None] == stops[None, :], axis=-1)
     # Token i sits at position len_b + i; feeding it needs that cache slot.
@@ -320,25 +368,42 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   _, cache = model.forward_with_cache(
     params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec, lens_b
   )
+  # K/V elements one token writes to the FP8 layers, and the clipped ones so far.
+  fp8_per_token = 2 * model_cfg.num_kv_heads * model_cfg.head_dim
+  fp8_per_token *= sum("k_scale" in entry for entry in cache)
+  clipped = jnp.sum(jnp.where(live_b, _clipped_b(cache), 0)).astype(jnp.float32)
+  written = jnp.sum(jnp.where(live_b, lens_b, 0)).astype(jnp.float32) * fp8_per_token
   last_b = jnp.take_along_axis(tokens_bp, (lens_b - 1)[:, None], axis=1)[:, 0]
 
   def cond(state):
-    i, _, _, done_b, _ = state
+    i, _, _, done_b, _, _ = state
     return (i < c) & ~jnp.all(done_b)
 
   def body(state):
     """Feeds the previous token at position len_b − 1 + i and samples token i."""
-    i, cache, token_b, done_b, out = state
+    i, cache, token_b, done_b, out, (clipped, written) = state
     pos_b = jnp.minimum(lens_b - 1 + i, s - 1)  # finished rows may run past the cache
     logits_b1v, cache = model.forward_with_cache(
       params, token_b[:, None], pos_b, cache, model_cfg, spec
     )
+    clipped += jnp.sum(jnp.where(done_b, 0, _clipped_b(cache))).astype(jnp.float32)
+    written += jnp.sum(~done_b).astype(jnp.float32) * fp8_per_token
     out, done_b, token_b = record(out, done_b, i, logits_b1v[:, 0])
-    return i + 1, cache, token_b, done_b, out
+    return i + 1, cache, token_b, done_b, out, (clipped, written)
 
-  state = (jnp.int32(0), cache, last_b, ~live_b, out)
-  *_, out = jax.lax.while_loop(cond, body, state)
+  state = (jnp.int32(0), cache, last_b, ~live_b, out, (clipped, written))
+  *_, out, (clipped, written) = jax.lax.while_loop(cond, body, state)
+  out["kv_saturated_fraction"] = clipped / jnp.maximum(written, 1.0)
   return out
+
+
+def _clipped_b(cache) -> jax.Array:
+  """int32 [B]: K/V elements the last cache write clipped, summed over the layers."""
+  total_b = jnp.zeros(cache[0]["k"].shape[:1], jnp.int32)
+  for entry in cache:
+    if "k_clipped" in entry:
+      total_b = total_b + entry["k_clipped"] + entry["v_clipped"]
+  return total_b
 
 
 def _as_padded_prompts(prompts, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -480,5 +545,7 @@ def sample(
     topk_logprobs=None if "topk_lp" not in out else rows(out["topk_lp"]),
     topk_ids=None if topk_ids is None else rows(topk_ids),
     tail_logprob=None if "tail_lp" not in out else rows(out["tail_lp"]),
+    support_ids=None if "support" not in out else rows(out["support"]),
+    kv_saturated_fraction=out["kv_saturated_fraction"],
     engine_id=engine_id,
   )

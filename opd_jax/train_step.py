@@ -1,11 +1,22 @@
 """Train state, optimizer and the pure, jittable train steps.
 
-    train_step(state, teacher_params, rollout, rng) -> (state, metrics)
+    train_step(state, teacher_params, rollout, *, tx, student_cfg, teacher_cfg, loss_cfg)
+        -> (state, metrics)
 
-`TrainState` holds only what the optimizer changes (student params, optimizer
-state, step) plus the run's RNG key. The teacher is passed as frozen data: it is
-never in the optimizer state and never checkpointed. The step functions are pure;
-the caller jits them with explicit shardings and donates the state.
+The step draws no random numbers (the rollout carries the samples), so it takes no
+key; `TrainState.rng` is the run's base key, kept in the state so that it is
+checkpointed with it. `TrainState` holds only what the optimizer changes (student
+params, optimizer state, step) plus that key. The teacher is passed as frozen data:
+it is never in the optimizer state and never checkpointed. The step functions are
+pure; the caller jits them with explicit shardings and donates the state.
+
+The student's policy π_θ is scored under the rollout's own sampling transform, in
+one place (`student_policy_logits`): divided by the rollout's temperature and
+restricted to the engine's kept set (`Rollout.support_ids`) when the sampler
+filtered with top-k/top-p. The losses, the importance ratio and the `mismatch/*`
+metrics (`opd_jax.mismatch`) all see that same π_θ, so an engine identical to the
+trainer gives ratio 1 and zero mismatch under every sampling setting.
+`check_rollout_loss` refuses the sampler/loss combinations this cannot serve.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from opd_jax import losses, model
+from opd_jax import losses, mismatch, model
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -93,6 +104,110 @@ def completion_logits(params, rollout: Rollout, cfg: ModelConfig, temperature: f
   return logits_bcv, rollout.completion_tokens, rollout.completion_mask
 
 
+def support_mask(rollout: Rollout, vocab_size: int):
+  """bool [B, C, V]: True on the engine's kept set K_b, from `rollout.support_ids`.
+
+  Returns None when the rollout carries no kept set (the sampler did not filter).
+  """
+  ids_bcm = rollout.support_ids
+  if ids_bcm is None:
+    return None
+  b, c, m = ids_bcm.shape
+  if m == vocab_size:  # top-p alone: slot j holds j if kept, else -1
+    return ids_bcm >= 0
+  rows = jnp.arange(b * c)[:, None]
+  flat_ids = jnp.where(ids_bcm >= 0, ids_bcm, vocab_size).reshape(b * c, m)
+  kept = jnp.zeros((b * c, vocab_size), bool).at[rows, flat_ids].set(True, mode="drop")
+  return kept.reshape(b, c, vocab_size)
+
+
+def student_policy_logits(logits_bcv, rollout: Rollout):
+  """π_θ under the rollout's filter: the engine's kept set replayed on the student.
+
+      π_θ(v) = softmax(z)_v over v ∈ K_b, 0 elsewhere,  z = student logits / T
+
+  `logits_bcv` is already divided by the temperature (`completion_logits`). This is
+  the "keep sampling mask" choice: the engine's kept set K_b travels with the
+  rollout rather than the trainer re-running top-k/top-p on its own logits, because
+  the two rankings differ at the boundary by f32 noise even for an identical engine
+  (and by the real mismatch otherwise), which would put sampled tokens outside the
+  trainer's support (ratio 0, infinite KL). Replaying K_b keeps π_b and π_θ on one
+  support: an exact engine reads zero, any engine gives finite metrics, and the
+  sampled reverse KL is an unbiased estimator of ∇KL(π_θ ‖ π_T) for the filtered
+  policy the engine deploys.
+
+  Positions outside the completion mask keep the unfiltered logits, so padding
+  (whose token need not lie in the kept set) can never produce -inf log-probs.
+
+  Args:
+    logits_bcv: [B, C, V] student logits at the completion positions, / T.
+    rollout: the batch; its `support_ids` (or None: nothing filtered).
+
+  Returns:
+    [B, C, V] logits, -inf outside K_b at counted positions.
+  """
+  kept_bcv = support_mask(rollout, logits_bcv.shape[-1])
+  if kept_bcv is None:
+    return logits_bcv
+  kept_bcv = kept_bcv | (rollout.completion_mask <= 0)[..., None]
+  return jnp.where(kept_bcv, logits_bcv, -jnp.inf)
+
+
+def greedy_policy_logits(logits_bcv, tokens_bc):
+  """The greedy engine's transform replayed: the point mass on the sampled token.
+
+  Greedy decoding has no temperature to share and its support is {y_t}, so π_θ
+  under the same transform is the point mass on y_t: 0 on y_t, -inf elsewhere.
+  """
+  vocab = logits_bcv.shape[-1]
+  hit_bcv = jnp.arange(vocab) == tokens_bc[..., None]
+  return jnp.where(hit_bcv, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def check_rollout_loss(sampler_cfg, loss_cfg: LossConfig) -> None:
+  """Refuses sampler/loss combinations whose π_θ is undefined or whose loss is infinite.
+
+  - `loss_cfg.temperature` must equal the sampler's temperature (π_θ is scored at it).
+  - Greedy rollouts (T = 0) cannot carry an importance ratio: π_b is a point mass, so
+    `reverse_kl_sampled` with `is_clip` is refused (use is_clip=None, or T > 0). Greedy
+    rollouts only choose the prefixes: the losses score the student at T = 1,
+    unfiltered (a point mass has no gradient).
+  - With a top-k/top-p filter π_θ is zero outside the kept set, so the forward KL
+    KL(π_T ‖ π_θ) is infinite wherever the teacher has mass there: `forward_kl` and
+    `jsd` with β = 0 are refused.
+
+  Args:
+    sampler_cfg: the rollout's `sampler.SamplerConfig` (temperature, top_k, top_p).
+    loss_cfg: the train step's `LossConfig`.
+
+  Raises:
+    ValueError naming the combination and what to change.
+  """
+  temperature = sampler_cfg.temperature
+  if loss_cfg.temperature != temperature:
+    raise ValueError(
+      f"LossConfig.temperature={loss_cfg.temperature} differs from the sampler's "
+      f"temperature={temperature}; the student must be scored at the rollout's temperature"
+    )
+  if temperature == 0:
+    if loss_cfg.name == "reverse_kl_sampled" and loss_cfg.is_clip is not None:
+      raise ValueError(
+        "greedy rollouts (temperature 0) cannot carry an importance ratio: the behaviour "
+        "policy is a point mass. Use reverse_kl_sampled with is_clip=None (train.is_clip=0), "
+        "another loss, or sample at temperature > 0"
+      )
+    return
+  filtered = sampler_cfg.top_k > 0 or sampler_cfg.top_p < 1.0
+  forward = loss_cfg.name == "forward_kl" or (loss_cfg.name == "jsd" and loss_cfg.jsd_beta == 0)
+  if filtered and forward:
+    raise ValueError(
+      f"loss {loss_cfg.name!r} (forward KL to the teacher) is infinite under top-k/top-p "
+      f"rollouts (top_k={sampler_cfg.top_k}, top_p={sampler_cfg.top_p}): the student is "
+      "scored on the engine's kept set and has no mass elsewhere. Use reverse_kl_full, "
+      "reverse_kl_sampled or jsd with beta > 0, or sample without a filter"
+    )
+
+
 def opd_loss(
   params,
   teacher_params,
@@ -101,12 +216,18 @@ def opd_loss(
   teacher_cfg: ModelConfig,
   loss_cfg: LossConfig,
 ):
-  """The configured OPD loss of the student on `rollout`; returns (loss, metrics)."""
-  # The student is scored at the sampler's temperature, so π_θ is the distribution the
-  # rollout was drawn from when the engine is exact; the teacher stays at T = 1.
-  student_bcv, tokens_bc, mask_bc = completion_logits(
+  """The configured OPD loss of the student on `rollout`; returns (loss, metrics).
+
+  π_θ is `student_policy_logits` of the student at the sampler's temperature (the
+  teacher stays at T = 1, unfiltered). The metrics include `mismatch/*`
+  (`opd_jax.mismatch.mismatch_metrics`) computed from the same stop-gradient
+  student logits: no second forward pass. Greedy rollouts (temperature 0) train
+  the student at T = 1 and measure mismatch against the replayed point mass.
+  """
+  raw_bcv, tokens_bc, mask_bc = completion_logits(
     params, rollout, student_cfg, loss_cfg.temperature
   )
+  student_bcv = student_policy_logits(raw_bcv, rollout)  # greedy rollouts carry no kept set
   teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
   teacher_bcv = jax.lax.stop_gradient(teacher_bcv)
   if loss_cfg.name == "reverse_kl_sampled":
@@ -133,6 +254,11 @@ def opd_loss(
   metrics["teacher/logprob"] = losses.masked_mean(teacher_lp_bc, mask_bc)
   # Per-token advantage A_t = log π_T(y_t) − log π_θ(y_t), for histograms.
   metrics["per_token/advantage_bc"] = teacher_lp_bc - losses.token_logprobs(student_bcv, tokens_bc)
+  if loss_cfg.temperature > 0:
+    policy_bcv = student_bcv
+  else:
+    policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
+  metrics.update(mismatch.mismatch_metrics(policy_bcv, rollout))
   return loss, metrics
 
 
@@ -164,8 +290,8 @@ def train_step(
     loss_cfg: the loss (static).
 
   Returns:
-    (new state, metrics): f32 scalars under loss/*, teacher/*, perf/*, and per-token
-    arrays [B, C] under per_token/*.
+    (new state, metrics): f32 scalars under loss/*, teacher/*, mismatch/*, perf/*, and
+    per-token arrays [B, C] under per_token/*.
   """
   grad_fn = jax.value_and_grad(opd_loss, has_aux=True)
   (loss, metrics), grads = grad_fn(

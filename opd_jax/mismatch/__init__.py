@@ -1,0 +1,27 @@
+"""Training–inference mismatch on one scale (DESIGN.md, "The common mismatch scale").
+
+This package owns the mismatch measurement and, as they are built, the mismatch
+budget, the admission check and the study that calibrates them. Today it holds:
+
+- `metrics`: `mismatch_metrics(student_logits_bcv, rollout)`, the per-step
+  `mismatch/*` metrics between the engine's distribution π_b and the trainer's
+  student π_θ on the rollout's prefixes (per-token KL with mean, p95 and max; k1,
+  k3; |Δ log p|), and `default_return_topk(vocab_size)`, the behaviour
+  distribution the sampler must return for them.
+"""
+
+from opd_jax.mismatch.metrics import (
+  default_return_topk,
+  masked_max,
+  masked_quantile,
+  mismatch_metrics,
+  per_token_kl,
+)
+
+__all__ = [
+  "default_return_topk",
+  "masked_max",
+  "masked_quantile",
+  "mismatch_metrics",
+  "per_token_kl",
+]

@@ -350,7 +350,7 @@ def fit_budget(
   Raises:
     ValueError: empty records, a record that is not a mapping, a missing key, a non-numeric or
       non-finite value, a bad "layer", overall records at fewer than 2 distinct mismatch/kl
-      values, or a bad tolerance/level/num_bootstrap; the message names the record (index and
+      values, or a bad tolerance/level/num_bootstrap/seed; the message names the record (index and
       source) where there is one.
   """
   if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):

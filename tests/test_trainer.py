@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -304,3 +305,107 @@ def test_two_process_launch_runs_end_to_end(teacher_cache, tmp_path):
   rows = metrics_writer.read_jsonl(workdir)  # written by process 0 only
   assert max(rows) == 6 and np.isfinite(rows[6]["loss/total"])
   assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [3, 6]
+
+
+# -- async rollouts ---------------------------------------------------------------
+
+COMPARED = ("loss/total", "teacher/reverse_kl", "teacher/logprob", "quality/student_accuracy")
+
+
+def test_async_with_max_lag_0_reproduces_the_sync_run(tiny_run, teacher_cache, tmp_path):
+  sync_dir, _ = tiny_run
+  config = tiny_config(teacher_cache, **{"rollout.mode": "async", "rollout.max_lag": 0})
+  trainer.run(config, str(tmp_path), log=lambda *a: None)
+  sync, asynchronous = metrics_writer.read_jsonl(sync_dir), metrics_writer.read_jsonl(tmp_path)
+  for step, row in sync.items():
+    for name in COMPARED:
+      if name in row:
+        assert asynchronous[step][name] == row[name], (step, name)
+  assert asynchronous[6]["rollout/version_lag_max"] == 0
+
+
+def test_async_run_logs_versions_and_resumes_from_its_checkpoint(teacher_cache, tmp_path):
+  config = tiny_config(teacher_cache, **{"rollout.mode": "async", "rollout.max_lag": 1})
+  first = trainer.run(config, str(tmp_path), log=lambda *a: None)
+  rows = metrics_writer.read_jsonl(tmp_path)
+  logged = [rows[s] for s in (2, 4, 6)]
+  assert all(0 <= r["rollout/version_lag_max"] <= 1 for r in logged)
+  assert any(r["rollout/version_lag_mean"] > 0 for r in logged)  # sampling did overlap
+  for name in ("rollout/queue_wait_seconds", "rollout/publish_seconds", "rollout/dropped"):
+    assert name in rows[6], name
+  assert rows[6]["rollout/dropped"] == 0  # max_ahead = max_lag: nothing goes stale
+  extra = _restore(checkpointing.Checkpointer(str(tmp_path / "checkpoints")), 6)["extra"]
+  assert extra["next_batch"] == 6 and extra["weight_version"] == 6
+  # The same config with more steps continues from step 6 (train.steps may change).
+  config = tiny_config(
+    teacher_cache, **{"rollout.mode": "async", "rollout.max_lag": 1, "train.steps": 9}
+  )
+  resumed = trainer.run(config, str(tmp_path), log=lambda *a: None)
+  assert first["end_step"] == 6 and resumed["start_step"] == 6 and resumed["end_step"] == 9
+  assert np.isfinite(metrics_writer.read_jsonl(tmp_path)[9]["loss/total"])
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    (
+      {"rollout.mode": "async", "rollout.stale_policy": "correct"},
+      "stale_policy='correct' trains stale batches with the truncated importance ratio",
+    ),
+    (
+      {"rollout.mode": "async", "rollout.stale_k": 2},
+      "rollout.stale_k=2 is the synchronous stale-k setting",
+    ),
+    ({"rollout.mode": "asynchronous"}, "config.rollout.mode must be one of sync, async"),
+  ],
+)
+def test_bad_rollout_combinations_are_refused_before_anything_builds(
+  teacher_cache, tmp_path, overrides, message
+):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    trainer.run(tiny_config(teacher_cache, **overrides), str(tmp_path), log=lambda *a: None)
+
+
+def test_stop_on_signal_turns_the_first_sigint_into_a_flag_and_the_second_into_an_interrupt():
+  with trainer.StopOnSignal() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    assert stop.received == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.05)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.slow
+def test_sigterm_stops_an_async_run_with_a_checkpoint_that_resumes(teacher_cache, tmp_path):
+  workdir = tmp_path / "w"
+  cmd = [
+    *_main_cmd(workdir, teacher_cache)[:-4],
+    "--config.rollout.mode=async",
+    "--config.train.steps=60",
+    "--config.train.checkpoint_every=1000",
+    "--config.train.eval_every=1000",
+    "--config.train.log_every=1",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  deadline = time.time() + 600
+  log = workdir / "metrics.jsonl"
+  while time.time() < deadline and proc.poll() is None:
+    if log.exists() and len(log.read_text().splitlines()) >= 4:
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, "the run ended before the signal"
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-3000:]
+  stopped = int(re.search(r"SIGTERM received: stopped at step (\d+); checkpoint saved", out)[1])
+  assert 3 <= stopped < 60
+  assert checkpointing.Checkpointer(str(workdir / "checkpoints")).latest_step() == stopped
+  resumed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from step {stopped}" in resumed.stdout
+  assert max(metrics_writer.read_jsonl(workdir)) == 60

@@ -212,3 +212,50 @@ def test_tensor_scale_calibrates_on_real_tokens_only():
   expected = spec.tensor_headroom * 1.0 / 448.0
   np.testing.assert_allclose(float(masked["k_scale"].reshape(())), expected, rtol=1e-6)
   np.testing.assert_allclose(float(unmasked["k_scale"].reshape(())), 100 * expected, rtol=1e-6)
+  # The padding column would clip (100 / scale = 22400 > 448) but is not a real token.
+  np.testing.assert_array_equal(masked["k_clipped"], [0])
+  np.testing.assert_array_equal(unmasked["k_clipped"], [0])
+
+
+def test_tensor_scale_waits_for_a_nonzero_write_and_counts_clipping():
+  """An all-zero prompt leaves the scale uncalibrated (0), not frozen at a floor."""
+  spec = kvcache.KVCacheSpec(dtype=FP8, granularity="tensor", tensor_headroom=2.0)
+  entry = kvcache.init_cache(CFG, B, S, spec)[0]
+  assert "k_clipped" not in entry  # a write statistic, not cache storage
+  x0 = jnp.zeros((B, 3, 2, 16)).at[1, 2].set(50.0)  # row 1's third column is padding
+  entry = kvcache.write(entry, x0, x0, jnp.zeros(B, jnp.int32), spec, jnp.array([3, 2]))
+  np.testing.assert_array_equal(np.asarray(entry["k_scale"]).reshape(B), 0.0)
+  np.testing.assert_array_equal(entry["k_clipped"], [0, 0])
+  k_all, _ = kvcache.read(entry, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(k_all[:, :3]), 0.0)
+  # The first non-zero write calibrates: scale = 2 · amax / 448; amax · (1, ½) are
+  # e4m3 values (224, 112) there, so they round-trip exactly.
+  amax = jnp.array([2.0, 0.5])[:, None, None, None]
+  x1 = amax * jnp.ones((B, 1, 2, 16)).at[:, :, 1].set(-0.5)
+  entry = kvcache.write(entry, x1, 3 * x1, jnp.full(B, 3), spec)
+  np.testing.assert_allclose(np.asarray(entry["k_scale"]).reshape(B), [4 / 448, 1 / 448])
+  np.testing.assert_allclose(np.asarray(entry["v_scale"]).reshape(B), [12 / 448, 3 / 448])
+  np.testing.assert_array_equal(entry["k_clipped"], [0, 0])
+  k_all, v_all = kvcache.read(entry, jnp.float32)
+  np.testing.assert_allclose(np.asarray(k_all[:, 3]), np.asarray(x1[:, 0]), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(v_all[:, 3]), 3 * np.asarray(x1[:, 0]), rtol=1e-6)
+  # Later: 2 · amax maps to exactly 448 (kept); 3 · amax to 672 (clipped). Counted per row
+  # over this write only: 16 + 8 elements of K, the same of V.
+  x2 = 0.1 * amax * jnp.ones((B, 1, 2, 16))
+  x2 = x2.at[:, 0, 0, :].set(3 * amax[:, 0, 0]).at[:, 0, 1, :8].set(-3 * amax[:, 0, 0])
+  x2 = x2.at[:, 0, 1, 8].set(2 * amax[:, 0, 0, 0])
+  entry = kvcache.write(entry, x2, 3 * x2, jnp.full(B, 4), spec)
+  np.testing.assert_array_equal(entry["k_clipped"], [24, 24])
+  np.testing.assert_array_equal(entry["v_clipped"], [24, 24])
+  k_all, _ = kvcache.read(entry, jnp.float32)
+  np.testing.assert_allclose(np.asarray(k_all[:, 4, 0, 0]), 448 * np.array([4, 1]) / 448)
+  np.testing.assert_allclose(np.asarray(k_all[:, 4, 1, 8]), 2 * np.array([2.0, 0.5]))
+
+
+def test_token_head_write_adds_no_counter():
+  spec = kvcache.KVCacheSpec(dtype=FP8, granularity="token_head")
+  entry = kvcache.init_cache(CFG, B, S, spec)[0]
+  x = jnp.zeros((B, 2, 2, 16))  # all-zero vectors: the 1e-12 floor stores exact zeros
+  entry = kvcache.write(entry, x, x, jnp.zeros(B, jnp.int32), spec)
+  assert set(entry) == {"k", "v", "k_scale", "v_scale"}
+  np.testing.assert_array_equal(np.asarray(kvcache.read(entry, jnp.float32)[0]), 0.0)

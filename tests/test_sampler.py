@@ -27,6 +27,7 @@ PROMPTS = [[3, 17, 9, 4, 100], list(range(20, 31)), [7], [5] * 14]
 # Tests share these configs (static jit args) so the suite compiles the sampler fewer times.
 GREEDY = SamplerConfig(max_new_tokens=8, temperature=0.0)
 SAMPLED = SamplerConfig(max_new_tokens=8, temperature=1.0, stop_tokens=(7,))
+FP8_KV = "float8_e4m3fn"
 FILTERED = SamplerConfig(max_new_tokens=6, temperature=0.9, top_k=7, top_p=0.8, return_topk=-1)
 
 
@@ -140,6 +141,12 @@ def test_behaviour_logprobs_match_processed_distribution(params, temperature, to
     np.testing.assert_allclose(out.behaviour_logprobs[b], ref_dist[steps, got], atol=1e-4)
     model_lp = np_log_softmax(logits / temperature)[steps, got]
     np.testing.assert_allclose(out.model_logprobs[b], model_lp, atol=1e-4)
+    # The kept set travels with the rollout: exactly the reference support.
+    kept = np.zeros(ref_dist.shape, bool)
+    for c, ids in enumerate(np.asarray(out.support_ids[b])):
+      kept[c, ids[ids >= 0]] = True
+    np.testing.assert_array_equal(kept, np.isfinite(ref_dist))
+  assert out.support_ids.shape == (4, 6, top_k or CFG.vocab_size)
 
 
 def test_topk_and_tail_describe_behaviour_distribution(params):
@@ -165,6 +172,26 @@ def test_topk_and_tail_describe_behaviour_distribution(params):
   assert np.all(np.isneginf(greedy.topk_logprobs[..., 1:])) and np.all(
     np.isneginf(greedy.tail_logprob)
   )
+
+
+def test_unfiltered_rollouts_carry_no_kept_set(params):
+  for cfg in (GREEDY, SAMPLED, SamplerConfig(4, 0.7, top_k=CFG.vocab_size)):
+    out = sampler.sample(params, PROMPTS, jax.random.key(0), cfg, CFG)
+    assert out.support_ids is None
+    assert float(out.kv_saturated_fraction) == 0.0  # an f32 cache never clips
+
+
+def test_kv_saturated_fraction_counts_tensor_scale_clipping(params):
+  """With headroom 1 the one-token prompts' amax is the edge of the range, so decode
+  values beyond it clip; per-token scales never clip."""
+  prompts = [[7], [100], [3], [42]]
+  fractions = {}
+  for granularity, headroom in (("tensor", 1.0), ("tensor", 64.0), ("token_head", 1.0)):
+    kv = kvcache.KVCacheSpec(FP8_KV, granularity, tensor_headroom=headroom)
+    out = sampler.sample(params, prompts, jax.random.key(0), SamplerConfig(8, 0.0, kv=kv), CFG)
+    fractions[granularity, headroom] = float(out.kv_saturated_fraction)
+  assert 0.01 < fractions["tensor", 1.0] < 1.0, fractions
+  assert fractions["tensor", 64.0] == 0.0 and fractions["token_head", 1.0] == 0.0, fractions
 
 
 def test_sampling_frequencies_match_distribution(params):

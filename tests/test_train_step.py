@@ -1,24 +1,27 @@
 """The jitted OPD train step: no retrace, frozen teacher, and exact fixed points."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from opd_jax import model, sampler, sharding, train_step
+from opd_jax import engine, evaluate, model, sampler, sharding, train_step
 from opd_jax.model_config import ModelConfig
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
+PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]
 
 
 @pytest.fixture(scope="module")
 def setup():
   student = model.init_params(jax.random.key(0), CFG, scale=0.3)
   teacher = model.init_params(jax.random.key(1), CFG, scale=0.3)
-  prompts = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]
   scfg = sampler.SamplerConfig(max_new_tokens=6, temperature=1.0)
-  rollout = sampler.sample(student, prompts, jax.random.key(2), scfg, CFG)
+  rollout = sampler.sample(student, PROMPTS, jax.random.key(2), scfg, CFG)
   tx = train_step.make_optimizer(1e-2, 10, 0, 0.0, 1.0)
   mesh = sharding.make_mesh((1, 1, 1))
   return student, teacher, rollout, tx, mesh
@@ -97,3 +100,126 @@ def test_completion_logits_align_with_sampler_logprobs(setup):
   np.testing.assert_allclose(
     np.asarray(lp * mask_bc), np.asarray(rollout.model_logprobs * mask_bc), atol=1e-5
   )
+
+
+_opd_loss = jax.jit(train_step.opd_loss, static_argnums=(3, 4, 5))
+
+# (temperature, top_k, top_p, return_topk): unfiltered at T = 1 and 0.7, top-k, top-p
+# alone, both, and a top-k behaviour distribution with its tail bucket.
+EXACT_SETTINGS = [
+  (1.0, 0, 1.0, -1),
+  (0.7, 0, 1.0, -1),
+  (1.0, 5, 1.0, -1),
+  (0.9, 0, 0.8, -1),
+  (0.8, 6, 0.7, 4),
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "return_topk"), EXACT_SETTINGS)
+def test_exact_engine_reads_zero_mismatch_and_unit_ratio(
+  setup, temperature, top_k, top_p, return_topk
+):
+  """The trainer's own weights in the engine: π_b = π_θ under every sampling setting."""
+  student, teacher, _, _, _ = setup
+  scfg = sampler.SamplerConfig(8, temperature, top_k=top_k, top_p=top_p, return_topk=return_topk)
+  rollout = sampler.sample(student, PROMPTS, jax.random.key(3), scfg, CFG)
+  loss_cfg = train_step.LossConfig(temperature=temperature)  # reverse_kl_sampled, is_clip 2
+  train_step.check_rollout_loss(scfg, loss_cfg)
+  _, m = _opd_loss(student, teacher, rollout, CFG, CFG, loss_cfg)
+  assert abs(float(m["mismatch/kl"])) < 1e-6, float(m["mismatch/kl"])
+  assert abs(float(m["mismatch/kl_max"])) < 1e-5
+  np.testing.assert_allclose(float(m["loss/is_ratio"]), 1.0, atol=1e-5)
+  assert float(m["loss/is_clip_frac"]) == 0.0
+  assert float(m["mismatch/abs_logp_diff_max"]) < 1e-4
+  assert abs(float(m["mismatch/k1"])) < 1e-5 and abs(float(m["mismatch/k3"])) < 1e-6
+  if top_k or top_p < 1:
+    # Scored unfiltered, the same exact engine would look off-policy.
+    _, unfiltered = _opd_loss(
+      student, teacher, rollout.replace(support_ids=None), CFG, CFG, loss_cfg
+    )
+    assert float(unfiltered["loss/is_ratio"]) < 0.98
+    assert float(unfiltered["mismatch/kl"]) > 1e-2
+
+
+def test_a_perturbed_engine_reads_nonzero_mismatch(setup):
+  student, teacher, _, _, _ = setup
+  scfg = sampler.SamplerConfig(8, 1.0, top_k=5, return_topk=-1)
+  noisy = engine.add_weight_noise(student, 0.05, jax.random.key(7))
+  rollout = sampler.sample(noisy, PROMPTS, jax.random.key(3), scfg, CFG)
+  _, m = _opd_loss(student, teacher, rollout, CFG, CFG, train_step.LossConfig())
+  assert 1e-4 < float(m["mismatch/kl"]) < 1.0
+  assert float(m["mismatch/kl_p95"]) <= float(m["mismatch/kl_max"])
+  assert np.isfinite(float(m["mismatch/k3"])) and float(m["mismatch/abs_logp_diff"]) > 0
+
+
+@pytest.mark.parametrize("loss", ["reverse_kl_sampled", "reverse_kl_full", "jsd"])
+def test_filtered_rollouts_train_with_finite_gradients(setup, loss):
+  """-inf outside the kept set reaches no gradient; padding positions stay unfiltered."""
+  student, teacher, _, tx, mesh = setup
+  scfg = sampler.SamplerConfig(8, 0.9, top_k=4, top_p=0.9, return_topk=-1)
+  free = sampler.sample(student, PROMPTS, jax.random.key(4), scfg, CFG)
+  scfg = dataclasses.replace(scfg, stop_tokens=(int(free.completion_tokens[0, 2]),))
+  rollout = sampler.sample(student, PROMPTS, jax.random.key(4), scfg, CFG)
+  assert int(np.asarray(rollout.completion_mask).sum()) < rollout.completion_mask.size
+  loss_cfg = train_step.LossConfig(name=loss, temperature=0.9)
+  train_step.check_rollout_loss(scfg, loss_cfg)
+  grads, m = jax.grad(_opd_loss, has_aux=True)(student, teacher, rollout, CFG, CFG, loss_cfg)
+  norm = float(optax.tree.norm(grads))
+  assert np.isfinite(norm) and norm > 1e-3
+  assert all(np.isfinite(float(v)) for k, v in m.items() if not k.startswith("per_token/"))
+
+
+def test_greedy_rollouts_train_at_t1_and_refuse_an_importance_ratio(setup):
+  student, teacher, _, _, _ = setup
+  scfg = sampler.SamplerConfig(8, 0.0, return_topk=-1)
+  with pytest.raises(ValueError, match="greedy rollouts .* cannot carry an importance ratio"):
+    train_step.check_rollout_loss(scfg, train_step.LossConfig(temperature=0.0))
+  loss_cfg = train_step.LossConfig(name="reverse_kl_full", temperature=0.0)
+  train_step.check_rollout_loss(scfg, loss_cfg)
+  train_step.check_rollout_loss(scfg, train_step.LossConfig(is_clip=None, temperature=0.0))
+  rollout = sampler.sample(student, PROMPTS, jax.random.key(3), scfg, CFG)
+  grads, m = jax.grad(_opd_loss, has_aux=True)(student, teacher, rollout, CFG, CFG, loss_cfg)
+  assert float(optax.tree.norm(grads)) > 1e-3  # a point mass would give no gradient
+  # The replayed transform is the point mass on y: the scale reads 0 by construction.
+  assert float(m["mismatch/kl"]) == 0.0 and float(m["mismatch/abs_logp_diff_max"]) == 0.0
+
+
+def test_check_rollout_loss_refuses_what_the_filter_cannot_serve():
+  top_k = sampler.SamplerConfig(8, 1.0, top_k=5)
+  with pytest.raises(ValueError, match="forward KL to the teacher.* is infinite"):
+    train_step.check_rollout_loss(top_k, train_step.LossConfig(name="forward_kl"))
+  with pytest.raises(ValueError, match="'jsd'"):
+    train_step.check_rollout_loss(top_k, train_step.LossConfig(name="jsd", jsd_beta=0.0))
+  train_step.check_rollout_loss(top_k, train_step.LossConfig(name="jsd", jsd_beta=0.5))
+  unfiltered = sampler.SamplerConfig(8, 1.0)
+  train_step.check_rollout_loss(unfiltered, train_step.LossConfig(name="forward_kl"))
+  with pytest.raises(ValueError, match=r"LossConfig.temperature=1.0 differs .* temperature=0.7"):
+    train_step.check_rollout_loss(sampler.SamplerConfig(8, 0.7), train_step.LossConfig())
+
+
+def test_quality_kl_at_the_rollout_transform(setup):
+  """evaluate.student_teacher_kl with the training sampler's T and top-k, against numpy."""
+  student, teacher, rollout, _, _ = setup
+  scfg = sampler.SamplerConfig(8, 0.7, top_k=5)
+  got = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, scfg)
+  at_t1 = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout)
+  s_bcv = np.asarray(train_step.completion_logits(student, rollout, CFG)[0], np.float64) / 0.7
+  t_bcv = np.asarray(train_step.completion_logits(teacher, rollout, CFG)[0], np.float64)
+  kth = np.sort(s_bcv, axis=-1)[..., -5:-4]
+  s_lp = _np_log_softmax(np.where(s_bcv >= kth, s_bcv, -np.inf))
+  t_lp = _np_log_softmax(t_bcv)
+  with np.errstate(invalid="ignore"):
+    kl = np.where(np.isfinite(s_lp), np.exp(s_lp) * (s_lp - t_lp), 0.0).sum(-1)
+  mask = np.asarray(rollout.completion_mask) > 0
+  np.testing.assert_allclose(got, kl[mask].mean(), rtol=1e-4)
+  assert abs(got - at_t1) > 1e-3
+  same = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, SAMPLED_T1)
+  np.testing.assert_allclose(same, at_t1, rtol=1e-5)
+
+
+SAMPLED_T1 = sampler.SamplerConfig(8, 1.0)
+
+
+def _np_log_softmax(x):
+  m = np.max(x, axis=-1, keepdims=True)
+  return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))

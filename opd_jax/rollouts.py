@@ -371,16 +371,16 @@ class AsyncRollouts:
       self._pending = (copy, version)
       self.version = version
       self._cond.notify_all()
-    if self._thread is None:
-      self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
-      self._thread.start()
 
   def __iter__(self):
     return self
 
   def __next__(self) -> Rollout:
-    if self._thread is None:
-      raise RuntimeError("publish() weights before drawing rollouts")
+    if self._thread is None:  # the producer starts when the trainer first asks
+      if self.version < 0:
+        raise RuntimeError("publish() weights before drawing rollouts")
+      self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+      self._thread.start()
     while True:
       item = self._get()
       if item is _END:

@@ -434,6 +434,7 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
   progress = metrics_writer.Progress(t.steps)
   lag_breakdown = _LagBreakdown()
   loop_start, first_step, stopped_by = time.time(), step, None
+  paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
   with StopOnSignal() as stop:
     while step < t.steps:
       if stop.received is not None:
@@ -464,6 +465,7 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
             "perf/train_seconds": train_seconds,
             "perf/sampler_traces": sampler.trace_count(),
             "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
+            "perf/train_wall_seconds": time.time() - loop_start - paused,
           }
         )
         writer.write_scalars(step, scalars)
@@ -472,7 +474,9 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
         advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
         writer.write_histogram(step, "loss/advantage", advantages)
         log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
+      pause_start = time.time()
       if step % t.eval_every == 0 or step == t.steps:
+        writer.write_scalars(step, {"perf/train_wall_seconds": pause_start - loop_start - paused})
         quality = evaluator(step, state.params)
         log(
           f"step {step}: student accuracy {quality['quality/student_accuracy']:.3f} "
@@ -480,6 +484,7 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
         )
       if step % t.checkpoint_every == 0 or step == t.steps:
         save(step)
+      paused += time.time() - pause_start
   writer.write_scalars(step, {"perf/wall_seconds": time.time() - start})
   result = {
     "start_step": first_step,

@@ -7,6 +7,13 @@ cache numerics (`kvcache.KVCacheSpec`) and the sampling settings live in the
 sampler's config; `EngineConfig` gathers everything that defines one rollout
 configuration so the admission check and the logs can name it (`engine_id`).
 
+The fp8 transform is quantize-then-prepare: `quant.quantize_params` (the recipe, the
+numerics) followed by `quant.prepare_for_compute` (the layout for this hardware's
+matmuls: dense compute-dtype weights where there are no FP8 matmuls, native fp8
+QArrays where there are). T runs once per published version, so the dequantization
+is paid once per version rather than in every decode step; `engine_id` names the
+recipe, not the layout, so it is the same on every backend.
+
 Weight noise follows the study: every matrix becomes W + σ · rms(W) · ε with
 ε ~ N(0, I), so σ is relative to each matrix's own scale.
 """
@@ -80,7 +87,9 @@ def engine_params(params, cfg: EngineConfig, rng):
     rng: key for the weight noise (unused when σ = 0).
 
   Returns:
-    A params pytree (with `quant.QArray` leaves for fp8) for `sampler.sample`.
+    A params pytree for `sampler.sample`. For fp8: dense compute-dtype matrices equal
+    to the dequantized recipe on hardware without FP8 matmuls, native `quant.QArray`
+    leaves on hardware with them (`quant.has_native_fp8`).
   """
   if cfg.noise_sigma > 0:
     params = add_weight_noise(params, cfg.noise_sigma, rng)
@@ -88,5 +97,5 @@ def engine_params(params, cfg: EngineConfig, rng):
     return jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   if cfg.weights == "fp8":
     recipe = quant.QuantRecipe(block_size=cfg.weight_block_size, bf16_layers=cfg.bf16_layers)
-    return quant.quantize_params(params, recipe)
+    return quant.prepare_for_compute(quant.quantize_params(params, recipe))
   return params

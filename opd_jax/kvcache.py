@@ -144,13 +144,25 @@ def _quantize_rows(x_btkh: jax.Array, scale) -> jax.Array:
 
 
 def _scatter_time(dst_bs, src_bt, start_b):
-  """dst[b, start_b : start_b + T] = src[b] for every b."""
+  """dst[b, start_b : start_b + T] = src[b] for every b.
+
+  An fp8 cache is updated through its uint8 bit pattern (a bitcast: the stored bytes
+  are identical). XLA:CPU handles a dynamic_update_slice on an fp8 buffer by
+  converting the whole buffer (measured: 0.5 ms per step for a 49 KB cache), which
+  made every decode step cost O(cache) instead of O(new tokens).
+  """
+  fp8 = dst_bs.dtype == FP8_DTYPE
+  src_bt = src_bt.astype(dst_bs.dtype)
+  if fp8:
+    dst_bs = jax.lax.bitcast_convert_type(dst_bs, jnp.uint8)
+    src_bt = jax.lax.bitcast_convert_type(src_bt, jnp.uint8)
 
   def one(d, s, start):
     idx = (start,) + (0,) * (d.ndim - 1)
-    return jax.lax.dynamic_update_slice(d, s.astype(d.dtype), idx)
+    return jax.lax.dynamic_update_slice(d, s, idx)
 
-  return jax.vmap(one)(dst_bs, src_bt, start_b)
+  out = jax.vmap(one)(dst_bs, src_bt, start_b)
+  return jax.lax.bitcast_convert_type(out, FP8_DTYPE) if fp8 else out
 
 
 def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=None) -> dict:

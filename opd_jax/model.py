@@ -17,7 +17,8 @@ a `quant.QArray` instead of a plain array):
 Layers are a Python list rather than a stacked scan so that each layer may have its
 own precision (FP8 with BF16 exceptions) and its own KV-cache dtype.
 
-Activations run in the embedding's dtype; norms, softmax and logits in f32.
+Activations run in the embedding's dtype; norms, softmax and logits in f32. Every
+weight matmul goes through `linear`, the one place that knows about weight precision.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import kvcache
+from opd_jax import kvcache, quant
 from opd_jax.model_config import ModelConfig
-from opd_jax.quant import as_dense
+from opd_jax.quant import QArray, as_dense
 
 
 def rms_norm(x, weight_d, eps: float):
@@ -65,11 +66,39 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, cfg: ModelConfig):
   return out.reshape(b, t, n, h)
 
 
+def linear(x, w, num_in_axes: int = 1):
+  """y = x · W in x's dtype, contracting x's last `num_in_axes` axes with W's first ones.
+
+  A plain W is cast to x's dtype. A `quant.QArray` is dequantized to x's dtype
+  (W8A16, `quant.as_dense`), or, when marked `native_fp8` by
+  `quant.prepare_for_compute`, multiplied in fp8 with per-token activation scales
+  (W8A8, `quant.fp8_matmul`).
+
+  Args:
+    x: activations [..., *in], in the compute dtype.
+    w: weight [*in, *out] (plain array or QArray), len(in) = num_in_axes.
+    num_in_axes: how many axes are contracted.
+
+  Returns:
+    y [..., *out] in x's dtype.
+  """
+  if isinstance(w, QArray):
+    if w.num_in_axes != num_in_axes:
+      raise ValueError(f"QArray has {w.num_in_axes} input axes, the matmul contracts {num_in_axes}")
+    if w.native_fp8:
+      return quant.fp8_matmul(x, w).astype(x.dtype)
+  # Contracting axes listed last-first, as jnp.einsum orders them: same HLO as before.
+  x_axes = tuple(range(x.ndim - 1, x.ndim - 1 - num_in_axes, -1))
+  w_axes = tuple(range(num_in_axes - 1, -1, -1))
+  dims = ((x_axes, w_axes), ((), ()))
+  return jax.lax.dot_general(x, as_dense(w, x.dtype), dims, preferred_element_type=x.dtype)
+
+
 def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig):
   dt = x_btd.dtype
-  q = jnp.einsum("btd,dnh->btnh", x_btd, as_dense(layer["q_dnh"], dt))
-  k = jnp.einsum("btd,dkh->btkh", x_btd, as_dense(layer["k_dkh"], dt))
-  v = jnp.einsum("btd,dkh->btkh", x_btd, as_dense(layer["v_dkh"], dt))
+  q = linear(x_btd, layer["q_dnh"])
+  k = linear(x_btd, layer["k_dkh"])
+  v = linear(x_btd, layer["v_dkh"])
   if cfg.qkv_bias:
     q = q + layer["q_bias_nh"].astype(dt)
     k = k + layer["k_bias_kh"].astype(dt)
@@ -83,10 +112,9 @@ def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig):
 
 def _mlp(layer, x_btd):
   """SwiGLU: down(silu(x·gate) ⊙ (x·up))."""
-  dt = x_btd.dtype
-  gate = jnp.einsum("btd,df->btf", x_btd, as_dense(layer["gate_df"], dt))
-  up = jnp.einsum("btd,df->btf", x_btd, as_dense(layer["up_df"], dt))
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, as_dense(layer["down_fd"], dt))
+  gate = linear(x_btd, layer["gate_df"])
+  up = linear(x_btd, layer["up_df"])
+  return linear(jax.nn.silu(gate) * up, layer["down_fd"])
 
 
 def _block(layer, x_btd, positions_bt, cfg, kv_fn):
@@ -95,7 +123,7 @@ def _block(layer, x_btd, positions_bt, cfg, kv_fn):
   q, k, v = _qkv(layer, h, positions_bt, cfg)
   keys, values, k_pos = kv_fn(k, v)
   attn = attend(q, keys, values, positions_bt, k_pos, cfg)
-  out = jnp.einsum("btnh,nhd->btd", attn, as_dense(layer["o_nhd"], x_btd.dtype))
+  out = linear(attn, layer["o_nhd"], num_in_axes=2)
   if cfg.o_bias:
     out = out + layer["o_bias_d"].astype(x_btd.dtype)
   x_btd = x_btd + out

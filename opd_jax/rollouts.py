@@ -260,6 +260,9 @@ class SyncRollouts:
     stats, lags = self._lags.window()
     return {**self.last_stats, **stats}, lags
 
+  def describe(self) -> str:
+    return f"sync, stale_k={self.stale_k}, engine {self.engine.engine_cfg.engine_id}"
+
   def resume_state(self) -> dict:
     """What a checkpoint stores to continue: data position and next batch index."""
     return {"data_state": self._consumed_data_state, "next_batch": self._batch_index}
@@ -448,6 +451,12 @@ class AsyncRollouts:
     }
     self._producer_wait, self._publish_seconds, self._time_in_queue = 0.0, [], []
     return {**self.last_stats, **stats}, lags
+
+  def describe(self) -> str:
+    return (
+      f"async, max_lag={self.max_lag}, max_ahead={self.max_ahead}, "
+      f"stale_policy={self.stale_policy}, engine {self.engine.engine_cfg.engine_id}"
+    )
 
   def resume_state(self) -> dict:
     """What a checkpoint stores: the position after the last consumed batch."""

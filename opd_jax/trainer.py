@@ -412,13 +412,14 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
   )
   step = int(state.step)
   rollouts.publish(state.params, step)
+  writer.write_text(step, "rollout/engine", rollouts.describe())
   evaluator = Evaluator(config, setup, writer)
   initial = evaluator(step, state.params)
   quality = initial
   log(
     f"step {step}: teacher accuracy {evaluator.teacher_accuracy:.3f}, student accuracy "
     f"{initial['quality/student_accuracy']:.3f} (setup {time.time() - start:.0f}s, teacher "
-    f"bootstrap {setup.teacher_info['seconds']:.0f}s; rollouts {rollouts.mode})"
+    f"bootstrap {setup.teacher_info['seconds']:.0f}s)\nrollouts: {rollouts.describe()}"
   )
 
   def save(step):

@@ -1,9 +1,10 @@
 """Sampler throughput: opd_jax against `transformers.generate`, and FP8 against BF16.
 
-Command (CPU, one core; about 5 minutes, `--quick` about 3):
+Command (CPU, one core; about 7 minutes on an idle machine, `--quick` about 5):
 
     python -m opd_jax.bench.sampler            # readable table
     python -m opd_jax.bench.sampler --json     # {"rows": [...]} on stdout only
+    python -m opd_jax.bench.sampler --json --models qwen3-50m --kinds fp8_vs_dense
 
 Both engines run in this process on the same weights: our random params are
 written with `hf.save_checkpoint` and read back by `from_pretrained`, so the
@@ -27,10 +28,25 @@ which would flatter opd_jax; `--threads 0` uses every core.
 Rows (kind):
 * "vs_transformers": f32 on both sides. Torch on CPU is slow in bf16, so f32 is
   the fair comparison.
-* "fp8_vs_bf16": opd_jax with FP8 weights (per-channel e4m3) and an FP8 KV cache
-  (per-token, per-head scales) against opd_jax with BF16 weights and KV cache.
-  On CPU XLA converts e4m3 to f32 before each matmul, so this row shows the cost
-  of the emulation, not the GPU speed-up.
+* "fp8_vs_dense": the rollout engine as the trainer builds it for
+  `rollout.weights = "fp8"` (`engine.engine_params`: per-channel e4m3 weights,
+  prepared for this hardware by `quant.prepare_for_compute`) with an FP8 KV cache
+  (per-token, per-head scales), against the dense engine of the default run: the
+  trainer's f32 weights and an f32 KV cache ("dense" = f32 here). The same run
+  also times the unprepared QArrays (`fp8_per_step_*`, the weights dequantized
+  inside every decode step, as before `prepare_for_compute`), and checks that
+  they decode exactly the prepared engine's tokens (`per_step_tokens_match`).
+* "fp8_vs_bf16": FP8 weights quantized from BF16 (so BF16 compute) and prepared
+  the same way, with the FP8 KV cache, against BF16 weights and a BF16 KV cache.
+
+On hardware without FP8 matmuls (this CPU) the prepared weights are dense in the
+compute dtype, so the FP8 rows measure the FP8 KV cache plus whatever the
+preparation left; where FP8 matmuls exist they measure the W8A8 path.
+
+Every row also reports `cpu_ratio_*`: the same ratio from the process's CPU time
+(`time.process_time`) instead of wall time. On a shared machine another process
+stretches wall time but not CPU time, so when the two disagree the CPU ratio is
+the steadier one.
 
 Models: "tiny" (the test-suite shape) and "qwen3-50m" (Qwen3-shaped, 58M params),
 each with a 64-token prompt and 128 new tokens, at batch 1 and 16.
@@ -50,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import hf, kvcache, model, quant, sampler
+from opd_jax import engine, hf, kvcache, model, quant, sampler
 from opd_jax.model_config import ModelConfig
 
 MODELS = {
@@ -80,13 +96,14 @@ MODELS = {
 PROMPT_LEN = 64
 NEW_TOKENS = 128
 BATCHES = (1, 16)
+KINDS = ("vs_transformers", "fp8_vs_dense", "fp8_vs_bf16")
 
 
 def _timed(fn):
-  """(seconds, result) of one call."""
-  start = time.perf_counter()
+  """(wall seconds, CPU seconds of this process, result) of one call."""
+  start, cpu = time.perf_counter(), time.process_time()
   result = fn()
-  return time.perf_counter() - start, result
+  return time.perf_counter() - start, time.process_time() - cpu, result
 
 
 def _opd_runner(params, prompts, cfg: ModelConfig, kv: kvcache.KVCacheSpec):
@@ -124,73 +141,133 @@ def _interleaved(runners: dict, repeats: int) -> dict:
   """Warm-up call, then `repeats` interleaved timed calls of every runner.
 
   Returns:
-    {name: {"median_s", "first_s", "tokens"}}.
+    {name: {"median_s", "median_cpu_s", "first_s", "tokens"}}.
   """
   stats = {}
   for name, run in runners.items():
-    first_s, tokens = _timed(run)
-    stats[name] = {"first_s": first_s, "tokens": tokens, "times": []}
+    first_s, _, tokens = _timed(run)
+    stats[name] = {"first_s": first_s, "tokens": tokens, "times": [], "cpu": []}
   for _ in range(repeats):
     for name, run in runners.items():
-      seconds, _ = _timed(run)
+      seconds, cpu_s, _ = _timed(run)
       stats[name]["times"].append(seconds)
+      stats[name]["cpu"].append(cpu_s)
   for s in stats.values():
     s["median_s"] = statistics.median(s.pop("times"))
+    s["median_cpu_s"] = statistics.median(s.pop("cpu"))
   return stats
 
 
-def bench_model(name: str, repeats: int, log) -> list[dict]:
-  """All rows for one model shape."""
+def _vs_transformers_row(name, cfg, batch, params, hf_model, tokens_bp, prompts, kv, repeats, log):
+  """The "vs_transformers" row: opd_jax f32 against transformers f32, interleaved."""
+  import torch
+
+  num_tokens = batch * NEW_TOKENS
+  log(f"{name} batch {batch}: opd_jax f32 vs transformers f32 ...")
+  stats = _interleaved(
+    {
+      "opd_jax": _opd_runner(params, prompts, cfg, kv),
+      "transformers": _hf_runner(hf_model, tokens_bp),
+    },
+    repeats,
+  )
+  ours, theirs = stats["opd_jax"], stats["transformers"]
+  row = {
+    "kind": "vs_transformers",
+    "model": name,
+    "params_m": round(cfg.num_params() / 1e6, 2),
+    "batch": batch,
+    "dtype": "float32",
+    "threads": torch.get_num_threads(),
+    "prompt_len": PROMPT_LEN,
+    "new_tokens": NEW_TOKENS,
+    "opd_jax_tokens_per_s": round(num_tokens / ours["median_s"], 1),
+    "transformers_tokens_per_s": round(num_tokens / theirs["median_s"], 1),
+    "ratio_vs_transformers": round(theirs["median_s"] / ours["median_s"], 2),
+    "opd_jax_compile_s": round(max(ours["first_s"] - ours["median_s"], 0.0), 2),
+    "tokens_match": float(np.mean(ours["tokens"] == theirs["tokens"])),
+  }
+  log(f"  {row}")
+  return row
+
+
+def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
+  """The rows of `kinds` for one model shape."""
   import torch
   import transformers
 
   cfg = MODELS[name]
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
-  with tempfile.TemporaryDirectory() as directory:
-    hf.save_checkpoint(directory, cfg, params)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-  hf_model.eval()
-  bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  fp8_params = quant.quantize_params(bf16_params, quant.QuantRecipe())
+  hf_model = None
+  if "vs_transformers" in kinds:
+    with tempfile.TemporaryDirectory() as directory:
+      hf.save_checkpoint(directory, cfg, params)
+      hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    hf_model.eval()
   f32_kv = kvcache.KVCacheSpec(dtype="float32")
   bf16_kv = kvcache.KVCacheSpec(dtype="bfloat16")
   fp8_kv = kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="token_head")
+  fp8_engine = engine.EngineConfig(weights="fp8", kv=fp8_kv)
+  fp8_engine_params = engine.engine_params(params, fp8_engine, jax.random.key(0))
+  fp8_per_step_params = quant.quantize_params(params, quant.QuantRecipe())
+  bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  fp8_bf16_params = quant.prepare_for_compute(
+    quant.quantize_params(bf16_params, quant.QuantRecipe())
+  )
+  native = quant.has_native_fp8()
   rows = []
   for batch in BATCHES:
     tokens_bp = np.random.default_rng(batch).integers(3, cfg.vocab_size, (batch, PROMPT_LEN))
     prompts = (tokens_bp.astype(np.int32), np.full((batch,), PROMPT_LEN, np.int32))
     num_tokens = batch * NEW_TOKENS
-    log(f"{name} batch {batch}: opd_jax f32 vs transformers f32 ...")
+    if "vs_transformers" in kinds:
+      rows.append(
+        _vs_transformers_row(
+          name, cfg, batch, params, hf_model, tokens_bp, prompts, f32_kv, repeats, log
+        )
+      )
+    if "fp8_vs_dense" in kinds:
+      log(f"{name} batch {batch}: fp8 engine (prepared, fp8 kv) vs dense f32 vs fp8 per step ...")
+      stats = _interleaved(
+        {
+          "fp8": _opd_runner(fp8_engine_params, prompts, cfg, fp8_kv),
+          "dense": _opd_runner(params, prompts, cfg, f32_kv),
+          "fp8_per_step": _opd_runner(fp8_per_step_params, prompts, cfg, fp8_kv),
+        },
+        repeats,
+      )
+      fp8, dense, per_step = stats["fp8"], stats["dense"], stats["fp8_per_step"]
+      rows.append(
+        {
+          "kind": "fp8_vs_dense",
+          "model": name,
+          "params_m": round(cfg.num_params() / 1e6, 2),
+          "batch": batch,
+          "dtype": (
+            f"{fp8_engine.engine_id} ({'native W8A8' if native else 'prepared: dequantized once'})"
+            " vs dense: trainer f32 weights + f32 kv"
+          ),
+          "prompt_len": PROMPT_LEN,
+          "new_tokens": NEW_TOKENS,
+          "opd_jax_tokens_per_s": round(num_tokens / fp8["median_s"], 1),
+          "dense_tokens_per_s": round(num_tokens / dense["median_s"], 1),
+          "fp8_per_step_tokens_per_s": round(num_tokens / per_step["median_s"], 1),
+          "ratio_vs_dense": round(dense["median_s"] / fp8["median_s"], 2),
+          "ratio_per_step_vs_dense": round(dense["median_s"] / per_step["median_s"], 2),
+          "cpu_ratio_vs_dense": round(dense["median_cpu_s"] / fp8["median_cpu_s"], 2),
+          "cpu_ratio_per_step_vs_dense": round(dense["median_cpu_s"] / per_step["median_cpu_s"], 2),
+          "opd_jax_compile_s": round(max(fp8["first_s"] - fp8["median_s"], 0.0), 2),
+          "tokens_match": float(np.mean(fp8["tokens"] == dense["tokens"])),
+          "per_step_tokens_match": float(np.mean(fp8["tokens"] == per_step["tokens"])),
+        }
+      )
+      log(f"  {rows[-1]}")
+    if "fp8_vs_bf16" not in kinds:
+      continue
+    log(f"{name} batch {batch}: opd_jax fp8 weights (from bf16, prepared) + fp8 kv vs bf16 ...")
     stats = _interleaved(
       {
-        "opd_jax": _opd_runner(params, prompts, cfg, f32_kv),
-        "transformers": _hf_runner(hf_model, tokens_bp),
-      },
-      repeats,
-    )
-    ours, theirs = stats["opd_jax"], stats["transformers"]
-    rows.append(
-      {
-        "kind": "vs_transformers",
-        "model": name,
-        "params_m": round(cfg.num_params() / 1e6, 2),
-        "batch": batch,
-        "dtype": "float32",
-        "threads": torch.get_num_threads(),
-        "prompt_len": PROMPT_LEN,
-        "new_tokens": NEW_TOKENS,
-        "opd_jax_tokens_per_s": round(num_tokens / ours["median_s"], 1),
-        "transformers_tokens_per_s": round(num_tokens / theirs["median_s"], 1),
-        "ratio_vs_transformers": round(theirs["median_s"] / ours["median_s"], 2),
-        "opd_jax_compile_s": round(max(ours["first_s"] - ours["median_s"], 0.0), 2),
-        "tokens_match": float(np.mean(ours["tokens"] == theirs["tokens"])),
-      }
-    )
-    log(f"  {rows[-1]}")
-    log(f"{name} batch {batch}: opd_jax fp8 weights+kv vs bf16 ...")
-    stats = _interleaved(
-      {
-        "fp8": _opd_runner(fp8_params, prompts, cfg, fp8_kv),
+        "fp8": _opd_runner(fp8_bf16_params, prompts, cfg, fp8_kv),
         "bf16": _opd_runner(bf16_params, prompts, cfg, bf16_kv),
       },
       repeats,
@@ -202,12 +279,13 @@ def bench_model(name: str, repeats: int, log) -> list[dict]:
         "model": name,
         "params_m": round(cfg.num_params() / 1e6, 2),
         "batch": batch,
-        "dtype": "fp8 weights + fp8 kv (token_head) vs bf16",
+        "dtype": "fp8 weights (prepared) + fp8 kv (token_head) vs bf16 weights + bf16 kv",
         "prompt_len": PROMPT_LEN,
         "new_tokens": NEW_TOKENS,
         "opd_jax_tokens_per_s": round(num_tokens / fp8["median_s"], 1),
         "bf16_tokens_per_s": round(num_tokens / bf16["median_s"], 1),
         "ratio_vs_bf16": round(bf16["median_s"] / fp8["median_s"], 2),
+        "cpu_ratio_vs_bf16": round(bf16["median_cpu_s"] / fp8["median_cpu_s"], 2),
         "opd_jax_compile_s": round(max(fp8["first_s"] - fp8["median_s"], 0.0), 2),
         "tokens_match": float(np.mean(fp8["tokens"] == bf16["tokens"])),
       }
@@ -227,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}"
   )
+  parser.add_argument(
+    "--kinds", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}"
+  )
   args = parser.parse_args(argv)
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in MODELS]
   if unknown:
     raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+  kinds = tuple(k for k in args.kinds.split(",") if k)
+  unknown = [k for k in kinds if k not in KINDS]
+  if unknown or not kinds:
+    raise ValueError(f"unknown or no row kind(s) {unknown}; choose from {', '.join(KINDS)}")
   if args.threads < 0:
     raise ValueError(f"--threads must be >= 0, got {args.threads}")
   cores = sorted(os.sched_getaffinity(0))
@@ -249,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     "the transformers comparison (torch CPU bf16 is slow, so it would flatter opd_jax)"
   )
   repeats = 2 if args.quick else 3
-  rows = [row for name in names for row in bench_model(name, repeats, log)]
+  rows = [row for name in names for row in bench_model(name, repeats, log, kinds)]
   if args.json:
     print(json.dumps({"rows": rows}))
     return 0
@@ -257,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
   header = ("model", "batch", "kind", "opd_jax tok/s", "baseline tok/s", "ratio", "compile s")
   print("{:<10} {:>5} {:<16} {:>13} {:>14} {:>6} {:>9}".format(*header))
   for r in rows:
-    base = r.get("transformers_tokens_per_s", r.get("bf16_tokens_per_s"))
-    ratio = r.get("ratio_vs_transformers", r.get("ratio_vs_bf16"))
+    base = next(r[k] for k in r if k.endswith("_tokens_per_s") and k != "opd_jax_tokens_per_s")
+    ratio = next(r[k] for k in r if k.startswith("ratio_vs_"))
     print(
       f"{r['model']:<10} {r['batch']:>5} {r['kind']:<16} {r['opd_jax_tokens_per_s']:>13} "
       f"{base:>14} {ratio:>6} {r['opd_jax_compile_s']:>9}"

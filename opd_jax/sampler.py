@@ -82,7 +82,7 @@ class SamplerConfig:
   Attributes:
     max_new_tokens: C, tokens to generate per sequence (≥ 1).
     temperature: T; 0 means greedy decoding.
-    top_k: keep the k most likely tokens; 0 disables the filter.
+    top_k: keep the k most likely tokens (exactly k; ties go to the lower id); 0 disables it.
     top_p: nucleus mass in (0, 1]; 1 disables the filter.
     stop_tokens: ids that end a sequence (the stop token itself is kept and counted).
     cache_len: KV-cache slots S per sequence; None derives S = prompt bucket + C.

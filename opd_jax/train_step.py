@@ -172,9 +172,9 @@ def check_rollout_loss(sampler_cfg, loss_cfg: LossConfig) -> None:
     `reverse_kl_sampled` with `is_clip` is refused (use is_clip=None, or T > 0). Greedy
     rollouts only choose the prefixes: the losses score the student at T = 1,
     unfiltered (a point mass has no gradient).
-  - With a top-k/top-p filter π_θ is zero outside the kept set, so the forward KL
-    KL(π_T ‖ π_θ) is infinite wherever the teacher has mass there: `forward_kl` and
-    `jsd` with β = 0 are refused.
+  - With a top-k/top-p filter (any top_k > 0 or top_p < 1 counts) π_θ is zero outside
+    the kept set, so the forward KL KL(π_T ‖ π_θ) is infinite wherever the teacher has
+    mass there: `forward_kl` and `jsd` with β = 0 are refused.
 
   Args:
     sampler_cfg: the rollout's `sampler.SamplerConfig` (temperature, top_k, top_p).

@@ -97,6 +97,9 @@ def get_config(arg=None):
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
   c.train.jsd_beta = 0.5  # beta for loss=jsd
+  c.train.mismatch_top_k = (
+    0  # mismatch/kl over: 0 = auto (full V <= 4096, else top-64), -1 = full, k
+  )
   c.train.lr = 1e-3  # peak AdamW learning rate
   c.train.warmup_steps = 10  # linear warmup
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay

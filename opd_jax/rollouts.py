@@ -171,7 +171,9 @@ class RolloutEngine:
     )
     num_tokens = int(np.asarray(rollout.completion_mask).sum())  # waits for the sampler
     seconds = time.perf_counter() - start
+    saturated = rollout.kv_saturated_fraction
     stats = {
+      "rollout/kv_saturated_fraction": 0.0 if saturated is None else float(saturated),
       "rollout/seconds": seconds,
       "rollout/tokens_per_s": num_tokens / max(seconds, 1e-9),
       "rollout/mean_completion_len": num_tokens / rollout.batch_size,

@@ -42,6 +42,7 @@ from opd_jax import (
   evaluate,
   kvcache,
   metrics_writer,
+  mismatch,
   pretrain,
   sampler,
   sharding,
@@ -76,8 +77,11 @@ def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
   )
 
 
-def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec) -> sampler.SamplerConfig:
+def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec, vocab_size: int):
+  """The training rollouts' `SamplerConfig`; it returns the behaviour distribution
+  that `mismatch/kl` needs (full for small vocabularies, top-k plus a tail above)."""
   r = config.rollout
+  top = config.train.mismatch_top_k or mismatch.default_return_topk(vocab_size)
   return sampler.SamplerConfig(
     max_new_tokens=r.max_new_tokens,
     temperature=r.temperature,
@@ -85,6 +89,17 @@ def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec) -> sampler.Samp
     top_p=r.top_p,
     stop_tokens=(eos_id,),
     kv=kv,
+    return_topk=top,
+  )
+
+
+def loss_config(config) -> train_step.LossConfig:
+  t = config.train
+  return train_step.LossConfig(
+    name=t.loss,
+    is_clip=t.is_clip if t.is_clip > 0 else None,
+    jsd_beta=t.jsd_beta,
+    temperature=config.rollout.temperature,
   )
 
 
@@ -256,6 +271,9 @@ class Evaluator:
   def __init__(self, config, setup: Setup, writer):
     self._config, self._setup, self._writer = config, setup, writer
     self.teacher_accuracy = None
+    m = setup.models
+    kv = engine_config(config, jnp.dtype(config.student.dtype).name).kv
+    self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.vocab_size)
 
   def __call__(self, step: int, params) -> dict[str, float]:
     m = self._setup.models
@@ -268,6 +286,7 @@ class Evaluator:
       m.tokenizer,
       self._config.rollout.max_new_tokens,
       self.teacher_accuracy,
+      train_sampling=self._sampling,
     )
     self.teacher_accuracy = metrics["quality/teacher_accuracy"]
     self._writer.write_scalars(step, metrics)
@@ -321,12 +340,14 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   """The rollout source `rollout.mode` names, starting at batch `next_batch`."""
   m, r = setup.models, config.rollout
   ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
+  scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.vocab_size)
+  train_step.check_rollout_loss(scfg, loss_config(config))
   engine_ = rollouts_lib.RolloutEngine(
     prompt_iter,
     m.tokenizer,
     width,
     ecfg,
-    sampler_config(config, m.tokenizer.eos_id, ecfg.kv),
+    scfg,
     m.student_cfg,
     jax.random.wrap_key_data(np.asarray(state.rng)),
     m.mesh,
@@ -396,12 +417,7 @@ class _LagBreakdown:
 def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, start, log) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint."""
   m, t = setup.models, config.train
-  loss_cfg = train_step.LossConfig(
-    name=t.loss,
-    is_clip=t.is_clip if t.is_clip > 0 else None,
-    jsd_beta=t.jsd_beta,
-    temperature=config.rollout.temperature,
-  )
+  loss_cfg = loss_config(config)
   step_fn = train_step.jit_step(
     train_step.train_step,
     state_shardings,

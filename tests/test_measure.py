@@ -1,0 +1,98 @@
+"""The shared mismatch measurement: an exact engine reads 0, real sources read more, repeatably."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from opd_jax import engine, kvcache, model
+from opd_jax.mismatch import measure as measure_lib
+from opd_jax.model_config import ModelConfig
+from opd_jax.sampler import SamplerConfig
+
+CFG = ModelConfig(
+  model_type="qwen3",
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  qk_norm=True,
+)
+PROMPTS = [[3, 17, 9, 4, 10], list(range(20, 31)), [7], [5] * 9]
+F32_KV = kvcache.KVCacheSpec(dtype="float32")
+EXACT = engine.EngineConfig(kv=F32_KV)
+FP8 = engine.EngineConfig(weights="fp8", kv=F32_KV)
+NOISE = engine.EngineConfig(noise_sigma=0.1, kv=F32_KV)
+SCFG = SamplerConfig(max_new_tokens=12)
+TIMING_KEYS = ("measure/sample_seconds", "measure/score_seconds", "measure/seconds")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return model.init_params(jax.random.key(0), CFG, scale=0.3)
+
+
+def _measure(params, engine_cfg, scfg=SCFG, seed=0, **kw):
+  return measure_lib.measure(params, CFG, engine_cfg, PROMPTS, jax.random.key(seed), scfg, **kw)
+
+
+@pytest.mark.parametrize(
+  "scfg",
+  [
+    SamplerConfig(max_new_tokens=12),
+    SamplerConfig(max_new_tokens=12, temperature=0.7, top_k=5),
+    SamplerConfig(max_new_tokens=12, temperature=0.0),
+  ],
+  ids=["T1", "T0.7-top5", "greedy"],
+)
+def test_exact_engine_reads_zero(params, scfg):
+  m = _measure(params, EXACT, scfg)
+  assert m["measure/tokens"] == 4 * 12
+  assert m["engine_id"] == "w=trainer,kv=float32,noise=0"
+  for name in ("mismatch/kl", "mismatch/kl_max", "mismatch/k3"):
+    assert abs(m[name]) < 1e-6, (name, m[name])
+  assert m["mismatch/abs_logp_diff_max"] < 1e-4
+
+
+def test_fp8_reads_above_zero_and_below_noise(params):
+  exact, fp8, noise = (_measure(params, e)["mismatch/kl"] for e in (EXACT, FP8, NOISE))
+  assert exact < 1e-6
+  assert 1e-5 < fp8 < noise, (fp8, noise)
+
+
+def test_deterministic_for_a_fixed_key(params):
+  first = _measure(params, NOISE, return_per_token=True)
+  second = _measure(params, NOISE, return_per_token=True)
+  other = _measure(params, NOISE, seed=1)
+  np.testing.assert_array_equal(
+    first.pop(measure_lib.PER_TOKEN_KEY), second.pop(measure_lib.PER_TOKEN_KEY)
+  )
+  for key in TIMING_KEYS:
+    first.pop(key), second.pop(key), other.pop(key)
+  assert first == second
+  assert other["mismatch/kl"] != first["mismatch/kl"]
+
+
+def test_per_token_kl_matches_the_mean_and_tail(params):
+  m = _measure(params, FP8, return_per_token=True)
+  kl_n = m[measure_lib.PER_TOKEN_KEY]
+  assert kl_n.shape == (int(m["measure/tokens"]),)
+  np.testing.assert_allclose(kl_n.mean(), m["mismatch/kl"], rtol=1e-5)
+  np.testing.assert_allclose(np.quantile(kl_n, 0.95), m["mismatch/kl_p95"], rtol=1e-5)
+  np.testing.assert_allclose(kl_n.max(), m["mismatch/kl_max"], rtol=1e-6)
+
+
+def test_stale_trainer_params_read_above_zero(params):
+  newer = jax.tree.map(lambda w: w * 1.05, params)
+  assert _measure(params, EXACT, trainer_params=newer)["mismatch/kl"] > 1e-4
+
+
+def test_bad_arguments_are_named(params):
+  with pytest.raises(ValueError, match="engine_cfg"):
+    measure_lib.measure(params, CFG, "fp8", PROMPTS, jax.random.key(0), SamplerConfig(4))
+  with pytest.raises(ValueError, match="sampler_cfg"):
+    measure_lib.measure(params, CFG, EXACT, PROMPTS, jax.random.key(0), {"max_new_tokens": 4})

@@ -1,0 +1,69 @@
+"""Entry point: the admission check.
+
+    python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
+        --budget=FILE --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=OUT]
+        [--workdir=DIR] [--params-from=RUN] [--force] [--conservative]
+
+A candidate is a rollout configuration in the config's own terms, e.g.
+`--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
+measured on N calibration prompts against the trainer's student, with no training, and
+screened against the budget; the table goes to stdout, the rows to --json, and one line per
+candidate to <workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are
+`opd_jax.main`'s own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.mismatch import admission
+
+_BUDGET = flags.DEFINE_string("budget", None, "Budget file (opd_jax.budget.save_budget).")
+_CANDIDATES = flags.DEFINE_multi_string(
+  "candidate", None, "rollout.<key>=<value>[,rollout.<key>=<value> ...]; repeat for several."
+)
+_PROMPTS = flags.DEFINE_integer(
+  "prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts per candidate."
+)
+_JSON = flags.DEFINE_string("json", None, "Also write the table's rows as JSON to this file.")
+_PARAMS_FROM = flags.DEFINE_string(
+  "params-from",
+  None,
+  "A trainer workdir: measure the student of its latest checkpoint (older checkpoints serve "
+  "stale candidates). Default: the student a run starts from.",
+)
+_FORCE = flags.DEFINE_bool("force", False, "Check against a stale budget (reasons still shown).")
+_CONSERVATIVE = flags.DEFINE_bool(
+  "conservative", False, "Admit against the lower end of the budget's interval."
+)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    admission.run_admission(
+      flags.FLAGS.config,
+      _BUDGET.value,
+      _CANDIDATES.value,
+      num_prompts=_PROMPTS.value,
+      workdir=flags.FLAGS.workdir,
+      params_from=_PARAMS_FROM.value,
+      force=_FORCE.value,
+      conservative=_CONSERVATIVE.value,
+      json_path=_JSON.value,
+      log=lambda *a: print(*a, flush=True),
+    )
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  for name in ("config", "budget", "candidate"):
+    flags.mark_flag_as_required(name)
+  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)

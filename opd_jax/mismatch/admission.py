@@ -1,0 +1,670 @@
+"""The admission check: screen candidate rollout configurations against a calibrated budget.
+
+    python -m opd_jax.admit --config=... --budget=FILE --candidate=SPEC [--candidate=SPEC ...]
+
+This module owns the check's logic (DESIGN.md, "Budget and admission"); `opd_jax.admit` only
+parses flags and calls `run_admission`. For each candidate, with no training:
+
+1. the candidate is a rollout configuration in the config's own terms, a comma-separated list
+   of `rollout.<key>=<value>` overrides applied to a copy of the run config and validated by
+   `config_check.validate` (so a misspelt key gets the same "did you mean" as `main`);
+2. `measure.measure` samples the N calibration prompts with the candidate's engine
+   T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
+   trainer's student θ (the procedure the budget's records are measured with);
+3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons;
+4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
+   appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
+
+The student is the one the trainer trains. `--params-from=RUN` restores the student of RUN's
+latest checkpoint (`RUN/checkpoints/<step>`, the trainer's orbax layout); without it the
+student is the one a run starts from: the HF checkpoint, or for the built-in task the
+warm-started student (`config.student.warmup_steps` supervised steps, seed + 7, as
+`trainer.initial_state` does it). The teacher is built as the trainer builds it
+(`trainer.prepare_models`, its cache included) because the budget's fingerprint names it.
+
+Calibration prompts. The first N prompts of the built-in task's held-out split (disjoint from
+every training prompt by the task's prompt hash) drawn with seed `config.seed + 2`, a stream
+of its own (the trainer's evaluation uses `seed + 1`): fixed for a config, the same for every
+candidate and for the study that calibrates the budget (`calibration_prompts`). With
+`data.prompt_file` they are the file's first N prompts, which the training also visits: the
+check trains on nothing, so this does not bias the measurement, but they are not held out.
+Every candidate is measured with the same key (`measurement_key`), so candidates share their
+sampling uniforms and noise draws: differences between rows come from the configurations.
+
+Staleness. A stale engine samples with θ_{t−k} while the trainer scores with θ_t; its mismatch
+is set by what k training steps changed, which no single set of weights holds. The check
+measures it only from a training history: with `--params-from=RUN` whose checkpoints hold the
+latest step t and step t − k, the candidate's engine T(θ_{t−k}) samples and θ_t scores
+(`measure(..., trainer_params=θ_t)`). The lag k is `rollout.stale_k` (sync) or
+`rollout.max_lag` (async, the largest lag the bound lets through: the async loop trains on lags
+0…max_lag, so this measures its worst batches, not their average). Without such a pair the
+candidate is refused with a message naming the steps that are there and the settings that keep
+the needed checkpoints (`train.checkpoint_every=1`, `train.keep_checkpoints` ≥ k + 1). The
+mismatch of a stale engine depends on where in training it is measured (the update size shrinks
+with the learning-rate schedule and as the loss falls): a budget calibrated at one point says
+little about staleness at another.
+
+Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
+(the params the check scores with), the teacher, the quantization format, the backend and the
+jax versions. A mismatch refuses the check with one line per change (`budget_file.
+stale_reasons`) unless `force=True`, which still reports them. A budget calibrated on the
+warm-started student is stale for a `--params-from` student: its mismatch was measured at
+other weights.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import difflib
+import json
+import math
+import os
+import pathlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import flags as absl_flags
+from ml_collections.config_flags import tuple_parser
+
+from opd_jax import (
+  checkpointing,
+  config_check,
+  data,
+  engine,
+  pretrain,
+  sharding,
+  task,
+  train_step,
+  trainer,
+)
+from opd_jax.mismatch import budget as budget_lib
+from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import measure as measure_lib
+
+CANDIDATE_PREFIX = "rollout."
+# The FP8 numerics this codebase quantizes with (quant.py: e4m3fn values, f32 scales); a budget
+# fingerprints it so that a change of format makes the budget stale.
+QUANT_FORMAT = "fp8_e4m3fn"
+CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
+DEFAULT_NUM_PROMPTS = 64
+LOG_FILE = "admission_log.jsonl"
+# Run-config keys that may differ between a --params-from run and the check's config: what the
+# candidate changes, how the run trained, and where its teacher is cached.
+_RUN_KEYS_FREE = ("rollout.", "train.", "teacher.cache_dir")
+# Table columns: (header, row key, format).
+_COLUMNS = (
+  ("candidate", "candidate", "s"),
+  ("lag", "lag", "d"),
+  ("mismatch/kl", "mismatch/kl", ".4g"),
+  ("kl_p95", "mismatch/kl_p95", ".4g"),
+  ("max_kl", "max_kl", ".4g"),
+  ("margin", "margin", ".4g"),
+  ("verdict", "verdict", "s"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One parsed candidate.
+
+  Attributes:
+    spec: the text as given.
+    overrides: dotted key -> parsed value, in the order given.
+    config: a copy of the run config with the overrides applied, validated.
+    engine_cfg: the engine the trainer would build from `config` (`trainer.engine_config`).
+    lag: k, the weight-version lag it samples with: rollout.stale_k (sync) or rollout.max_lag
+      (async).
+  """
+
+  spec: str
+  overrides: dict[str, Any]
+  config: ml_collections.ConfigDict
+  engine_cfg: engine.EngineConfig
+  lag: int
+
+  @property
+  def engine_id(self) -> str:
+    return self.engine_cfg.engine_id
+
+
+def split_spec(spec: str) -> list[str]:
+  """Splits "a=1,b=(0,1),c=x" at the commas outside brackets: ["a=1", "b=(0,1)", "c=x"]."""
+  parts, depth, current = [], 0, []
+  for ch in spec:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth < 0:
+        raise ValueError(f"candidate {spec!r}: unbalanced {ch!r}")
+    if ch == "," and depth == 0:
+      parts.append("".join(current))
+      current = []
+    else:
+      current.append(ch)
+  if depth:
+    raise ValueError(f"candidate {spec!r}: unbalanced brackets")
+  parts.append("".join(current))
+  return [p.strip() for p in parts]
+
+
+def _literal(raw: str):
+  """A value of unknown type, as ml_collections parses one: a Python literal, else the text."""
+  if raw in ("true", "false"):
+    raw = raw.capitalize()
+  try:
+    return ast.literal_eval(raw)
+  except (SyntaxError, ValueError):
+    return raw
+
+
+def parse_value(raw: str, current):
+  """Parses `raw` as ml_collections' `--config.key=raw` would for a field now holding `current`.
+
+  int, float and bool fields use absl's parsers ("1" becomes 1.0 for a float field), tuple
+  fields `ast.literal_eval` with a single value wrapped ("0" -> (0,), "(0,1)" -> (0, 1)), str
+  fields keep the text; a field of another type (or an unknown key) takes a Python literal,
+  else the text.
+
+  Raises:
+    ValueError: the text does not parse as the field's type.
+  """
+  parsers = (
+    (bool, absl_flags.BooleanParser()),
+    (int, absl_flags.IntegerParser()),
+    (float, absl_flags.FloatParser()),
+    (tuple, tuple_parser.TupleParser()),
+  )
+  for kind, parser in parsers:
+    if isinstance(current, kind):
+      return parser.parse(raw)
+  if isinstance(current, str):
+    return raw
+  return _literal(raw)
+
+
+def _refuse_non_rollout(spec: str, key: str) -> None:
+  rollout_keys = [k for k in config_check.RULES if k.startswith(CANDIDATE_PREFIX)]
+  near = difflib.get_close_matches(key, rollout_keys, n=1, cutoff=0.8)
+  if near:
+    raise ValueError(f"candidate {spec!r}: unknown key {key!r}; did you mean {near[0]!r}?")
+  raise ValueError(
+    f"candidate {spec!r}: {key!r} is not a rollout setting; a candidate is a rollout "
+    f"configuration, so only rollout.* keys may be set (allowed: {', '.join(rollout_keys)}). "
+    "Other settings change the student, the teacher or the training, which the budget is "
+    "calibrated for: pass them to --config instead"
+  )
+
+
+def candidate_lag(config: ml_collections.ConfigDict) -> int:
+  """k: rollout.stale_k in sync mode, rollout.max_lag in async mode (its worst batches)."""
+  r = config.rollout
+  return int(r.max_lag) if r.mode == "async" else int(r.stale_k)
+
+
+def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
+  """Parses one candidate against the run config.
+
+  Args:
+    spec: comma-separated `rollout.<key>=<value>` overrides, e.g.
+      "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor" or
+      "rollout.bf16_layers=(0,),rollout.weights=fp8". Values parse as ml_collections parses
+      `--config.<key>=<value>` (`parse_value`).
+    config: the run config (not modified).
+
+  Returns:
+    A Candidate.
+
+  Raises:
+    ValueError: an empty or malformed spec, a key set twice, a non-rollout key, an unknown key
+      (with the nearest valid one), or a value `config_check.validate` refuses (naming the key
+      and what is allowed).
+  """
+  if not spec or not spec.strip():
+    raise ValueError("empty candidate; give rollout.<key>=<value>[,rollout.<key>=<value> ...]")
+  overrides: dict[str, Any] = {}
+  raw_items = []
+  for item in split_spec(spec):
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise ValueError(f"candidate {spec!r}: {item!r} is not <key>=<value>")
+    if key.startswith("config."):
+      key = key[len("config.") :]
+    if key in [k for k, _ in raw_items]:
+      raise ValueError(f"candidate {spec!r}: {key!r} is set twice")
+    if not key.startswith(CANDIDATE_PREFIX):
+      _refuse_non_rollout(spec, key)
+    raw_items.append((key, raw.strip()))
+
+  candidate_config = ml_collections.ConfigDict(config.to_dict())  # unlocked deep copy
+  for key, raw in raw_items:
+    leaf = key[len(CANDIDATE_PREFIX) :]
+    if "." in leaf:
+      raise ValueError(f"candidate {spec!r}: {key!r} is not a rollout setting (nested key)")
+    current = candidate_config.rollout.get(leaf)
+    try:
+      value = parse_value(raw, current)
+    except ValueError as e:
+      raise ValueError(f"candidate {spec!r}: {key}={raw!r}: {e}") from e
+    try:
+      candidate_config.rollout[leaf] = value
+    except TypeError as e:  # ConfigDict refuses a value of another type than the field's
+      raise ValueError(f"candidate {spec!r}: {key}={raw!r}: {e}") from e
+    overrides[key] = candidate_config.rollout[leaf]
+  try:
+    config_check.validate(candidate_config)
+  except ValueError as e:
+    raise ValueError(f"candidate {spec!r}: {e}") from e
+  compute_dtype = jnp.dtype(config.student.dtype).name
+  return Candidate(
+    spec=spec,
+    overrides=overrides,
+    config=candidate_config,
+    engine_cfg=trainer.engine_config(candidate_config, compute_dtype),
+    lag=candidate_lag(candidate_config),
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts, student, fingerprint
+
+
+def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompts: int):
+  """The N calibration prompts (module docstring) as (texts, tokens [N, P], lens [N])."""
+  if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+    raise ValueError(f"the number of calibration prompts must be an int >= 1, got {num_prompts!r}")
+  if config.data.prompt_file:
+    source = data.JsonlSource(config.data.prompt_file)
+    if len(source) < num_prompts:
+      raise ValueError(
+        f"{config.data.prompt_file} has {len(source)} prompts; fewer than the {num_prompts} asked"
+      )
+  else:
+    seed = config.seed + CALIBRATION_SEED_OFFSET
+    source = task.TaskSource("heldout", num_prompts, seed, task_cfg)
+  width = trainer.prompt_width(source, tokenizer, task_cfg, bool(config.data.prompt_file))
+  texts = [source[i]["prompt"] for i in range(num_prompts)]
+  tokens_bp, lens_b = task.encode_prompts(texts, tokenizer, width)
+  return texts, tokens_bp, lens_b
+
+
+def measurement_key(config):
+  """The key every candidate is measured with (and the study's records): key(config.seed)."""
+  return jax.random.key(config.seed)
+
+
+def current_fingerprint(setup: trainer.Setup, student_params) -> dict:
+  """`budget_file.fingerprint` of the check's setup: the student it scores with, the teacher."""
+  m = setup.models
+  return budget_file.fingerprint(
+    m.student_cfg, student_params, m.teacher_cfg, m.teacher_params, QUANT_FORMAT
+  )
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+  """The steps of the trainer checkpoints under `run_dir/checkpoints`, ascending."""
+  directory = os.path.join(run_dir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise ValueError(f"--params-from {run_dir}: no checkpoints directory {directory}")
+  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  if not steps:
+    raise ValueError(f"--params-from {run_dir}: {directory} holds no finished checkpoint")
+  return steps
+
+
+def _check_run_config(saved: dict[str, str], config, run_dir: str) -> None:
+  """Refuses a run whose student/teacher/task settings differ from the check's config."""
+  current = trainer.run_fingerprint(config)
+  changed = sorted(
+    k
+    for k in set(saved) & set(current)
+    if not k.startswith(_RUN_KEYS_FREE) and saved[k] != current[k]
+  )
+  if changed:
+    details = ", ".join(f"{k}: {saved[k]} (run) vs {current[k]} (--config)" for k in changed[:5])
+    raise ValueError(
+      f"--params-from {run_dir} was trained with another student, teacher or task than "
+      f"--config describes ({details}); pass the run's config"
+    )
+
+
+class RunHistory:
+  """The student at a run's checkpointed steps, restored as the trainer restores it.
+
+  Args:
+    config: the check's config (its optimizer settings give the TrainState structure).
+    setup: from `trainer.prepare_models`.
+    run_dir: the run's workdir (read only).
+  """
+
+  def __init__(self, config, setup: trainer.Setup, run_dir: str):
+    self.run_dir = run_dir
+    self.steps = checkpoint_steps(run_dir)
+    self._config, self._setup = config, setup
+    self._cache: dict[int, Any] = {}
+    t, m = config.train, setup.models
+    tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
+    abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
+    shardings = sharding.tree_shardings(abstract, m.mesh)
+    self._target = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+  @property
+  def latest(self) -> int:
+    return self.steps[-1]
+
+  def params(self, step: int):
+    """The student params of checkpoint `step` (restored once, then kept)."""
+    if step not in self._cache:
+      if step not in self.steps:
+        raise ValueError(f"{self.run_dir} has no checkpoint at step {step} (has {self.steps})")
+      ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"))
+      try:
+        state, extra = ckpt.restore(step, self._target)
+      finally:
+        ckpt.close()
+      _check_run_config(extra.get("config", {}), self._config, self.run_dir)
+      self._cache[step] = state.params
+    return self._cache[step]
+
+
+def initial_student(config, setup: trainer.Setup, log=print):
+  """The student a run starts from: the HF checkpoint's params, or the warm-started built-in
+  student (`trainer.initial_state` without a checkpoint to resume)."""
+  m = setup.models
+  if config.student.checkpoint or not config.student.warmup_steps:
+    return m.student_params
+  log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
+  return pretrain.supervised_train(
+    m.student_params,
+    m.student_cfg,
+    task_cfg=setup.task_cfg,
+    tokenizer=m.tokenizer,
+    steps=config.student.warmup_steps,
+    lr=config.student.warmup_lr,
+    batch_size=config.student.warmup_batch_size,
+    seed=config.seed + 7,
+    mesh=m.mesh,
+    log=log,
+  )
+
+
+def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:
+  """Why `candidate`'s lag cannot be measured with this history (None when it can)."""
+  k = candidate.lag
+  if k == 0:
+    return None
+  keep = (
+    f"a run that keeps them: --config.train.checkpoint_every=1 "
+    f"--config.train.keep_checkpoints={k + 1} or more"
+  )
+  if history is None:
+    return (
+      f"candidate {candidate.spec!r} samples with weights {k} version(s) old: its mismatch is "
+      f"what {k} training step(s) change, so measuring it needs the student at two versions "
+      f"{k} apart, θ_(t-{k}) to sample and θ_t to score; pass --params-from=RUN with "
+      f"checkpoints at steps t and t-{k} ({keep})"
+    )
+  t = history.latest
+  if t - k not in history.steps:
+    lags = sorted(t - s for s in history.steps)
+    return (
+      f"candidate {candidate.spec!r} samples with weights {k} version(s) old; measuring it "
+      f"needs checkpoints at the latest step t={t} and at step {t - k}, but {history.run_dir} "
+      f"holds steps {history.steps} (lags available from step {t}: {lags}); use {keep}"
+    )
+  return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows, table, log
+
+
+def candidate_row(
+  candidate: Candidate, measurement: dict, verdict: budget_lib.Verdict, student_step
+) -> dict:
+  """The JSON row of one candidate: its settings, every measured value and the verdict."""
+  row: dict[str, Any] = {
+    "candidate": candidate.spec,
+    "overrides": {
+      k: list(v) if isinstance(v, tuple) else v for k, v in candidate.overrides.items()
+    },
+    "engine_id": candidate.engine_id,
+    "lag": candidate.lag,
+  }
+  if candidate.lag:
+    row["behaviour_step"] = student_step - candidate.lag
+    row["trainer_step"] = student_step
+  row.update({k: v for k, v in measurement.items() if k.startswith(("mismatch/", "measure/"))})
+  row.update(
+    {
+      "max_kl": verdict.limit,
+      "margin": verdict.margin,
+      "admitted": verdict.admitted,
+      "verdict": "admitted" if verdict.admitted else "rejected",
+      "reasons": list(verdict.reasons),
+    }
+  )
+  if verdict.layer_margins:
+    row["layer_margins"] = {str(i): v for i, v in verdict.layer_margins.items()}
+  return row
+
+
+def format_cell(value, fmt: str) -> str:
+  """One table cell: numbers with `fmt`, text as is."""
+  if fmt == "s":
+    return str(value)
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return format(value, fmt)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+  """The check's table: one line per candidate, then its reasons indented below it."""
+  header = [h for h, _, _ in _COLUMNS]
+  cells = [[format_cell(r[key], fmt) for _, key, fmt in _COLUMNS] for r in rows]
+  widths = [max(len(x) for x in col) for col in zip(header, *cells, strict=True)]
+
+  def line(values):
+    return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
+
+  out = [line(header), line(["-" * w for w in widths])]
+  for row, values in zip(rows, cells, strict=True):
+    out.append(line(values))
+    out.extend(f"    reason: {reason}" for reason in row["reasons"])
+  return "\n".join(out)
+
+
+def _json_safe(value):
+  if isinstance(value, dict):
+    return {str(k): _json_safe(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_json_safe(v) for v in value]
+  return value
+
+
+def append_log(workdir: str, entries: Sequence[dict]) -> str:
+  """Appends one JSON line per entry to `<workdir>/admission_log.jsonl`; returns the path."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOG_FILE)
+  with open(path, "a", encoding="utf-8") as f:
+    for entry in entries:
+      f.write(json.dumps(_json_safe(entry), sort_keys=True) + "\n")
+  return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+
+
+def check_budget_fresh(saved_fp: dict, current_fp: dict, force: bool, hint: str = "") -> list[str]:
+  """`stale_reasons` of the budget; raises ValueError listing them unless `force`."""
+  reasons = budget_file.stale_reasons(saved_fp, current_fp)
+  if reasons and not force:
+    lines = "\n  ".join(reasons)
+    raise ValueError(
+      f"the budget is stale: it was calibrated on another setup. What changed:\n  {lines}\n"
+      f"{hint}Recalibrate the budget for this setup, or pass --force to check against it anyway"
+    )
+  return reasons
+
+
+def run_admission(
+  config: ml_collections.ConfigDict,
+  budget_path: str,
+  specs: Sequence[str],
+  *,
+  num_prompts: int = DEFAULT_NUM_PROMPTS,
+  workdir: str,
+  params_from: str | None = None,
+  force: bool = False,
+  conservative: bool = False,
+  json_path: str | None = None,
+  log: Callable[..., None] = print,
+) -> dict:
+  """Runs the admission check (module docstring) and returns what `--json` writes.
+
+  Args:
+    config: the run config the candidates modify (validated here).
+    budget_path: a budget file written by `budget_file.save_budget`.
+    specs: candidate specs (`parse_candidate`), at least one.
+    num_prompts: N calibration prompts.
+    workdir: where `admission_log.jsonl` is appended (and, when `config.teacher.cache_dir` is
+      empty and no --params-from run has one, where the teacher is cached).
+    params_from: a trainer workdir whose latest checkpoint's student is measured; its older
+      checkpoints serve stale candidates. Read only.
+    force: check against a stale budget (its reasons are still reported).
+    conservative: admit against the lower end of the budget's interval (`budget.admit`).
+    json_path: also write the result as JSON there.
+    log: progress and the table go here.
+
+  Returns:
+    {"rows": [one `candidate_row` per candidate], "budget": {...}, "student": {...},
+     "num_prompts": N, "stale_budget_reasons": [...], "forced": bool, "seconds": {...},
+     "log_file": path}.
+
+  Raises:
+    ValueError: a bad spec, a stale budget without `force`, a stale candidate without the
+      checkpoints it needs, an unusable --params-from run; FileNotFoundError: no budget file.
+  """
+  start = time.perf_counter()
+  if not specs:
+    raise ValueError("give at least one --candidate")
+  config_check.validate(config)
+  budget, saved_fp = budget_file.load_budget(budget_path)
+  candidates = [parse_candidate(spec, config) for spec in specs]
+
+  config = ml_collections.ConfigDict(config.to_dict())
+  if not config.teacher.cache_dir and params_from:
+    run_cache = os.path.join(params_from, "teacher_cache")
+    if os.path.isdir(run_cache):
+      config.teacher.cache_dir = run_cache
+  setup = trainer.prepare_models(config, workdir, log)
+  history = RunHistory(config, setup, params_from) if params_from else None
+  problems = [p for p in (stale_lag_problem(c, history) for c in candidates) if p]
+  if problems:
+    raise ValueError("\n".join(problems))
+  if history is not None:
+    student_params, student_step = history.params(history.latest), history.latest
+    student = {"source": f"{params_from} checkpoint {student_step}", "step": student_step}
+  else:
+    student_params, student_step = initial_student(config, setup, log), 0
+    source = config.student.checkpoint or "warm-started built-in student"
+    student = {"source": source, "step": 0}
+  setup_seconds = time.perf_counter() - start
+
+  current_fp = current_fingerprint(setup, student_params)
+  hint = (
+    "(--params-from measures that run's trained student; a budget is tied to the student its "
+    "records were measured on.)\n"
+    if params_from
+    else ""
+  )
+  stale = check_budget_fresh(saved_fp, current_fp, force, hint)
+  if stale:
+    log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
+
+  m = setup.models
+  texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)
+  rng = measurement_key(config)
+  rows, entries, measure_seconds = [], [], []
+  for c in candidates:
+    ecfg = c.engine_cfg
+    scfg = trainer.sampler_config(c.config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.vocab_size)
+    behaviour = history.params(student_step - c.lag) if c.lag else student_params
+    t0 = time.perf_counter()
+    measurement = measure_lib.measure(
+      behaviour,
+      m.student_cfg,
+      ecfg,
+      (tokens_bp, lens_b),
+      rng,
+      scfg,
+      trainer_params=student_params,
+    )
+    measure_seconds.append(time.perf_counter() - t0)
+    verdict = budget_lib.admit(measurement, budget, conservative=conservative)
+    row = candidate_row(c, measurement, verdict, student_step)
+    rows.append(row)
+    entries.append(
+      {
+        "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": {"candidate": c.spec, "overrides": row["overrides"], "lag": c.lag},
+        "engine_id": c.engine_id,
+        "sampler": dataclasses.asdict(scfg),
+        "measurement": {k: v for k, v in row.items() if k.startswith(("mismatch/", "measure/"))},
+        "verdict": {k: row[k] for k in ("admitted", "max_kl", "margin", "reasons")},
+        "num_prompts": num_prompts,
+        "student": student,
+        "budget_file": os.path.abspath(budget_path),
+        "stale_budget_reasons": stale,
+        "fingerprint": current_fp,
+      }
+    )
+
+  log_path = append_log(workdir, entries)
+  result = {
+    "rows": rows,
+    "budget": {
+      "file": os.path.abspath(budget_path),
+      "max_kl": budget.max_kl,
+      "interval": list(budget.interval),
+      "tolerance": budget.tolerance,
+      "censored": budget.censored,
+      "conservative": conservative,
+    },
+    "student": student,
+    "num_prompts": num_prompts,
+    "prompts": texts,
+    "stale_budget_reasons": stale,
+    "forced": bool(stale),
+    "seconds": {
+      "setup": setup_seconds,
+      "measure": measure_seconds,
+      "total": time.perf_counter() - start,
+    },
+    "log_file": log_path,
+  }
+  interval = ", ".join(f"{v:.4g}" for v in budget.interval)
+  log(
+    f"budget {budget_path}: max_kl {budget.max_kl:.4g} nats/token (interval [{interval}], "
+    f"tolerance {budget.tolerance:.4g}, censored {budget.censored}); student: "
+    f"{student['source']}; {num_prompts} calibration prompts"
+  )
+  log(format_table(rows))
+  if json_path:
+    pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(json_path).write_text(json.dumps(_json_safe(result), indent=1) + "\n")
+  return result

@@ -96,6 +96,7 @@ def get_config(arg=None):
   # for small vocabularies. reverse_kl_sampled is the Tinker/slime policy-gradient form.
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
+  c.train.advantage_clip = 0.0  # reverse_kl_sampled: clip A_t to [-c, c]; 0 disables
   c.train.jsd_beta = 0.5  # beta for loss=jsd
   c.train.mismatch_top_k = (
     0  # mismatch/kl over: 0 = auto (full V <= 4096, else top-64), -1 = full, k

@@ -125,6 +125,7 @@ RULES: dict[str, Any] = {
   "train.steps": POSITIVE,
   "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
   "train.is_clip": Num(True),
+  "train.advantage_clip": Num(True, 0),
   "train.jsd_beta": Num(True, 0, 1),
   "train.mismatch_top_k": Num(lo=-1),
   "train.lr": Num(True, 0, lo_open=True),

@@ -164,7 +164,13 @@ def _check_logits(student_logits, teacher_logits, mask):
 
 
 def reverse_kl_sampled(
-  student_logits, teacher_logits, tokens, mask, behaviour_logprobs, is_clip: float | None = 2.0
+  student_logits,
+  teacher_logits,
+  tokens,
+  mask,
+  behaviour_logprobs,
+  is_clip: float | None = 2.0,
+  advantage_clip: float | None = None,
 ):
   """Sampled reverse KL in policy-gradient form (Tinker / slime on-policy distillation).
 
@@ -180,6 +186,16 @@ def reverse_kl_sampled(
   the reverse KL (the Σ_y π_θ ∇log π_θ = 0 term vanishes). The loss value itself is
   a surrogate; `teacher/reverse_kl_k1` reports the sampled KL estimate.
 
+  Advantage clipping (`advantage_clip` = c) replaces A_t by clip(A_t, −c, c) in the
+  loss. The expected gradient becomes Σ_y π_θ(y) f'(π_θ(y)/π_T(y)) ∇log π_θ(y) with
+  f'(u) = clip(log u, −c, c): that is the exact gradient of the f-divergence
+  D_f(π_θ ‖ π_T) = Σ_y π_T(y) f(π_θ(y)/π_T(y)), f(u) = ∫_1^u clip(log s, −c, c) ds,
+  which is convex with f(1) = 0 and strictly convex around u = 1, so its only
+  minimum is π_θ = π_T. It equals the reverse KL's integrand wherever the log-ratio
+  is within [−c, c] and grows linearly in the ratio outside it: the clipped estimator
+  is unbiased for a Huber-like divergence with the same minimiser, and bounds the
+  per-token step that rare tokens the teacher rules out (A_t ≈ −10) would take.
+
   π_θ must be the policy the rollout was sampled under when the engine is exact: the
   student's logits at the sampler's temperature, restricted to the engine's top-k/top-p
   kept set (`train_step.student_policy_logits`, -inf elsewhere). Then r_t = 1 for an
@@ -194,11 +210,13 @@ def reverse_kl_sampled(
     behaviour_logprobs: [B, T] log π_b(y_t) as returned by the sampler.
     is_clip: truncation C > 0 of the importance ratio, or None for r_t = 1 (treat the
       rollout as on-policy).
+    advantage_clip: c > 0 to clip A_t to [−c, c] in the loss, or None for no clipping.
 
   Returns:
     (loss scalar f32, metrics): loss/reverse_kl_sampled, teacher/reverse_kl_k1
     (mean of log π_θ − log π_T), teacher/logprob, loss/student_logprob, loss/is_ratio
-    (mean r_t), loss/is_clip_frac (share of tokens with ratio > C), loss/num_tokens.
+    (mean r_t), loss/is_clip_frac (share of tokens with ratio > C),
+    loss/advantage_clip_frac (share of tokens with |A_t| > c), loss/num_tokens.
   """
   _check_logits(student_logits, teacher_logits, mask)
   if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
@@ -208,6 +226,8 @@ def reverse_kl_sampled(
     )
   if is_clip is not None and not is_clip > 0:
     raise ValueError(f"is_clip must be None or > 0, got {is_clip!r}")
+  if advantage_clip is not None and not advantage_clip > 0:
+    raise ValueError(f"advantage_clip must be None or > 0, got {advantage_clip!r}")
   student_lp = token_logprobs(student_logits, tokens)
   teacher_lp = jax.lax.stop_gradient(token_logprobs(teacher_logits, tokens))
   advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
@@ -220,7 +240,13 @@ def reverse_kl_sampled(
     raw = jnp.exp(jax.lax.stop_gradient(student_lp) - behaviour_lp)
     ratio = jnp.minimum(raw, is_clip)
     clipped = (raw > is_clip).astype(jnp.float32)
-  loss = -masked_mean(ratio * advantage * student_lp, mask)
+  if advantage_clip is None:
+    used_advantage = advantage
+    advantage_clipped = jnp.zeros_like(advantage)
+  else:
+    used_advantage = jnp.clip(advantage, -advantage_clip, advantage_clip)
+    advantage_clipped = (jnp.abs(advantage) > advantage_clip).astype(jnp.float32)
+  loss = -masked_mean(ratio * used_advantage * student_lp, mask)
   metrics = {
     "loss/reverse_kl_sampled": loss,
     "teacher/reverse_kl_k1": masked_mean(-advantage, mask),
@@ -228,6 +254,7 @@ def reverse_kl_sampled(
     "loss/student_logprob": masked_mean(jax.lax.stop_gradient(student_lp), mask),
     "loss/is_ratio": masked_mean(ratio, mask),
     "loss/is_clip_frac": masked_mean(clipped, mask),
+    "loss/advantage_clip_frac": masked_mean(advantage_clipped, mask),
     "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
   }
   return loss, metrics

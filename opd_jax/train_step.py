@@ -81,6 +81,7 @@ class LossConfig:
 
   name: str = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
+  advantage_clip: float | None = None  # reverse_kl_sampled: clip A_t to [-c, c]; None = off
   jsd_beta: float = 0.5  # β for jsd (0 = forward KL, 1 = reverse KL)
   temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
 
@@ -238,6 +239,7 @@ def opd_loss(
       mask_bc,
       rollout.behaviour_logprobs,
       is_clip=loss_cfg.is_clip,
+      advantage_clip=loss_cfg.advantage_clip,
     )
   elif loss_cfg.name == "reverse_kl_full":
     loss, metrics = losses.reverse_kl_full(student_bcv, teacher_bcv, mask_bc)

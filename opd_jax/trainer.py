@@ -98,6 +98,7 @@ def loss_config(config) -> train_step.LossConfig:
   return train_step.LossConfig(
     name=t.loss,
     is_clip=t.is_clip if t.is_clip > 0 else None,
+    advantage_clip=t.advantage_clip if t.advantage_clip > 0 else None,
     jsd_beta=t.jsd_beta,
     temperature=config.rollout.temperature,
   )

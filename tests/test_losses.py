@@ -152,6 +152,63 @@ def test_reverse_kl_sampled_gradient_is_unbiased(behaviour_is_student):
   np.testing.assert_allclose(expected_grad, exact_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_reverse_kl_sampled_advantage_clip_by_hand():
+  # V = 2, π_θ = (½, ½) at both positions; π_T(0) = 0.01, so at position 0 (y = 0)
+  # A = ln(0.01/0.5) = −3.91 clips to −1, at position 1 (y = 1) A = ln(0.99/0.5) = 0.683 stays.
+  z = jnp.zeros((1, 2, 2))
+  zt = jnp.array([[[0.0, np.log(99.0)], [0.0, np.log(99.0)]]])
+  tokens, mask = jnp.array([[0, 1]]), jnp.ones((1, 2))
+  behaviour = jnp.full((1, 2), np.log(0.5))
+
+  def f(logits, c):
+    return losses.reverse_kl_sampled(logits, zt, tokens, mask, behaviour, None, c)
+
+  loss, m = f(z, 1.0)
+  a1 = np.log(1.98)
+  np.testing.assert_allclose(loss, -0.5 * (-1.0 + a1) * np.log(0.5), rtol=1e-6)
+  assert float(m["loss/advantage_clip_frac"]) == 0.5
+  np.testing.assert_allclose(m["teacher/reverse_kl_k1"], 0.5 * (np.log(50.0) - a1), rtol=1e-6)
+  # ∂loss/∂z_t = −½ · clip(A_t) · (onehot(y_t) − π_θ).
+  grad = jax.grad(lambda s: f(s, 1.0)[0])(z)
+  np.testing.assert_allclose(grad[0], [[0.25, -0.25], [0.25 * a1, -0.25 * a1]], rtol=1e-5)
+  # A clip no advantage reaches changes nothing.
+  np.testing.assert_array_equal(f(z, 10.0)[0], f(z, None)[0])
+  assert float(f(z, None)[1]["loss/advantage_clip_frac"]) == 0.0
+
+
+def test_reverse_kl_sampled_advantage_clip_is_an_f_divergence_gradient():
+  # E_{y~π_θ}[∇ loss(y)] with A clipped to [−c, c] equals ∇ Σ_y π_T f(π_θ/π_T), where
+  # f(u) = u ln u − u + 1 for |ln u| ≤ c, continued linearly with slope ±c outside.
+  c = 0.5
+  z = jnp.array([[[0.3, -1.0, 0.8, 0.1]]])
+  zt = jnp.array([[[2.0, -1.5, -0.5, 0.0]]])  # ratios outside e^{±c} on both sides
+  one = jnp.ones((1, 1))
+
+  def f(u):
+    lo, hi = np.exp(-c), np.exp(c)
+    inner = lambda v: v * jnp.log(v) - v + 1  # noqa: E731
+    return jnp.where(
+      u > hi, inner(hi) + c * (u - hi), jnp.where(u < lo, inner(lo) - c * (u - lo), inner(u))
+    )
+
+  def divergence(logits):
+    p, q = jax.nn.softmax(logits[0, 0]), jax.nn.softmax(zt[0, 0])
+    return jnp.sum(q * f(p / q))
+
+  u = jax.nn.softmax(z[0, 0]) / jax.nn.softmax(zt[0, 0])
+  assert (jnp.abs(jnp.log(u)) > c).sum() >= 2  # the clip acts
+
+  def sampled(logits, y):
+    lb = jax.lax.stop_gradient(jax.nn.log_softmax(logits[0, 0])[y]).reshape(1, 1)
+    return losses.reverse_kl_sampled(logits, zt, jnp.full((1, 1), y), one, lb, None, c)[0]
+
+  pb = jax.nn.softmax(z[0, 0])
+  expected_grad = sum(pb[y] * jax.grad(sampled)(z, y) for y in range(4))
+  np.testing.assert_allclose(expected_grad, jax.grad(divergence)(z), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="advantage_clip"):
+    losses.reverse_kl_sampled(z, zt, jnp.zeros((1, 1), jnp.int32), one, one, None, 0.0)
+
+
 def test_reverse_and_forward_kl_full_values():
   p_lp, q_lp = np_logsoftmax(S), np_logsoftmax(TCH)
   rev, m = losses.reverse_kl_full(S, TCH, MASK)

@@ -93,12 +93,19 @@ def _engine_params(params, cfg: engine.EngineConfig, rng):
 
 
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
-  """Lays the rollout out for the train step: batch over (data, fsdp), scalars replicated."""
+  """Lays the rollout out for the train step: batch over (data, fsdp), scalars replicated.
+
+  On the trainer's own devices this is a jitted reshard; from an engine on other
+  devices it is a transfer (`device_put`).
+  """
   shardings = jax.tree.map(
     lambda x: sharding.batch_sharding(mesh, x.ndim) if x.ndim else sharding.replicated(mesh),
     rollout,
   )
-  return jax.jit(lambda r: r, out_shardings=shardings)(rollout)
+  mesh_devices = set(mesh.devices.flat)
+  if all(x.sharding.device_set <= mesh_devices for x in jax.tree.leaves(rollout)):
+    return jax.jit(lambda r: r, out_shardings=shardings)(rollout)
+  return jax.device_put(rollout, shardings)
 
 
 class RolloutEngine:

@@ -5,8 +5,13 @@ The "trainer" in these tests is a jitted update that donates its params, like th
 real train step, so a source that aliased the trainer's buffers would fail here.
 """
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -280,3 +285,19 @@ def test_bad_async_settings_are_refused(mesh):
   source = AsyncRollouts(_engine(mesh), max_lag=1)
   with pytest.raises(RuntimeError, match="publish"):
     next(source)
+
+
+def test_engine_on_separate_devices_gives_the_same_rollouts():
+  """Trainer on device 0, producer and sampler on device 1 (2 forced CPU devices)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  script = Path(__file__).with_name("_separate_devices_check.py")
+  proc = subprocess.run(
+    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 2
+  assert result["same"], result
+  assert result["rollout_devices"] == [0]  # handed to the trainer's devices
+  assert result["versions"] == [0, 0, 1, 2]

@@ -287,6 +287,7 @@ def test_bad_async_settings_are_refused(mesh):
     next(source)
 
 
+@pytest.mark.slow
 def test_engine_on_separate_devices_gives_the_same_rollouts():
   """Trainer on device 0, producer and sampler on device 1 (2 forced CPU devices)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")

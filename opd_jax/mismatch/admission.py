@@ -428,6 +428,12 @@ def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str |
   return None
 
 
+def _refuse_unmeasurable(candidates: Sequence[Candidate], history: RunHistory | None) -> None:
+  problems = [p for p in (stale_lag_problem(c, history) for c in candidates) if p]
+  if problems:
+    raise ValueError("\n".join(problems))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows, table, log
 
@@ -565,6 +571,8 @@ def run_admission(
   config_check.validate(config)
   budget, saved_fp = budget_file.load_budget(budget_path)
   candidates = [parse_candidate(spec, config) for spec in specs]
+  if params_from is None:  # refuse stale candidates before building anything
+    _refuse_unmeasurable(candidates, None)
 
   config = ml_collections.ConfigDict(config.to_dict())
   if not config.teacher.cache_dir and params_from:
@@ -573,9 +581,7 @@ def run_admission(
       config.teacher.cache_dir = run_cache
   setup = trainer.prepare_models(config, workdir, log)
   history = RunHistory(config, setup, params_from) if params_from else None
-  problems = [p for p in (stale_lag_problem(c, history) for c in candidates) if p]
-  if problems:
-    raise ValueError("\n".join(problems))
+  _refuse_unmeasurable(candidates, history)
   if history is not None:
     student_params, student_step = history.params(history.latest), history.latest
     student = {"source": f"{params_from} checkpoint {student_step}", "step": student_step}

@@ -1,0 +1,266 @@
+"""The admission check on the tiny config: candidate specs, verdicts, the stale budget, the log.
+
+No calibrated budget exists yet, so the budget here is fitted with `fit_budget` on hand-made
+records and saved with the fingerprint of the tiny setup. The records put max_kl at
+1e-3 + (0.1 − 0.04)/(0.2 − 0.04)·1e-3 = 1.375e-3 nats/token: well above what an exact engine
+reads (f32 rounding, < 1e-6) and far below what weight noise σ = 1 reads on the tiny student
+(about 1.6e-2).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opd_jax import trainer
+from opd_jax.budget import fit_budget, save_budget
+from opd_jax.mismatch import admission
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "configs"))
+
+import bf16_sync  # noqa: E402
+
+RECORDS = [
+  {"source": "noise", "mismatch/kl": x, "quality_drop": y}
+  for x, y in [(0.0, 0.0), (5e-4, 0.0), (1e-3, 0.04), (2e-3, 0.2)]
+]
+MAX_KL = 1e-3 + (0.1 - 0.04) / (0.2 - 0.04) * 1e-3
+EXACT = "rollout.weights=trainer"
+NOISE = "rollout.noise_sigma=1.0"
+PROMPTS = 8
+
+
+def quiet(*args, **kwargs):
+  pass
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+  c = bf16_sync.get_config("tiny")
+  c.teacher.cache_dir = str(tmp_path_factory.mktemp("teacher_cache"))
+  return c
+
+
+@pytest.fixture(scope="module")
+def fingerprint(config, tmp_path_factory):
+  """The fingerprint of the tiny setup, built the way the check builds it."""
+  setup = trainer.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
+  return admission.current_fingerprint(setup, admission.initial_student(config, setup, quiet))
+
+
+@pytest.fixture(scope="module")
+def budget_path(fingerprint, tmp_path_factory):
+  path = tmp_path_factory.mktemp("budget") / "budget.json"
+  save_budget(path, fit_budget(RECORDS, 0.1, num_bootstrap=20), fingerprint)
+  return path
+
+
+@pytest.fixture(scope="module")
+def checked(config, budget_path, tmp_path_factory):
+  """One check of the exact and the destructive candidate: (result, printed lines, workdir)."""
+  workdir = tmp_path_factory.mktemp("admit")
+  lines = []
+  result = admission.run_admission(
+    config,
+    str(budget_path),
+    [EXACT, NOISE],
+    num_prompts=PROMPTS,
+    workdir=str(workdir),
+    json_path=str(workdir / "out.json"),
+    log=lambda *a: lines.append(" ".join(str(x) for x in a)),
+  )
+  return result, lines, workdir
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+def test_spec_parses_values_as_ml_collections_does(config):
+  c = admission.parse_candidate(
+    "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor", config
+  )
+  assert c.overrides == {
+    "rollout.weights": "fp8",
+    "rollout.kv_cache": "fp8",
+    "rollout.kv_granularity": "tensor",
+  }
+  assert c.engine_id == "w=fp8/ch,kv=fp8/tensor,noise=0"
+  assert c.lag == 0
+  # A tuple with its commas inside the brackets, an int given to a float field.
+  c = admission.parse_candidate("rollout.bf16_layers=(0,),rollout.noise_sigma=1", config)
+  assert c.overrides == {"rollout.bf16_layers": (0,), "rollout.noise_sigma": 1.0}
+  assert isinstance(c.overrides["rollout.noise_sigma"], float)
+  assert c.engine_cfg.bf16_layers == (0,) and c.engine_cfg.noise_sigma == 1.0
+  assert admission.parse_candidate("rollout.kv_bf16_layers=(0, 1)", config).engine_cfg.kv == (
+    admission.parse_candidate("rollout.kv_bf16_layers=(0,1)", config).engine_cfg.kv
+  )
+  assert admission.parse_candidate("rollout.stale_k=2", config).lag == 2
+  assert admission.parse_candidate("rollout.mode=async,rollout.max_lag=3", config).lag == 3
+  # The run config itself is untouched.
+  assert config.rollout.weights == "trainer" and config.rollout.noise_sigma == 0.0
+
+
+def test_misspelt_key_gets_the_nearest_valid_key(config):
+  with pytest.raises(ValueError, match=r"unknown config key 'rollout\.weigts'.*'rollout\.weights'"):
+    admission.parse_candidate("rollout.weigts=fp8", config)
+  with pytest.raises(ValueError, match=r"did you mean 'rollout\.kv_cache'"):
+    admission.parse_candidate("rollout.weights=fp8,rolout.kv_cache=fp8", config)
+
+
+def test_bad_values_are_refused_naming_what_is_allowed(config):
+  with pytest.raises(ValueError, match=r"rollout\.weights must be one of trainer, bf16, fp8"):
+    admission.parse_candidate("rollout.weights=fp9", config)
+  with pytest.raises(ValueError, match=r"rollout\.noise_sigma"):
+    admission.parse_candidate("rollout.noise_sigma=loud", config)
+  with pytest.raises(ValueError, match="set twice"):
+    admission.parse_candidate("rollout.weights=fp8,rollout.weights=bf16", config)
+  with pytest.raises(ValueError, match="not <key>=<value>"):
+    admission.parse_candidate("rollout.weights", config)
+
+
+def test_a_non_rollout_key_is_refused(config):
+  with pytest.raises(ValueError, match=r"'train\.lr' is not a rollout setting"):
+    admission.parse_candidate("rollout.weights=fp8,train.lr=0.1", config)
+  with pytest.raises(ValueError, match=r"'student\.dtype' is not a rollout setting"):
+    admission.parse_candidate("student.dtype=bfloat16", config)
+
+
+def test_a_stale_candidate_without_a_run_history_is_refused_before_building(config, budget_path):
+  with pytest.raises(ValueError, match=r"2 version\(s\) old.*--params-from"):
+    admission.run_admission(
+      config, str(budget_path), ["rollout.stale_k=2"], workdir="/nonexistent", log=quiet
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts, table, JSON, log
+
+
+def test_exact_candidate_is_admitted_with_margin_max_kl(checked):
+  exact = checked[0]["rows"][0]
+  assert exact["candidate"] == EXACT
+  assert abs(exact["mismatch/kl"]) < 1e-6
+  assert exact["max_kl"] == pytest.approx(MAX_KL, abs=1e-15)
+  assert exact["margin"] == pytest.approx(MAX_KL, abs=1e-6)
+  assert exact["admitted"] and exact["verdict"] == "admitted" and exact["reasons"] == []
+
+
+def test_destructive_candidate_is_rejected_with_a_reason(checked):
+  noise = checked[0]["rows"][1]
+  assert noise["engine_id"] == "w=trainer,kv=float32,noise=1"
+  assert noise["mismatch/kl"] > 5 * MAX_KL
+  assert noise["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
+  assert not noise["admitted"] and noise["verdict"] == "rejected"
+  assert len(noise["reasons"]) == 1
+  assert re.match(r"mismatch/kl \S+ > max_kl 0\.001375 ", noise["reasons"][0])
+
+
+def test_json_output_matches_the_table(checked):
+  result, lines, workdir = checked
+  written = json.loads((workdir / "out.json").read_text())
+  assert written["rows"] == result["rows"]
+  assert written["num_prompts"] == PROMPTS and len(written["prompts"]) == PROMPTS
+  table = lines[-1].splitlines()
+  assert re.split(r"\s{2,}", table[0]) == [h for h, _, _ in admission._COLUMNS]
+  body = [line for line in table[2:] if not line.startswith("    reason: ")]
+  reasons = [line.removeprefix("    reason: ") for line in table[2:] if line not in body]
+  assert len(body) == len(written["rows"])
+  for line, row in zip(body, written["rows"], strict=True):
+    cells = re.split(r"\s{2,}", line)
+    assert cells == [admission.format_cell(row[key], fmt) for _, key, fmt in admission._COLUMNS]
+    assert float(cells[2]) == pytest.approx(row["mismatch/kl"], rel=1e-3, abs=1e-12)
+  assert reasons == [r for row in written["rows"] for r in row["reasons"]]
+
+
+def test_log_gets_one_line_per_candidate(checked, fingerprint):
+  result, _, workdir = checked
+  entries = [json.loads(line) for line in (workdir / admission.LOG_FILE).read_text().splitlines()]
+  assert len(entries) == 2
+  for entry, row in zip(entries, result["rows"], strict=True):
+    assert entry["config"]["candidate"] == row["candidate"]
+    assert entry["config"]["overrides"] == row["overrides"]
+    assert entry["engine_id"] == row["engine_id"]
+    assert entry["fingerprint"] == fingerprint
+    assert entry["measurement"]["mismatch/kl"] == row["mismatch/kl"]
+    assert entry["verdict"]["admitted"] == row["admitted"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["time"])
+  # A second check appends.
+  admission.append_log(str(workdir), [{"time": "t"}])
+  assert len((workdir / admission.LOG_FILE).read_text().splitlines()) == 3
+
+
+def test_stale_budget_is_refused_naming_what_changed_and_accepted_with_force(
+  config, fingerprint, tmp_path
+):
+  saved = copy.deepcopy(fingerprint)
+  saved["jax_version"] = "0.0.1"
+  saved["teacher"]["weights_sha256"] = "0" * 64
+  path = tmp_path / "stale.json"
+  save_budget(path, fit_budget(RECORDS, 0.1, num_bootstrap=20), saved)
+  kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), log=quiet)
+  with pytest.raises(ValueError, match="the budget is stale") as e:
+    admission.run_admission(config, str(path), [EXACT], **kwargs)
+  assert f"jax version 0.0.1 -> {fingerprint['jax_version']}" in str(e.value)
+  assert "teacher weights hash changed: 000000000000…" in str(e.value)
+  assert "--force" in str(e.value)
+  assert not (tmp_path / "w" / admission.LOG_FILE).exists()
+
+  result = admission.run_admission(config, str(path), [EXACT], force=True, **kwargs)
+  assert result["forced"]
+  assert any(r.startswith("jax version 0.0.1") for r in result["stale_budget_reasons"])
+  assert result["rows"][0]["admitted"]
+  (entry,) = [json.loads(x) for x in (tmp_path / "w" / admission.LOG_FILE).read_text().splitlines()]
+  assert entry["stale_budget_reasons"] == result["stale_budget_reasons"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Staleness from a run's checkpoints
+
+
+@pytest.mark.slow
+def test_stale_candidates_are_measured_from_a_runs_checkpoints(config, budget_path, tmp_path):
+  run = tmp_path / "run"
+  trainer.run(config, str(run), log=quiet)  # tiny: 6 steps, checkpoints at 3 and 6
+  assert admission.checkpoint_steps(str(run)) == [3, 6]
+  kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), params_from=str(run), log=quiet)
+  # The budget was fitted on the warm-started student: stale for the run's trained student.
+  with pytest.raises(ValueError, match="student weights hash changed(.|\n)*--params-from"):
+    admission.run_admission(config, str(budget_path), [EXACT], **kwargs)
+  with pytest.raises(ValueError, match=r"holds steps \[3, 6\] \(lags available from step 6: "):
+    admission.run_admission(config, str(budget_path), ["rollout.stale_k=2"], force=True, **kwargs)
+  specs = [EXACT, "rollout.stale_k=3", "rollout.mode=async,rollout.max_lag=3"]
+  rows = admission.run_admission(config, str(budget_path), specs, force=True, **kwargs)["rows"]
+  exact, stale, async_ = rows
+  assert abs(exact["mismatch/kl"]) < 1e-6
+  assert (stale["behaviour_step"], stale["trainer_step"]) == (3, 6)
+  assert stale["mismatch/kl"] > 1e-5
+  # Same engine, same lag, same key: async at max_lag=3 reads what sync stale_k=3 reads.
+  assert async_["mismatch/kl"] == stale["mismatch/kl"]
+
+
+def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path):
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "opd_jax.admit",
+      "--config=configs/bf16_sync.py:tiny",
+      f"--budget={budget_path}",
+      "--candidate=rollout.wieghts=fp8",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 1
+  assert "error: candidate 'rollout.wieghts=fp8'" in proc.stderr
+  assert "did you mean 'rollout.weights'?" in proc.stderr

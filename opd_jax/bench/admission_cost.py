@@ -1,0 +1,187 @@
+"""Cost of the admission check as a fraction of one training run of the same config.
+
+Command (CPU; about a minute with a finished run to read, plus 3 minutes with --measure-run):
+
+    python -m opd_jax.bench.admission_cost --run=/tmp/runs/bf16_sync \\
+        --teacher-cache=/tmp/tcache                         # readable
+    python -m opd_jax.bench.admission_cost ... --json      # the JSON result only
+
+The check. `python -m opd_jax.admit` is run as a separate process (a user pays its imports
+and compilations too) for one candidate (`--candidate`, default the fp8_async recipe's FP8
+weights and tensor-scaled FP8 KV) on N calibration prompts (`--prompts`, default the check's
+64), `--repeats` times; its cost is the median wall time of the whole process. The check's own
+JSON splits it into setup (imports excluded: models, cached teacher, the student) and the
+measurement. The student is `--student`: "run" restores the run's latest checkpoint
+(`--params-from`), "initial" warm-starts the built-in student as a run does (250 supervised
+steps on the default config). The budget is a placeholder fitted on hand-made records with an
+empty fingerprint and checked with `--force`: the verdict does not change the cost.
+
+The training run. `--run=DIR` reads a finished run's `metrics.jsonl`: its `perf/wall_seconds`
+(the whole `run`: model build, the teacher bootstrap if that run made one, the warm start,
+the OPD loop, evaluations and checkpoints) and `perf/train_wall_seconds` when the run logged it
+(the loop without evaluations and checkpoints). A run that bootstrapped its teacher counts that
+time: pass `--measure-run` to time a fresh run of the same config with the cached teacher
+instead (a subprocess `python -m opd_jax.main`, about 3 minutes on 2 cores). The result names
+which it used ("read" or "measured"). The fraction is check / run wall time; the target is
+at most 2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from opd_jax import metrics_writer
+from opd_jax.budget import fit_budget, save_budget
+
+DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
+TARGET = 0.02
+# Placeholder records: the budget's value does not change what the check costs.
+_RECORDS = [
+  {"source": "placeholder", "mismatch/kl": x, "quality_drop": y}
+  for x, y in [(0.0, 0.0), (0.01, 0.0), (0.1, 1.0)]
+]
+
+
+def run_wall_seconds(run_dir: str) -> dict:
+  """The run's last `perf/wall_seconds` and `perf/train_wall_seconds` (None when not logged)."""
+  rows = metrics_writer.read_jsonl(run_dir)
+
+  def last(name):
+    values = [r[name] for _, r in sorted(rows.items()) if name in r]
+    return values[-1] if values else None
+
+  wall = last("perf/wall_seconds")
+  if wall is None:
+    raise SystemExit(f"{run_dir}/metrics.jsonl has no perf/wall_seconds: is the run finished?")
+  return {"wall_seconds": wall, "train_wall_seconds": last("perf/train_wall_seconds")}
+
+
+def _config_args(args) -> list[str]:
+  out = [f"--config={args.config}"]
+  if args.teacher_cache:
+    out.append(f"--config.teacher.cache_dir={args.teacher_cache}")
+  return out
+
+
+def measure_run(args, root: str) -> dict:
+  workdir = os.path.join(root, "train_run")
+  cmd = [sys.executable, "-m", "opd_jax.main", *_config_args(args), f"--workdir={workdir}"]
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  if done.returncode:
+    raise SystemExit(f"the training run failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+  return run_wall_seconds(workdir)
+
+
+def time_check(args, root: str, budget_path: str, repeat: int) -> dict:
+  """One `python -m opd_jax.admit` process: its wall time and the check's own breakdown."""
+  out = os.path.join(root, f"check_{repeat}.json")
+  cmd = [
+    sys.executable,
+    "-m",
+    "opd_jax.admit",
+    *_config_args(args),
+    f"--budget={budget_path}",
+    f"--candidate={args.candidate}",
+    f"--prompts={args.prompts}",
+    f"--json={out}",
+    f"--workdir={os.path.join(root, 'admit')}",
+    "--force",
+  ]
+  if args.student == "run":
+    cmd.append(f"--params-from={args.run}")
+  start = time.perf_counter()
+  done = subprocess.run(cmd, capture_output=True, text=True)
+  wall = time.perf_counter() - start
+  if done.returncode:
+    raise SystemExit(f"the check failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+  with open(out, encoding="utf-8") as f:
+    result = json.load(f)
+  return {
+    "wall_seconds": wall,
+    "setup_seconds": result["seconds"]["setup"],
+    "measure_seconds": result["seconds"]["measure"][0],
+    "check_seconds": result["seconds"]["total"],
+    "mismatch/kl": result["rows"][0]["mismatch/kl"],
+    "tokens": result["rows"][0]["measure/tokens"],
+    "command": " ".join(cmd[1:]),
+  }
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.admission_cost")
+  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  parser.add_argument("--config", default="configs/bf16_sync.py", help="the run's config file")
+  parser.add_argument("--teacher-cache", default="", help="the cached teacher's directory")
+  parser.add_argument("--run", default="", help="a finished run of the config (its workdir)")
+  parser.add_argument("--measure-run", action="store_true", help="time a fresh training run")
+  parser.add_argument("--candidate", default=DEFAULT_CANDIDATE, help="one candidate spec")
+  parser.add_argument("--prompts", type=int, default=64, help="calibration prompts")
+  parser.add_argument("--repeats", type=int, default=3, help="check processes timed (median)")
+  parser.add_argument(
+    "--student", choices=("run", "initial"), default="run", help="--params-from=RUN or warm start"
+  )
+  parser.add_argument("--workdir", default="", help="scratch directory (default: a temp dir)")
+  args = parser.parse_args(argv)
+  if not args.run and not args.measure_run:
+    raise SystemExit("give --run=DIR (a finished run to read) or --measure-run")
+  if args.student == "run" and not args.run:
+    raise SystemExit("--student=run needs --run=DIR (its checkpoints); or use --student=initial")
+  if args.repeats < 1:
+    raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+  log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+  root = args.workdir or tempfile.mkdtemp(prefix="opd_admission_cost_")
+  os.makedirs(root, exist_ok=True)
+  budget_path = os.path.join(root, "placeholder_budget.json")
+  save_budget(budget_path, fit_budget(_RECORDS, 0.5, num_bootstrap=10), {})
+
+  checks = []
+  for repeat in range(args.repeats):
+    checks.append(time_check(args, root, budget_path, repeat))
+    log(f"check {repeat + 1}/{args.repeats}: {checks[-1]['wall_seconds']:.1f} s")
+  if args.measure_run:
+    log("timing a training run of the same config (cached teacher) ...")
+    run, source = measure_run(args, root), "measured"
+  else:
+    run, source = run_wall_seconds(args.run), "read"
+  median = {k: statistics.median(c[k] for c in checks) for k in checks[0] if k != "command"}
+  result = {
+    "candidate": args.candidate,
+    "prompts": args.prompts,
+    "student": args.student,
+    "check": {**median, "repeats": [c["wall_seconds"] for c in checks]},
+    "check_command": checks[0]["command"],
+    "run": {"dir": args.run if source == "read" else os.path.join(root, "train_run"), **run},
+    "run_source": source,
+    "fraction_of_run": median["wall_seconds"] / run["wall_seconds"],
+    "fraction_of_run_measure_only": median["measure_seconds"] / run["wall_seconds"],
+    "target": TARGET,
+  }
+  if run["train_wall_seconds"]:
+    result["fraction_of_train_loop"] = median["wall_seconds"] / run["train_wall_seconds"]
+  result["within_target"] = result["fraction_of_run"] <= TARGET
+  if args.json:
+    print(json.dumps(result))
+    return 0
+  c = result["check"]
+  print(f"check: {args.candidate} on {args.prompts} prompts, student={args.student}")
+  print(
+    f"  wall {c['wall_seconds']:.1f} s (median of {args.repeats}; setup {c['setup_seconds']:.1f} "
+    f"s, measurement {c['measure_seconds']:.1f} s)"
+  )
+  print(f"run ({source}): {result['run']['dir']}: wall {run['wall_seconds']:.1f} s")
+  print(
+    f"fraction of the run: {result['fraction_of_run']:.2%} (target <= {TARGET:.0%}: "
+    f"{'met' if result['within_target'] else 'NOT met'})"
+  )
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -8,6 +8,7 @@ budget, the admission check and the study that calibrates them. Today it holds:
   student π_θ on the rollout's prefixes (per-token KL with mean, p95 and max; k1,
   k3; |Δ log p|), and `default_return_topk(vocab_size)`, the behaviour
   distribution the sampler must return for them.
+- `admission`: the admission check behind `python -m opd_jax.admit` (`run_admission`).
 """
 
 from opd_jax.mismatch.metrics import (

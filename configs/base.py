@@ -78,6 +78,9 @@ def get_config(arg=None):
   c.rollout.kv_granularity = "token_head"  # fp8 KV scales: token_head | tensor
   c.rollout.kv_bf16_layers = ()  # layers whose KV cache stays BF16
   c.rollout.noise_sigma = 0.0  # weight noise: W + sigma * rms(W) * eps
+  c.rollout.noise_layers = ()  # noise only these decoder layers; () = all
+  c.rollout.noise_modules = ()  # noise only these module types/groups (engine.py); () = all
+  c.rollout.kernel = "reference"  # reference | bf16_attention | bf16_matmul (numerical path)
   c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
   c.rollout.top_k = 0  # 0 = off
   c.rollout.top_p = 1.0  # nucleus mass in (0, 1]

@@ -49,6 +49,22 @@ class Choice:
 
 
 @dataclasses.dataclass(frozen=True)
+class Choices:
+  """A tuple (or list) of strings, each one of `options`."""
+
+  options: tuple[str, ...]
+
+  def check(self, value) -> str | None:
+    items = list(value) if isinstance(value, (tuple, list)) else None
+    if items is None or not all(isinstance(i, str) for i in items):
+      return f"must be a tuple of strings, got {value!r}"
+    bad = [i for i in items if i not in self.options]
+    if bad:
+      return f"has unknown {', '.join(map(repr, bad))}; allowed: {', '.join(self.options)}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class Kind:
   """A value of a plain type: str, bool, or a tuple of non-negative ints."""
 
@@ -112,6 +128,11 @@ RULES: dict[str, Any] = {
   "rollout.kv_granularity": Choice(("token_head", "tensor")),
   "rollout.kv_bf16_layers": Kind(tuple),
   "rollout.noise_sigma": Num(True, 0),
+  "rollout.noise_layers": Kind(tuple),
+  "rollout.noise_modules": Choices(
+    ("q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head", "attention", "mlp", "embeddings")
+  ),
+  "rollout.kernel": Choice(("reference", "bf16_attention", "bf16_matmul")),
   "rollout.temperature": Num(True, 0),
   "rollout.top_k": NON_NEGATIVE,
   "rollout.top_p": Num(True, 0, 1, lo_open=True),

@@ -19,6 +19,22 @@ own precision (FP8 with BF16 exceptions) and its own KV-cache dtype.
 
 Activations run in the embedding's dtype; norms, softmax and logits in f32. Every
 weight matmul goes through `linear`, the one place that knows about weight precision.
+
+Kernel variants. A rollout engine may run the same weights through a different
+numerical path (`KERNELS`); the choice travels with the engine's weights as
+`params["kernel"] = Kernel(name)`, a pytree node with no leaves whose name is static
+(like `QArray.native_fp8`), so `forward`, `forward_with_cache` and the jitted sampler
+key their compilation on it without another argument. Absent means "reference", the
+path described above. The variants change one numerical step each, in one helper:
+
+  bf16_attention  `attend` as eager bf16 attention runs it: QKᵀ emitted in bf16 (the
+                  scores rounded to bf16 before the f32 softmax) and the probabilities
+                  rounded to bf16 for P·V, with f32 accumulation; the reference keeps
+                  the scores in f32.
+  bf16_matmul     every weight matmul (`linear`, the LM head) with both operands
+                  rounded to bf16 and f32 accumulation: one bf16 pass, what XLA's
+                  default precision does for f32 matmuls on TPU. With bf16 activations
+                  and weights it equals the reference up to the rounding of the output.
 """
 
 from __future__ import annotations
@@ -30,6 +46,34 @@ import numpy as np
 from opd_jax import kvcache, quant
 from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray, as_dense
+
+KERNELS = ("reference", "bf16_attention", "bf16_matmul")
+KERNEL_KEY = "kernel"  # params[KERNEL_KEY]: the engine's kernel variant, when not the reference
+
+
+@jax.tree_util.register_static
+class Kernel:
+  """A kernel variant marker for a params pytree: static (no leaves), hashable."""
+
+  def __init__(self, name: str):
+    if name not in KERNELS:
+      raise ValueError(f"unknown kernel {name!r}; allowed: {', '.join(KERNELS)}")
+    self.name = name
+
+  def __eq__(self, other):
+    return isinstance(other, Kernel) and other.name == self.name
+
+  def __hash__(self):
+    return hash(("Kernel", self.name))
+
+  def __repr__(self):
+    return f"Kernel({self.name!r})"
+
+
+def kernel_of(params) -> str:
+  """The kernel variant `params` run with: "reference" unless marked (module docstring)."""
+  marker = params.get(KERNEL_KEY)
+  return "reference" if marker is None else marker.name
 
 
 def rms_norm(x, weight_d, eps: float):
@@ -49,35 +93,51 @@ def apply_rope(x_btnh, positions_bt, inv_freq_h2):
   return x_btnh * cos + rotated * sin
 
 
-def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, cfg: ModelConfig):
+def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, cfg: ModelConfig, kernel="reference"):
   """softmax(q·kᵀ/√H + mask)·v with grouped KV heads; key s is visible iff k_pos ≤ q_pos.
 
-  Returns [B, T, N, H] in q's dtype; scores and softmax are f32.
+  Returns [B, T, N, H] in q's dtype; scores and softmax are f32 (with
+  kernel="bf16_attention": scores rounded to bf16, probabilities to bf16, P·V
+  accumulated in f32).
   """
   b, t, n, h = q_btnh.shape
   k, g = cfg.num_kv_heads, cfg.num_groups
   q_btkgh = q_btnh.reshape(b, t, k, g, h)
+  low = kernel == "bf16_attention"
+  if low:
+    q_btkgh, k_bskh = q_btkgh.astype(jnp.bfloat16), k_bskh.astype(jnp.bfloat16)
   scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-  scores = scores * (h**-0.5)
+  if low:  # accumulated in f32, emitted and scaled in bf16 (a bf16 GEMM's output)
+    scores = (scores.astype(jnp.bfloat16) * jnp.bfloat16(h**-0.5)).astype(jnp.float32)
+  else:
+    scores = scores * (h**-0.5)
   visible_bts = k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]
   scores = jnp.where(visible_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+  probs = jax.nn.softmax(scores, axis=-1)
+  if low:
+    v16 = v_bskh.astype(jnp.bfloat16)
+    out = jnp.einsum(
+      "bkgts,bskh->btkgh", probs.astype(jnp.bfloat16), v16, preferred_element_type=jnp.float32
+    )
+    return out.astype(q_btnh.dtype).reshape(b, t, n, h)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v_bskh.dtype), v_bskh)
   return out.reshape(b, t, n, h)
 
 
-def linear(x, w, num_in_axes: int = 1):
+def linear(x, w, num_in_axes: int = 1, kernel: str = "reference"):
   """y = x · W in x's dtype, contracting x's last `num_in_axes` axes with W's first ones.
 
   A plain W is cast to x's dtype. A `quant.QArray` is dequantized to x's dtype
   (W8A16, `quant.as_dense`), or, when marked `native_fp8` by
   `quant.prepare_for_compute`, multiplied in fp8 with per-token activation scales
-  (W8A8, `quant.fp8_matmul`).
+  (W8A8, `quant.fp8_matmul`). With kernel="bf16_matmul" a dense product rounds both
+  operands to bf16 and accumulates in f32 (one bf16 pass).
 
   Args:
     x: activations [..., *in], in the compute dtype.
     w: weight [*in, *out] (plain array or QArray), len(in) = num_in_axes.
     num_in_axes: how many axes are contracted.
+    kernel: one of KERNELS (static).
 
   Returns:
     y [..., *out] in x's dtype.
@@ -91,14 +151,18 @@ def linear(x, w, num_in_axes: int = 1):
   x_axes = tuple(range(x.ndim - 1, x.ndim - 1 - num_in_axes, -1))
   w_axes = tuple(range(num_in_axes - 1, -1, -1))
   dims = ((x_axes, w_axes), ((), ()))
+  if kernel == "bf16_matmul":
+    x16, w16 = x.astype(jnp.bfloat16), as_dense(w, jnp.bfloat16)
+    y = jax.lax.dot_general(x16, w16, dims, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
   return jax.lax.dot_general(x, as_dense(w, x.dtype), dims, preferred_element_type=x.dtype)
 
 
-def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig):
+def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig, kernel: str):
   dt = x_btd.dtype
-  q = linear(x_btd, layer["q_dnh"])
-  k = linear(x_btd, layer["k_dkh"])
-  v = linear(x_btd, layer["v_dkh"])
+  q = linear(x_btd, layer["q_dnh"], kernel=kernel)
+  k = linear(x_btd, layer["k_dkh"], kernel=kernel)
+  v = linear(x_btd, layer["v_dkh"], kernel=kernel)
   if cfg.qkv_bias:
     q = q + layer["q_bias_nh"].astype(dt)
     k = k + layer["k_bias_kh"].astype(dt)
@@ -110,24 +174,25 @@ def _qkv(layer, x_btd, positions_bt, cfg: ModelConfig):
   return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
 
 
-def _mlp(layer, x_btd):
+def _mlp(layer, x_btd, kernel: str):
   """SwiGLU: down(silu(x·gate) ⊙ (x·up))."""
-  gate = linear(x_btd, layer["gate_df"])
-  up = linear(x_btd, layer["up_df"])
-  return linear(jax.nn.silu(gate) * up, layer["down_fd"])
+  gate = linear(x_btd, layer["gate_df"], kernel=kernel)
+  up = linear(x_btd, layer["up_df"], kernel=kernel)
+  return linear(jax.nn.silu(gate) * up, layer["down_fd"], kernel=kernel)
 
 
-def _block(layer, x_btd, positions_bt, cfg, kv_fn):
+def _block(layer, x_btd, positions_bt, cfg, kv_fn, kernel: str):
   """One pre-norm decoder block; `kv_fn(k, v) -> (keys, values, key_positions)`."""
   h = rms_norm(x_btd, layer["attn_norm_d"], cfg.rms_norm_eps)
-  q, k, v = _qkv(layer, h, positions_bt, cfg)
+  q, k, v = _qkv(layer, h, positions_bt, cfg, kernel)
   keys, values, k_pos = kv_fn(k, v)
-  attn = attend(q, keys, values, positions_bt, k_pos, cfg)
-  out = linear(attn, layer["o_nhd"], num_in_axes=2)
+  attn = attend(q, keys, values, positions_bt, k_pos, cfg, kernel)
+  out = linear(attn, layer["o_nhd"], num_in_axes=2, kernel=kernel)
   if cfg.o_bias:
     out = out + layer["o_bias_d"].astype(x_btd.dtype)
   x_btd = x_btd + out
-  return x_btd + _mlp(layer, rms_norm(x_btd, layer["mlp_norm_d"], cfg.rms_norm_eps))
+  mlp_in = rms_norm(x_btd, layer["mlp_norm_d"], cfg.rms_norm_eps)
+  return x_btd + _mlp(layer, mlp_in, kernel)
 
 
 def _embed(params, tokens_bt):
@@ -141,8 +206,10 @@ def compute_dtype(params):
 
 
 def unembed(params, x_btd, cfg: ModelConfig):
-  """Final norm and LM head; logits [B, T, V] in f32."""
+  """Final norm and LM head; logits [B, T, V] in f32 (bf16 operands under bf16_matmul)."""
   x_btd = rms_norm(x_btd, params["final_norm_d"], cfg.rms_norm_eps)
+  if kernel_of(params) == "bf16_matmul":
+    x_btd = x_btd.astype(jnp.bfloat16)
   if cfg.tie_word_embeddings:
     head = as_dense(params["embed_vd"], x_btd.dtype)
     return jnp.einsum("btd,vd->btv", x_btd, head, preferred_element_type=jnp.float32)
@@ -164,9 +231,10 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
   """
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+  kernel = kernel_of(params)
   x = _embed(params, tokens_bt)
   for layer in params["layers"]:
-    x = _block(layer, x, positions_bt, cfg, lambda k, v: (k, v, positions_bt))
+    x = _block(layer, x, positions_bt, cfg, lambda k, v: (k, v, positions_bt), kernel)
   return unembed(params, x, cfg)
 
 
@@ -200,6 +268,7 @@ def forward_with_cache(
   spec = spec or kvcache.KVCacheSpec()
   t = tokens_bt.shape[1]
   positions_bt = start_b[:, None] + jnp.arange(t)[None, :]
+  kernel = kernel_of(params)
   x = _embed(params, tokens_bt)
   new_cache = []
   for layer, entry in zip(params["layers"], cache, strict=True):
@@ -211,7 +280,7 @@ def forward_with_cache(
       slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
       return keys, values, slots
 
-    x = _block(layer, x, positions_bt, cfg, kv_fn)
+    x = _block(layer, x, positions_bt, cfg, kv_fn, kernel)
   return unembed(params, x, cfg), new_cache
 
 

@@ -74,6 +74,9 @@ def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
     kv=kvcache.KVCacheSpec(
       dtype=kv_dtype, granularity=r.kv_granularity, bf16_layers=tuple(r.kv_bf16_layers)
     ),
+    noise_layers=tuple(r.noise_layers),
+    noise_modules=tuple(r.noise_modules),
+    kernel=r.kernel,
   )
 
 

@@ -108,3 +108,83 @@ def test_native_fp8_layout_samples_close_to_emulated(params):
   kl = kl_bc[same_prefix_bc.astype(bool)]
   # Same bound as test_quant.test_native_w8a8_forward_close_to_emulated (0.07 nats, mean).
   assert kl.size >= len(PROMPTS) and 1e-5 < float(np.mean(kl)) < 0.07, kl
+
+
+def _matrices(params):
+  """{path string: array} of every leaf, for comparing engines matrix by matrix."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {jax.tree_util.keystr(p): np.asarray(w) for p, w in flat}
+
+
+def test_restricted_noise_is_the_full_noise_on_the_selected_matrices(params):
+  full = _matrices(engine.add_weight_noise(params, 0.1, jax.random.key(3)))
+  base = _matrices(params)
+  cases = {
+    ((1,), ()): lambda k: "['layers'][1]" in k,
+    ((), ("attention",)): lambda k: any(f"'{m}_" in k for m in "qkvo"),
+    ((0,), ("mlp",)): lambda k: (
+      "['layers'][0]" in k and any(m in k for m in ("gate", "up", "down"))
+    ),
+    ((), ("embed", "lm_head")): lambda k: "embed_vd" in k or "lm_head_dv" in k,
+  }
+  for (layers, modules), selected in cases.items():
+    noisy = _matrices(engine.add_weight_noise(params, 0.1, jax.random.key(3), layers, modules))
+    changed = {k for k in noisy if not np.array_equal(noisy[k], base[k])}
+    assert changed == {k for k in base if selected(k) and base[k].ndim >= 2}, (layers, modules)
+    for k in changed:
+      np.testing.assert_array_equal(noisy[k], full[k])
+
+
+def test_engine_settings_are_named_and_checked():
+  cfg = engine.EngineConfig(noise_sigma=0.05, noise_layers=(0, 1), noise_modules=("attention",))
+  assert cfg.engine_id == "w=trainer,kv=bfloat16,noise=0.05@L[0, 1]@attention"
+  kernel = engine.EngineConfig(kernel="bf16_attention")
+  assert kernel.engine_id == "w=trainer,kv=bfloat16,noise=0,kernel=bf16_attention"
+  assert engine.EngineConfig().engine_id == "w=trainer,kv=bfloat16,noise=0"
+  with pytest.raises(ValueError, match="unknown module 'mlp_up'"):
+    engine.EngineConfig(noise_sigma=0.1, noise_modules=("mlp_up",))
+  with pytest.raises(ValueError, match="noise_sigma is 0"):
+    engine.EngineConfig(noise_layers=(0,))
+  with pytest.raises(ValueError, match="selects no matrix"):
+    engine.EngineConfig(noise_sigma=0.1, noise_layers=(0,), noise_modules=("embeddings",))
+  with pytest.raises(ValueError, match="unknown kernel 'flash'"):
+    engine.EngineConfig(kernel="flash")
+  with pytest.raises(ValueError, match="noise_layers must be"):
+    engine.EngineConfig(noise_sigma=0.1, noise_layers=(-1,))
+
+
+def test_noise_layer_out_of_range_is_named(params):
+  cfg = engine.EngineConfig(noise_sigma=0.1, noise_layers=(2,))
+  with pytest.raises(ValueError, match=r"noise_layers \[2\] out of range for a 2-layer model"):
+    engine.engine_params(params, cfg, jax.random.key(0))
+
+
+@pytest.mark.parametrize("kernel", ["bf16_attention", "bf16_matmul"])
+def test_kernel_variant_cached_decode_matches_its_uncached_forward(params, kernel):
+  """The variant runs through the sampler's cached decode and the teacher-forced forward
+  alike, and moves the distribution away from the reference path by bf16 rounding.
+
+  bf16 rounding is discontinuous: the cached and uncached forwards differ by f32 rounding
+  upstream of the rounded scores, which flips a few bf16 roundings, so the two agree to a
+  KL well below the variant's own, not bit for bit."""
+  cfg = engine.EngineConfig(kernel=kernel, kv=kvcache.KVCacheSpec(dtype="float32"))
+  params_r = engine.engine_params(params, cfg, jax.random.key(0))
+  assert model.kernel_of(params_r) == kernel and model.kernel_of(params) == "reference"
+  scfg = SamplerConfig(max_new_tokens=6, kv=cfg.kv, return_topk=-1)
+  out = sampler.sample(params_r, PROMPTS, jax.random.key(1), scfg, CFG, engine_id=cfg.engine_id)
+  seq = out.sequences()
+  idx_bc1 = np.asarray(seq.logit_index_bc)[..., None]
+  mask_bc = np.asarray(out.completion_mask) > 0
+
+  def logprobs(p):
+    logits_btv = np.asarray(model.forward(p, seq.tokens_bt, CFG), np.float64)
+    return np.asarray(jax.nn.log_softmax(np.take_along_axis(logits_btv, idx_bc1, 1), -1))
+
+  def mean_kl(lp_a, lp_b):
+    return float(np.sum(np.exp(lp_a) * (lp_a - lp_b), axis=-1)[mask_bc].mean())
+
+  cached = np.asarray(out.topk_logprobs, np.float64)
+  uncached, reference = logprobs(params_r), logprobs(params)
+  variant_kl = mean_kl(uncached, reference)
+  assert 1e-6 < variant_kl < 1e-2, variant_kl
+  assert mean_kl(cached, uncached) < 0.5 * variant_kl

@@ -170,7 +170,7 @@ def test_json_output_matches_the_table(checked):
   assert written["num_prompts"] == PROMPTS and len(written["prompts"]) == PROMPTS
   table = lines[-1].splitlines()
   assert re.split(r"\s{2,}", table[0]) == [h for h, _, _ in admission._COLUMNS]
-  body = [line for line in table[2:] if not line.startswith("    reason: ")]
+  body = [line for line in table[2:] if not line.startswith("    ")]
   reasons = [line.removeprefix("    reason: ") for line in table[2:] if line not in body]
   assert len(body) == len(written["rows"])
   for line, row in zip(body, written["rows"], strict=True):
@@ -240,10 +240,42 @@ def test_stale_candidates_are_measured_from_a_runs_checkpoints(config, budget_pa
   rows = admission.run_admission(config, str(budget_path), specs, force=True, **kwargs)["rows"]
   exact, stale, async_ = rows
   assert abs(exact["mismatch/kl"]) < 1e-6
+  # The run sampled with the exact engine: its training-time mismatch/kl is set beside it.
+  assert exact["train/key"] == "mismatch/kl" and exact["train/logged_steps"] == 3
+  assert abs(exact["train/mismatch_kl_last"]) < 1e-6
+  assert "train/key" not in stale and "train/key" not in async_
   assert (stale["behaviour_step"], stale["trainer_step"]) == (3, 6)
   assert stale["mismatch/kl"] > 1e-5
   # Same engine, same lag, same key: async at max_lag=3 reads what sync stale_k=3 reads.
   assert async_["mismatch/kl"] == stale["mismatch/kl"]
+
+
+def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
+  lines = [
+    {"step": 10 * i, "mismatch/kl": 0.1 * i, "mismatch/kl/lag_1": 0.2 * i} for i in range(1, 11)
+  ]
+  lines.insert(3, {"step": 35, "quality/student_accuracy": 0.5})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  # 10 logged values; the last 10% is the last one.
+  plain = admission.training_time_kl(str(tmp_path), lag=0)
+  assert plain["train/key"] == "mismatch/kl" and plain["train/logged_steps"] == 10
+  assert plain["train/mismatch_kl_mean"] == pytest.approx(0.55)
+  assert plain["train/mismatch_kl_last"] == pytest.approx(1.0)
+  lagged = admission.training_time_kl(str(tmp_path), lag=1)
+  assert lagged["train/key"] == "mismatch/kl/lag_1"
+  assert lagged["train/mismatch_kl_mean"] == pytest.approx(1.1)
+  assert admission.training_time_kl(str(tmp_path / "none"), lag=0) is None
+
+
+def test_trained_with_compares_every_rollout_key_the_run_saved(config):
+  run_config = trainer.run_fingerprint(config)
+  assert admission.trained_with(admission.parse_candidate(EXACT, config), run_config)
+  assert not admission.trained_with(admission.parse_candidate(NOISE, config), run_config)
+  fp8 = admission.parse_candidate("rollout.weights=fp8", config)
+  assert admission.trained_with(fp8, {**run_config, "rollout.weights": "'fp8'"})
+  # A key the run did not save (an older run) is not compared.
+  del run_config["rollout.top_p"]
+  assert admission.trained_with(admission.parse_candidate("rollout.top_p=0.9", config), run_config)
 
 
 def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path):

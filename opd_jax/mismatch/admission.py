@@ -44,6 +44,14 @@ mismatch of a stale engine depends on where in training it is measured (the upda
 with the learning-rate schedule and as the loss falls): a budget calibrated at one point says
 little about staleness at another.
 
+Agreement with training. With `--params-from=RUN`, a candidate whose rollout settings are the
+run's own (every rollout.* key equal) also gets the run's training-time `mismatch/kl` beside the
+check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` of async runs, else
+`mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and their
+ratio `check_over_training`. The check measures at one set of weights on N held-out prompts;
+training averages over the weights and prompts of many steps: the two agree when the mismatch
+changes little along training, which the ratio shows.
+
 Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
 (the params the check scores with), the teacher, the quantization format, the backend and the
 jax versions. A mismatch refuses the check with one line per change (`budget_file.
@@ -77,6 +85,7 @@ from opd_jax import (
   config_check,
   data,
   engine,
+  metrics_writer,
   pretrain,
   sharding,
   task,
@@ -94,6 +103,7 @@ QUANT_FORMAT = "fp8_e4m3fn"
 CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
 DEFAULT_NUM_PROMPTS = 64
 LOG_FILE = "admission_log.jsonl"
+TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
 # Run-config keys that may differ between a --params-from run and the check's config: what the
 # candidate changes, how the run trained, and where its teacher is cached.
 _RUN_KEYS_FREE = ("rollout.", "train.", "teacher.cache_dir")
@@ -353,6 +363,7 @@ class RunHistory:
     self.steps = checkpoint_steps(run_dir)
     self._config, self._setup = config, setup
     self._cache: dict[int, Any] = {}
+    self.run_config: dict[str, str] = {}  # the run's config fingerprint (repr per key)
     t, m = config.train, setup.models
     tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
     abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
@@ -375,7 +386,8 @@ class RunHistory:
         state, extra = ckpt.restore(step, self._target)
       finally:
         ckpt.close()
-      _check_run_config(extra.get("config", {}), self._config, self.run_dir)
+      self.run_config = extra.get("config", {})
+      _check_run_config(self.run_config, self._config, self.run_dir)
       self._cache[step] = state.params
     return self._cache[step]
 
@@ -425,6 +437,44 @@ def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str |
       f"needs checkpoints at the latest step t={t} and at step {t - k}, but {history.run_dir} "
       f"holds steps {history.steps} (lags available from step {t}: {lags}); use {keep}"
     )
+  return None
+
+
+def trained_with(candidate: Candidate, run_config: dict[str, str]) -> bool:
+  """Whether the run (its saved config fingerprint) sampled with exactly this candidate: every
+  rollout.* key both know holds the same value."""
+  mine = {k: repr(v) for k, v in config_check.flatten(candidate.config)}
+  keys = [k for k in run_config if k.startswith(CANDIDATE_PREFIX) and k in mine]
+  return bool(keys) and all(run_config[k] == mine[k] for k in keys)
+
+
+def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_FRACTION):
+  """The run's training-time `mismatch/kl` (item 2 of the budget issue: does the check's
+  pre-training measurement agree with what training logged for the same configuration?).
+
+  Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` when the run
+  logged one (async runs), else `mismatch/kl`. The whole-run mean mixes early steps, whose
+  updates (hence stale mismatch) are larger, with late ones; the mean over the last
+  `last_fraction` of the logged steps is the one to set beside a check at the latest checkpoint.
+
+  Returns:
+    {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps"}, or
+    None when the run logged neither key.
+  """
+  path = os.path.join(run_dir, metrics_writer.JSONL_NAME)
+  if not os.path.exists(path):
+    return None
+  rows = metrics_writer.read_jsonl(run_dir)
+  for key in (f"{budget_lib.KL_KEY}/lag_{lag}", budget_lib.KL_KEY):
+    values = [r[key] for _, r in sorted(rows.items()) if key in r]
+    if values:
+      tail = values[-max(1, math.ceil(last_fraction * len(values))) :]
+      return {
+        "train/key": key,
+        "train/mismatch_kl_mean": sum(values) / len(values),
+        "train/mismatch_kl_last": sum(tail) / len(tail),
+        "train/logged_steps": len(values),
+      }
   return None
 
 
@@ -490,6 +540,13 @@ def format_table(rows: Sequence[dict]) -> str:
   for row, values in zip(rows, cells, strict=True):
     out.append(line(values))
     out.extend(f"    reason: {reason}" for reason in row["reasons"])
+    if "train/mismatch_kl_last" in row:
+      out.append(
+        f"    training: this run sampled with this configuration; its {row['train/key']} was "
+        f"{row['train/mismatch_kl_last']:.4g} over the last {TRAIN_LAST_FRACTION:.0%} of its "
+        f"logged steps ({row['train/mismatch_kl_mean']:.4g} over all "
+        f"{row['train/logged_steps']}); check / training = {row['check_over_training']:.3g}"
+      )
   return "\n".join(out)
 
 
@@ -623,6 +680,10 @@ def run_admission(
     measure_seconds.append(time.perf_counter() - t0)
     verdict = budget_lib.admit(measurement, budget, conservative=conservative)
     row = candidate_row(c, measurement, verdict, student_step)
+    if history is not None and trained_with(c, history.run_config):
+      row.update(training_time_kl(params_from, c.lag) or {})
+      if row.get("train/mismatch_kl_last"):
+        row["check_over_training"] = row[budget_lib.KL_KEY] / row["train/mismatch_kl_last"]
     rows.append(row)
     entries.append(
       {

@@ -55,6 +55,17 @@ def fingerprint(config, tmp_path_factory):
   return admission.current_fingerprint(setup, admission.initial_student(config, setup, quiet))
 
 
+def test_the_warm_started_student_is_cached_bit_identical(config, fingerprint, tmp_path):
+  setup = trainer.prepare_models(config, str(tmp_path / "w"), quiet)
+  lines = []
+  trained = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
+  loaded = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
+  assert lines[0].startswith("warm-starting the student")
+  assert lines[-1].startswith("warm-started student loaded from cache")
+  for params in (trained, loaded):
+    assert admission.current_fingerprint(setup, params) == fingerprint
+
+
 @pytest.fixture(scope="module")
 def budget_path(fingerprint, tmp_path_factory):
   path = tmp_path_factory.mktemp("budget") / "budget.json"

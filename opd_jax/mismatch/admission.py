@@ -19,7 +19,8 @@ The student is the one the trainer trains. `--params-from=RUN` restores the stud
 latest checkpoint (`RUN/checkpoints/<step>`, the trainer's orbax layout); without it the
 student is the one a run starts from: the HF checkpoint, or for the built-in task the
 warm-started student (`config.student.warmup_steps` supervised steps, seed + 7, as
-`trainer.initial_state` does it). The teacher is built as the trainer builds it
+`trainer.initial_state` does it; cached under `<workdir>/student_cache` by the first check, so
+later checks load it instead of training). The teacher is built as the trainer builds it
 (`trainer.prepare_models`, its cache included) because the budget's fingerprint names it.
 
 Calibration prompts. The first N prompts of the built-in task's held-out split (disjoint from
@@ -81,10 +82,12 @@ from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
 from opd_jax import (
+  build,
   checkpointing,
   config_check,
   data,
   engine,
+  hf,
   metrics_writer,
   pretrain,
   sharding,
@@ -103,6 +106,7 @@ QUANT_FORMAT = "fp8_e4m3fn"
 CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
 DEFAULT_NUM_PROMPTS = 64
 LOG_FILE = "admission_log.jsonl"
+STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started student, once
 TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
 # Run-config keys that may differ between a --params-from run and the check's config: what the
 # candidate changes, how the run trained, and where its teacher is cached.
@@ -248,7 +252,10 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
-      raise ValueError(f"candidate {spec!r}: {item!r} is not <key>=<value>")
+      raise ValueError(
+        f"candidate {spec!r}: {item!r} is not <key>=<value> (a tuple value keeps its commas "
+        "inside brackets: rollout.bf16_layers=(0,1))"
+      )
     if key.startswith("config."):
       key = key[len("config.") :]
     if key in [k for k, _ in raw_items]:
@@ -392,25 +399,57 @@ class RunHistory:
     return self._cache[step]
 
 
-def initial_student(config, setup: trainer.Setup, log=print):
+def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | None = None):
   """The student a run starts from: the HF checkpoint's params, or the warm-started built-in
-  student (`trainer.initial_state` without a checkpoint to resume)."""
+  student (`trainer.initial_state` without a checkpoint to resume: `student.warmup_steps`
+  supervised steps with seed + 7).
+
+  The warm start is a pure function of its settings, so with `cache_dir` it is saved there
+  once (`student-<key>`, an HF checkpoint keyed like the teacher cache by
+  `pretrain.teacher_key` of the student's settings) and loaded by later checks: bit-identical
+  params (f32 safetensors), without the supervised steps.
+  """
   m = setup.models
-  if config.student.checkpoint or not config.student.warmup_steps:
+  s = config.student
+  if s.checkpoint or not s.warmup_steps:
     return m.student_params
-  log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
-  return pretrain.supervised_train(
+  directory = None
+  if cache_dir:
+    key = pretrain.teacher_key(
+      s.arch.to_dict(),
+      setup.task_cfg,
+      s.warmup_steps,
+      s.warmup_lr,
+      s.warmup_batch_size,
+      config.seed + 7,
+      config.tokenizer,
+      s.dtype,
+    )
+    directory = os.path.join(cache_dir, f"student-{key}")
+    if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
+      dtype = build.DTYPES[s.dtype]
+      shardings = build.param_shardings(m.student_cfg, m.mesh, dtype)
+      _, params = hf.load_checkpoint(directory, dtype, shardings=shardings)
+      log(f"warm-started student loaded from cache {directory}")
+      return params
+  log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
+  params = pretrain.supervised_train(
     m.student_params,
     m.student_cfg,
     task_cfg=setup.task_cfg,
     tokenizer=m.tokenizer,
-    steps=config.student.warmup_steps,
-    lr=config.student.warmup_lr,
-    batch_size=config.student.warmup_batch_size,
+    steps=s.warmup_steps,
+    lr=s.warmup_lr,
+    batch_size=s.warmup_batch_size,
     seed=config.seed + 7,
     mesh=m.mesh,
     log=log,
   )
+  if directory and jax.process_index() == 0:
+    tmp = directory + ".tmp"
+    hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
+    os.replace(tmp, directory)
+  return params
 
 
 def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:
@@ -604,10 +643,13 @@ def run_admission(
     budget_path: a budget file written by `budget_file.save_budget`.
     specs: candidate specs (`parse_candidate`), at least one.
     num_prompts: N calibration prompts.
-    workdir: where `admission_log.jsonl` is appended (and, when `config.teacher.cache_dir` is
-      empty and no --params-from run has one, where the teacher is cached).
+    workdir: where `admission_log.jsonl` is appended and the warm-started student cached
+      (and, when `config.teacher.cache_dir` is empty and no --params-from run has a
+      `teacher_cache`, where the teacher is cached, bootstrapped there if missing).
     params_from: a trainer workdir whose latest checkpoint's student is measured; its older
-      checkpoints serve stale candidates. Read only.
+      checkpoints serve stale candidates. Only read (its `teacher_cache` is used when
+      `config.teacher.cache_dir` is empty; a teacher missing there would be bootstrapped into
+      it, as the trainer does).
     force: check against a stale budget (its reasons are still reported).
     conservative: admit against the lower end of the budget's interval (`budget.admit`).
     json_path: also write the result as JSON there.
@@ -643,7 +685,8 @@ def run_admission(
     student_params, student_step = history.params(history.latest), history.latest
     student = {"source": f"{params_from} checkpoint {student_step}", "step": student_step}
   else:
-    student_params, student_step = initial_student(config, setup, log), 0
+    cache = os.path.join(workdir, STUDENT_CACHE)
+    student_params, student_step = initial_student(config, setup, log, cache), 0
     source = config.student.checkpoint or "warm-started built-in student"
     student = {"source": source, "step": 0}
   setup_seconds = time.perf_counter() - start

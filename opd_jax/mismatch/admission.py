@@ -10,7 +10,8 @@ parses flags and calls `run_admission`. For each candidate, with no training:
    `config_check.validate` (so a misspelt key gets the same "did you mean" as `main`);
 2. `measure.measure` samples the N calibration prompts with the candidate's engine
    T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
-   trainer's student θ (the procedure the budget's records are measured with);
+   trainer's student θ (`measure_candidate`: the procedure the budget's records must be
+   measured with, so the study calls it too);
 3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons;
 4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
    appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
@@ -90,6 +91,7 @@ from opd_jax import (
   hf,
   metrics_writer,
   pretrain,
+  sampler,
   sharding,
   task,
   train_step,
@@ -452,6 +454,39 @@ def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | No
   return params
 
 
+def candidate_sampler_config(candidate: Candidate, setup: trainer.Setup) -> sampler.SamplerConfig:
+  """The sampler settings the trainer would use with the candidate's config."""
+  m = setup.models
+  kv = candidate.engine_cfg.kv
+  return trainer.sampler_config(candidate.config, m.tokenizer.eos_id, kv, m.student_cfg.vocab_size)
+
+
+def measure_candidate(
+  candidate: Candidate, setup: trainer.Setup, prompts, student_params, behaviour_params=None
+) -> dict:
+  """The check's measurement of one candidate: what a budget record's x-axis must be.
+
+  `measure.measure` with the candidate's engine and sampling settings, the key
+  `measurement_key(config)` and π_θ = `student_params`; the engine samples with
+  T(`behaviour_params`) when given (θ_(t−k) for a stale candidate), else T(`student_params`).
+  The study calibrating a budget calls this with the same prompts (`calibration_prompts`) so
+  that its records and the check share one procedure.
+
+  Returns:
+    `measure.measure`'s dict: the mismatch/* floats, measure/* timings, engine_id.
+  """
+  m = setup.models
+  return measure_lib.measure(
+    student_params if behaviour_params is None else behaviour_params,
+    m.student_cfg,
+    candidate.engine_cfg,
+    prompts,
+    measurement_key(candidate.config),
+    candidate_sampler_config(candidate, setup),
+    trainer_params=student_params,
+  )
+
+
 def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:
   """Why `candidate`'s lag cannot be measured with this history (None when it can)."""
   k = candidate.lag
@@ -704,22 +739,11 @@ def run_admission(
 
   m = setup.models
   texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)
-  rng = measurement_key(config)
   rows, entries, measure_seconds = [], [], []
   for c in candidates:
-    ecfg = c.engine_cfg
-    scfg = trainer.sampler_config(c.config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.vocab_size)
-    behaviour = history.params(student_step - c.lag) if c.lag else student_params
+    behaviour = history.params(student_step - c.lag) if c.lag else None
     t0 = time.perf_counter()
-    measurement = measure_lib.measure(
-      behaviour,
-      m.student_cfg,
-      ecfg,
-      (tokens_bp, lens_b),
-      rng,
-      scfg,
-      trainer_params=student_params,
-    )
+    measurement = measure_candidate(c, setup, (tokens_bp, lens_b), student_params, behaviour)
     measure_seconds.append(time.perf_counter() - t0)
     verdict = budget_lib.admit(measurement, budget, conservative=conservative)
     row = candidate_row(c, measurement, verdict, student_step)
@@ -733,7 +757,7 @@ def run_admission(
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": {"candidate": c.spec, "overrides": row["overrides"], "lag": c.lag},
         "engine_id": c.engine_id,
-        "sampler": dataclasses.asdict(scfg),
+        "sampler": dataclasses.asdict(candidate_sampler_config(c, setup)),
         "measurement": {k: v for k, v in row.items() if k.startswith(("mismatch/", "measure/"))},
         "verdict": {k: row[k] for k in ("admitted", "max_kl", "margin", "reasons")},
         "num_prompts": num_prompts,

@@ -127,6 +127,7 @@ def test_bad_layer_module_or_source_is_named():
     sensitivity.suggest_recipe(None, CFG, PROMPTS, None, SCFG, {0: 1.0}, 0.0, SETTINGS)
 
 
+@pytest.mark.slow
 def test_run_sensitivity_writes_the_ranked_json(tmp_path):
   config = bf16_sync.get_config("tiny")
   settings = sensitivity.ScanSettings(modules=None, kv_granularity="tensor")

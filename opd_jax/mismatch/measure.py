@@ -177,7 +177,11 @@ def measure(
   rollout = engine_rollout(student_params, student_cfg, engine_cfg, prompts, rng, sampler_cfg)
   mask_bc = np.asarray(rollout.completion_mask)  # waits for the sampler
   sampled = time.perf_counter()
-  metrics, kl_bc = score_rollout(trainer_params, rollout, student_cfg, sampler_cfg.temperature)
+  # engine_id is a static field: scoring without it compiles once for every engine.
+  scored_rollout = rollout.replace(engine_id="")
+  metrics, kl_bc = score_rollout(
+    trainer_params, scored_rollout, student_cfg, sampler_cfg.temperature
+  )
   metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
   scored = time.perf_counter()
   result = dict(metrics)

@@ -1,6 +1,7 @@
 """Sampler throughput: opd_jax against `transformers.generate`, and FP8 against BF16.
 
-Command (CPU, one core; about 7 minutes on an idle machine, `--quick` about 5):
+Command (CPU, one core; 12 minutes measured on a busy shared 2-core machine, less
+on an idle one; `--quick` runs 2 timed calls per row instead of 3, `--kinds` a subset):
 
     python -m opd_jax.bench.sampler            # readable table
     python -m opd_jax.bench.sampler --json     # {"rows": [...]} on stdout only

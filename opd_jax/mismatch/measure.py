@@ -52,7 +52,8 @@ def engine_keys(rng) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _engine_params(params, engine_cfg: engine.EngineConfig, rng):
+def engine_params(params, engine_cfg: engine.EngineConfig, rng):
+  """`engine.engine_params` under jit (one compilation per engine configuration)."""
   return engine.engine_params(params, engine_cfg, rng)
 
 
@@ -87,7 +88,7 @@ def engine_rollout(
     The Rollout, with the behaviour distribution and `engine_id = engine_cfg.engine_id`.
   """
   sample_key, noise_key = engine_keys(rng)
-  params_r = _engine_params(student_params, engine_cfg, noise_key)
+  params_r = engine_params(student_params, engine_cfg, noise_key)
   cfg = engine_sampler_config(engine_cfg, sampler_cfg, student_cfg.vocab_size)
   return sampler.sample(
     params_r, prompts, sample_key, cfg, student_cfg, engine_id=engine_cfg.engine_id

@@ -51,6 +51,7 @@ RUNS = {
   "sync_fp8": {
     "rollout.mode": "sync",
     "rollout.weights": "fp8",
+    "rollout.bf16_layers": "(0,)",
     "rollout.kv_cache": "fp8",
     "rollout.kv_granularity": "tensor",
   },

@@ -252,7 +252,7 @@ def test_stale_candidates_are_measured_from_a_runs_checkpoints(config, budget_pa
   exact, stale, async_ = rows
   assert abs(exact["mismatch/kl"]) < 1e-6
   # The run sampled with the exact engine: its training-time mismatch/kl is set beside it.
-  assert exact["train/key"] == "mismatch/kl" and exact["train/logged_steps"] == 3
+  assert exact["train/key"] == "mismatch/kl/lag_0" and exact["train/logged_steps"] == 3
   assert abs(exact["train/mismatch_kl_last"]) < 1e-6
   assert "train/key" not in stale and "train/key" not in async_
   assert (stale["behaviour_step"], stale["trainer_step"]) == (3, 6)

@@ -48,8 +48,8 @@ little about staleness at another.
 
 Agreement with training. With `--params-from=RUN`, a candidate whose rollout settings are the
 run's own (every rollout.* key equal) also gets the run's training-time `mismatch/kl` beside the
-check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` of async runs, else
-`mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and their
+check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` at the candidate's lag k,
+else `mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and their
 ratio `check_over_training`. The check measures at one set of weights on N held-out prompts;
 training averages over the weights and prompts of many steps: the two agree when the mismatch
 changes little along training, which the ratio shows.
@@ -526,10 +526,11 @@ def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_F
   """The run's training-time `mismatch/kl` (item 2 of the budget issue: does the check's
   pre-training measurement agree with what training logged for the same configuration?).
 
-  Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` when the run
-  logged one (async runs), else `mismatch/kl`. The whole-run mean mixes early steps, whose
-  updates (hence stale mismatch) are larger, with late ones; the mean over the last
-  `last_fraction` of the logged steps is the one to set beside a check at the latest checkpoint.
+  Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` (the trainer
+  logs it for every lag its batches had in a log window), else `mismatch/kl` (older runs).
+  The whole-run mean mixes early steps, whose updates (hence stale mismatch) are larger, with
+  late ones; the mean over the last `last_fraction` of the logged steps is the one to set beside
+  a check at the latest checkpoint.
 
   Returns:
     {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps"}, or

@@ -2,7 +2,7 @@
 
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
         --budget=FILE --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=OUT]
-        [--workdir=DIR] [--params-from=RUN] [--force] [--conservative]
+        [--workdir=DIR] [--params-from=RUN] [--force] [--conservative] [--compilation-cache=DIR]
 
 A candidate is a rollout configuration in the config's own terms, e.g.
 `--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
@@ -14,6 +14,7 @@ candidate to <workdir>/admission_log.jsonl. `--config`, its overrides and `--wor
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -36,6 +37,12 @@ _PARAMS_FROM = flags.DEFINE_string(
   "stale candidates). Default: the student a run starts from.",
 )
 _FORCE = flags.DEFINE_bool("force", False, "Check against a stale budget (reasons still shown).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+  "compilation-cache",
+  None,
+  "Persistent XLA compilation cache (default <workdir>/jax_cache; empty = off): later checks "
+  "load the compiled programs instead of compiling them.",
+)
 _CONSERVATIVE = flags.DEFINE_bool(
   "conservative", False, "Admit against the lower end of the budget's interval."
 )
@@ -46,6 +53,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  cache = _COMPILATION_CACHE.value
+  if cache is None:
+    cache = os.path.join(flags.FLAGS.workdir, admission.COMPILATION_CACHE)
+  if cache:
+    admission.enable_compilation_cache(cache)
   try:
     admission.run_admission(
       flags.FLAGS.config,

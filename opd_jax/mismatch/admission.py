@@ -54,6 +54,11 @@ ratio `check_over_training`. The check measures at one set of weights on N held-
 training averages over the weights and prompts of many steps: the two agree when the mismatch
 changes little along training, which the ratio shows.
 
+Cost. A check is mostly XLA compilation; the command keeps its compiled programs in
+`<workdir>/jax_cache` (`enable_compilation_cache`), so only the first check of a config on a
+machine compiles. `python -m opd_jax.bench.admission_cost` reports both, as fractions of a
+training run of the same config.
+
 Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
 (the params the check scores with), the teacher, the quantization format, the backend and the
 jax versions. A mismatch refuses the check with one line per change (`budget_file.
@@ -108,6 +113,7 @@ QUANT_FORMAT = "fp8_e4m3fn"
 CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
 DEFAULT_NUM_PROMPTS = 64
 LOG_FILE = "admission_log.jsonl"
+COMPILATION_CACHE = "jax_cache"  # <workdir>/jax_cache: compiled programs kept between checks
 STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started student, once
 TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
 # Run-config keys that may differ between a --params-from run and the check's config: what the
@@ -645,6 +651,22 @@ def append_log(workdir: str, entries: Sequence[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The check
+
+
+def enable_compilation_cache(directory: str) -> None:
+  """Keeps every XLA program the check compiles in `directory` (jax's persistent compilation
+  cache), so a later check of the same config loads them instead of compiling.
+
+  A check is mostly compilation: the model init, the sampler for each KV format and weight
+  dtype, the engine transform for each noise σ, the scorer. On 2 busy CPU cores a check of the
+  reference config took 60 s with an empty cache and 7 s with a filled one
+  (`python -m opd_jax.bench.admission_cost` gives the cold and warm figures). Entries are keyed
+  by the program, the jax version and the backend, so a stale entry is never used.
+  """
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def check_budget_fresh(saved_fp: dict, current_fp: dict, force: bool, hint: str = "") -> list[str]:

@@ -290,8 +290,9 @@ def source_engine(spec: str, config: ml_collections.ConfigDict) -> engine.Engine
 
 def format_table(rows: Sequence[dict]) -> str:
   """One line per source: the per-token and prefix figures side by side."""
+  width = max([6, *(len(r["name"]) for r in rows)])
   cols = (
-    ("source", "name", "<16", "s"),
+    ("source", "name", f"<{width}", "s"),
     ("tf_kl", "teacher_forced/kl", ">10", ".3e"),
     ("own_kl", "own_prefix/kl", ">10", ".3e"),
     ("own/tf", "own_over_teacher_forced", ">7", ".2f"),

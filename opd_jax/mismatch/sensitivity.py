@@ -313,7 +313,9 @@ def suggest_recipe(
 
 
 def format_table(reference: dict, rows: Sequence[dict]) -> str:
-  """The ranked table: per source, the "all"/baseline rows, then layers and modules by KL."""
+  """The ranked table: per source, the "all"/baseline rows, then layers and modules by KL
+  (ranked within the layers and within the modules; "of all" = the row's KL over the
+  whole-model row's)."""
   head = f"{'source':<11} {'rank':>4}  {'target':<14} {'mismatch/kl':>11} {'kl_p95':>10} "
   head += f"{'|dlogp|':>9} {'of all':>7}"
   lines = [head, "-" * len(head)]
@@ -329,7 +331,9 @@ def format_table(reference: dict, rows: Sequence[dict]) -> str:
     fixed = [r for r in mine if r["layer"] is None and r["module"] is None]
     for group in ([r for r in mine if r["layer"] is not None], [r for r in mine if r["module"]]):
       fixed += sorted(group, key=lambda r: -r[KL_KEY])
-    rank = {id(r): k + 1 for k, r in enumerate(sorted(mine, key=lambda r: -r[KL_KEY]))}
+    rank = {}
+    for group in ([r for r in mine if r["layer"] is not None], [r for r in mine if r["module"]]):
+      rank |= {id(r): k + 1 for k, r in enumerate(sorted(group, key=lambda r: -r[KL_KEY]))}
     for r in fixed:
       share = f"{r[KL_KEY] / whole:>7.2f}" if whole and r["target"] != "all" else f"{'':>7}"
       numbered = r["layer"] is not None or r["module"] is not None
@@ -357,13 +361,13 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> bool:
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
   for ax, (name, rs) in zip(axes[0], panels, strict=True):
     labels = [str(r["layer"] if r["layer"] is not None else r["module"]) for r in rs]
-    values = [max(r[KL_KEY], 1e-12) for r in rs]
+    values = [r[KL_KEY] for r in rs]
     ax.bar(labels, values, color="tab:blue" if "fp8" in name else "tab:orange")
     whole = next((r[KL_KEY] for r in rows if (r["source"], r["target"]) == (name, "all")), None)
     if whole:
       ax.axhline(whole, color="k", lw=0.8, ls="--", label="whole model")
       ax.legend(fontsize=7)
-    ax.set_yscale("log")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     ax.set_title(name, fontsize=9)
     ax.set_xlabel("layer" if name in SOURCES else "module", fontsize=8)
     ax.set_ylabel("mismatch/kl (nats/token)", fontsize=8)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import engine, kvcache, model, quant, sampler
+from opd_jax import config_check, engine, kvcache, model, quant, sampler, trainer
 from opd_jax.model_config import ModelConfig
 from opd_jax.sampler import SamplerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
+import base  # noqa: E402
 
 CFG = ModelConfig(
   model_type="qwen3",
@@ -188,3 +194,26 @@ def test_kernel_variant_cached_decode_matches_its_uncached_forward(params, kerne
   variant_kl = mean_kl(uncached, reference)
   assert 1e-6 < variant_kl < 1e-2, variant_kl
   assert mean_kl(cached, uncached) < 0.5 * variant_kl
+
+
+def test_rollout_config_keys_reach_the_engine():
+  config = base.get_config()
+  config.rollout.noise_sigma = 0.02
+  config.rollout.noise_layers = (1,)
+  config.rollout.noise_modules = ("attention", "embed")
+  config.rollout.kernel = "bf16_matmul"
+  config_check.validate(config)
+  ecfg = trainer.engine_config(config, "float32")
+  assert (ecfg.noise_layers, ecfg.noise_modules, ecfg.kernel) == (
+    (1,),
+    ("attention", "embed"),
+    "bf16_matmul",
+  )
+  assert ecfg.engine_id == "w=trainer,kv=float32,noise=0.02@L[1]@attention+embed,kernel=bf16_matmul"
+  config.rollout.noise_modules = ("attn",)
+  with pytest.raises(ValueError, match=r"config.rollout.noise_modules has unknown 'attn'"):
+    config_check.validate(config)
+  config.rollout.noise_modules = ()
+  config.rollout.kernel = "flash"
+  with pytest.raises(ValueError, match="config.rollout.kernel must be one of"):
+    config_check.validate(config)

@@ -9,6 +9,11 @@ budget, the admission check and the study that calibrates them. Today it holds:
   k3; |Δ log p|), and `default_return_topk(vocab_size)`, the behaviour
   distribution the sampler must return for them.
 - `admission`: the admission check behind `python -m opd_jax.admit` (`run_admission`).
+- `measure`: `measure(...)`, one configuration's mismatch on calibration prompts (the
+  procedure the admission check, the sensitivity scan and the study share);
+  `sensitivity`: the layer/module scan behind `python -m opd_jax.sensitivity`;
+  `prefix_shift`: teacher-forced vs own-prefix mismatch and first divergence
+  (`python -m opd_jax.prefix_shift`).
 """
 
 from opd_jax.mismatch.metrics import (

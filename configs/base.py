@@ -90,6 +90,7 @@ def get_config(arg=None):
   c.rollout.max_ahead = -1  # async: versions the producer may run ahead; -1 = max_lag
   c.rollout.stale_policy = "drop"  # async, lag > max_lag: drop | correct (sampled loss only)
   c.rollout.producer_timeout_s = 600.0  # async: error when no batch arrives for this long
+  c.rollout.score_teacher = False  # the engine scores rollouts with the frozen teacher
   c.rollout.stale_k = 0  # sync: sample with the weights k versions old (deterministic stale-k)
 
   # Optimisation.

@@ -3,8 +3,9 @@
 The rollout engine holds FP8 (e4m3) weights with per-output-channel scales, except
 the layers the per-layer recipe keeps in BF16, and an FP8 KV cache with one scale
 per layer and sequence (`tensor`: the granularity that holds the most tokens, 2× the
-BF16 tokens). A producer thread samples batch t + 1 with θ_t while the trainer
-updates on batch t (`max_lag=1`), so every trained batch is at most one version old.
+BF16 tokens). A producer thread samples batch t + 1 with θ_t, and scores it with the
+frozen teacher, while the trainer updates on batch t (`max_lag=1`), so every trained
+batch is at most one version old.
 Everything else (task, models, loss, steps) is `bf16_sync.py`, the reference this
 run is compared with (`python -m opd_jax.bench.async_vs_sync`).
 
@@ -42,4 +43,5 @@ def get_config(arg=None):
   c.rollout.mode = "async"
   c.rollout.max_lag = 1
   c.rollout.stale_policy = "drop"
+  c.rollout.score_teacher = True  # the producer also runs the teacher: it overlaps training
   return c

@@ -143,6 +143,7 @@ RULES: dict[str, Any] = {
   "rollout.stale_policy": Choice(("drop", "correct")),
   "rollout.producer_timeout_s": Num(True, 0, lo_open=True),
   "rollout.stale_k": NON_NEGATIVE,
+  "rollout.score_teacher": Kind(bool),
   "train.steps": POSITIVE,
   "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
   "train.is_clip": Num(True),

@@ -85,6 +85,10 @@ class Rollout:
     kv_saturated_fraction: f32 scalar, the share of the K/V elements written to FP8
       cache layers (prompt and counted completion tokens, K and V) that clipped at
       ±448 · scale; 0 without FP8 layers. None for hand-built rollouts.
+    teacher_logits: f32 [B, C, V], the frozen teacher's logits (T = 1) at the
+      completion positions when the rollout engine scored them
+      (`rollout.score_teacher`), so the train step skips the teacher's forward
+      pass; None otherwise.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -100,6 +104,7 @@ class Rollout:
   tail_logprob: jax.Array | None = None
   support_ids: jax.Array | None = None
   kv_saturated_fraction: jax.Array | None = None
+  teacher_logits: jax.Array | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

@@ -70,7 +70,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opd_jax import engine, sampler, sharding, task
+from opd_jax import engine, sampler, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -90,6 +90,11 @@ def named_stream(key, name: str):
 @functools.partial(jax.jit, static_argnums=1)
 def _engine_params(params, cfg: engine.EngineConfig, rng):
   return engine.engine_params(params, cfg, rng)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _teacher_logits(teacher_params, rollout: Rollout, teacher_cfg: ModelConfig):
+  return train_step.completion_logits(teacher_params, rollout, teacher_cfg)[0]
 
 
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
@@ -122,6 +127,10 @@ class RolloutEngine:
     rng: the run's key. Batch n samples with fold_in(stream "rollout/sample", n) and
       version v's weight noise uses fold_in(stream "rollout/noise", v).
     mesh: the device mesh the train step runs on.
+    teacher: optional (teacher_params, teacher_cfg). When given, the engine also
+      scores every rollout with the frozen teacher (`Rollout.teacher_logits`), as
+      verl's and slime's rollout side does, so that forward pass leaves the train
+      step; in async mode it then overlaps training. The teacher is only read.
   """
 
   def __init__(
@@ -134,8 +143,10 @@ class RolloutEngine:
     model_cfg: ModelConfig,
     rng,
     mesh,
+    teacher=None,
   ):
     self.prompts = prompt_batches
+    self._teacher = teacher
     self._tokenizer = tokenizer
     self._prompt_len = prompt_len
     self.engine_cfg = engine_cfg
@@ -176,6 +187,11 @@ class RolloutEngine:
       weight_version=version,
       engine_id=self.engine_cfg.engine_id,
     )
+    if self._teacher is not None:
+      teacher_params, teacher_cfg = self._teacher
+      rollout = rollout.replace(
+        teacher_logits=_teacher_logits(teacher_params, rollout, teacher_cfg)
+      )
     num_tokens = int(np.asarray(rollout.completion_mask).sum())  # waits for the sampler
     seconds = time.perf_counter() - start
     saturated = rollout.kv_saturated_fraction

@@ -224,12 +224,17 @@ def opd_loss(
   (`opd_jax.mismatch.mismatch_metrics`) computed from the same stop-gradient
   student logits: no second forward pass. Greedy rollouts (temperature 0) train
   the student at T = 1 and measure mismatch against the replayed point mass.
+  A rollout that carries `teacher_logits` (scored by the rollout engine) skips the
+  teacher's forward pass here.
   """
   raw_bcv, tokens_bc, mask_bc = completion_logits(
     params, rollout, student_cfg, loss_cfg.temperature
   )
   student_bcv = student_policy_logits(raw_bcv, rollout)  # greedy rollouts carry no kept set
-  teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
+  if rollout.teacher_logits is None:
+    teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
+  else:  # scored by the rollout engine: the same frozen teacher, the same positions
+    teacher_bcv = rollout.teacher_logits
   teacher_bcv = jax.lax.stop_gradient(teacher_bcv)
   if loss_cfg.name == "reverse_kl_sampled":
     loss, metrics = losses.reverse_kl_sampled(

@@ -355,6 +355,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     m.student_cfg,
     jax.random.wrap_key_data(np.asarray(state.rng)),
     m.mesh,
+    teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)

@@ -313,8 +313,10 @@ COMPARED = ("loss/total", "teacher/reverse_kl", "teacher/logprob", "quality/stud
 
 
 def test_async_with_max_lag_0_reproduces_the_sync_run(tiny_run, teacher_cache, tmp_path):
+  """Bit for bit, also when the producer scores the teacher instead of the train step."""
   sync_dir, _ = tiny_run
-  config = tiny_config(teacher_cache, **{"rollout.mode": "async", "rollout.max_lag": 0})
+  overrides = {"rollout.mode": "async", "rollout.max_lag": 0, "rollout.score_teacher": True}
+  config = tiny_config(teacher_cache, **overrides)
   trainer.run(config, str(tmp_path), log=lambda *a: None)
   sync, asynchronous = metrics_writer.read_jsonl(sync_dir), metrics_writer.read_jsonl(tmp_path)
   for step, row in sync.items():

@@ -10,9 +10,15 @@ Four runs of `configs/bf16_sync.py` on the embedded task, each a separate proces
 warm-started student and one cached teacher:
 
     sync_bf16    rollout.mode=sync,  weights=trainer, kv_cache=auto   (the reference)
-    async_bf16   rollout.mode=async, max_lag=1,      weights=trainer, kv_cache=auto
+    async_bf16   rollout.mode=async, max_lag=1, score_teacher, weights=trainer, kv_cache=auto
     sync_fp8     rollout.mode=sync,  fp8 weights + fp8 KV (the fp8_async.py recipe)
     async_fp8    configs/fp8_async.py's rollout settings
+
+The async runs also move the teacher's forward pass to the producer
+(`rollout.score_teacher`, as verl's and slime's rollout side scores the teacher): on
+this task sampling alone is about a sixth of a synchronous step, so overlapping it
+could save at most that; sync runs keep the teacher in the train step (moving it
+changes nothing there, the work stays sequential).
 
 "bf16" names the study's reference: the engine runs at the trainer's own precision
 (f32 on a CPU, bf16 with `--dtype=bfloat16` on an accelerator).
@@ -47,7 +53,7 @@ from opd_jax import metrics_writer
 
 RUNS = {
   "sync_bf16": {"rollout.mode": "sync"},
-  "async_bf16": {"rollout.mode": "async", "rollout.max_lag": 1},
+  "async_bf16": {"rollout.mode": "async", "rollout.max_lag": 1, "rollout.score_teacher": True},
   "sync_fp8": {
     "rollout.mode": "sync",
     "rollout.weights": "fp8",

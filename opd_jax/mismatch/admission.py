@@ -49,10 +49,11 @@ little about staleness at another.
 Agreement with training. With `--params-from=RUN`, a candidate whose rollout settings are the
 run's own (every rollout.* key equal) also gets the run's training-time `mismatch/kl` beside the
 check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` at the candidate's lag k,
-else `mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and their
-ratio `check_over_training`. The check measures at one set of weights on N held-out prompts;
-training averages over the weights and prompts of many steps: the two agree when the mismatch
-changes little along training, which the ratio shows.
+else `mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and
+their ratio `check_over_training` (left out when the training value is below 1e-6, f32
+rounding). The check measures at one set of weights on N held-out prompts; training averages
+over the weights and prompts of many steps: the two agree when the mismatch changes little
+along training, which the ratio shows.
 
 Cost. A check is mostly XLA compilation; the command keeps its compiled programs in
 `<workdir>/jax_cache` (`enable_compilation_cache`), so only the first check of a config on a
@@ -116,6 +117,8 @@ LOG_FILE = "admission_log.jsonl"
 COMPILATION_CACHE = "jax_cache"  # <workdir>/jax_cache: compiled programs kept between checks
 STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started student, once
 TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
+# Below this (nats/token) a mismatch/kl is f32 rounding (an exact engine reads ~1e-9): no ratio.
+ROUNDING_KL = 1e-6
 # Run-config keys that may differ between a --params-from run and the check's config: what the
 # candidate changes, how the run trained, and where its teacher is cached.
 _RUN_KEYS_FREE = ("rollout.", "train.", "teacher.cache_dir")
@@ -626,7 +629,12 @@ def format_table(rows: Sequence[dict]) -> str:
         f"    training: this run sampled with this configuration; its {row['train/key']} was "
         f"{row['train/mismatch_kl_last']:.4g} over the last {TRAIN_LAST_FRACTION:.0%} of its "
         f"logged steps ({row['train/mismatch_kl_mean']:.4g} over all "
-        f"{row['train/logged_steps']}); check / training = {row['check_over_training']:.3g}"
+        f"{row['train/logged_steps']})"
+        + (
+          f"; check / training = {row['check_over_training']:.3g}"
+          if "check_over_training" in row
+          else "; both are f32 rounding"
+        )
       )
   return "\n".join(out)
 
@@ -772,7 +780,7 @@ def run_admission(
     row = candidate_row(c, measurement, verdict, student_step)
     if history is not None and trained_with(c, history.run_config):
       row.update(training_time_kl(params_from, c.lag) or {})
-      if row.get("train/mismatch_kl_last"):
+      if row.get("train/mismatch_kl_last", 0.0) > ROUNDING_KL:
         row["check_over_training"] = row[budget_lib.KL_KEY] / row["train/mismatch_kl_last"]
     rows.append(row)
     entries.append(

@@ -9,19 +9,24 @@ Recipe (measured on the embedded task, every run from the same cached teacher):
 - lr 3e-4 instead of 1e-3. At 1e-3 the sampled estimator collapses the student onto
   confident wrong tokens (its log-prob of its own samples rises to −0.08 while the
   teacher's stays near −2): once π_θ(y) ≈ 1 the gradient (onehot(y) − π_θ) vanishes and
-  sampling never visits the teacher's token again.
-- advantage_clip c = 1: bounds the per-token step of the rare tokens the teacher rules
-  out (A_t ≈ −10). The clipped estimator is the exact gradient of a Huber-like
-  f-divergence with the same minimiser π_θ = π_T (`losses.reverse_kl_sampled`), so it
-  changes how hard outliers pull, not where training converges.
+  sampling never visits the teacher's token again. Gradient noise drives that
+  sharpening, so it grows with the step size (a warmup to 6e-4 lost accuracy as the
+  rate rose); 2e-4 is stable but slower.
+- advantage_clip c = 0.5: bounds the per-token step of the rare tokens the teacher
+  rules out (A_t ≈ −10), the heavy tail of the estimator's noise. The clipped
+  estimator is the exact gradient of a Huber-like f-divergence with the same
+  minimiser π_θ = π_T (`losses.reverse_kl_sampled`), so it changes how hard outliers
+  pull, not where training converges. Held-out accuracy after 1,000 steps at lr 3e-4:
+  no clip 34% at step 400 (stopped; c = 1 had 38%), c = 1 70.7%, c = 0.5 74.6%.
 
 Command:  python -m opd_jax.main --config=configs/bf16_sync_sampled.py --workdir=/tmp/opd_sampled
-Expected: teacher 95.3% held-out accuracy, student 43.8% after its warm start and 70.7%
-          after 1,000 OPD steps (74% of the teacher; reverse_kl_full reaches 96.5%).
-          Wall time as bf16_sync.py: about 3 minutes with a cached teacher on 2 idle
-          cores (pass --config.teacher.cache_dir to share one); 19 minutes measured on
-          2 cores shared with other jobs.
-Tiny:     python -m opd_jax.main --config=configs/bf16_sync_sampled.py:tiny --workdir=/tmp/opd_stiny
+Expected: teacher 95.3% held-out accuracy, student 43.8% after its warm start and 74.6%
+          after 1,000 OPD steps (78% of the teacher; reverse_kl_full reaches 96.5%),
+          KL(student ‖ teacher) 0.525 → 0.080 nats per token. Wall time: 17 minutes
+          measured with a cached teacher (--config.teacher.cache_dir) on 2 cores shared
+          with other jobs; a step costs what a bf16_sync.py step costs (same forward
+          passes), whose run takes 3 minutes on 2 idle cores.
+Tiny:     python -m opd_jax.main --config=configs/bf16_sync_sampled.py:tiny --workdir=/tmp/opd_st
           (about a minute, mostly compilation; checks the wiring, not quality).
 """
 
@@ -43,5 +48,5 @@ def get_config(arg=None):
   c.rollout.temperature = 1.0  # on-policy sampling: the sampled estimator needs it
   c.train.loss = "reverse_kl_sampled"  # the study's sampled-token policy-gradient form
   c.train.lr = 3e-4  # 1e-3 collapses onto confident wrong tokens
-  c.train.advantage_clip = 1.0  # clip A_t to [-1, 1]
+  c.train.advantage_clip = 0.5  # clip A_t to [-0.5, 0.5]
   return c

@@ -224,7 +224,6 @@ def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, pro
 
   `abstract` is `eval_shape` of the initial state; `state_shardings` its shardings.
   """
-  m = setup.models
   latest = ckpt.latest_step()
   if latest is not None:
     target = jax.tree.map(
@@ -235,22 +234,30 @@ def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, pro
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     log(f"resumed from step {latest} in {ckpt.directory}")
     return state, int(extra.get("next_batch", latest))
-  params = m.student_params
-  if not config.student.checkpoint and config.student.warmup_steps:
-    log(f"warm-starting the student ({config.student.warmup_steps} supervised steps)")
-    params = pretrain.supervised_train(
-      params,
-      m.student_cfg,
-      task_cfg=setup.task_cfg,
-      tokenizer=m.tokenizer,
-      steps=config.student.warmup_steps,
-      lr=config.student.warmup_lr,
-      batch_size=config.student.warmup_batch_size,
-      seed=config.seed + 7,
-      mesh=m.mesh,
-      log=log,
-    )
+  params = warm_started_student(config, setup, log)
   return jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings), 0
+
+
+def warm_started_student(config, setup: Setup, log=print):
+  """The student a fresh run starts from: the HF checkpoint's params, or the built-in
+  student after `student.warmup_steps` supervised steps (seed + 7; a pure function of
+  these settings)."""
+  m, s = setup.models, config.student
+  if s.checkpoint or not s.warmup_steps:
+    return m.student_params
+  log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
+  return pretrain.supervised_train(
+    m.student_params,
+    m.student_cfg,
+    task_cfg=setup.task_cfg,
+    tokenizer=m.tokenizer,
+    steps=s.warmup_steps,
+    lr=s.warmup_lr,
+    batch_size=s.warmup_batch_size,
+    seed=config.seed + 7,
+    mesh=m.mesh,
+    log=log,
+  )
 
 
 def _check_shapes(config, setup: Setup) -> None:

@@ -423,7 +423,7 @@ def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | No
   m = setup.models
   s = config.student
   if s.checkpoint or not s.warmup_steps:
-    return m.student_params
+    return trainer.warm_started_student(config, setup, log)
   directory = None
   if cache_dir:
     key = pretrain.teacher_key(
@@ -443,19 +443,7 @@ def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | No
       _, params = hf.load_checkpoint(directory, dtype, shardings=shardings)
       log(f"warm-started student loaded from cache {directory}")
       return params
-  log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
-  params = pretrain.supervised_train(
-    m.student_params,
-    m.student_cfg,
-    task_cfg=setup.task_cfg,
-    tokenizer=m.tokenizer,
-    steps=s.warmup_steps,
-    lr=s.warmup_lr,
-    batch_size=s.warmup_batch_size,
-    seed=config.seed + 7,
-    mesh=m.mesh,
-    log=log,
-  )
+  params = trainer.warm_started_student(config, setup, log)
   if directory and jax.process_index() == 0:
     tmp = directory + ".tmp"
     hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))

@@ -5,9 +5,9 @@ measured against this run. On the built-in arithmetic task it bootstraps a 4-lay
 teacher (cached under the workdir), warm-starts a 2-layer student and distills.
 
 Command:  python -m opd_jax.main --config=configs/bf16_sync.py --workdir=/tmp/opd_ref
-Expected: on 2 CPU cores about 8 minutes the first time (4.5 of them bootstrapping
-          the teacher, cached afterwards) and 3 minutes after; teacher 95.3% held-out
-          accuracy, student 43.8% after its warm start and 98.4% after 1,000 OPD steps.
+Expected: on 2 CPU cores about 6 minutes the first time (3 of them bootstrapping the
+          teacher, cached afterwards) and 3 minutes after; teacher 95.3% held-out
+          accuracy, student 43.4% after its warm start and 96.5% after 1,000 OPD steps.
 Tiny:     python -m opd_jax.main --config=configs/bf16_sync.py:tiny --workdir=/tmp/opd_tiny
           (about a minute, mostly compilation; checks the wiring, not quality).
 

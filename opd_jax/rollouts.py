@@ -366,11 +366,10 @@ class AsyncRollouts:
     self._cond = threading.Condition()
     self._stop = threading.Event()
     self._error: tuple[BaseException, str] | None = None
-    # Shared under self._cond: the newest published version, its raw params until
-    # the producer takes them, and how many batches the trainer dropped.
+    # Shared under self._cond: the newest published version and its raw params until
+    # the producer takes them (self.dropped, the trainer's drop count, too).
     self.version = -1
     self._pending = None
-    self._dropped = 0
     self._next_batch = first_batch
     self._consumed_data_state = engine.data_state()
     self._thread: threading.Thread | None = None
@@ -418,8 +417,7 @@ class AsyncRollouts:
       self._next_batch = item.index + 1
       if lag > self.max_lag and self.stale_policy == "drop":
         with self._cond:
-          self._dropped += 1
-          self.dropped = self._dropped
+          self.dropped += 1
           self._cond.notify_all()
         continue
       if lag > self.max_lag:
@@ -506,7 +504,7 @@ class AsyncRollouts:
     """Waits for the gate of batch `index`; returns (raw params or None, version)."""
     start = time.perf_counter()
     with self._cond:
-      while not self._stop.is_set() and self.version < index - self._dropped - self.max_ahead:
+      while not self._stop.is_set() and self.version < index - self.dropped - self.max_ahead:
         self._cond.wait(0.1)
       pending, self._pending = self._pending, None
       version = self.version

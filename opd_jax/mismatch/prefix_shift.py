@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -365,9 +363,5 @@ def run_prefix_shift(
     "seconds": time.perf_counter() - start,
   }
   if json_path:
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-      f.write("\n")
-    log(f"wrote {json_path}")
+    sensitivity.write_json(json_path, result, log)
   return result

@@ -494,9 +494,14 @@ def run_sensitivity(
       log("matplotlib is not installed: no PNG written")
   result["seconds"] = time.perf_counter() - start
   if json_path:
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-      f.write("\n")
-    log(f"wrote {json_path}")
+    write_json(json_path, result, log)
   return result
+
+
+def write_json(path: str, result: dict, log=print) -> None:
+  """Writes a command's result as indented JSON at `path` (parents created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+  log(f"wrote {path}")

@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from opd_jax.model_config import ModelConfig
+
 # Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
 # several RoPE frequencies, and two layers.
 TINY_CONFIG = {
@@ -41,6 +43,22 @@ TINY_CONFIG = {
   "tie_word_embeddings": False,
   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
+
+
+def tiny_model_cfg(vocab_size: int = 128) -> ModelConfig:
+  """The suite's tiny Qwen3-shaped decoder (2 layers, D=32, GQA 4/2, H=8): milliseconds
+  per call, yet several layers, grouped KV heads and q/k norms."""
+  return ModelConfig(
+    model_type="qwen3",
+    vocab_size=vocab_size,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

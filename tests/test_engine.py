@@ -11,23 +11,13 @@ import numpy as np
 import pytest
 
 from opd_jax import config_check, engine, kvcache, model, quant, sampler, trainer
-from opd_jax.model_config import ModelConfig
 from opd_jax.sampler import SamplerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
+from conftest import tiny_model_cfg
 
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=128,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_model_cfg()
 PROMPTS = [[3, 17, 9, 4, 100], list(range(20, 31)), [7], [5] * 14]
 FP8_KV = kvcache.KVCacheSpec(dtype="float8_e4m3fn")
 

@@ -5,23 +5,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from opd_jax import engine, kvcache, model
 from opd_jax.mismatch import measure as measure_lib
-from opd_jax.model_config import ModelConfig
 from opd_jax.sampler import SamplerConfig
 
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_model_cfg(vocab_size=64)
 PROMPTS = [[3, 17, 9, 4, 10], list(range(20, 31)), [7], [5] * 9]
 F32_KV = kvcache.KVCacheSpec(dtype="float32")
 EXACT = engine.EngineConfig(kv=F32_KV)

@@ -13,23 +13,13 @@ import pytest
 from opd_jax import engine, kvcache, model
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch import prefix_shift
-from opd_jax.model_config import ModelConfig
 from opd_jax.sampler import SamplerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import bf16_sync  # noqa: E402
+from conftest import tiny_model_cfg
 
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_model_cfg(vocab_size=64)
 PROMPTS = [[3, 17, 9, 4, 10], list(range(20, 31)), [7], [5] * 9, [1, 2], [60, 61, 62]]
 SCFG = SamplerConfig(max_new_tokens=10, stop_tokens=(0,))
 F32_KV = kvcache.KVCacheSpec(dtype="float32")

@@ -6,22 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from opd_jax import kvcache, model, sampler
-from opd_jax.model_config import ModelConfig
 from opd_jax.sampler import SamplerConfig
 
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=128,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_model_cfg()
 # Lengths 5, 11, 1 and 14 (all in the 16-wide bucket); B=3 is padded to 4 rows.
 PROMPTS = [[3, 17, 9, 4, 100], list(range(20, 31)), [7], [5] * 14]
 # Tests share these configs (static jit args) so the suite compiles the sampler fewer times.

@@ -95,12 +95,18 @@ def get_config(arg=None):
 
   # Optimisation.
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 1000  # OPD steps
+  c.train.steps = 1000  # OPD steps (the learning-rate schedule's length)
+  c.train.stop_after = 0  # stop (with a checkpoint) at this step; 0 = run all train.steps
+  c.train.seed = -1  # the run's data order and sampling; -1 = seed (models keep seed)
   # Exact per-token KL over the vocabulary: the lowest-variance OPD estimator, and cheap
   # for small vocabularies. reverse_kl_sampled is the Tinker/slime policy-gradient form.
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
+  # RL baseline (opd_jax/rl.py): train.loss="reinforce" is REINFORCE on the task's exact-match
+  # reward with a leave-one-out baseline, truncated IS by train.is_clip; needs no teacher.
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
   c.train.advantage_clip = 0.0  # reverse_kl_sampled: clip A_t to [-c, c]; 0 disables
+  # reverse_kl_sampled: baseline subtracted from A_t (losses.reverse_kl_sampled).
+  c.train.advantage_baseline = "none"  # none | batch_mean (mean A over the other sequences)
   c.train.jsd_beta = 0.5  # beta for loss=jsd
   c.train.mismatch_top_k = (
     0  # mismatch/kl over: 0 = auto (full V <= 4096, else top-64), -1 = full, k
@@ -113,6 +119,17 @@ def get_config(arg=None):
   c.train.eval_every = 200  # steps between held-out evaluations
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
+
+  # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
+  c.budget = ml_collections.ConfigDict()
+  c.budget.file = ""  # budget file (opd_jax.budget.save_budget); "" = no guard
+  c.budget.action = "warn"  # over budget for `patience` steps: warn | fallback | adaptive
+  c.budget.patience = 20  # consecutive over-budget steps (of the moving average) before acting
+  c.budget.smoothing = 0.9  # decay of the mismatch/kl moving average compared; 0 = per step
+  c.budget.recheck_every = 200  # adaptive: steps between re-measurements of the ladder
+  c.budget.prompts = 64  # adaptive: calibration prompts per measurement
+  c.budget.conservative = False  # compare with the lower end of the budget's interval
+  c.budget.force = False  # run with a stale budget (fingerprint changed) instead of refusing
   return shrink_to_tiny(c) if arg == "tiny" else c
 
 

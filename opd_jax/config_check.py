@@ -145,9 +145,12 @@ RULES: dict[str, Any] = {
   "rollout.stale_k": NON_NEGATIVE,
   "rollout.score_teacher": Kind(bool),
   "train.steps": POSITIVE,
-  "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd")),
+  "train.stop_after": NON_NEGATIVE,
+  "train.seed": Num(False, -1),
+  "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd", "reinforce")),
   "train.is_clip": Num(True),
   "train.advantage_clip": Num(True, 0),
+  "train.advantage_baseline": Choice(("none", "batch_mean")),
   "train.jsd_beta": Num(True, 0, 1),
   "train.mismatch_top_k": Num(lo=-1),
   "train.lr": Num(True, 0, lo_open=True),
@@ -158,6 +161,14 @@ RULES: dict[str, Any] = {
   "train.eval_every": POSITIVE,
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
+  "budget.file": Kind(str),
+  "budget.action": Choice(("warn", "fallback", "adaptive")),
+  "budget.patience": POSITIVE,
+  "budget.smoothing": Num(True, 0),
+  "budget.recheck_every": POSITIVE,
+  "budget.prompts": POSITIVE,
+  "budget.conservative": Kind(bool),
+  "budget.force": Kind(bool),
 }
 
 
@@ -203,6 +214,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"num_kv_heads ({arch.num_kv_heads})"
       )
   errors += _rollout_errors(config)
+  errors += _rl_errors(config)
+  errors += _budget_errors(config)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -230,3 +243,32 @@ def _rollout_errors(config: ml_collections.ConfigDict) -> list[str]:
       "staleness comes from rollout.max_lag (set stale_k=0)"
     )
   return errors
+
+
+def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """The RL baseline (train.loss='reinforce') scores the built-in task's answers on sampled
+  rollouts: it needs the task's prompts and a temperature above 0."""
+  r, t, d = config.get("rollout"), config.get("train"), config.get("data")
+  if r is None or t is None or d is None or t.get("loss") != "reinforce":
+    return []
+  errors = []
+  if not r.get("temperature", 1.0) > 0:
+    errors.append(
+      "config.train.loss='reinforce' needs sampled rollouts: rollout.temperature must be > 0 "
+      f"(got {r.get('temperature')!r})"
+    )
+  if d.get("prompt_file"):
+    errors.append(
+      "config.train.loss='reinforce' rewards the built-in task's exact-match answers; "
+      f"data.prompt_file={d.get('prompt_file')!r} has no reward (set it to '')"
+    )
+  return errors
+
+
+def _budget_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """The budget guard's moving average needs a decay below 1 (at 1 it never moves)."""
+  b = config.get("budget")
+  smoothing = b.get("smoothing") if b is not None else None
+  if isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and smoothing >= 1:
+    return [f"config.budget.smoothing must be < 1 (0 = compare each step), got {smoothing!r}"]
+  return []

@@ -40,16 +40,19 @@ from opd_jax import (
   data,
   engine,
   evaluate,
+  hf,
   kvcache,
   metrics_writer,
   mismatch,
   pretrain,
+  rl,
   sampler,
   sharding,
   task,
   train_step,
 )
 from opd_jax import rollouts as rollouts_lib
+from opd_jax.mismatch import guard as guard_lib
 
 
 def task_config(config) -> task.TaskConfig:
@@ -102,6 +105,7 @@ def loss_config(config) -> train_step.LossConfig:
     name=t.loss,
     is_clip=t.is_clip if t.is_clip > 0 else None,
     advantage_clip=t.advantage_clip if t.advantage_clip > 0 else None,
+    advantage_baseline=t.advantage_baseline,
     jsd_beta=t.jsd_beta,
     temperature=config.rollout.temperature,
   )
@@ -136,6 +140,7 @@ class Setup:
   task_cfg: task.TaskConfig
   teacher_info: dict
   eval_set: evaluate.EvalSet
+  cache_dir: str = ""  # bootstrapped teachers and warm-started students; "" = no cache
 
 
 def prepare_models(config, workdir: str, log=print) -> Setup:
@@ -144,6 +149,7 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
   task_cfg = task_config(config)
   tok = models.tokenizer
   teacher_info = {"cached": True, "seconds": 0.0, "path": config.teacher.checkpoint}
+  cache_dir = config.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
   if not config.teacher.checkpoint:
     t = config.teacher
     kwargs = dict(
@@ -164,7 +170,6 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
       config.tokenizer,
       t.dtype,
     )
-    cache_dir = t.cache_dir or os.path.join(workdir, "teacher_cache")
     models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
       models.teacher_cfg,
       models.teacher_params,
@@ -177,7 +182,7 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
     )
   heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
   eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
-  return Setup(models, task_cfg, teacher_info, eval_set)
+  return Setup(models, task_cfg, teacher_info, eval_set, cache_dir)
 
 
 def _scalars(metrics) -> dict[str, float]:
@@ -217,12 +222,15 @@ def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: s
     )
 
 
-def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log):
+def initial_state(
+  config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed=None
+):
   """The TrainState to start from, and the rollout source's next batch index:
   restored from the latest checkpoint (with the data iterator's position), or the
   warm-started student at step 0.
 
   `abstract` is `eval_shape` of the initial state; `state_shardings` its shardings.
+  `resumed`, when given, is updated with the restored checkpoint's extra data.
   """
   latest = ckpt.latest_step()
   if latest is not None:
@@ -232,21 +240,54 @@ def initial_state(config, setup: Setup, tx, abstract, state_shardings, ckpt, pro
     state, extra = ckpt.restore(latest, target)
     _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
+    if resumed is not None:
+      resumed.update(extra)
     log(f"resumed from step {latest} in {ckpt.directory}")
     return state, int(extra.get("next_batch", latest))
-  params = warm_started_student(config, setup, log)
-  return jax.device_put(train_step.init_state(params, tx, config.seed), state_shardings), 0
+  params = warm_started_student(config, setup, log, setup.cache_dir or None)
+  seed = run_seed(config)
+  return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
 
 
-def warm_started_student(config, setup: Setup, log=print):
+def run_seed(config) -> int:
+  """The OPD run's own seed (data order, rollout sampling): `train.seed`, or `seed` when it
+  is -1. The models, the teacher bootstrap and the warm start keep `seed`, so runs that differ
+  only in `train.seed` share their teacher and their starting student."""
+  return config.seed if config.train.seed < 0 else config.train.seed
+
+
+def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None = None):
   """The student a fresh run starts from: the HF checkpoint's params, or the built-in
-  student after `student.warmup_steps` supervised steps (seed + 7; a pure function of
-  these settings)."""
+  student after `student.warmup_steps` supervised steps (seed + 7).
+
+  The warm start is a pure function of its settings, so with `cache_dir` it is saved there
+  once (`student-<key>`, an HF checkpoint keyed like the teacher cache by
+  `pretrain.teacher_key` of the student's settings) and loaded by later runs and checks:
+  bit-identical params (f32 safetensors), without the supervised steps.
+  """
   m, s = setup.models, config.student
   if s.checkpoint or not s.warmup_steps:
     return m.student_params
+  directory = None
+  if cache_dir:
+    key = pretrain.teacher_key(
+      s.arch.to_dict(),
+      setup.task_cfg,
+      s.warmup_steps,
+      s.warmup_lr,
+      s.warmup_batch_size,
+      config.seed + 7,
+      config.tokenizer,
+      s.dtype,
+    )
+    directory = os.path.join(cache_dir, f"student-{key}")
+    if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
+      shardings = build.param_shardings(m.student_cfg, m.mesh, build.DTYPES[s.dtype])
+      _, params = hf.load_checkpoint(directory, build.DTYPES[s.dtype], shardings=shardings)
+      log(f"warm-started student loaded from cache {directory}")
+      return params
   log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
-  return pretrain.supervised_train(
+  params = pretrain.supervised_train(
     m.student_params,
     m.student_cfg,
     task_cfg=setup.task_cfg,
@@ -258,6 +299,11 @@ def warm_started_student(config, setup: Setup, log=print):
     mesh=m.mesh,
     log=log,
   )
+  if directory and jax.process_index() == 0:
+    tmp = f"{directory}.tmp{os.getpid()}"
+    hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
+    os.replace(tmp, directory)
+  return params
 
 
 def _check_shapes(config, setup: Setup) -> None:
@@ -269,7 +315,7 @@ def _check_shapes(config, setup: Setup) -> None:
       f"completion ({setup.task_cfg.max_completion_tokens} tokens with eos)"
     )
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-  if config.data.batch_size % (batch_devices * jax.process_count()):
+  if config.data.batch_size % int(np.lcm(batch_devices, jax.process_count())):
     raise ValueError(
       f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
@@ -322,7 +368,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
     data.prompt_batches(
       source,
       config.data.batch_size // jax.process_count(),
-      config.seed,
+      run_seed(config),
       shard_index=jax.process_index(),
       shard_count=jax.process_count(),
     )
@@ -333,15 +379,31 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
   writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
   try:
+    resumed = {}
     state, next_batch = initial_state(
-      config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log
+      config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
     )
     m.student_params = None  # donated into the train state; the state owns the student now
-    source = make_rollouts(config, setup, prompt_iter, width, state, next_batch)
+    guard = guard_lib.LiveGuard.create(
+      config,
+      setup,
+      state.params,
+      resumed,
+      lambda cfg, st, nb: make_rollouts(cfg, setup, prompt_iter, width, st, nb),
+      prompt_iter,
+      writer,
+      log,
+    )
+    rollout_config = guard.config if guard else config  # the guard's rung (a resumed run's)
+    source = make_rollouts(rollout_config, setup, prompt_iter, width, state, next_batch)
     try:
-      return _train(config, setup, state, state_shardings, tx, source, ckpt, writer, start, log)
+      return _train(
+        config, setup, state, state_shardings, tx, source, ckpt, writer, start, log, guard
+      )
     finally:
       source.close()
+      if guard:
+        guard.close()  # the source it switched to, if any
   finally:
     writer.close()
     ckpt.close()
@@ -363,6 +425,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     jax.random.wrap_key_data(np.asarray(state.rng)),
     m.mesh,
     teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
+    score_rewards=rl.needs_reward(config.train.loss),
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)
@@ -426,8 +489,14 @@ class _LagBreakdown:
     return out
 
 
-def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, start, log) -> dict:
-  """The step loop: sample, update, publish, log, evaluate, checkpoint."""
+def _train(
+  config, setup, state, state_shardings, tx, rollouts, ckpt, writer, start, log, guard=None
+) -> dict:
+  """The step loop: sample, update, publish, log, evaluate, checkpoint.
+
+  `guard` (`guard_lib.LiveGuard`, with `budget.file`) sees every step's scalars after the
+  publish, adds `budget/*` to them and may switch the rollout source it returns.
+  """
   m, t = setup.models, config.train
   loss_cfg = loss_config(config)
   step_fn = train_step.jit_step(
@@ -440,6 +509,8 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
   )
   step = int(state.step)
   rollouts.publish(state.params, step)
+  if guard:
+    rollouts = guard.begin(step, state, rollouts)
   writer.write_text(step, "rollout/engine", rollouts.describe())
   evaluator = Evaluator(config, setup, writer)
   initial = evaluator(step, state.params)
@@ -458,6 +529,8 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
       "weight_version": step,
       "config": run_fingerprint(config),
     }
+    if guard:
+      extra[guard_lib.EXTRA_KEY] = guard.checkpoint_extra()  # the rung a resumed run keeps
     ckpt.save(step, state, extra)
 
   progress = metrics_writer.Progress(t.steps)
@@ -466,11 +539,11 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
   with StopOnSignal() as stop:
     while step < t.steps:
-      if stop.received is not None:
-        stopped_by = signal.Signals(stop.received).name
+      if stop.received is not None or step == t.stop_after:
+        stopped_by = "stop_after" if stop.received is None else signal.Signals(stop.received).name
         if ckpt.latest_step() != step:
           save(step)
-        log(f"{stopped_by} received: stopped at step {step}; checkpoint saved, rerun to resume")
+        log(f"{stopped_by}: stopped at step {step}; checkpoint saved, rerun to resume")
         break
       rollout = next(rollouts)
       train_start = time.perf_counter()
@@ -485,6 +558,8 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
           f"checkpoint ({ckpt.latest_step()}) in {ckpt.directory} is kept"
         )
       rollouts.publish(state.params, step)
+      if guard:
+        rollouts = guard.after_step(step, state, scalars, rollouts)
       if step % t.log_every == 0 or step == t.steps:
         window, lags = rollouts.window_stats()
         scalars.update(window)
@@ -502,7 +577,8 @@ def _train(config, setup, state, state_shardings, tx, rollouts, ckpt, writer, st
         mask = _to_host(rollout.completion_mask) > 0
         advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
         writer.write_histogram(step, "loss/advantage", advantages)
-        log(progress.line(step, {k: scalars[k] for k in ("loss/total", "teacher/reverse_kl")}))
+        shown = ("loss/total", "teacher/reverse_kl", "rl/reward_mean")  # those the loss logs
+        log(progress.line(step, {k: scalars[k] for k in shown if k in scalars}))
       pause_start = time.time()
       if step % t.eval_every == 0 or step == t.steps:
         writer.write_scalars(step, {"perf/train_wall_seconds": pause_start - loop_start - paused})

@@ -89,14 +89,11 @@ from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
 from opd_jax import (
-  build,
   checkpointing,
   config_check,
   data,
   engine,
-  hf,
   metrics_writer,
-  pretrain,
   sampler,
   sharding,
   task,
@@ -412,43 +409,9 @@ class RunHistory:
 
 def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | None = None):
   """The student a run starts from: the HF checkpoint's params, or the warm-started built-in
-  student (`trainer.initial_state` without a checkpoint to resume: `student.warmup_steps`
-  supervised steps with seed + 7).
-
-  The warm start is a pure function of its settings, so with `cache_dir` it is saved there
-  once (`student-<key>`, an HF checkpoint keyed like the teacher cache by
-  `pretrain.teacher_key` of the student's settings) and loaded by later checks: bit-identical
-  params (f32 safetensors), without the supervised steps.
-  """
-  m = setup.models
-  s = config.student
-  if s.checkpoint or not s.warmup_steps:
-    return trainer.warm_started_student(config, setup, log)
-  directory = None
-  if cache_dir:
-    key = pretrain.teacher_key(
-      s.arch.to_dict(),
-      setup.task_cfg,
-      s.warmup_steps,
-      s.warmup_lr,
-      s.warmup_batch_size,
-      config.seed + 7,
-      config.tokenizer,
-      s.dtype,
-    )
-    directory = os.path.join(cache_dir, f"student-{key}")
-    if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
-      dtype = build.DTYPES[s.dtype]
-      shardings = build.param_shardings(m.student_cfg, m.mesh, dtype)
-      _, params = hf.load_checkpoint(directory, dtype, shardings=shardings)
-      log(f"warm-started student loaded from cache {directory}")
-      return params
-  params = trainer.warm_started_student(config, setup, log)
-  if directory and jax.process_index() == 0:
-    tmp = directory + ".tmp"
-    hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
-    os.replace(tmp, directory)
-  return params
+  student, loaded from `cache_dir` when a run or an earlier check saved it there
+  (`trainer.warm_started_student`, the same function and cache the trainer uses)."""
+  return trainer.warm_started_student(config, setup, log, cache_dir)
 
 
 def candidate_sampler_config(candidate: Candidate, setup: trainer.Setup) -> sampler.SamplerConfig:

@@ -89,6 +89,8 @@ class Rollout:
       completion positions when the rollout engine scored them
       (`rollout.score_teacher`), so the train step skips the teacher's forward
       pass; None otherwise.
+    reward_b: f32 [B], the task's exact-match reward of each decoded completion (1 or 0),
+      when the rollout engine scored it for an RL loss (`opd_jax.rl`); None otherwise.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -105,6 +107,7 @@ class Rollout:
   support_ids: jax.Array | None = None
   kv_saturated_fraction: jax.Array | None = None
   teacher_logits: jax.Array | None = None
+  reward_b: jax.Array | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

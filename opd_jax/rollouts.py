@@ -70,7 +70,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opd_jax import engine, sampler, sharding, task, train_step
+from opd_jax import engine, rl, sampler, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -131,6 +131,9 @@ class RolloutEngine:
       scores every rollout with the frozen teacher (`Rollout.teacher_logits`), as
       verl's and slime's rollout side does, so that forward pass leaves the train
       step; in async mode it then overlaps training. The teacher is only read.
+    score_rewards: when True, every rollout also carries `reward_b`, the task's
+      exact-match reward of each decoded completion (`rl.rollout_rewards`), for the RL
+      loss; the engine holds the tokenizer, so the reward is computed where the texts are.
   """
 
   def __init__(
@@ -144,8 +147,10 @@ class RolloutEngine:
     rng,
     mesh,
     teacher=None,
+    score_rewards: bool = False,
   ):
     self.prompts = prompt_batches
+    self._score_rewards = score_rewards
     self._teacher = teacher
     self._tokenizer = tokenizer
     self._prompt_len = prompt_len
@@ -192,6 +197,8 @@ class RolloutEngine:
       rollout = rollout.replace(
         teacher_logits=_teacher_logits(teacher_params, rollout, teacher_cfg)
       )
+    if self._score_rewards:
+      rollout = rollout.replace(reward_b=rl.rollout_rewards(rollout, self._tokenizer))
     num_tokens = int(np.asarray(rollout.completion_mask).sum())  # waits for the sampler
     seconds = time.perf_counter() - start
     saturated = rollout.kv_saturated_fraction

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from opd_jax import losses, mismatch, model
+from opd_jax import losses, mismatch, model, rl
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -80,13 +80,20 @@ class LossConfig:
   """Static choice of the OPD loss (hashable: a jit static argument)."""
 
   name: str = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
+  # (or reinforce: the RL baseline on the task reward, opd_jax.rl)
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
   advantage_clip: float | None = None  # reverse_kl_sampled: clip A_t to [-c, c]; None = off
   jsd_beta: float = 0.5  # β for jsd (0 = forward KL, 1 = reverse KL)
   temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
 
   def __post_init__(self):
-    if self.name not in ("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd"):
+    if self.name not in (
+      "reverse_kl_sampled",
+      "reverse_kl_full",
+      "forward_kl",
+      "jsd",
+      rl.LOSS_NAME,
+    ):
       raise ValueError(f"unknown loss {self.name!r}")
 
 
@@ -231,6 +238,8 @@ def opd_loss(
     params, rollout, student_cfg, loss_cfg.temperature
   )
   student_bcv = student_policy_logits(raw_bcv, rollout)  # greedy rollouts carry no kept set
+  if loss_cfg.name == rl.LOSS_NAME:  # the task's reward instead of the teacher: no teacher pass
+    return rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
   if rollout.teacher_logits is None:
     teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
   else:  # scored by the rollout engine: the same frozen teacher, the same positions
@@ -266,6 +275,27 @@ def opd_loss(
   else:
     policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
   metrics.update(mismatch.mismatch_metrics(policy_bcv, rollout))
+  return loss, metrics
+
+
+def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig):
+  """The RL baseline's loss (`rl.reinforce`, reward `rollout.reward_b`) and its metrics,
+  with the same `mismatch/*` as the distillation losses; the teacher is not scored.
+
+  Raises:
+    ValueError: greedy rollouts (temperature 0): a point-mass policy has no gradient.
+  """
+  if loss_cfg.temperature == 0:
+    raise ValueError("loss 'reinforce' needs sampled rollouts (rollout.temperature > 0)")
+  loss, metrics = rl.reinforce(
+    student_bcv,
+    tokens_bc,
+    mask_bc,
+    rollout.reward_b,
+    rollout.behaviour_logprobs,
+    is_clip=loss_cfg.is_clip,
+  )
+  metrics.update(mismatch.mismatch_metrics(jax.lax.stop_gradient(student_bcv), rollout))
   return loss, metrics
 
 

@@ -163,6 +163,15 @@ def _check_logits(student_logits, teacher_logits, mask):
     raise ValueError(f"mask {mask.shape} must be [B, T] = {student_logits.shape[:2]}")
 
 
+def _other_rows_mean(x_bt, mask_bt):
+  """[B, 1] f32: for each row b, Σ_{b'≠b,t} m·x / max(Σ_{b'≠b,t} m, 1) (masked-out x ignored)."""
+  m = mask_bt.astype(jnp.float32)
+  x = jnp.where(m > 0, x_bt.astype(jnp.float32), 0.0) * m
+  sum_b1 = jnp.sum(x, axis=1, keepdims=True)
+  count_b1 = jnp.sum(m, axis=1, keepdims=True)
+  return (jnp.sum(sum_b1) - sum_b1) / jnp.maximum(jnp.sum(count_b1) - count_b1, 1.0)
+
+
 def reverse_kl_sampled(
   student_logits,
   teacher_logits,
@@ -171,6 +180,7 @@ def reverse_kl_sampled(
   behaviour_logprobs,
   is_clip: float | None = 2.0,
   advantage_clip: float | None = None,
+  baseline: str = "none",
 ):
   """Sampled reverse KL in policy-gradient form (Tinker / slime on-policy distillation).
 
@@ -196,6 +206,19 @@ def reverse_kl_sampled(
   is unbiased for a Huber-like divergence with the same minimiser, and bounds the
   per-token step that rare tokens the teacher rules out (A_t ≈ −10) would take.
 
+  Baseline (`baseline="batch_mean"`) subtracts a stop-gradient scalar from the (clipped)
+  advantage of every token of row b:
+
+      b_b = Σ_{b'≠b, t} m_b't · clip(A_b't) / max(Σ_{b'≠b, t} m_b't, 1)
+      loss = −mean_t[ r_t · (clip(A_t, −c, c) − b_b) · log π_θ(y_t) ]
+
+  the mean advantage over the completion tokens of the batch's other sequences. Those
+  are sampled independently of row b's tokens, so E_y[b_b ∇log π_θ(y_t)] =
+  b_b · Σ_y ∇π_θ(y) = 0 and the expected gradient is unchanged (exactly, not only for a
+  large batch; a mean that included row b's own tokens would correlate with them and
+  shrink the expected gradient by about 1/N). The baseline removes the common offset
+  of A_t (its mean is −KL, not 0), whose b · ∇log π_θ(y_t) terms are pure noise.
+
   π_θ must be the policy the rollout was sampled under when the engine is exact: the
   student's logits at the sampler's temperature, restricted to the engine's top-k/top-p
   kept set (`train_step.student_policy_logits`, -inf elsewhere). Then r_t = 1 for an
@@ -211,12 +234,14 @@ def reverse_kl_sampled(
     is_clip: truncation C > 0 of the importance ratio, or None for r_t = 1 (treat the
       rollout as on-policy).
     advantage_clip: c > 0 to clip A_t to [−c, c] in the loss, or None for no clipping.
+    baseline: "none", or "batch_mean" to subtract b_b above from the (clipped) advantage.
 
   Returns:
     (loss scalar f32, metrics): loss/reverse_kl_sampled, teacher/reverse_kl_k1
     (mean of log π_θ − log π_T), teacher/logprob, loss/student_logprob, loss/is_ratio
     (mean r_t), loss/is_clip_frac (share of tokens with ratio > C),
-    loss/advantage_clip_frac (share of tokens with |A_t| > c), loss/num_tokens.
+    loss/advantage_clip_frac (share of tokens with |A_t| > c), loss/advantage_baseline
+    (mean over tokens of the subtracted b, 0 without one), loss/num_tokens.
   """
   _check_logits(student_logits, teacher_logits, mask)
   if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
@@ -228,6 +253,8 @@ def reverse_kl_sampled(
     raise ValueError(f"is_clip must be None or > 0, got {is_clip!r}")
   if advantage_clip is not None and not advantage_clip > 0:
     raise ValueError(f"advantage_clip must be None or > 0, got {advantage_clip!r}")
+  if baseline not in ("none", "batch_mean"):
+    raise ValueError(f"baseline must be 'none' or 'batch_mean', got {baseline!r}")
   student_lp = token_logprobs(student_logits, tokens)
   teacher_lp = jax.lax.stop_gradient(token_logprobs(teacher_logits, tokens))
   advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
@@ -246,6 +273,10 @@ def reverse_kl_sampled(
   else:
     used_advantage = jnp.clip(advantage, -advantage_clip, advantage_clip)
     advantage_clipped = (jnp.abs(advantage) > advantage_clip).astype(jnp.float32)
+  baseline_b1 = jnp.zeros((mask.shape[0], 1), jnp.float32)
+  if baseline == "batch_mean":
+    baseline_b1 = _other_rows_mean(used_advantage, mask)
+  used_advantage = used_advantage - baseline_b1
   loss = -masked_mean(ratio * used_advantage * student_lp, mask)
   metrics = {
     "loss/reverse_kl_sampled": loss,
@@ -255,6 +286,7 @@ def reverse_kl_sampled(
     "loss/is_ratio": masked_mean(ratio, mask),
     "loss/is_clip_frac": masked_mean(clipped, mask),
     "loss/advantage_clip_frac": masked_mean(advantage_clipped, mask),
+    "loss/advantage_baseline": masked_mean(jnp.broadcast_to(baseline_b1, mask.shape), mask),
     "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
   }
   return loss, metrics

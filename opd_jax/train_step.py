@@ -83,6 +83,7 @@ class LossConfig:
   # (or reinforce: the RL baseline on the task reward, opd_jax.rl)
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
   advantage_clip: float | None = None  # reverse_kl_sampled: clip A_t to [-c, c]; None = off
+  advantage_baseline: str = "none"  # reverse_kl_sampled: none | batch_mean
   jsd_beta: float = 0.5  # β for jsd (0 = forward KL, 1 = reverse KL)
   temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
 
@@ -254,6 +255,7 @@ def opd_loss(
       rollout.behaviour_logprobs,
       is_clip=loss_cfg.is_clip,
       advantage_clip=loss_cfg.advantage_clip,
+      baseline=loss_cfg.advantage_baseline,
     )
   elif loss_cfg.name == "reverse_kl_full":
     loss, metrics = losses.reverse_kl_full(student_bcv, teacher_bcv, mask_bc)

@@ -209,6 +209,79 @@ def test_reverse_kl_sampled_advantage_clip_is_an_f_divergence_gradient():
     losses.reverse_kl_sampled(z, zt, jnp.zeros((1, 1), jnp.int32), one, one, None, 0.0)
 
 
+def test_reverse_kl_sampled_batch_mean_baseline_by_hand():
+  # Row 0 has 3 tokens, row 1 has 2 (its third is padding). With c = 0.25, each row's baseline
+  # is the mean clipped advantage of the OTHER row's tokens, and
+  # ∂loss/∂z_bt = −m_bt (clip(A_bt) − b_b)(onehot(y_bt) − π_θ) / Σ m.
+  c = 0.25
+  s_lp_all = np_logsoftmax(S)
+  s_lp = np.take_along_axis(s_lp_all, TOKENS[..., None], -1)[..., 0]
+  t_lp = np.take_along_axis(np_logsoftmax(TCH), TOKENS[..., None], -1)[..., 0]
+  adv = np.clip(t_lp - s_lp, -c, c)
+  assert ((np.abs(t_lp - s_lp) > c) & (MASK > 0)).sum() == 3  # the clip acts on 3 of 5
+  b = np.array([adv[1, :2].mean(), adv[0].mean()])[:, None]
+  used = (adv - b) * MASK
+
+  def f(logits, baseline):
+    return losses.reverse_kl_sampled(logits, TCH, TOKENS, MASK, BEHAVIOUR, None, c, baseline)
+
+  loss, m = f(jnp.asarray(S), "batch_mean")
+  np.testing.assert_allclose(loss, -(used * s_lp).sum() / 5, rtol=1e-5)
+  np.testing.assert_allclose(
+    m["loss/advantage_baseline"], (3 * b[0, 0] + 2 * b[1, 0]) / 5, rtol=1e-5
+  )
+  onehot = np.eye(4)[TOKENS]
+  expected = -used[..., None] * (onehot - np.exp(s_lp_all)) / 5
+  grad = jax.grad(lambda z: f(z, "batch_mean")[0])(jnp.asarray(S))
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+  # Without a baseline: the same with b = 0; the baseline metric reads 0.
+  loss_none, m_none = f(jnp.asarray(S), "none")
+  np.testing.assert_allclose(loss_none, -(adv * MASK * s_lp).sum() / 5, rtol=1e-5)
+  assert float(m_none["loss/advantage_baseline"]) == 0.0
+  with pytest.raises(ValueError, match="baseline"):
+    f(jnp.asarray(S), "mean")
+
+
+@pytest.mark.parametrize("c", [None, 0.5])
+def test_reverse_kl_sampled_baseline_keeps_the_expected_gradient(c):
+  # Two sequences of one token each, V = 3, sampled on-policy and independently. Summed
+  # exactly over the 9 joint samples, the gradient with the batch-mean baseline equals the
+  # gradient without it; without a clip both equal ∇ KL(π_θ ‖ π_T) exactly.
+  z = jnp.array([[[0.3, -1.0, 0.8]], [[1.2, 0.1, -0.4]]])
+  zt = jnp.array([[[1.0, 0.5, -1.5]], [[-0.5, 0.9, 0.2]]])
+  p = jax.nn.softmax(z, axis=-1)[:, 0]
+  mask = jnp.ones((2, 1))
+
+  def expected_grad(baseline):
+    total = jnp.zeros_like(z)
+    for y0 in range(3):
+      for y1 in range(3):
+        tokens = jnp.array([[y0], [y1]])
+
+        def loss(logits, tokens=tokens):
+          lb = jax.lax.stop_gradient(losses.token_logprobs(logits, tokens))
+          return losses.reverse_kl_sampled(logits, zt, tokens, mask, lb, None, c, baseline)[0]
+
+        total = total + p[0, y0] * p[1, y1] * jax.grad(loss)(z)
+    return total
+
+  with_baseline, without = expected_grad("batch_mean"), expected_grad("none")
+  np.testing.assert_allclose(with_baseline, without, rtol=1e-5, atol=1e-7)
+  if c is None:
+    exact = jax.grad(lambda logits: losses.reverse_kl_full(logits, zt, mask)[0])(z)
+    np.testing.assert_allclose(with_baseline, exact, rtol=1e-5, atol=1e-7)
+  # The baseline does change individual sampled gradients (it is not a no-op).
+  tokens = jnp.array([[0], [2]])
+  lb = losses.token_logprobs(z, tokens)
+  grads = [
+    jax.grad(lambda lg, bl=bl: losses.reverse_kl_sampled(lg, zt, tokens, mask, lb, None, c, bl)[0])(
+      z
+    )
+    for bl in ("none", "batch_mean")
+  ]
+  assert float(jnp.max(jnp.abs(grads[0] - grads[1]))) > 1e-3
+
+
 def test_reverse_and_forward_kl_full_values():
   p_lp, q_lp = np_logsoftmax(S), np_logsoftmax(TCH)
   rev, m = losses.reverse_kl_full(S, TCH, MASK)

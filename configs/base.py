@@ -130,6 +130,11 @@ def get_config(arg=None):
   c.budget.prompts = 64  # adaptive: calibration prompts per measurement
   c.budget.conservative = False  # compare with the lower end of the budget's interval
   c.budget.force = False  # run with a stale budget (fingerprint changed) instead of refusing
+
+  # Export: a finished run writes its student as a Hugging Face checkpoint (opd_jax/export.py:
+  # weights, config.json and generation_config.json with the token ids, the tokenizer).
+  c.export = ml_collections.ConfigDict()
+  c.export.dir = ""  # "" = <workdir>/export; "none" = no export; else this directory
   return shrink_to_tiny(c) if arg == "tiny" else c
 
 

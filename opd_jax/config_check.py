@@ -161,6 +161,7 @@ RULES: dict[str, Any] = {
   "train.eval_every": POSITIVE,
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
+  "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),
   "budget.patience": POSITIVE,

@@ -28,6 +28,12 @@ reshape", so one flag per tensor describes both directions.
 Loading reads one tensor at a time, converts it on the host and waits until it
 is on its device (or sharding) before reading the next, so the host holds at
 most one tensor (and its converted copy) at a time, never the whole model.
+
+Export (`export_student`) writes a directory that `transformers` loads as it
+loads a published model: the weights and config.json (with the bos/eos/pad ids),
+generation_config.json, and the tokenizer: the Hugging Face tokenizer's files
+copied as they are, or for the built-in character tokenizer a `tokenizer.json`
+built from its vocabulary (`save_char_tokenizer`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import functools
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -51,8 +58,23 @@ from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# The token ids config.json and generation_config.json carry.
+ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The files of a Hugging Face tokenizer directory; an export copies those present.
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "vocab.json",
+  "merges.txt",
+  "tokenizer.model",
+  "chat_template.jinja",
+  "chat_template.json",
+)
 # Buffers that some older checkpoints carry and that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
@@ -328,16 +350,24 @@ def _plan_shards(specs, leaves, max_shard_bytes: int) -> list[list[int]]:
   return shards
 
 
-def save_checkpoint(path, cfg: ModelConfig, params, max_shard_bytes: int = 4 * 2**30) -> None:
+def save_checkpoint(
+  path,
+  cfg: ModelConfig,
+  params,
+  max_shard_bytes: int = 4 * 2**30,
+  generation_config: dict[str, Any] | None = None,
+) -> None:
   """Writes params as a Hugging Face checkpoint that `transformers` loads.
 
   Writes config.json (`cfg.to_hf_dict()` plus `torch_dtype`/`dtype`, the
-  embedding's dtype) and the weights in HF layout, each tensor in its own
-  dtype. Models up to `max_shard_bytes` go to one model.safetensors; larger
-  ones to model-0000i-of-0000n.safetensors shards plus
-  model.safetensors.index.json. Weight files already in `path` are removed
-  first so that no stale shard or index survives. The host holds at most one
-  shard at a time; params must be fully addressable from this process.
+  embedding's dtype, plus the bos/eos/pad ids of `generation_config`) and the
+  weights in HF layout, each tensor in its own dtype. Models up to
+  `max_shard_bytes` go to one model.safetensors; larger ones to
+  model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json.
+  Weight files (and a generation_config.json) already in `path` are removed
+  first so that no stale shard, index or generation config survives. The host
+  holds at most one shard at a time; params must be fully addressable from this
+  process.
 
   Args:
     path: output directory (created if needed).
@@ -345,11 +375,17 @@ def save_checkpoint(path, cfg: ModelConfig, params, max_shard_bytes: int = 4 * 2
     params: the unquantized params pytree of `opd_jax.model`.
     max_shard_bytes: largest shard size in bytes (a single larger tensor gets
       a shard of its own).
+    generation_config: written as generation_config.json, its `ID_KEYS` also
+      into config.json (`generation_config(tokenizer)` builds one); it must name
+      an `eos_token_id`. None writes neither (a cache that only opd_jax reads).
 
   Raises:
     ValueError: params hold a QArray, lack or add a tensor relative to `cfg`,
-      or have a tensor of the wrong shape.
+      or have a tensor of the wrong shape; a generation_config without an int
+      (or list of int) eos_token_id or with an id outside the vocabulary.
   """
+  if generation_config is not None:
+    _check_ids(generation_config, cfg.vocab_size)
   quantized = [
     jax.tree_util.keystr(p)
     for p, leaf in jax.tree_util.tree_leaves_with_path(
@@ -390,7 +426,7 @@ def save_checkpoint(path, cfg: ModelConfig, params, max_shard_bytes: int = 4 * 2
   directory = os.fspath(path)
   os.makedirs(directory, exist_ok=True)
   for name in os.listdir(directory):
-    if name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.match(name):
+    if name in (SINGLE_FILE, INDEX_FILE, GENERATION_CONFIG_FILE) or _SHARD_FILE.match(name):
       os.remove(os.path.join(directory, name))
 
   shards = _plan_shards(specs, leaves, max_shard_bytes)
@@ -414,5 +450,177 @@ def save_checkpoint(path, cfg: ModelConfig, params, max_shard_bytes: int = 4 * 2
 
   dtype = _dtype_name(params["embed_vd"].dtype)
   hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "dtype": dtype}
-  with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as fh:
-    json.dump(hf, fh, indent=2, sort_keys=True)
+  if generation_config is not None:
+    hf |= {k: generation_config[k] for k in ID_KEYS if k in generation_config}
+    _write_json(os.path.join(directory, GENERATION_CONFIG_FILE), generation_config)
+  _write_json(os.path.join(directory, CONFIG_FILE), hf)
+
+
+def _write_json(file: str, data: dict) -> None:
+  with open(file, "w", encoding="utf-8") as fh:
+    json.dump(data, fh, indent=2, sort_keys=True)
+    fh.write("\n")
+
+
+def _check_ids(generation: dict[str, Any], vocab_size: int) -> None:
+  """Refuses a generation config whose ids transformers could not use with this model."""
+  if "eos_token_id" not in generation:
+    raise ValueError(f"generation_config has no eos_token_id (keys: {sorted(generation)})")
+  for key in ID_KEYS:
+    value = generation.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is None and key != "eos_token_id":
+      continue
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+      raise ValueError(f"generation_config {key} must be an int or a list of ints, got {value!r}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+      raise ValueError(
+        f"generation_config {key}={value!r} is outside the model's vocabulary [0, {vocab_size})"
+      )
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: a directory `transformers` loads with its tokenizer and generation ids.
+
+
+def token_ids(tokenizer) -> dict[str, int | None]:
+  """{bos,eos,pad}_token_id of an `opd_jax.tokenizer` tokenizer (bos may be None)."""
+  return {
+    "bos_token_id": tokenizer.bos_id,
+    "eos_token_id": tokenizer.eos_id,
+    "pad_token_id": tokenizer.pad_id,
+  }
+
+
+def generation_config(tokenizer, source_dir=None) -> dict[str, Any]:
+  """The generation_config.json of an export: the tokenizer's bos/eos/pad ids.
+
+  With `source_dir` (the HF checkpoint the student started from) its own
+  generation_config.json is the base, so its sampling defaults survive; the
+  tokenizer's ids replace its ids, except that a source eos list holding the
+  tokenizer's eos is kept (chat models stop at several tokens), and a source bos
+  stays where the tokenizer has none. Ids that are None are left out.
+
+  Args:
+    tokenizer: the run's tokenizer (`eos_id`, `bos_id`, `pad_id`).
+    source_dir: a Hugging Face checkpoint directory, or None.
+
+  Returns:
+    the JSON dict.
+  """
+  base: dict[str, Any] = {}
+  if source_dir:
+    file = os.path.join(os.fspath(source_dir), GENERATION_CONFIG_FILE)
+    if os.path.isfile(file):
+      base = _read_json(file)
+  ids = {k: v for k, v in token_ids(tokenizer).items() if v is not None}
+  source_eos = base.get("eos_token_id")
+  if isinstance(source_eos, list) and ids["eos_token_id"] in source_eos:
+    ids["eos_token_id"] = source_eos
+  return base | ids
+
+
+def copy_tokenizer_files(source_dir, path) -> list[str]:
+  """Copies the `TOKENIZER_FILES` present in `source_dir` into `path`, byte for byte.
+
+  Returns:
+    the names copied, sorted.
+
+  Raises:
+    FileNotFoundError: `source_dir` is not a directory.
+    ValueError: it holds none of `TOKENIZER_FILES`.
+  """
+  source = os.fspath(source_dir)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"tokenizer directory {source!r} does not exist")
+  names = sorted(n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n)))
+  if not names:
+    raise ValueError(
+      f"tokenizer directory {source!r} holds none of the tokenizer files "
+      f"({', '.join(TOKENIZER_FILES)})"
+    )
+  os.makedirs(os.fspath(path), exist_ok=True)
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(os.fspath(path), name))
+  return names
+
+
+def save_char_tokenizer(tokenizer, path) -> list[str]:
+  """Writes the built-in character tokenizer as a `transformers` fast tokenizer.
+
+  One id per character (a `tokenizers` WordLevel model over the tokenizer's
+  vocabulary, the text split into single characters, decoded by joining them),
+  with its pad/bos/eos tokens, and bos prepended when special tokens are added
+  (`[bos] prompt`, as the task encodes prompts). `AutoTokenizer` then encodes
+  text to the ids `tokenizer.encode` gives; a character outside the alphabet is
+  an error, as it is in `CharTokenizer`.
+
+  Args:
+    tokenizer: a `CharTokenizer` (`get_vocab`, `pad_id`, `bos_id`, `eos_id`).
+    path: output directory.
+
+  Returns:
+    the names written, sorted.
+  """
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, processors
+  from transformers import PreTrainedTokenizerFast
+
+  vocab = tokenizer.get_vocab()
+  by_id = {i: t for t, i in vocab.items()}
+  bos, eos, pad = (by_id[i] for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
+  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+  backend.decoder = decoders.Fuse()
+  backend.post_processor = processors.TemplateProcessing(
+    single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_id)]
+  )
+  fast = PreTrainedTokenizerFast(
+    tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad
+  )
+  fast.save_pretrained(os.fspath(path))
+  # transformers 5 names the class TokenizersBackend; PreTrainedTokenizerFast, its alias
+  # there, is the name transformers 4 also knows.
+  config_file = os.path.join(os.fspath(path), "tokenizer_config.json")
+  _write_json(config_file, _read_json(config_file) | {"tokenizer_class": "PreTrainedTokenizerFast"})
+  return sorted(n for n in os.listdir(path) if n in TOKENIZER_FILES)
+
+
+def export_student(
+  path, cfg: ModelConfig, params, tokenizer, tokenizer_dir=None, source_dir=None
+) -> list[str]:
+  """Writes a student as a directory that `transformers` loads, tokenizer included.
+
+  `save_checkpoint` with `generation_config(tokenizer, source_dir)` (so config.json
+  and generation_config.json carry the bos/eos/pad ids), then the tokenizer:
+  the files of `tokenizer_dir` copied as they are, or, without one, the built-in
+  character tokenizer as a fast tokenizer (`save_char_tokenizer`). Tokenizer
+  files already in `path` are removed first, so none of an earlier export's
+  tokenizer survives.
+
+  Args:
+    path: output directory (created if needed).
+    cfg: the student's model config.
+    params: its unquantized params (fully addressable from this process).
+    tokenizer: the run's `opd_jax.tokenizer` tokenizer.
+    tokenizer_dir: the Hugging Face tokenizer directory the run loaded it from
+      (`config.tokenizer`), or None for the built-in character tokenizer.
+    source_dir: the HF checkpoint the student started from (`config.student.
+      checkpoint`), whose generation_config.json sampling defaults are kept; or None.
+
+  Returns:
+    the names of the files in `path`, sorted.
+  """
+  generation = generation_config(tokenizer, source_dir)
+  directory = os.fspath(path)
+  save_checkpoint(directory, cfg, params, generation_config=generation)
+  for name in TOKENIZER_FILES:
+    file = os.path.join(directory, name)
+    if os.path.isfile(file):
+      os.remove(file)
+  if tokenizer_dir:
+    copy_tokenizer_files(tokenizer_dir, directory)
+  else:
+    save_char_tokenizer(tokenizer, directory)
+  return sorted(os.listdir(directory))

@@ -204,6 +204,7 @@ RESUMABLE_KEYS = (
   "train.eval_every",
   "train.checkpoint_every",
   "train.keep_checkpoints",
+  "export.dir",  # where the finished student is written, not how it is trained
 )
 
 
@@ -304,6 +305,39 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
     hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
     os.replace(tmp, directory)
   return params
+
+
+def export_dir(config, workdir: str) -> str | None:
+  """Where a finished run writes its student (`export.dir`): "" is `<workdir>/export`,
+  "none" is no export (None), anything else that directory."""
+  d = config.export.dir
+  if d == "none":
+    return None
+  return d or os.path.join(workdir, "export")
+
+
+def export_student(config, models: build.Models, params, out: str, log=print) -> list[str]:
+  """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
+  the tokenizer files of `config.tokenizer` (the built-in character tokenizer when "char"),
+  and the generation defaults of the HF checkpoint the student came from, if any.
+
+  Every process must call it (params are gathered across processes); process 0 writes.
+  Returns the names of the files in `out` (on other processes: []).
+  """
+  if jax.process_count() > 1:
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if jax.process_index() != 0:
+    return []
+  files = hf.export_student(
+    out,
+    models.student_cfg,
+    params,
+    models.tokenizer,
+    tokenizer_dir=None if config.tokenizer == "char" else config.tokenizer,
+    source_dir=config.student.checkpoint or None,
+  )
+  log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
+  return files
 
 
 def _check_shapes(config, setup: Setup) -> None:
@@ -603,5 +637,9 @@ def _train(
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
     "wall_seconds": time.time() - start,
   }
+  out = export_dir(config, writer.workdir)
+  if stopped_by is None and out is not None:  # a finished run exports its student
+    export_student(config, m, state.params, out, log)
+    result["export_dir"] = out
   log(f"done: {result}")
   return result

@@ -118,6 +118,22 @@ def prompt_source(config, task_cfg):
   return task.TaskSource("train", config.data.train_size, config.seed, task_cfg)
 
 
+def process_prompt_batches(source, batch_size: int, seed: int):
+  """This process's rows of every global prompt batch, as a resumable grain dataset.
+
+  Every process reads the same global batches (`batch_size` prompts, shuffled by `seed`) and
+  keeps the contiguous rows [i·b, (i+1)·b), b = batch_size / n, for process i of n. Gathered
+  in process order (`RolloutEngine.draw_prompts`), the slices are the one-process batch row
+  for row, so each prompt meets the same sampling key however many processes share the run:
+  2 processes x 4 devices reproduce 1 x 8 (tests/test_launch.py). The iterator state (what a
+  checkpoint stores) is the global batch position, the same on every process.
+  """
+  n, i = jax.process_count(), jax.process_index()
+  rows = batch_size // n
+  batches = data.prompt_batches(source, batch_size, seed)
+  return batches.map(lambda batch: {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()})
+
+
 def prompt_width(source, tokenizer, task_cfg, from_file: bool) -> int:
   """P: the task's longest prompt, or the longest prompt in the file (with bos)."""
   if not from_file:
@@ -200,6 +216,7 @@ def _to_host(x) -> np.ndarray:
 # Keys that may change between a run and its resumption (how long and how often).
 RESUMABLE_KEYS = (
   "train.steps",
+  "train.stop_after",
   "train.log_every",
   "train.eval_every",
   "train.checkpoint_every",
@@ -398,15 +415,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   log(build.summary(m))
   source = prompt_source(config, setup.task_cfg)
   width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(config.data.prompt_file))
-  prompt_iter = iter(
-    data.prompt_batches(
-      source,
-      config.data.batch_size // jax.process_count(),
-      run_seed(config),
-      shard_index=jax.process_index(),
-      shard_count=jax.process_count(),
-    )
-  )
+  prompt_iter = iter(process_prompt_batches(source, config.data.batch_size, run_seed(config)))
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
   abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
   state_shardings = sharding.tree_shardings(abstract, m.mesh)
@@ -573,7 +582,7 @@ def _train(
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
   with StopOnSignal() as stop:
     while step < t.steps:
-      if stop.received is not None or step == t.stop_after:
+      if stop.received is not None or 0 < t.stop_after <= step:
         stopped_by = "stop_after" if stop.received is None else signal.Signals(stop.received).name
         if ckpt.latest_step() != step:
           save(step)

@@ -1,0 +1,384 @@
+"""The study: calibrate the mismatch budget on the embedded task, validate the admission check.
+
+    python -m opd_jax.study --config=configs/study.py[:tiny] --workdir=DIR
+
+The procedure (every step writes its result into DIR, and a restarted study reuses it):
+
+1. **Probe.** `probe_steps` steps of the reference run, every step checkpointed
+   (`DIR/runs/probe`, `train.stop_after`). Its latest student θ_P is the one every
+   candidate is measured at, and its checkpoints θ_(P−k) are the stale engines' weights:
+   exactly what `python -m opd_jax.admit --params-from=DIR/runs/probe` does.
+2. **Measure.** Each setting (calibration and held-out) is an admission-check candidate:
+   `admission.measure_candidate` on `num_prompts` calibration prompts with the check's key,
+   no training (`DIR/measurements.json`). This value is the x-axis of the budget.
+3. **Train.** Each setting is trained with `runs.run_once` (`DIR/runs/<name>/result.json`):
+   the reference over `seeds` (`train.seed`), the others once (seed 0). Quality q is the final
+   held-out accuracy; the quality drop of a run is d = mean(q_ref) − q.
+4. **Fit.** The tolerance τ is `tolerance`, or automatically
+   τ = max(2·sd(q_ref), 2·sqrt(q̄(1 − q̄)/n_eval)): twice the larger of the seed-to-seed spread
+   and the held-out binomial standard error, so a drop within the noise is never called a
+   degradation. `budget.fit_budget(records, τ)` on the reference and calibration records gives
+   the budget, saved as `DIR/budget.json` with the fingerprint of θ_P and the teacher.
+5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
+   the check would have given; the full run says whether quality was kept (d ≤ τ). The
+   confusion table and the agreement rate go to the report.
+6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
+   (`study_report`). The check's mismatch is also set beside each run's training-time mean
+   `mismatch/kl` (agreement of the two x-axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from opd_jax import config_check, trainer
+from opd_jax.mismatch import admission, budget, budget_file, runs, sensitivity
+
+PROBE = "probe"
+REFERENCE = "reference"
+REFERENCE_SPEC = "rollout.weights=trainer"  # a candidate that changes nothing: the exact engine
+MEASUREMENTS_FILE = "measurements.json"
+BUDGET_FILE = "budget.json"
+STUDY_FILE = "study.json"
+# Which override makes a setting belong to which source, checked in this order.
+SOURCE_OF_KEY = (
+  ("rollout.noise_sigma", "noise"),
+  ("rollout.stale_k", "stale"),
+  ("rollout.max_lag", "stale"),
+  ("rollout.weights", "fp8_weights"),
+  ("rollout.kv_cache", "fp8_kv"),
+  ("rollout.kernel", "kernel"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One configuration of the study: a candidate spec, where it is used, and its run.
+
+  Attributes:
+    name: run directory name under DIR/runs.
+    spec: the admission-check candidate (`admission.parse_candidate`).
+    source: "reference", a source name, or several joined by "+" for combinations.
+    role: "reference" | "calibration" | "held_out".
+    seed: `train.seed` of its run.
+  """
+
+  name: str
+  spec: str
+  source: str
+  role: str
+  seed: int
+
+
+def setting_name(spec: str) -> str:
+  """A directory name for a spec: "rollout.noise_sigma=0.1,rollout.stale_k=2" ->
+  "noise_sigma-0.1_stale_k-2"."""
+  name = spec.replace("rollout.", "").replace("=", "-").replace(",", "_")
+  return re.sub(r"[^A-Za-z0-9_.-]", "", name)
+
+
+def source_of(candidate: admission.Candidate, reference: ml_collections.ConfigDict) -> str:
+  """The sources a candidate changes against the reference config, "+"-joined."""
+  found = []
+  for key, source in SOURCE_OF_KEY:
+    section, leaf = key.split(".")
+    changed = candidate.config[section][leaf] != reference[section][leaf]
+    if changed and source not in found:
+      found.append(source)
+  return "+".join(found) or REFERENCE
+
+
+def study_settings(config: ml_collections.ConfigDict) -> list[Setting]:
+  """The reference seeds, then the calibration and held-out settings, in config order.
+
+  Raises:
+    ValueError: a spec the admission check refuses, a spec given twice, or no seeds.
+  """
+  if not config.seeds:
+    raise ValueError("config.seeds is empty: the reference needs at least one seed")
+  out = [
+    Setting(f"{REFERENCE}_seed{s}", REFERENCE_SPEC, REFERENCE, REFERENCE, int(s))
+    for s in config.seeds
+  ]
+  seen = set()
+  for role, specs in (("calibration", config.calibration), ("held_out", config.held_out)):
+    for spec in specs:
+      if spec in seen:
+        raise ValueError(f"setting {spec!r} is listed twice (calibration and held_out overlap?)")
+      seen.add(spec)
+      candidate = admission.parse_candidate(spec, config.run)
+      out.append(
+        Setting(
+          setting_name(spec), spec, source_of(candidate, config.run), role, int(config.seeds[0])
+        )
+      )
+  return out
+
+
+def run_config(config: ml_collections.ConfigDict, setting: Setting, workdir: str):
+  """The training config of a setting: the candidate's config with its seed and the study's
+  shared teacher cache."""
+  candidate = admission.parse_candidate(setting.spec, config.run)
+  cache = config.run.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
+  return runs.with_overrides(
+    candidate.config, {"train.seed": setting.seed, "teacher.cache_dir": cache}
+  )
+
+
+def probe_config(config: ml_collections.ConfigDict, settings: Sequence[Setting], workdir: str):
+  """The reference run stopped after `probe_steps`, keeping every checkpoint the stale
+  candidates need (θ_P and θ_(P−k) for each lag k)."""
+  lags = [admission.parse_candidate(s.spec, config.run).lag for s in settings]
+  reference = next(s for s in settings if s.role == REFERENCE)
+  base = run_config(config, reference, workdir)
+  if not 0 < config.probe_steps < base.train.steps:
+    raise ValueError(
+      f"config.probe_steps={config.probe_steps} must be in (0, run.train.steps={base.train.steps})"
+    )
+  if max(lags) >= config.probe_steps:
+    raise ValueError(
+      f"a stale setting has lag {max(lags)} but the probe runs only {config.probe_steps} steps; "
+      "raise config.probe_steps"
+    )
+  return runs.with_overrides(
+    base,
+    {
+      "train.stop_after": config.probe_steps,
+      "train.checkpoint_every": 1,
+      "train.keep_checkpoints": max(lags) + 1,
+      "train.eval_every": base.train.steps,
+    },
+  )
+
+
+def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
+  """Trains the probe once; returns its directory."""
+  directory = os.path.join(workdir, "runs", PROBE)
+  done = os.path.isdir(os.path.join(directory, "checkpoints")) and (
+    config.probe_steps in admission.checkpoint_steps(directory)
+  )
+  if not done:
+    log(f"probe: {config.probe_steps} reference steps into {directory}")
+    trainer.run(probe_config(config, settings, workdir), directory, log)
+  return directory
+
+
+def _read_json(path: str, default):
+  if not os.path.exists(path):
+    return default
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json(path: str, value) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=1, default=float)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callable = print):
+  """The admission check's measurement of every setting at the probe's student.
+
+  Returns:
+    (spec -> measurement dict, the budget fingerprint of the measured student and teacher).
+    Measurements are cached in DIR/measurements.json together with the fingerprint, and
+    reused when the fingerprint still matches.
+  """
+  path = os.path.join(workdir, MEASUREMENTS_FILE)
+  cached = _read_json(path, {"fingerprint": None, "measurements": {}})
+  run_cfg = run_config(config, settings[0], workdir)
+  setup = trainer.prepare_models(run_cfg, workdir, log)
+  history = admission.RunHistory(run_cfg, setup, probe_dir)
+  student = history.params(history.latest)
+  fingerprint = admission.current_fingerprint(setup, student)
+  measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}
+  m = setup.models
+  prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
+  for s in settings:
+    if s.spec in measured:
+      continue
+    candidate = admission.parse_candidate(s.spec, run_cfg)
+    problem = admission.stale_lag_problem(candidate, history)
+    if problem:
+      raise ValueError(problem)
+    behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
+    result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
+    measured[s.spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
+    log(f"measured {s.spec}: mismatch/kl {measured[s.spec][budget.KL_KEY]:.4g}")
+    _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
+  return measured, fingerprint
+
+
+def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str, float]:
+  """The seed-to-seed noise of the reference and the tolerance it implies.
+
+  sd = sample standard deviation of q_ref over seeds (0 with one seed);
+  se = sqrt(q̄(1 − q̄)/n_eval), the binomial standard error of one run's held-out accuracy;
+  τ = 2·max(sd, se).
+  """
+  q = np.asarray(reference_accuracy, np.float64)
+  mean = float(q.mean())
+  sd = float(q.std(ddof=1)) if q.size > 1 else 0.0
+  se = math.sqrt(max(mean * (1.0 - mean), 0.0) / num_eval)
+  return {"mean": mean, "sd": sd, "se": se, "tolerance": 2.0 * max(sd, se), "n": int(q.size)}
+
+
+def budget_records(rows: Sequence[dict]) -> list[dict]:
+  """The fit's records: the reference and calibration rows, x = the check's mismatch/kl."""
+  keep = ("source", "name", budget.KL_KEY, budget.DROP_KEY, "mismatch/kl_p95", "accuracy")
+  return [
+    {k: r[k] for k in keep if k in r} for r in rows if r["role"] in (REFERENCE, "calibration")
+  ]
+
+
+def confusion(rows: Sequence[dict], tolerance: float) -> dict[str, Any]:
+  """Held-out verdicts against what training showed.
+
+  A run "kept quality" iff its drop d ≤ τ. Counts: admitted & kept (true accept), admitted &
+  degraded (false accept), refused & kept (false refuse), refused & degraded (true refuse).
+  """
+  table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
+  for r in rows:
+    kept = r[budget.DROP_KEY] <= tolerance
+    table[("admitted" if r["admitted"] else "refused") + ("_kept" if kept else "_degraded")] += 1
+  n = sum(table.values())
+  agree = table["admitted_kept"] + table["refused_degraded"]
+  return {**table, "n": n, "agreement": agree / n if n else math.nan}
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+  """Spearman rank correlation (average ranks for ties); NaN with fewer than 3 points."""
+  if len(x) < 3:
+    return math.nan
+
+  def ranks(v):
+    v = np.asarray(v, np.float64)
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for value in np.unique(v):
+      tie = v == value
+      r[tie] = r[tie].mean()
+    return r
+
+  rx, ry = ranks(x), ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return math.nan
+  return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def agreement(rows: Sequence[dict]) -> dict[str, Any]:
+  """The check's pre-training mismatch/kl against each run's training-time mean."""
+  pairs = [
+    (r[budget.KL_KEY], r["train/mismatch/kl_mean"])
+    for r in rows
+    if r["role"] != REFERENCE and "train/mismatch/kl_mean" in r
+  ]
+  ratios = [c / t for c, t in pairs if t > admission.ROUNDING_KL]
+  return {
+    "spearman": _spearman([c for c, _ in pairs], [t for _, t in pairs]),
+    "ratio_median": float(np.median(ratios)) if ratios else math.nan,
+    "ratio_min": float(np.min(ratios)) if ratios else math.nan,
+    "ratio_max": float(np.max(ratios)) if ratios else math.nan,
+    "n": len(pairs),
+  }
+
+
+def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
+  """Runs the study (module docstring) in `workdir`; returns what `study.json` holds."""
+  from opd_jax.mismatch import study_report  # matplotlib only when reporting
+
+  start = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  config_check.validate(config.run)
+  settings = study_settings(config)
+  probe_dir = run_probe(config, settings, workdir, log)
+  measured, fingerprint = measure_settings(config, settings, probe_dir, workdir, log)
+
+  results = {}
+  for i, s in enumerate(settings):
+    log(f"[{i + 1}/{len(settings)}] {s.role} {s.name}: {s.spec}")
+    results[s.name] = runs.run_once(
+      run_config(config, s, workdir), os.path.join(workdir, "runs", s.name), log
+    )
+  reference = [results[s.name]["student_accuracy_after"] for s in settings if s.role == REFERENCE]
+  floor = noise_floor(reference, config.run.data.eval_size)
+  tolerance = config.tolerance or floor["tolerance"]
+
+  rows = []
+  for s in settings:
+    res, meas = results[s.name], measured[s.spec]
+    row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
+    row["accuracy"] = res["student_accuracy_after"]
+    row["student_teacher_kl"] = res["student_teacher_kl_after"]
+    row[budget.DROP_KEY] = floor["mean"] - row["accuracy"]
+    row["wall_seconds"] = res["wall_seconds"]
+    row.update({k: v for k, v in res.items() if k.startswith("train/")})
+    rows.append(row)
+
+  fitted = budget.fit_budget(budget_records(rows), tolerance)
+  budget_path = os.path.join(workdir, BUDGET_FILE)
+  budget_file.save_budget(budget_path, fitted, fingerprint)
+  for row in rows:
+    verdict = budget.admit(row, fitted)
+    row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
+    row["kept_quality"] = row[budget.DROP_KEY] <= tolerance
+  held_out = [r for r in rows if r["role"] == "held_out"]
+
+  result: dict[str, Any] = {
+    "workdir": os.path.abspath(workdir),
+    "run_steps": config.run.train.steps,
+    "num_eval": config.run.data.eval_size,
+    "num_prompts": config.num_prompts,
+    "probe": {"dir": probe_dir, "steps": config.probe_steps},
+    "teacher_accuracy": results[settings[0].name]["teacher_accuracy"],
+    "student_accuracy_before": results[settings[0].name]["student_accuracy_before"],
+    "noise_floor": floor,
+    "tolerance": tolerance,
+    "tolerance_rule": "config" if config.tolerance else "2 max(sd of seeds, binomial SE)",
+    "budget": {
+      "file": budget_path,
+      "max_kl": fitted.max_kl,
+      "interval": list(fitted.interval),
+      "censored": fitted.censored,
+      "curve_kl": list(fitted.overall.curve_kl),
+      "curve_drop": list(fitted.overall.curve_drop),
+    },
+    "confusion": confusion(held_out, tolerance),
+    "check_vs_training": agreement(rows),
+    "rows": rows,
+    "curves": {s.name: results[s.name].get("curve", []) for s in settings},
+  }
+  if config.sensitivity:
+    sens_json = os.path.join(workdir, "sensitivity.json")
+    if not os.path.exists(sens_json):
+      sensitivity.run_sensitivity(
+        run_config(config, settings[0], workdir),
+        params_from=probe_dir,
+        num_prompts=config.num_prompts,
+        json_path=sens_json,
+        png_path=os.path.join(workdir, "sensitivity.png"),
+        log=log,
+      )
+    result["sensitivity"] = _read_json(sens_json, None)
+  result["plots"] = study_report.plot_all(result, workdir)
+  result["seconds"] = time.time() - start
+  result["train_seconds"] = sum(r["wall_seconds"] for r in rows)
+  _write_json(os.path.join(workdir, STUDY_FILE), result)
+  report = study_report.markdown(result)
+  with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:
+    f.write(report)
+  log(report)
+  return result

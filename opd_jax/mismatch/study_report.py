@@ -1,0 +1,281 @@
+"""The study's outputs: PNG plots and the markdown report, from the `study.json` dict.
+
+Plots (`plot_all`):
+- `quality_vs_mismatch.png`: quality drop d against the check's mismatch/kl (log axis), one
+  marker per source, calibration filled and held-out hollow; the isotonic fit, the budget
+  max_kl with its bootstrap interval, and the tolerance τ;
+- `training_curves.png`: held-out accuracy against step for the reference seeds and the
+  worst run of each source;
+- `check_vs_training.png`: the check's mismatch/kl against each run's training-time mean;
+- the sensitivity bar chart is written by the scan itself (`sensitivity.png`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+KL_FLOOR = 1e-8  # exact engines read ~1e-9 (f32 rounding); drawn at this floor on log axes
+MARKERS = "osD^v<>px*h"
+
+
+def _plt():
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def _x(kl: float) -> float:
+  return max(kl, KL_FLOOR)
+
+
+def plot_quality(result: dict, path: str) -> str:
+  """Quality drop against the check's mismatch/kl with the fit and the budget."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(7.5, 4.6))
+  sources = sorted({r["source"] for r in result["rows"]})
+  for i, source in enumerate(sources):
+    for role, fill in (("reference", True), ("calibration", True), ("held_out", False)):
+      rs = [r for r in result["rows"] if r["source"] == source and r["role"] == role]
+      if not rs:
+        continue
+      ax.scatter(
+        [_x(r["mismatch/kl"]) for r in rs],
+        [100 * r["quality_drop"] for r in rs],
+        marker=MARKERS[i % len(MARKERS)],
+        facecolors=f"C{i}" if fill else "none",
+        edgecolors=f"C{i}",
+        label=f"{source}{' (held out)' if not fill else ''}",
+        s=36,
+      )
+  b = result["budget"]
+  ax.plot(
+    [_x(x) for x in b["curve_kl"]],
+    [100 * d for d in b["curve_drop"]],
+    "k-",
+    lw=1,
+    label="isotonic fit",
+  )
+  ax.axhline(100 * result["tolerance"], color="gray", ls=":", lw=1, label="tolerance τ")
+  if b["max_kl"] > 0:
+    ax.axvline(_x(b["max_kl"]), color="r", ls="--", lw=1, label=f"budget {b['max_kl']:.3g}")
+  low, high = b["interval"]
+  if high > 0:
+    ax.axvspan(_x(low), _x(high), color="r", alpha=0.1, label="95% interval")
+  ax.set_xscale("log")
+  ax.set_xlabel("mismatch/kl measured by the admission check (nats/token)")
+  ax.set_ylabel("quality drop (accuracy points)")
+  ax.set_title(f"OPD quality against mismatch ({result['run_steps']} steps per run)", fontsize=10)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _worst_per_source(rows: list[dict]) -> list[dict]:
+  worst: dict[str, dict] = {}
+  for r in rows:
+    if r["role"] == "reference":
+      continue
+    if r["source"] not in worst or r["quality_drop"] > worst[r["source"]]["quality_drop"]:
+      worst[r["source"]] = r
+  return list(worst.values())
+
+
+def plot_curves(result: dict, path: str) -> str:
+  """Held-out accuracy against step: the reference seeds and each source's worst run."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  shown = [r for r in result["rows"] if r["role"] == "reference"] + _worst_per_source(
+    result["rows"]
+  )
+  for r in shown:
+    curve = result["curves"].get(r["name"], [])
+    if curve:
+      ref = r["role"] == "reference"
+      ax.plot(
+        [c[0] for c in curve],
+        [100 * c[1] for c in curve],
+        color="k" if ref else None,
+        alpha=0.5 if ref else 1.0,
+        lw=1,
+        marker=".",
+        label=r["name"],
+      )
+  ax.axhline(100 * result["teacher_accuracy"], color="gray", ls=":", lw=1, label="teacher")
+  ax.set_xlabel("OPD step")
+  ax.set_ylabel("held-out accuracy (%)")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_agreement(result: dict, path: str) -> str:
+  """The check's mismatch/kl against the run's training-time mean, log-log, with y = x."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(5, 4.4))
+  rs = [r for r in result["rows"] if r["role"] != "reference" and "train/mismatch/kl_mean" in r]
+  for i, source in enumerate(sorted({r["source"] for r in rs})):
+    pts = [r for r in rs if r["source"] == source]
+    ax.scatter(
+      [_x(r["mismatch/kl"]) for r in pts],
+      [_x(r["train/mismatch/kl_mean"]) for r in pts],
+      marker=MARKERS[i % len(MARKERS)],
+      label=source,
+      s=30,
+    )
+  if rs:
+    values = [_x(r["mismatch/kl"]) for r in rs] + [_x(r["train/mismatch/kl_mean"]) for r in rs]
+    lo, hi = min(values), max(values)
+    ax.plot([lo, hi], [lo, hi], "k:", lw=1, label="y = x")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("admission check, before training")
+  ax.set_ylabel("training-time mean")
+  ax.set_title("mismatch/kl (nats/token)", fontsize=10)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_all(result: dict, workdir: str) -> list[str]:
+  """Writes every plot into `workdir`; returns their paths (empty without matplotlib)."""
+  try:
+    _plt()
+  except ImportError:
+    return []
+  paths = [
+    plot_quality(result, os.path.join(workdir, "quality_vs_mismatch.png")),
+    plot_curves(result, os.path.join(workdir, "training_curves.png")),
+    plot_agreement(result, os.path.join(workdir, "check_vs_training.png")),
+  ]
+  sens = result.get("sensitivity") or {}
+  if sens.get("png"):
+    paths.append(sens["png"])
+  return paths
+
+
+def _pct(x: float) -> str:
+  return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.1f}"
+
+
+def _g(x: Any) -> str:
+  return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
+
+
+def rows_table(rows: list[dict]) -> list[str]:
+  lines = [
+    "| setting | role | source | check mismatch/kl | training mean | accuracy % | drop pts |"
+    " verdict | kept |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r['name']} | {r['role']} | {r['source']} | {_g(r['mismatch/kl'])} | "
+      f"{_g(r.get('train/mismatch/kl_mean'))} | {_pct(r['accuracy'])} | "
+      f"{_pct(r['quality_drop'])} | {'admit' if r['admitted'] else 'refuse'} | "
+      f"{'yes' if r['kept_quality'] else 'no'} |"
+    )
+  return lines
+
+
+def findings(result: dict) -> list[str]:
+  """One sentence per finding, each with its numbers."""
+  floor, b, conf = result["noise_floor"], result["budget"], result["confusion"]
+  out = [
+    f"Reference: {floor['n']} seeds reach {_pct(floor['mean'])} % held-out accuracy (sd "
+    f"{_pct(floor['sd'])} points; binomial SE of one run {_pct(floor['se'])} points; teacher "
+    f"{_pct(result['teacher_accuracy'])} %, warm start "
+    f"{_pct(result['student_accuracy_before'])} %).",
+    f"Tolerance τ = {_pct(result['tolerance'])} accuracy points ({result['tolerance_rule']}).",
+    f"Budget: max_kl = {_g(b['max_kl'])} nats/token, 95 % bootstrap interval "
+    f"[{_g(b['interval'][0])}, {_g(b['interval'][1])}], censored: {b['censored']}.",
+  ]
+  by_source: dict[str, list[dict]] = {}
+  for r in result["rows"]:
+    if r["role"] == "calibration":
+      by_source.setdefault(r["source"], []).append(r)
+  for source, rs in sorted(by_source.items()):
+    rs = sorted(rs, key=lambda r: r["mismatch/kl"])
+    kept = [r for r in rs if r["kept_quality"]]
+    lost = [r for r in rs if not r["kept_quality"]]
+    text = ", ".join(
+      f"{r['name']} kl {_g(r['mismatch/kl'])} drop {_pct(r['quality_drop'])}" for r in rs
+    )
+    verdict = (
+      "no setting degraded quality"
+      if not lost
+      else f"quality degraded from kl {_g(lost[0]['mismatch/kl'])} on"
+      if kept
+      else "every setting degraded quality"
+    )
+    out.append(f"{source}: {verdict} ({text}).")
+  out.append(
+    f"Admission check on {conf['n']} held-out settings: agreement {_pct(conf['agreement'])} % "
+    f"(admitted & kept {conf['admitted_kept']}, admitted & degraded {conf['admitted_degraded']}, "
+    f"refused & kept {conf['refused_kept']}, refused & degraded {conf['refused_degraded']})."
+  )
+  a = result["check_vs_training"]
+  out.append(
+    f"Check against training-time mismatch ({a['n']} runs): Spearman {_g(a['spearman'])}, "
+    f"check/training ratio median {_g(a['ratio_median'])} (range {_g(a['ratio_min'])}–"
+    f"{_g(a['ratio_max'])}). The budget's x-axis is the check's value, because it is what a "
+    "user can measure before training; the training-time mean is logged beside it."
+  )
+  return out
+
+
+def confusion_table(conf: dict) -> list[str]:
+  return [
+    "| | kept quality | degraded |",
+    "|---|---|---|",
+    f"| admitted | {conf['admitted_kept']} | {conf['admitted_degraded']} |",
+    f"| refused | {conf['refused_kept']} | {conf['refused_degraded']} |",
+  ]
+
+
+def markdown(result: dict) -> str:
+  """The report: findings, the confusion table, every run, the plots."""
+  lines = [
+    "# Mismatch study",
+    "",
+    f"{len(result['rows'])} OPD runs of {result['run_steps']} steps, quality = held-out "
+    f"accuracy on {result['num_eval']} prompts; the check measured each setting on "
+    f"{result['num_prompts']} calibration prompts at the probe's student (step "
+    f"{result['probe']['steps']}). Training took {result['train_seconds'] / 60:.1f} min of "
+    f"run wall time, the whole study {result['seconds'] / 60:.1f} min in this invocation.",
+    "",
+    "## Findings",
+    "",
+    *[f"- {f}" for f in findings(result)],
+    "",
+    "## Admission check on held-out settings",
+    "",
+    *confusion_table(result["confusion"]),
+    "",
+    "## Every run",
+    "",
+    *rows_table(result["rows"]),
+    "",
+  ]
+  sens = result.get("sensitivity")
+  if sens and sens.get("recipe"):
+    rec = sens["recipe"]
+    lines += [
+      "## Layer sensitivity (at the probe's student)",
+      "",
+      f"Suggested FP8 recipe: keep layers {rec['bf16_layers']} in BF16; mismatch/kl "
+      f"{_g(rec['mismatch/kl'])}; KV capacity {_g(rec['capacity_ratio'])}× BF16.",
+      "",
+    ]
+  lines += ["## Plots", ""] + [f"- `{os.path.basename(p)}`" for p in result.get("plots", [])]
+  return "\n".join(lines) + "\n"

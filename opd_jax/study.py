@@ -1,0 +1,38 @@
+"""Entry point: the mismatch study.
+
+    python -m opd_jax.study --config=configs/study.py[:tiny] [--config.<key>=<value> ...]
+        [--workdir=DIR]
+
+Calibrates the mismatch budget on the embedded task (a probe run, the admission check's
+measurement of every setting, one OPD run per setting, the isotonic fit at a tolerance above
+the seed-to-seed noise floor), validates the admission check on held-out settings (confusion
+table), and writes `study.json`, `report.md`, `budget.json` and PNG plots into the workdir. A
+restarted study reuses every finished run and measurement. The logic is
+`opd_jax.mismatch.study.run_study`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from opd_jax.mismatch import study
+
+  try:
+    study.run_study(main_cli._CONFIG.value, main_cli._WORKDIR.value, print)
+  except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)

@@ -1,0 +1,129 @@
+"""The mismatch study: its pure pieces by hand, and `configs/study.py:tiny` end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from opd_jax.mismatch import admission, budget_file, study
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "configs"))
+
+import study as study_config  # noqa: E402  (configs/study.py)
+
+
+def test_noise_floor_by_hand():
+  floor = study.noise_floor([0.90, 0.94, 0.92], num_eval=100)
+  assert floor["mean"] == pytest.approx(0.92)
+  assert floor["sd"] == pytest.approx(0.02)  # sample sd of (-0.02, 0.02, 0)
+  assert floor["se"] == pytest.approx(math.sqrt(0.92 * 0.08 / 100))  # 0.0271
+  assert floor["tolerance"] == pytest.approx(2 * math.sqrt(0.92 * 0.08 / 100))
+  one = study.noise_floor([0.5], num_eval=10_000)
+  assert one["sd"] == 0.0 and one["tolerance"] == pytest.approx(2 * 0.005)
+
+
+def test_confusion_counts_and_agreement():
+  rows = [
+    {"quality_drop": 0.00, "admitted": True},  # admitted & kept
+    {"quality_drop": 0.05, "admitted": True},  # admitted & degraded
+    {"quality_drop": 0.01, "admitted": False},  # refused & kept
+    {"quality_drop": 0.30, "admitted": False},  # refused & degraded
+    {"quality_drop": 0.02, "admitted": True},  # kept: equal to the tolerance
+  ]
+  c = study.confusion(rows, tolerance=0.02)
+  assert (c["admitted_kept"], c["admitted_degraded"]) == (2, 1)
+  assert (c["refused_kept"], c["refused_degraded"]) == (1, 1)
+  assert c["n"] == 5 and c["agreement"] == pytest.approx(3 / 5)
+
+
+def test_spearman_by_hand():
+  assert study._spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert study._spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  # ranks x (1,2,3), y (1,3,2): 1 - 6*(0+1+1)/(3*8) = 0.5
+  assert study._spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
+  assert math.isnan(study._spearman([1, 2], [1, 2]))
+
+
+def test_settings_names_and_sources():
+  config = study_config.get_config()
+  settings = study.study_settings(config)
+  by_spec = {s.spec: s for s in settings if s.role != "reference"}
+  assert [s.seed for s in settings if s.role == "reference"] == list(config.seeds)
+  assert by_spec["rollout.noise_sigma=0.2,rollout.stale_k=2"].source == "noise+stale"
+  assert by_spec["rollout.noise_sigma=0.2,rollout.stale_k=2"].name == "noise_sigma-0.2_stale_k-2"
+  assert by_spec["rollout.kv_cache=fp8,rollout.kv_granularity=tensor"].source == "fp8_kv"
+  assert by_spec["rollout.kernel=bf16_matmul"].role == "calibration"
+  assert by_spec["rollout.stale_k=6"].role == "held_out"
+  assert len({s.name for s in settings}) == len(settings)
+
+
+def test_settings_refuse_duplicates_and_bad_specs():
+  config = study_config.get_config("tiny")
+  config.held_out = (config.calibration[0],)
+  with pytest.raises(ValueError, match="listed twice"):
+    study.study_settings(config)
+  config = study_config.get_config("tiny")
+  config.calibration = ("rollout.noise_sigmaa=0.1",)
+  with pytest.raises(ValueError, match="did you mean 'rollout.noise_sigma'"):
+    study.study_settings(config)
+
+
+def test_probe_must_cover_the_largest_lag(tmp_path):
+  config = study_config.get_config("tiny")
+  config.calibration = ("rollout.stale_k=4",)
+  with pytest.raises(ValueError, match="raise config.probe_steps"):
+    study.probe_config(config, study.study_settings(config), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_and_resume(tmp_path):
+  """`python -m opd_jax.study --config=configs/study.py:tiny` writes every output; a second
+  invocation trains nothing again."""
+  workdir = tmp_path / "study"
+  cmd = [
+    sys.executable,
+    "-m",
+    "opd_jax.study",
+    f"--config={os.path.join(REPO, 'configs', 'study.py')}:tiny",
+    f"--workdir={workdir}",
+  ]
+  first = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  for name in (
+    "study.json",
+    "report.md",
+    "budget.json",
+    "measurements.json",
+    "quality_vs_mismatch.png",
+    "training_curves.png",
+    "check_vs_training.png",
+  ):
+    assert (workdir / name).exists(), name
+  result = json.loads((workdir / "study.json").read_text())
+  config = study_config.get_config("tiny")
+  names = {r["name"] for r in result["rows"]}
+  assert len(result["rows"]) == len(config.seeds) + len(config.calibration) + len(config.held_out)
+  assert {"reference_seed0", "reference_seed1", "noise_sigma-0.5", "stale_k-1"} <= names
+  assert result["confusion"]["n"] == len(config.held_out)
+  for r in result["rows"]:
+    assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
+  reference_kl = [r["mismatch/kl"] for r in result["rows"] if r["role"] == "reference"]
+  noisy_kl = [r["mismatch/kl"] for r in result["rows"] if r["name"] == "noise_sigma-0.5"]
+  assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0
+  saved, fingerprint = budget_file.load_budget(str(workdir / "budget.json"))
+  assert saved.max_kl == pytest.approx(result["budget"]["max_kl"])
+  assert fingerprint["student"]["weights_sha256"]
+  # the budget is tied to the probe's student: the admission check finds it fresh there
+  assert admission.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps
+
+  mtimes = {p: p.stat().st_mtime for p in (workdir / "runs").glob("*/result.json")}
+  second = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
+  assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+  assert "OPD step" not in second.stdout and "done: {" not in second.stdout  # nothing retrained
+  assert {p: p.stat().st_mtime for p in mtimes} == mtimes
+  again = json.loads((workdir / "study.json").read_text())
+  assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in result["rows"]]

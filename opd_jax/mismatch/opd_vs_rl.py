@@ -1,0 +1,275 @@
+"""OPD against RL under the same rollout mismatch: the logic of `python -m opd_jax.opd_vs_rl`.
+
+The study behind this project claims that on-policy distillation stays stable under rollout
+configurations (FP8, staleness, weight noise) that destabilise RL. This comparison trains, for
+the reference engine and each mismatch setting, three methods from the same teacher, warm
+start and prompts (`configs/opd_vs_rl.py`):
+
+    opd     the run config unchanged (the bf16_sync recipe, reverse_kl_full)
+    rl      REINFORCE on the task reward (`opd_jax.rl`), importance ratio 1
+    rl_is   REINFORCE with the truncated ratio min(π_θ/π_b, C)
+
+and tabulates, per run: the final held-out accuracy, its drop against the same method's
+reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
+mismatch scale), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
+pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>, so a
+restarted comparison reuses what finished. The report (markdown table, JSON with every number,
+PNG of accuracy and drop against mismatch/kl) is rewritten after every finished run, so a
+comparison stopped early still reports what it has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from opd_jax import metrics_writer
+from opd_jax.mismatch import admission, runs
+
+REFERENCE = "reference"
+METHODS = ("opd", "rl", "rl_is")
+REPORT_NAME = "opd_vs_rl"  # <workdir>/opd_vs_rl.{md,json,png}
+
+
+def method_overrides(method: str, rl_lr: float, is_clip: float) -> dict[str, Any]:
+  """The config overrides that turn the OPD run into `method`.
+
+  Raises:
+    ValueError: an unknown method or a non-positive is_clip for rl_is.
+  """
+  if method == "opd":
+    return {}
+  if method == "rl":
+    return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": 0.0}
+  if method == "rl_is":
+    if not is_clip > 0:
+      raise ValueError(f"method rl_is needs is_clip > 0, got {is_clip!r}")
+    return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": float(is_clip)}
+  raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+
+
+def setting_name(spec: str) -> str:
+  """A directory name for a setting spec: "rollout.weights=fp8,rollout.kv_cache=fp8" ->
+  "weights-fp8_kv_cache-fp8"; the empty spec is the reference."""
+  if not spec:
+    return REFERENCE
+  name = spec.replace("rollout.", "").replace("=", "-").replace(",", "_")
+  return re.sub(r"[^A-Za-z0-9_.-]", "", name)
+
+
+def grad_norm_stats(run_dir: str) -> dict[str, float]:
+  """Mean, max and std (population) of `perf/grad_norm` over the logged steps of a run, and
+  the number of steps they cover."""
+  rows = metrics_writer.read_jsonl(run_dir)
+  values = np.asarray([r["perf/grad_norm"] for r in rows.values() if "perf/grad_norm" in r])
+  if not values.size:
+    return {"grad_norm_mean": math.nan, "grad_norm_max": math.nan, "grad_norm_std": math.nan}
+  return {
+    "grad_norm_mean": float(values.mean()),
+    "grad_norm_max": float(values.max()),
+    "grad_norm_std": float(values.std()),
+    "grad_norm_logged_steps": int(values.size),
+  }
+
+
+def last_logged(run_dir: str, key: str, window: int = 10) -> float:
+  """Mean of `key` over its last `window` logged values (nan when never logged)."""
+  rows = metrics_writer.read_jsonl(run_dir)
+  values = [r[key] for _, r in sorted(rows.items()) if key in r]
+  return float(np.mean(values[-window:])) if values else math.nan
+
+
+def run_row(method: str, setting: str, spec: str, run_dir: str, result: dict) -> dict[str, Any]:
+  """One table row from a finished run's result and its metrics.jsonl."""
+  row = {
+    "method": method,
+    "setting": setting,
+    "spec": spec,
+    "run_dir": run_dir,
+    "accuracy_before": result["student_accuracy_before"],
+    "accuracy": result["student_accuracy_after"],
+    "student_teacher_kl": result["student_teacher_kl_after"],
+    "teacher_accuracy": result["teacher_accuracy"],
+    "mismatch_kl_mean": result.get("train/mismatch/kl_mean", math.nan),
+    "mismatch_kl_max": result.get("train/mismatch/kl_max", math.nan),
+    "curve": result.get("curve", []),
+    "train_reward_last": last_logged(run_dir, "rl/reward_mean"),
+    "wall_seconds": result.get("wall_seconds", math.nan),
+  }
+  row.update(grad_norm_stats(run_dir))
+  return row
+
+
+def add_drops(rows: Sequence[dict]) -> None:
+  """Sets each row's `drop` (points): its method's reference accuracy minus its accuracy;
+  nan while that reference run has not finished."""
+  ref = {r["method"]: r["accuracy"] for r in rows if r["setting"] == REFERENCE}
+  for r in rows:
+    r["drop_points"] = (
+      100.0 * (ref[r["method"]] - r["accuracy"]) if r["method"] in ref else math.nan
+    )
+
+
+def _fmt(x: float, spec: str) -> str:
+  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+  """The comparison as a markdown table, one line per (setting, method)."""
+  head = (
+    "| setting | method | accuracy | drop vs own ref (pts) | train mismatch/kl | "
+    "grad-norm mean | grad-norm max | grad-norm std | last reward |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {r['setting']} | {r['method']} | {_fmt(100 * r['accuracy'], '.1f')} % | "
+    f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
+    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} |"
+    for r in rows
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: str) -> bool:
+  """Final accuracy and drop against training-time mismatch/kl, one series per method.
+
+  The x axis is symlog so the reference (mismatch ≈ 0) sits at the left edge. Returns False,
+  writing nothing, when matplotlib is not installed.
+  """
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  finite = [r["mismatch_kl_mean"] for r in rows if np.isfinite(r["mismatch_kl_mean"])]
+  positive = [x for x in finite if x > 0]
+  linthresh = min(positive) / 2 if positive else 1e-6
+  for method, marker in zip(METHODS, "osD", strict=True):
+    mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["mismatch_kl_mean"])
+    if not mine:
+      continue
+    x = [r["mismatch_kl_mean"] for r in mine]
+    axes[0].plot(x, [100 * r["accuracy"] for r in mine], marker=marker, label=method)
+    axes[1].plot(x, [r["drop_points"] for r in mine], marker=marker, label=method)
+    for r in mine:
+      axes[0].annotate(r["setting"], (r["mismatch_kl_mean"], 100 * r["accuracy"]), fontsize=6)
+  for ax, ylabel in zip(
+    axes, ("final held-out accuracy (%)", "drop vs own reference (points)"), strict=True
+  ):
+    ax.set_xscale("symlog", linthresh=linthresh)
+    ax.set_xlabel("training-time mean mismatch/kl (nats/token)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle("OPD vs RL under rollout mismatch")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
+  """Writes <workdir>/opd_vs_rl.{md,json,png} from the finished rows; returns the JSON dict."""
+  add_drops(rows)
+  table = markdown_table(rows)
+  base = os.path.join(workdir, REPORT_NAME)
+  with open(base + ".md", "w", encoding="utf-8") as f:
+    f.write(f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n{table}")
+  report = dict(meta, rows=rows, table_markdown=table)
+  tmp = base + ".json.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  os.replace(tmp, base + ".json")
+  if not plot(rows, base + ".png"):
+    log("matplotlib is not installed: no PNG written")
+  return report
+
+
+def plan(
+  config: ml_collections.ConfigDict,
+) -> list[tuple[str, str, str, ml_collections.ConfigDict]]:
+  """(method, setting name, spec, run config) for every run, settings outermost (the
+  reference first), so that a comparison stopped early has whole settings.
+
+  Raises:
+    ValueError: a bad setting spec (named by `admission.parse_candidate`), an unknown
+      method, or two settings with the same name.
+  """
+  methods = tuple(config.methods)
+  if not methods:
+    raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
+  base = config.run
+  settings = [("", {})]
+  for spec in config.settings:
+    settings.append((spec, admission.parse_candidate(spec, base).overrides))
+  names = [setting_name(s) for s, _ in settings]
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.settings has repeated settings: {names}")
+  out = []
+  for (spec, rollout_overrides), name in zip(settings, names, strict=True):
+    for method in methods:
+      overrides = dict(rollout_overrides, **method_overrides(method, config.rl_lr, config.is_clip))
+      out.append((method, name, spec, runs.with_overrides(base, overrides)))
+  return out
+
+
+def run_comparison(
+  config: ml_collections.ConfigDict, workdir: str, log: Callable = print
+) -> dict[str, Any]:
+  """Trains every (setting, method) run once and writes the report after each.
+
+  When `run.teacher.cache_dir` is empty, every run shares <workdir>/teacher_cache (one teacher
+  bootstrap and one warm start for the whole comparison).
+
+  Returns:
+    The report dict written to <workdir>/opd_vs_rl.json.
+  """
+  config = ml_collections.ConfigDict(config.to_dict())
+  if not config.run.teacher.cache_dir:
+    config.run.teacher.cache_dir = os.path.join(workdir, "teacher_cache")
+  todo = plan(config)
+  os.makedirs(workdir, exist_ok=True)
+  meta = {
+    "steps": config.run.train.steps,
+    "eval_size": config.run.data.eval_size,
+    "opd_lr": config.run.train.lr,
+    "rl_lr": config.rl_lr,
+    "is_clip": config.is_clip,
+    "teacher_cache_dir": config.run.teacher.cache_dir,
+    "planned": [f"{m}__{s}" for m, s, _, _ in todo],
+    "summary": (
+      f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
+      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, rl_is C={config.is_clip}. "
+      "drop = the method's reference accuracy minus this run's (points); mismatch/kl is the "
+      "mean over the logged training steps; grad-norm is pre-clip, over the logged steps."
+    ),
+  }
+  rows: list[dict] = []
+  report: dict[str, Any] = {}
+  for i, (method, name, spec, run_config) in enumerate(todo):
+    run_dir = os.path.join(workdir, "runs", f"{method}__{name}")
+    log(f"[{i + 1}/{len(todo)}] {method} on {name} -> {run_dir}")
+    result = runs.run_once(run_config, run_dir, log)
+    rows.append(run_row(method, name, spec, run_dir, result))
+    meta["finished"] = len(rows)
+    report = write_report(rows, workdir, meta, log)
+    r = rows[-1]
+    log(
+      f"  {method} on {name}: accuracy {r['accuracy']:.3f} (drop {r['drop_points']:+.1f} pts), "
+      f"mismatch/kl {r['mismatch_kl_mean']:.2e}, grad-norm mean {r['grad_norm_mean']:.3g} "
+      f"max {r['grad_norm_max']:.3g}"
+    )
+  log(report["table_markdown"])
+  log(f"wrote {os.path.join(workdir, REPORT_NAME)}.{{md,json,png}}")
+  return report

@@ -1,0 +1,112 @@
+"""The OPD-against-RL comparison: the report's arithmetic, and `:tiny` end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opd_jax.mismatch import opd_vs_rl
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "configs"))
+import opd_vs_rl as opd_vs_rl_config  # noqa: E402
+
+
+def _row(method, setting, accuracy):
+  return {
+    "method": method,
+    "setting": setting,
+    "accuracy": accuracy,
+    "mismatch_kl_mean": 0.0 if setting == "reference" else 0.01,
+    "grad_norm_mean": 1.0,
+    "grad_norm_max": 2.0,
+    "grad_norm_std": 0.5,
+    "train_reward_last": math.nan,
+  }
+
+
+def test_drops_are_against_the_same_methods_reference():
+  rows = [
+    _row("opd", "reference", 0.90),
+    _row("rl", "reference", 0.50),
+    _row("opd", "fp8", 0.85),
+    _row("rl", "fp8", 0.60),
+    _row("rl_is", "fp8", 0.40),  # its reference has not finished: no drop yet
+  ]
+  opd_vs_rl.add_drops(rows)
+  assert [r["drop_points"] for r in rows[:4]] == pytest.approx([0.0, 0.0, 5.0, -10.0])
+  assert math.isnan(rows[4]["drop_points"])
+  table = opd_vs_rl.markdown_table(rows)
+  assert "| fp8 | rl | 60.0 % | -10.0 |" in table and "| fp8 | rl_is | 40.0 % | — |" in table
+
+
+def test_method_overrides_and_setting_names():
+  assert opd_vs_rl.method_overrides("opd", 1e-4, 2.0) == {}
+  assert opd_vs_rl.method_overrides("rl", 1e-4, 2.0)["train.is_clip"] == 0.0
+  assert opd_vs_rl.method_overrides("rl_is", 1e-4, 2.0)["train.is_clip"] == 2.0
+  with pytest.raises(ValueError, match="unknown method 'ppo'"):
+    opd_vs_rl.method_overrides("ppo", 1e-4, 2.0)
+  with pytest.raises(ValueError, match="is_clip > 0"):
+    opd_vs_rl.method_overrides("rl_is", 1e-4, 0.0)
+  assert opd_vs_rl.setting_name("") == "reference"
+  assert opd_vs_rl.setting_name("rollout.weights=fp8,rollout.kv_cache=fp8") == (
+    "weights-fp8_kv_cache-fp8"
+  )
+
+
+def test_plan_covers_every_method_and_setting_and_refuses_bad_specs():
+  config = opd_vs_rl_config.get_config("tiny")
+  plan = opd_vs_rl.plan(config)
+  assert [(m, s) for m, s, _, _ in plan] == [
+    (m, s) for s in ("reference", "noise_sigma-0.5") for m in ("opd", "rl", "rl_is")
+  ]
+  by_key = {(m, s): c for m, s, _, c in plan}
+  assert by_key[("rl_is", "noise_sigma-0.5")].rollout.noise_sigma == 0.5
+  assert by_key[("rl", "reference")].train.loss == "reinforce"
+  assert by_key[("opd", "reference")].train.loss == "reverse_kl_full"
+  config.settings = ("rollout.nois_sigma=0.1",)
+  with pytest.raises(ValueError, match="noise_sigma"):
+    opd_vs_rl.plan(config)
+
+
+@pytest.mark.slow
+def test_tiny_comparison_end_to_end(tmp_path):
+  """`python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl.py:tiny` writes every file with a
+  row for each method and setting; a second call reuses the runs."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "opd_jax.opd_vs_rl",
+    "--config=configs/opd_vs_rl.py:tiny",
+    f"--workdir={tmp_path}",
+    "--json",
+  ]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+  assert done.returncode == 0, done.stderr[-3000:]
+  printed = json.loads(done.stdout)
+  for ext in ("md", "json", "png"):
+    assert (tmp_path / f"opd_vs_rl.{ext}").stat().st_size > 0
+  report = json.loads((tmp_path / "opd_vs_rl.json").read_text())
+  assert report["rows"] == printed["rows"]
+  cells = {(r["method"], r["setting"]) for r in report["rows"]}
+  want = {(m, s) for m in ("opd", "rl", "rl_is") for s in ("reference", "noise_sigma-0.5")}
+  assert cells == want
+  for r in report["rows"]:
+    assert 0.0 <= r["accuracy"] <= 1.0 and r["grad_norm_logged_steps"] == 4
+    # RL's gradient is exactly 0 on a batch whose rewards are all equal (all 0 at tiny size).
+    assert r["grad_norm_max"] >= r["grad_norm_mean"] >= 0
+    assert r["method"] != "opd" or r["grad_norm_mean"] > 0
+    assert os.path.exists(os.path.join(r["run_dir"], "result.json"))
+  noisy = [r for r in report["rows"] if r["setting"] == "noise_sigma-0.5"]
+  assert all(r["mismatch_kl_mean"] > 0 for r in noisy)
+  rl = [r for r in report["rows"] if r["method"] != "opd"]
+  assert all(0.0 <= r["train_reward_last"] <= 1.0 for r in rl)
+  md = (tmp_path / "opd_vs_rl.md").read_text()
+  assert md.count("| noise_sigma-0.5 |") == 3
+  assert "teacher loaded from cache" in done.stderr  # runs after the first share the cache
+  again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0 and json.loads(again.stdout)["rows"] == printed["rows"]

@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
-# Rehearses a multi-host launch on one machine: N CPU processes, each with its own
-# slice of the data and of the mesh, talking through a local coordinator.
+# Rehearses a multi-host launch on one machine: N CPU processes, each with its own slice of
+# every batch and of the mesh, talking through a local coordinator.
 #
 #   launch/local_multiprocess.sh 2 --config=configs/bf16_sync.py:tiny --workdir=/tmp/opd_mp
+#
+# Each process sees the CPU devices XLA gives it: one by default, d with
+# XLA_FLAGS=--xla_force_host_platform_device_count=d (then the mesh has N x d devices).
+# PORT picks the coordinator port (default: random in [20000, 40000)). When one process
+# fails the others are stopped, instead of waiting on the coordinator for their peer.
 set -euo pipefail
 n="${1:?usage: local_multiprocess.sh NUM_PROCESSES [main flags...]}"
+if [[ ! "${n}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "local_multiprocess.sh: NUM_PROCESSES must be a positive integer, got '${n}'" >&2
+  exit 2
+fi
 shift
 port="${PORT:-$((20000 + RANDOM % 20000))}"
 pids=()
+stop_all() {
+  if ((${#pids[@]})); then kill "${pids[@]}" 2>/dev/null || true; fi
+}
+trap stop_all EXIT
 for ((i = 0; i < n; i++)); do
   JAX_PLATFORMS=cpu JAX_COORDINATOR_ADDRESS="127.0.0.1:${port}" JAX_NUM_PROCESSES="${n}" \
-    JAX_PROCESS_ID="${i}" python -m opd_jax.main --distributed "$@" &
+    JAX_PROCESS_ID="${i}" "${PYTHON:-python}" -m opd_jax.main --distributed "$@" &
   pids+=($!)
 done
-status=0
-for pid in "${pids[@]}"; do wait "${pid}" || status=$?; done
-exit "${status}"
+for ((i = 0; i < n; i++)); do
+  wait -n || exit $?
+done
+pids=()

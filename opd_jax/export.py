@@ -2,194 +2,25 @@
 
     python -m opd_jax.export --workdir=RUN [--step=N] --out=DIR [--config=FILE[:variant]]
 
-Restores the student params of RUN's orbax checkpoint at step N (default: the latest) as
-`opd_jax.mismatch.admission.RunHistory` restores them, and writes DIR with
-`trainer.export_student`, as a finished run exports itself: model.safetensors, config.json
-and generation_config.json with the bos/eos/pad ids, and the tokenizer (the run's Hugging
-Face tokenizer files copied, or the built-in character tokenizer as a `transformers` fast
-tokenizer; `hf.export_student`). DIR loads with
-`AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)`.
-
-The config defaults to the one the run saved: every checkpoint's extra data holds the run's
-`trainer.run_fingerprint` (each config value's repr, less the `trainer.RESUMABLE_KEYS`), which
-`config_from_fingerprint` lays over `configs/base.py`. `--config` (with `--config.key=value`
-overrides, as in `opd_jax.main`) replaces it; a config whose student, teacher or task differs
-from the run's is refused. A finished run also exports itself into `<workdir>/export`
-(`export.dir` in the config, see `trainer.export_dir`).
+Writes DIR with the student of RUN's checkpoint at step N (default: the latest): weights,
+config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer; it loads
+with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer`. The config
+defaults to the one the run saved with its checkpoints; `--config` (with `--config.key=value`
+overrides) and `--workdir` are `opd_jax.main`'s own flags. A finished run also exports itself
+(`export.dir`). The logic is `opd_jax.exporting.export_run`.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import os
 import sys
-from collections.abc import Callable
 
-import jax
-import ml_collections
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
 
-from opd_jax import build, config_check, hf, model, tokenizer, trainer
+from opd_jax import exporting
 from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
-from opd_jax.mismatch import admission
 
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the latest.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint to.")
-
-CHECKPOINTS = "checkpoints"  # <workdir>/checkpoints: the trainer's orbax checkpoints
-
-
-def run_steps(workdir: str) -> list[int]:
-  """The steps of the finished trainer checkpoints under `workdir/checkpoints`, ascending.
-
-  Raises:
-    ValueError: no such workdir, no checkpoints directory, or no finished checkpoint in it.
-  """
-  if not os.path.isdir(workdir):
-    raise ValueError(f"run directory {workdir!r} does not exist")
-  directory = os.path.join(workdir, CHECKPOINTS)
-  if not os.path.isdir(directory):
-    raise ValueError(
-      f"{workdir!r} holds no checkpoints directory ({directory}): not a training run's "
-      "--workdir, or the run saved no checkpoint yet"
-    )
-  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-  if not steps:
-    raise ValueError(f"{directory} holds no finished checkpoint: the run saved none yet")
-  return steps
-
-
-def saved_fingerprint(workdir: str, step: int) -> dict[str, str]:
-  """The config fingerprint (`trainer.run_fingerprint`) stored with checkpoint `step`."""
-  manager = ocp.CheckpointManager(
-    os.path.join(os.path.abspath(workdir), CHECKPOINTS),
-    options=ocp.CheckpointManagerOptions(create=False),
-  )
-  try:
-    extra = manager.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
-  finally:
-    manager.close()
-  if not isinstance(extra.get("config"), dict):
-    raise ValueError(f"checkpoint {step} in {workdir} saved no config; pass --config")
-  return extra["config"]
-
-
-def base_config() -> ml_collections.ConfigDict:
-  """`configs/base.py`'s `get_config()`."""
-  path = main_cli.CONFIGS_DIR / "base.py"
-  spec = importlib.util.spec_from_file_location("opd_jax_export_base_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def config_from_fingerprint(fingerprint: dict[str, str]) -> ml_collections.ConfigDict:
-  """The run config a fingerprint describes: each `key: repr(value)` parsed with
-  `ast.literal_eval` and set over `configs/base.py` (which gives the `RESUMABLE_KEYS` the
-  fingerprint leaves out: they change how long a run is, not its student).
-
-  Raises:
-    ValueError: a key `configs/base.py` does not have, or a value that is not a literal.
-  """
-  config = base_config()
-  known = dict(config_check.flatten(config))
-  unknown = sorted(k for k in fingerprint if k not in known)
-  if unknown:
-    raise ValueError(
-      f"the run's saved config has keys that configs/base.py lacks ({', '.join(unknown[:5])}); "
-      "pass the run's config with --config"
-    )
-  for key, text in fingerprint.items():
-    try:
-      value = ast.literal_eval(text)
-    except (SyntaxError, ValueError) as e:
-      raise ValueError(f"the run's saved config.{key}={text} does not parse: {e}") from e
-    *parents, leaf = key.split(".")
-    node = config
-    for p in parents:
-      node = node[p]
-    try:
-      node[leaf] = value
-    except TypeError as e:
-      raise ValueError(f"the run's saved config.{key}={text}: {e}") from e
-  return config
-
-
-# Settings that decide the student's shapes and meaning: a --config must agree with the run here
-# before anything is restored (RunHistory then checks the teacher and task as well).
-STUDENT_KEYS = ("student.", "tokenizer")
-
-
-def _refuse_other_student(saved: dict[str, str], config, workdir: str) -> None:
-  current = trainer.run_fingerprint(config)
-  changed = sorted(
-    k for k in set(saved) & set(current) if k.startswith(STUDENT_KEYS) and saved[k] != current[k]
-  )
-  if changed:
-    details = ", ".join(f"{k}: {saved[k]} (run) vs {current[k]} (--config)" for k in changed[:5])
-    raise ValueError(
-      f"--config describes another student than the run in {workdir} trained ({details}); "
-      "leave --config out to use the run's own config"
-    )
-
-
-def student_setup(config) -> trainer.Setup:
-  """The `trainer.Setup` that `RunHistory` needs: the mesh, the tokenizer and the student's
-  config with abstract params (shapes only, nothing allocated); no teacher is built."""
-  tok = tokenizer.load_tokenizer(config.tokenizer)
-  dtype = build.DTYPES[config.student.dtype]
-  if config.student.checkpoint:
-    student_cfg = hf.load_config(config.student.checkpoint)
-  else:
-    student_cfg = build.arch_config(config.student.arch, tok.vocab_size)
-  abstract = jax.eval_shape(lambda: model.init_params(jax.random.key(0), student_cfg, dtype))
-  models = build.Models(build.build_mesh(config), tok, student_cfg, abstract, None, None)
-  return trainer.Setup(models, trainer.task_config(config), teacher_info={}, eval_set=None)
-
-
-def export_run(
-  workdir: str,
-  out: str,
-  step: int | None = None,
-  config: ml_collections.ConfigDict | None = None,
-  log: Callable[..., None] = print,
-) -> dict:
-  """Exports the student of `workdir`'s checkpoint `step` to `out` (module docstring).
-
-  Args:
-    workdir: a training run's --workdir (read only).
-    out: the output directory (created if needed; earlier weights and tokenizer files in it
-      are replaced).
-    step: the checkpoint step; None takes the latest.
-    config: the run's config; None reads it from the checkpoint.
-    log: where progress lines go.
-
-  Returns:
-    {"out", "step", "config" (where the config came from), "files"}.
-
-  Raises:
-    ValueError: no checkpoint in `workdir`, a `step` it does not hold, a config that differs
-      from the run's, or an unusable saved config.
-    FileNotFoundError: the run's HF student or tokenizer directory is gone.
-  """
-  steps = run_steps(workdir)
-  if step is None:
-    step = steps[-1]
-  if step not in steps:
-    raise ValueError(f"{workdir} has no checkpoint at step {step} (has steps {steps})")
-  saved = saved_fingerprint(workdir, step)
-  source = "--config"
-  if config is None:
-    config, source = config_from_fingerprint(saved), "the run"
-  config_check.validate(config)
-  _refuse_other_student(saved, config, workdir)
-  setup = student_setup(config)
-  params = admission.RunHistory(config, setup, workdir).params(step)
-  log(f"restored the student of {workdir} step {step} (config from {source})")
-  files = trainer.export_student(config, setup.models, params, out, log)
-  return {"out": os.path.abspath(out), "step": step, "config": source, "files": files}
 
 
 def main(argv):
@@ -200,7 +31,7 @@ def main(argv):
   if not flags.FLAGS["workdir"].present:
     sys.exit("error: pass --workdir=RUN, the training run to export")
   try:
-    export_run(flags.FLAGS.workdir, _OUT.value, _STEP.value, flags.FLAGS.config)
+    exporting.export_run(flags.FLAGS.workdir, _OUT.value, _STEP.value, flags.FLAGS.config)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 

@@ -54,6 +54,7 @@ import numpy as np
 import safetensors
 from safetensors.numpy import save_file
 
+from opd_jax import tokenizer as tokenizer_lib
 from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray
 
@@ -521,11 +522,8 @@ def generation_config(tokenizer, source_dir=None) -> dict[str, Any]:
   return base | ids
 
 
-def copy_tokenizer_files(source_dir, path) -> list[str]:
-  """Copies the `TOKENIZER_FILES` present in `source_dir` into `path`, byte for byte.
-
-  Returns:
-    the names copied, sorted.
+def tokenizer_file_names(source_dir) -> list[str]:
+  """The `TOKENIZER_FILES` present in `source_dir`, sorted.
 
   Raises:
     FileNotFoundError: `source_dir` is not a directory.
@@ -540,13 +538,28 @@ def copy_tokenizer_files(source_dir, path) -> list[str]:
       f"tokenizer directory {source!r} holds none of the tokenizer files "
       f"({', '.join(TOKENIZER_FILES)})"
     )
+  return names
+
+
+def copy_tokenizer_files(source_dir, path) -> list[str]:
+  """Copies the `TOKENIZER_FILES` present in `source_dir` into `path`, byte for byte.
+
+  Returns:
+    the names copied, sorted.
+
+  Raises:
+    FileNotFoundError: `source_dir` is not a directory.
+    ValueError: it holds none of `TOKENIZER_FILES`.
+  """
+  source = os.fspath(source_dir)
+  names = tokenizer_file_names(source)
   os.makedirs(os.fspath(path), exist_ok=True)
   for name in names:
     shutil.copyfile(os.path.join(source, name), os.path.join(os.fspath(path), name))
   return names
 
 
-def save_char_tokenizer(tokenizer, path) -> list[str]:
+def save_char_tokenizer(tokenizer, path, max_length: int = 4096) -> list[str]:
   """Writes the built-in character tokenizer as a `transformers` fast tokenizer.
 
   One id per character (a `tokenizers` WordLevel model over the tokenizer's
@@ -558,32 +571,37 @@ def save_char_tokenizer(tokenizer, path) -> list[str]:
 
   Args:
     tokenizer: a `CharTokenizer` (`get_vocab`, `pad_id`, `bos_id`, `eos_id`).
-    path: output directory.
+    path: output directory (created if needed).
+    max_length: `model_max_length` of tokenizer_config.json (the model's context).
 
   Returns:
     the names written, sorted.
   """
-  import tokenizers
+  import tokenizers  # the Rust tokenizers library alone: no transformers import in a run
   from tokenizers import decoders, models, pre_tokenizers, processors
-  from transformers import PreTrainedTokenizerFast
 
   vocab = tokenizer.get_vocab()
   by_id = {i: t for t, i in vocab.items()}
   bos, eos, pad = (by_id[i] for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
   backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
+  backend.add_special_tokens([pad, bos, eos])  # ids from `vocab`; skipped when decoding
   backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
   backend.decoder = decoders.Fuse()
   backend.post_processor = processors.TemplateProcessing(
     single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_id)]
   )
-  fast = PreTrainedTokenizerFast(
-    tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad
-  )
-  fast.save_pretrained(os.fspath(path))
-  # transformers 5 names the class TokenizersBackend; PreTrainedTokenizerFast, its alias
-  # there, is the name transformers 4 also knows.
-  config_file = os.path.join(os.fspath(path), "tokenizer_config.json")
-  _write_json(config_file, _read_json(config_file) | {"tokenizer_class": "PreTrainedTokenizerFast"})
+  directory = os.fspath(path)
+  os.makedirs(directory, exist_ok=True)
+  backend.save(os.path.join(directory, "tokenizer.json"))
+  # PreTrainedTokenizerFast: the class name transformers 4 and 5 both load (5 aliases it).
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": bos,
+    "eos_token": eos,
+    "pad_token": pad,
+    "model_max_length": max_length,
+  }
+  _write_json(os.path.join(directory, "tokenizer_config.json"), config)
   return sorted(n for n in os.listdir(path) if n in TOKENIZER_FILES)
 
 
@@ -611,7 +629,19 @@ def export_student(
 
   Returns:
     the names of the files in `path`, sorted.
+
+  Raises:
+    ValueError / FileNotFoundError: as `save_checkpoint`; a `tokenizer_dir` without tokenizer
+      files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. Checked before
+      anything is written.
   """
+  if tokenizer_dir:
+    tokenizer_file_names(tokenizer_dir)
+  elif not isinstance(tokenizer, tokenizer_lib.CharTokenizer):
+    raise ValueError(
+      f"a {type(tokenizer).__name__} needs its tokenizer directory (tokenizer_dir) to be "
+      "exported; only the built-in CharTokenizer is written without one"
+    )
   generation = generation_config(tokenizer, source_dir)
   directory = os.fspath(path)
   save_checkpoint(directory, cfg, params, generation_config=generation)
@@ -622,5 +652,5 @@ def export_student(
   if tokenizer_dir:
     copy_tokenizer_files(tokenizer_dir, directory)
   else:
-    save_char_tokenizer(tokenizer, directory)
+    save_char_tokenizer(tokenizer, directory, cfg.max_position_embeddings)
   return sorted(os.listdir(directory))

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from opd_jax import export, hf, model, tokenizer, trainer
+from opd_jax import exporting, hf, model, tokenizer, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -31,9 +31,11 @@ TEXT = "12+34-5=41;>: 9*"
 
 
 def _config(teacher_cache, **overrides):
-  """The tiny variant cut to two OPD steps, a checkpoint after each, no mid-run evaluation."""
+  """The tiny variant cut to two OPD steps, a checkpoint after each, no mid-run evaluation
+  (and a 4-step teacher bootstrap: the export does not need a good teacher)."""
   config = base.get_config("tiny")
   config.teacher.cache_dir = str(teacher_cache)
+  config.teacher.pretrain_steps = 4
   config.train.steps = 2
   config.train.checkpoint_every = 1
   config.train.eval_every = 100
@@ -128,7 +130,7 @@ def test_finished_run_exports_a_student_transformers_loads(char_run):
 def test_export_command_reads_the_runs_config_and_step(char_run, tmp_path):
   workdir, _ = char_run
   logs = []
-  summary = export.export_run(workdir, str(tmp_path / "latest"), log=logs.append)
+  summary = exporting.export_run(workdir, str(tmp_path / "latest"), log=logs.append)
   assert summary["step"] == 2 and summary["config"] == "the run"
   auto = hf.load_checkpoint(os.path.join(workdir, "export"))
   latest = hf.load_checkpoint(tmp_path / "latest")
@@ -137,35 +139,35 @@ def test_export_command_reads_the_runs_config_and_step(char_run, tmp_path):
   for name in ("config.json", "generation_config.json", "tokenizer.json"):
     assert (tmp_path / "latest" / name).read_bytes() == Path(workdir, "export", name).read_bytes()
 
-  export.export_run(workdir, str(tmp_path / "first"), step=1, log=logs.append)
+  exporting.export_run(workdir, str(tmp_path / "first"), step=1, log=logs.append)
   cfg, first = hf.load_checkpoint(tmp_path / "first")
   jax.tree.map(np.testing.assert_array_equal, first, _checkpoint_params(workdir, 1))
 
   # --config: the run's own config file is accepted; another student is refused by name.
   given = _config("")
-  summary = export.export_run(workdir, str(tmp_path / "given"), config=given, log=logs.append)
+  summary = exporting.export_run(workdir, str(tmp_path / "given"), config=given, log=logs.append)
   assert summary["config"] == "--config"
   given.student.arch.hidden_size = 64
   with pytest.raises(ValueError, match=r"student.arch.hidden_size: 32 \(run\) vs 64"):
-    export.export_run(workdir, str(tmp_path / "other"), config=given, log=logs.append)
+    exporting.export_run(workdir, str(tmp_path / "other"), config=given, log=logs.append)
 
 
 @pytest.mark.slow
 def test_export_of_a_missing_step_is_named(char_run, tmp_path):
   workdir, _ = char_run
   with pytest.raises(ValueError, match=r"has no checkpoint at step 7 \(has steps \[1, 2\]\)"):
-    export.export_run(workdir, str(tmp_path / "out"), step=7)
+    exporting.export_run(workdir, str(tmp_path / "out"), step=7)
   assert not (tmp_path / "out").exists()
 
 
 def test_workdir_without_checkpoints_is_named(tmp_path):
   with pytest.raises(ValueError, match="run directory '.*nope' does not exist"):
-    export.export_run(str(tmp_path / "nope"), str(tmp_path / "out"))
+    exporting.export_run(str(tmp_path / "nope"), str(tmp_path / "out"))
   with pytest.raises(ValueError, match="holds no checkpoints directory"):
-    export.export_run(str(tmp_path), str(tmp_path / "out"))
+    exporting.export_run(str(tmp_path), str(tmp_path / "out"))
   (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)  # unfinished
   with pytest.raises(ValueError, match="holds no finished checkpoint"):
-    export.export_run(str(tmp_path), str(tmp_path / "out"))
+    exporting.export_run(str(tmp_path), str(tmp_path / "out"))
   assert not (tmp_path / "out").exists()
 
 
@@ -188,13 +190,13 @@ def test_command_exits_with_the_error(tmp_path):
 def test_config_from_fingerprint_inverts_run_fingerprint():
   config = _config("/tmp/cache", **{"rollout.bf16_layers": (0,), "student.dtype": "bfloat16"})
   config.data.prompt_file = "/data/it's.jsonl"
-  rebuilt = export.config_from_fingerprint(trainer.run_fingerprint(config))
+  rebuilt = exporting.config_from_fingerprint(trainer.run_fingerprint(config))
   assert trainer.run_fingerprint(rebuilt) == trainer.run_fingerprint(config)
   assert rebuilt.rollout.bf16_layers == (0,) and rebuilt.data.prompt_file == "/data/it's.jsonl"
   with pytest.raises(ValueError, match=r"keys that configs/base.py lacks \(student.color\)"):
-    export.config_from_fingerprint({"student.color": "'red'"})
+    exporting.config_from_fingerprint({"student.color": "'red'"})
   with pytest.raises(ValueError, match="config.seed=seven does not parse"):
-    export.config_from_fingerprint({"seed": "seven"})
+    exporting.config_from_fingerprint({"seed": "seven"})
 
 
 def test_export_dir_semantics(tmp_path):
@@ -262,7 +264,7 @@ def test_hf_student_export_copies_its_tokenizer(hf_run, tmp_path):
   assert result["end_step"] == 1 and "export_dir" not in result
   assert not os.path.exists(os.path.join(workdir, "export"))  # export.dir="none"
   out = tmp_path / "out"
-  summary = export.export_run(workdir, str(out), log=lambda *a: None)
+  summary = exporting.export_run(workdir, str(out), log=lambda *a: None)
   copied = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
   assert set(copied) <= set(os.listdir(student))
   assert summary["files"] == sorted(

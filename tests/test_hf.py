@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import tiny_model_cfg
 from safetensors.numpy import load_file, save_file
 
 from opd_jax import hf, model
+from opd_jax import tokenizer as tokenizer_lib
 from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray
 
@@ -314,3 +316,141 @@ def test_save_rejects_quantized_and_mismatched_params(tmp_path):
   with pytest.raises(ValueError, match="does not describe .*: lm_head_dv"):
     hf.save_checkpoint(tmp_path, tied, params)
   assert not list(tmp_path.iterdir())  # nothing written on a rejected save
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: generation ids, generation_config.json and the tokenizer.
+
+
+def _tiny_params(cfg):
+  return model.init_params(jax.random.key(0), cfg)
+
+
+def _no_bos_tokenizer(directory):
+  """A real HF fast tokenizer with eos and pad but no bos (as Qwen's), saved to `directory`."""
+  import tokenizers
+  from tokenizers import models, pre_tokenizers
+
+  vocab = {c: i for i, c in enumerate("0123456789")} | {"<eos>": 10, "<pad>": 11}
+  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+  fast = transformers.PreTrainedTokenizerFast(
+    tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>"
+  )
+  fast.save_pretrained(directory)
+  return tokenizer_lib.load_tokenizer(str(directory))
+
+
+def test_save_with_generation_config_writes_the_ids(tmp_path):
+  cfg = tiny_model_cfg(vocab_size=21)
+  generation = hf.generation_config(tokenizer_lib.CharTokenizer())
+  assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+  hf.save_checkpoint(tmp_path, cfg, _tiny_params(cfg), generation_config=generation)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert {k: config[k] for k in hf.ID_KEYS} == generation
+  assert json.loads((tmp_path / "generation_config.json").read_text()) == generation
+  loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+  assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
+  assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == 2
+  # A save without ids leaves no stale generation_config.json and no ids behind.
+  hf.save_checkpoint(tmp_path, cfg, _tiny_params(cfg))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+  assert not set(hf.ID_KEYS) & set(json.loads((tmp_path / "config.json").read_text()))
+
+
+@pytest.mark.parametrize(
+  "generation, message",
+  [
+    ({"bos_token_id": 1}, "generation_config has no eos_token_id"),
+    ({"eos_token_id": 21}, r"eos_token_id=21 is outside the model's vocabulary \[0, 21\)"),
+    ({"eos_token_id": [2, -1]}, r"eos_token_id=\[2, -1\] is outside"),
+    ({"eos_token_id": True}, "eos_token_id must be an int or a list of ints, got True"),
+    ({"eos_token_id": 2, "pad_token_id": "0"}, "pad_token_id must be an int"),
+  ],
+)
+def test_save_refuses_bad_generation_ids(tmp_path, generation, message):
+  cfg = tiny_model_cfg(vocab_size=21)
+  with pytest.raises(ValueError, match=message):
+    hf.save_checkpoint(tmp_path / "out", cfg, _tiny_params(cfg), generation_config=generation)
+  assert not (tmp_path / "out").exists()
+
+
+def test_generation_config_keeps_the_sources_defaults(tmp_path):
+  char = tokenizer_lib.CharTokenizer()
+  source = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": [5, 2], "bos_token_id": 9}
+  (tmp_path / "generation_config.json").write_text(json.dumps(source))
+  # The tokenizer's ids win; a source eos list that holds the tokenizer's eos stays.
+  assert hf.generation_config(char, tmp_path) == {
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "eos_token_id": [5, 2],
+    "bos_token_id": 1,
+    "pad_token_id": 0,
+  }
+  (tmp_path / "generation_config.json").write_text(json.dumps(source | {"eos_token_id": [5, 7]}))
+  assert hf.generation_config(char, tmp_path)["eos_token_id"] == 2
+  # No bos in the tokenizer: the source's bos stays; without a source there is none.
+  no_bos = _no_bos_tokenizer(tmp_path / "tok")
+  assert no_bos.bos_id is None
+  assert hf.generation_config(no_bos, tmp_path)["bos_token_id"] == 9
+  assert hf.generation_config(no_bos) == {"eos_token_id": 10, "pad_token_id": 11}
+  assert hf.generation_config(char, tmp_path / "no_such_dir") == hf.token_ids(char)
+
+
+def test_char_tokenizer_loads_in_transformers(tmp_path):
+  char = tokenizer_lib.CharTokenizer()
+  assert hf.save_char_tokenizer(char, tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+  tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  text = tokenizer_lib.CHAR_ALPHABET + "907+1="
+  assert len(tok) == char.vocab_size
+  assert tok.encode(text, add_special_tokens=False) == char.encode(text)
+  assert tok(text)["input_ids"] == [char.bos_id, *char.encode(text)]  # [bos] prompt, as the task
+  assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+  ids = [char.bos_id, *char.encode(text), char.eos_id, char.pad_id]
+  assert tok.decode(ids, skip_special_tokens=True) == char.decode(ids) == text
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  with pytest.raises(Exception, match="Missing"):
+    tok.encode("x", add_special_tokens=False)  # outside the alphabet, as in CharTokenizer
+
+
+def test_export_student_writes_a_loadable_directory(tmp_path):
+  cfg = tiny_model_cfg(vocab_size=21)
+  params = _tiny_params(cfg)
+  no_bos = _no_bos_tokenizer(tmp_path / "tok")
+  (tmp_path / "tok" / "vocab.json").write_text("{}")  # a file the char export must not keep
+  out = tmp_path / "out"
+  files = hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "tok")
+  copied = sorted(p.name for p in (tmp_path / "tok").iterdir())
+  assert files == sorted(["config.json", "generation_config.json", "model.safetensors", *copied])
+  for name in copied:
+    assert (out / name).read_bytes() == (tmp_path / "tok" / name).read_bytes()
+  config = json.loads((out / "config.json").read_text())
+  assert (config["eos_token_id"], config["pad_token_id"], "bos_token_id" in config) == (
+    10,
+    11,
+    False,
+  )
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+  tokens = _tokens(cfg)
+  ours = np.asarray(model.forward(params, jnp.asarray(tokens), cfg))
+  assert np.max(np.abs(_torch_logits(reloaded, tokens) - ours)) <= 1e-5
+  # Exporting again with the char tokenizer replaces the earlier tokenizer's files.
+  files = hf.export_student(out, cfg, params, tokenizer_lib.CharTokenizer())
+  assert "vocab.json" not in files and "tokenizer.json" in files
+  assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == 1
+
+
+def test_export_student_refuses_before_writing(tmp_path):
+  cfg = tiny_model_cfg(vocab_size=21)
+  params = _tiny_params(cfg)
+  no_bos = _no_bos_tokenizer(tmp_path / "tok")
+  out = tmp_path / "out"
+  with pytest.raises(ValueError, match="needs its tokenizer directory"):
+    hf.export_student(out, cfg, params, no_bos)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match="holds none of the tokenizer files"):
+    hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="tokenizer directory .* does not exist"):
+    hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "gone")
+  assert not out.exists()

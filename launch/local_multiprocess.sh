@@ -6,8 +6,9 @@
 #
 # Each process sees the CPU devices XLA gives it: one by default, d with
 # XLA_FLAGS=--xla_force_host_platform_device_count=d (then the mesh has N x d devices).
-# PORT picks the coordinator port (default: random in [20000, 40000)). When one process
-# fails the others are stopped, instead of waiting on the coordinator for their peer.
+# PORT picks the coordinator port (default: random in [20000, 40000)); PYTHON the interpreter.
+# When one process fails the others are stopped rather than left waiting for their peer, and
+# the script exits with the failed process's status.
 set -euo pipefail
 n="${1:?usage: local_multiprocess.sh NUM_PROCESSES [main flags...]}"
 if [[ ! "${n}" =~ ^[1-9][0-9]*$ ]]; then
@@ -16,17 +17,25 @@ if [[ ! "${n}" =~ ^[1-9][0-9]*$ ]]; then
 fi
 shift
 port="${PORT:-$((20000 + RANDOM % 20000))}"
-pids=()
 stop_all() {
-  if ((${#pids[@]})); then kill "${pids[@]}" 2>/dev/null || true; fi
+  # SIGTERM first (a process between steps stops cleanly), SIGKILL after 10 s for one that is
+  # blocked in a collective waiting for its dead peer.
+  local running
+  read -ra running <<<"$(jobs -pr | tr '\n' ' ')"
+  if ((${#running[@]} == 0)); then return 0; fi
+  kill "${running[@]}" 2>/dev/null || true
+  for _ in {1..20}; do
+    if [[ -z "$(jobs -pr)" ]]; then return 0; fi
+    sleep 0.5
+  done
+  kill -KILL "${running[@]}" 2>/dev/null || true
+  wait "${running[@]}" 2>/dev/null || true
 }
 trap stop_all EXIT
 for ((i = 0; i < n; i++)); do
   JAX_PLATFORMS=cpu JAX_COORDINATOR_ADDRESS="127.0.0.1:${port}" JAX_NUM_PROCESSES="${n}" \
     JAX_PROCESS_ID="${i}" "${PYTHON:-python}" -m opd_jax.main --distributed "$@" &
-  pids+=($!)
 done
 for ((i = 0; i < n; i++)); do
   wait -n || exit $?
 done
-pids=()

@@ -196,6 +196,36 @@ def test_local_multiprocess_refuses_a_bad_process_count(n):
   assert f"NUM_PROCESSES must be a positive integer, got '{n}'" in proc.stderr
 
 
+STAND_IN = """#!/bin/sh
+# Records what the launcher gave this process; process 1 fails, the others ignore SIGTERM.
+echo "$$ $JAX_PROCESS_ID $JAX_NUM_PROCESSES $JAX_COORDINATOR_ADDRESS $JAX_PLATFORMS $*" >> "$LOG"
+[ "$JAX_PROCESS_ID" = 1 ] && exit 3
+trap '' TERM
+exec sleep 300
+"""
+
+
+def test_local_multiprocess_starts_n_processes_and_stops_them_when_one_fails(tmp_path):
+  """A stand-in interpreter (PYTHON) in place of opd_jax.main, because only a stand-in can fail
+  in one process on demand: the launcher's environment per process, its exit status, and that
+  no peer outlives it, not even one that ignores SIGTERM (as one blocked in a collective would
+  do in effect)."""
+  stand_in, log = tmp_path / "python", tmp_path / "log"
+  stand_in.write_text(STAND_IN)
+  stand_in.chmod(0o755)
+  env = {"PYTHON": str(stand_in), "LOG": str(log), "PORT": "23456"}
+  proc = _run(["bash", "launch/local_multiprocess.sh", "3", *MAIN_ARGS], env, timeout=60)
+  assert proc.returncode == 3, proc.stderr
+  records = sorted(
+    (line.split(" ", 5) for line in log.read_text().splitlines()), key=lambda r: r[1]
+  )
+  assert [r[1:5] for r in records] == [[str(i), "3", "127.0.0.1:23456", "cpu"] for i in range(3)]
+  assert all(r[5] == " ".join(["-m", "opd_jax.main", "--distributed", *MAIN_ARGS]) for r in records)
+  for pid in (int(r[0]) for r in records):
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+
+
 def _jsonl_rows(workdir: Path) -> list[dict]:
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 

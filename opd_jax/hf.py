@@ -622,8 +622,8 @@ def export_student(
     cfg: the student's model config.
     params: its unquantized params (fully addressable from this process).
     tokenizer: the run's `opd_jax.tokenizer` tokenizer.
-    tokenizer_dir: the Hugging Face tokenizer directory the run loaded it from
-      (`config.tokenizer`), or None for the built-in character tokenizer.
+    tokenizer_dir: the Hugging Face tokenizer directory to copy; None takes the directory an
+      `HFTokenizer` was loaded from (`load_tokenizer`); a `CharTokenizer` needs none.
     source_dir: the HF checkpoint the student started from (`config.student.
       checkpoint`), whose generation_config.json sampling defaults are kept; or None.
 
@@ -635,6 +635,8 @@ def export_student(
       files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. Checked before
       anything is written.
   """
+  if not tokenizer_dir and isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    tokenizer_dir = tokenizer.hf.name_or_path  # the local directory it was loaded from
   if tokenizer_dir:
     tokenizer_file_names(tokenizer_dir)
   elif not isinstance(tokenizer, tokenizer_lib.CharTokenizer):

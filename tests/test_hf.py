@@ -326,18 +326,22 @@ def _tiny_params(cfg):
   return model.init_params(jax.random.key(0), cfg)
 
 
-def _no_bos_tokenizer(directory):
-  """A real HF fast tokenizer with eos and pad but no bos (as Qwen's), saved to `directory`."""
+def _no_bos_fast_tokenizer():
+  """A real HF fast tokenizer with eos and pad but no bos (as Qwen's), in memory."""
   import tokenizers
   from tokenizers import models, pre_tokenizers
 
   vocab = {c: i for i, c in enumerate("0123456789")} | {"<eos>": 10, "<pad>": 11}
   backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
   backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-  fast = transformers.PreTrainedTokenizerFast(
+  return transformers.PreTrainedTokenizerFast(
     tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>"
   )
-  fast.save_pretrained(directory)
+
+
+def _no_bos_tokenizer(directory):
+  """`_no_bos_fast_tokenizer` saved to `directory` and loaded from there, as a run loads it."""
+  _no_bos_fast_tokenizer().save_pretrained(directory)
   return tokenizer_lib.load_tokenizer(str(directory))
 
 
@@ -420,7 +424,7 @@ def test_export_student_writes_a_loadable_directory(tmp_path):
   no_bos = _no_bos_tokenizer(tmp_path / "tok")
   (tmp_path / "tok" / "vocab.json").write_text("{}")  # a file the char export must not keep
   out = tmp_path / "out"
-  files = hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "tok")
+  files = hf.export_student(out, cfg, params, no_bos)  # copies from where no_bos was loaded
   copied = sorted(p.name for p in (tmp_path / "tok").iterdir())
   assert files == sorted(["config.json", "generation_config.json", "model.safetensors", *copied])
   for name in copied:
@@ -446,8 +450,9 @@ def test_export_student_refuses_before_writing(tmp_path):
   params = _tiny_params(cfg)
   no_bos = _no_bos_tokenizer(tmp_path / "tok")
   out = tmp_path / "out"
-  with pytest.raises(ValueError, match="needs its tokenizer directory"):
-    hf.export_student(out, cfg, params, no_bos)
+  in_memory = tokenizer_lib.HFTokenizer(_no_bos_fast_tokenizer())  # loaded from no directory
+  with pytest.raises(ValueError, match="HFTokenizer needs its tokenizer directory"):
+    hf.export_student(out, cfg, params, in_memory)
   (tmp_path / "empty").mkdir()
   with pytest.raises(ValueError, match="holds none of the tokenizer files"):
     hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "empty")

@@ -131,7 +131,8 @@ def _refuse_other_student(saved: dict[str, str], config, workdir: str) -> None:
 def student_setup(config) -> trainer.Setup:
   """The `trainer.Setup` that `RunHistory` needs: the mesh, the tokenizer and the student's
   config with abstract params (shapes only, nothing allocated); no teacher is built."""
-  tok = tokenizer.load_tokenizer(config.tokenizer)
+  # An unset tokenizer ("") is the student checkpoint's, else the built-in one.
+  tok = tokenizer.load_tokenizer(config.tokenizer or config.student.checkpoint or "char")
   dtype = build.DTYPES[config.student.dtype]
   if config.student.checkpoint:
     student_cfg = hf.load_config(config.student.checkpoint)

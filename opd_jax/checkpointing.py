@@ -10,6 +10,13 @@ A checkpoint at step N holds two items:
 The frozen teacher is never checkpointed: it is rebuilt from its own cache or
 checkpoint. A state with a non-finite value is refused, so the last good
 checkpoint always survives a diverged step.
+
+The directory is any `etils.epath` path: a local directory or an object store
+(`gs://bucket/run/checkpoints`, written by orbax's own tensorstore drivers). Orbax
+writes step N into a temporary directory and only then commits it (a rename on a
+local disk, a commit marker on an object store), so a process killed mid-write leaves
+an uncommitted temporary directory that `latest_step` never returns; the next
+`Checkpointer` on that directory deletes it (`cleanup_tmp_directories`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
+
+
+def absolute(path: str | os.PathLike) -> str:
+  """`path` as an absolute local path, or unchanged when it is a URI (`gs://...`)."""
+  path = os.fspath(path)
+  return path if "://" in path else os.path.abspath(path)
 
 
 def all_finite(tree) -> bool:
@@ -31,10 +45,12 @@ def all_finite(tree) -> bool:
 class Checkpointer:
   """Saves and restores (state, extra) under `directory` with orbax."""
 
-  def __init__(self, directory: str, max_to_keep: int = 2):
-    self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+  def __init__(self, directory: str | os.PathLike, max_to_keep: int = 2):
+    self.directory = absolute(directory)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
+    )
+    self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

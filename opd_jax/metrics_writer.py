@@ -18,6 +18,15 @@ Metric names are namespaced (`loss/*`, `teacher/*`, `quality/*`, `rollout/*`, `p
 
 Only process 0 should write: construct with `enabled=jax.process_index() == 0`. A disabled
 writer creates no files and every method is a no-op, so callers never branch on the process.
+
+The workdir is any `etils.epath` path. A local one is written in place. On an object store
+(`gs://bucket/run`), where objects cannot be appended to, the writer works in a local staging
+directory (the existing `metrics.jsonl` downloaded first, so a resumed run continues it) and
+uploads the whole JSONL log and each event file every `sync_secs`, on `flush()` and on
+`close()`; a process killed without closing loses at most the last `sync_secs` there.
+
+A line cut short by a kill mid-write (no trailing newline) is dropped when a writer opens the
+log again, so a resumed run's lines never join a broken one.
 """
 
 from __future__ import annotations
@@ -26,12 +35,15 @@ import collections
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from absl import logging
+from etils import epath
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.histogram import summary_v2 as histogram_summary
@@ -42,6 +54,39 @@ from tensorboard.util import tensor_util
 
 TB_SUBDIR = "tb"
 JSONL_NAME = "metrics.jsonl"
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+  """True for a URI such as gs://bucket/run (an object store), False for a local path."""
+  return "://" in os.fspath(path)
+
+
+def drop_partial_line(path: str | os.PathLike) -> int:
+  """Truncates a local text log after its last newline; returns the bytes dropped.
+
+  A process killed in the middle of appending a line leaves it without its newline; the next
+  line appended would be glued to it and neither would parse.
+  """
+  with open(path, "rb+") as f:
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+      return 0
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return 0
+    keep = 0
+    position = size
+    while position > 0:  # scan back in blocks for the last newline
+      start = max(0, position - 65536)
+      f.seek(start)
+      block = f.read(position - start)
+      newline = block.rfind(b"\n")
+      if newline >= 0:
+        keep = start + newline + 1
+        break
+      position = start
+    f.truncate(keep)
+    return size - keep
 
 
 def _scalar_value(name: str, value: Any) -> int | float:
@@ -100,22 +145,62 @@ class MetricsWriter:
   Files are created in the constructor (when enabled). Each JSONL line is appended and closed
   at once, so a resumed run continues the same log and a crash loses no logged line; the event
   files are flushed every `flush_secs` and on `flush()`/`close()`. A new event file is started
-  per writer; TensorBoard and `read_scalars` read them all.
+  per writer; TensorBoard and `read_scalars` read them all. An object-store workdir is staged
+  locally and uploaded every `sync_secs` (module docstring).
   """
 
-  def __init__(self, workdir: str | os.PathLike, enabled: bool = True, flush_secs: float = 30.0):
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    enabled: bool = True,
+    flush_secs: float = 30.0,
+    sync_secs: float = 60.0,
+  ):
     self.enabled = enabled
     self.workdir = os.fspath(workdir)
-    self._jsonl_path = os.path.join(self.workdir, JSONL_NAME)
+    self._remote = is_remote(self.workdir)
+    self._sync_secs = sync_secs
+    self._last_sync = time.monotonic()
+    self._staging = None  # the local directory written when the workdir is remote
     self._events = None
     self._closed = False
+    local = self.workdir
+    if enabled and self._remote:
+      self._staging = local = tempfile.mkdtemp(prefix="opd_metrics_")
+      remote_log = epath.Path(self.workdir) / JSONL_NAME
+      if remote_log.exists():
+        with open(os.path.join(local, JSONL_NAME), "wb") as f:
+          f.write(remote_log.read_bytes())
+    self._jsonl_path = os.path.join(local, JSONL_NAME)
     if not enabled:
       return
-    tb_dir = os.path.join(self.workdir, TB_SUBDIR)
+    tb_dir = os.path.join(local, TB_SUBDIR)
     os.makedirs(tb_dir, exist_ok=True)
     self._events = EventFileWriter(tb_dir, flush_secs=flush_secs)
     with open(self._jsonl_path, "a", encoding="utf-8"):
       pass  # the log exists from the start, even before the first scalar
+    dropped = drop_partial_line(self._jsonl_path)
+    if dropped:
+      logging.warning("%s: dropped an incomplete last line (%d bytes)", JSONL_NAME, dropped)
+    self._sync(force=True)
+
+  def _sync(self, force: bool = False) -> None:
+    """Uploads the staged log and event files to a remote workdir (every `sync_secs`)."""
+    if self._staging is None or not (
+      force or time.monotonic() - self._last_sync >= self._sync_secs
+    ):
+      return
+    if self._events is not None:
+      self._events.flush()
+    root = epath.Path(self.workdir)
+    (root / TB_SUBDIR).mkdir(parents=True, exist_ok=True)
+    with open(self._jsonl_path, "rb") as f:
+      (root / JSONL_NAME).write_bytes(f.read())
+    tb_dir = os.path.join(self._staging, TB_SUBDIR)
+    for name in sorted(os.listdir(tb_dir)):
+      with open(os.path.join(tb_dir, name), "rb") as f:
+        (root / TB_SUBDIR / name).write_bytes(f.read())
+    self._last_sync = time.monotonic()
 
   def _active(self) -> bool:
     """False when disabled; raises after `close()` so late writes are not silently lost."""
@@ -148,6 +233,7 @@ class MetricsWriter:
     record = {"step": step, **{name: _json_value(v) for name, v in values.items()}}
     with open(self._jsonl_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(record, allow_nan=False) + "\n")
+    self._sync()
 
   def write_histogram(self, step: int, name: str, values: Any, buckets: int = 30) -> None:
     """Logs a histogram of `values` (any shape; flattened) to TensorBoard.
@@ -187,12 +273,18 @@ class MetricsWriter:
     if not self._active():
       return
     self._events.flush()
+    self._sync(force=True)
 
   def close(self) -> None:
-    """Flushes and closes the event file; later writes raise ValueError. Closing twice is fine."""
+    """Flushes and closes the event file (and uploads everything to a remote workdir); later
+    writes raise ValueError. Closing twice is fine."""
     if self._events is not None:
-      self._events.close()
-      self._events = None
+      events, self._events = self._events, None
+      events.close()
+      self._sync(force=True)
+    if self._staging is not None:
+      shutil.rmtree(self._staging, ignore_errors=True)
+      self._staging = None
     self._closed = True
 
   def __enter__(self) -> MetricsWriter:
@@ -203,12 +295,21 @@ class MetricsWriter:
 
 
 def _load_events(workdir: str | os.PathLike) -> event_accumulator.EventAccumulator:
-  tb_dir = os.path.join(os.fspath(workdir), TB_SUBDIR)
-  if not os.path.isdir(tb_dir):
+  tb_dir = epath.Path(workdir) / TB_SUBDIR
+  if not tb_dir.is_dir():
     raise FileNotFoundError(f"no TensorBoard directory at {tb_dir}")
   # 0 keeps every event; the default keeps a reservoir sample of 10 tensor events per tag.
-  acc = event_accumulator.EventAccumulator(tb_dir, size_guidance={event_accumulator.TENSORS: 0})
-  acc.Reload()
+  guidance = {event_accumulator.TENSORS: 0}
+  if not is_remote(workdir):
+    acc = event_accumulator.EventAccumulator(os.fspath(tb_dir), size_guidance=guidance)
+    acc.Reload()
+    return acc
+  with tempfile.TemporaryDirectory(prefix="opd_tb_") as local:  # read a local copy
+    for path in tb_dir.iterdir():
+      with open(os.path.join(local, path.name), "wb") as f:
+        f.write(path.read_bytes())
+    acc = event_accumulator.EventAccumulator(local, size_guidance=guidance)
+    acc.Reload()
   return acc
 
 
@@ -245,9 +346,9 @@ def read_jsonl(workdir: str | os.PathLike) -> dict[int, dict[str, float]]:
     step -> {name: value}, steps in first-logged order; "nan"/"inf"/"-inf" become floats. When a
     name is logged twice for one step, the later line wins.
   """
-  path = os.path.join(os.fspath(workdir), JSONL_NAME)
+  path = epath.Path(workdir) / JSONL_NAME
   out: dict[int, dict[str, float]] = {}
-  with open(path, encoding="utf-8") as f:
+  with path.open("r", encoding="utf-8") as f:
     for line_no, line in enumerate(f, start=1):
       if not line.strip():
         continue

@@ -5,6 +5,12 @@ The teacher is trained once and cached as a Hugging Face checkpoint directory
 under `cache_dir/teacher-<key>/`, where the key hashes every setting that shaped
 it (architecture, task, steps, lr, batch, seed, tokenizer). A later run with the
 same settings loads it instead of training; any change trains a new one.
+
+The cache directory is any `etils.epath` path (`save_cached`, `load_cached`): a local
+one is written to a temporary directory and renamed; on an object store
+(gs://bucket/cache) the files are uploaded with config.json last, and an entry counts
+only once its config.json exists, so a killed bootstrap never leaves a half-written
+entry that a later run would load. An unreadable entry is an error naming it.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 
 import jax
+from etils import epath
 
 from opd_jax import build, hf, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
@@ -64,6 +72,54 @@ def supervised_train(
   return state.params
 
 
+def is_cached(directory: str | os.PathLike) -> bool:
+  """True when `directory` holds a complete cached checkpoint (its config.json)."""
+  return (epath.Path(directory) / hf.CONFIG_FILE).exists()
+
+
+def load_cached(directory: str | os.PathLike, dtype, shardings):
+  """The params of the cached HF checkpoint in `directory` (local or a URI, copied to a local
+  temporary directory first), in `dtype` and `shardings`.
+
+  Raises:
+    ValueError: the entry cannot be read (a truncated or corrupt file); the message names the
+      directory and says to delete it, so that the next run rebuilds it.
+  """
+  directory = os.fspath(directory)
+  try:
+    if "://" not in directory:
+      return hf.load_checkpoint(directory, dtype, shardings=shardings)[1]
+    with tempfile.TemporaryDirectory(prefix="opd_cache_") as local:
+      for path in epath.Path(directory).iterdir():
+        with open(os.path.join(local, path.name), "wb") as f:
+          f.write(path.read_bytes())
+      return hf.load_checkpoint(local, dtype, shardings=shardings)[1]
+  except (ValueError, OSError) as e:
+    raise ValueError(
+      f"the cached checkpoint {directory} cannot be read ({e}); delete that directory and "
+      "run again to rebuild it"
+    ) from e
+
+
+def save_cached(directory: str | os.PathLike, cfg: ModelConfig, params) -> None:
+  """Writes `params` as an HF checkpoint at `directory` so that `is_cached` turns true only
+  once every file is complete (module docstring). Call it from one process."""
+  directory = os.fspath(directory)
+  if "://" not in directory:
+    tmp = f"{directory}.tmp{os.getpid()}"
+    hf.save_checkpoint(tmp, cfg, params)
+    os.replace(tmp, directory)
+    return
+  target = epath.Path(directory)
+  target.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(prefix="opd_cache_") as local:
+    hf.save_checkpoint(local, cfg, params)
+    names = sorted(os.listdir(local), key=lambda n: n == hf.CONFIG_FILE)  # config.json last
+    for name in names:
+      with open(os.path.join(local, name), "rb") as f:
+        (target / name).write_bytes(f.read())
+
+
 def teacher_key(
   arch: dict,
   task_cfg: task.TaskConfig,
@@ -111,16 +167,14 @@ def bootstrap_teacher(
   """
   directory = os.path.join(cache_dir, f"teacher-{key}")
   shardings = build.param_shardings(cfg, mesh, dtype)
-  if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
-    _, params = hf.load_checkpoint(directory, dtype, shardings=shardings)
+  if is_cached(directory):
+    params = load_cached(directory, dtype, shardings)
     log(f"teacher loaded from cache {directory}")
     return params, {"cached": True, "seconds": 0.0, "path": directory}
   log(f"bootstrapping teacher ({train_kwargs['steps']} supervised steps) -> {directory}")
   start = time.time()
   params = supervised_train(init_params, cfg, mesh=mesh, log=log, **train_kwargs)
   seconds = time.time() - start
-  if jax.process_index() == 0:
-    tmp = directory + ".tmp"
-    hf.save_checkpoint(tmp, cfg, jax.device_get(params))
-    os.replace(tmp, directory)  # a killed bootstrap never leaves a half-written cache
+  if jax.process_index() == 0:  # a killed bootstrap never leaves a half-written cache
+    save_cached(directory, cfg, jax.device_get(params))
   return params, {"cached": False, "seconds": seconds, "path": directory}

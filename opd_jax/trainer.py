@@ -487,6 +487,11 @@ class StopOnSignal(contextlib.AbstractContextManager):
 
   A second SIGINT raises KeyboardInterrupt as usual. Outside the main thread (where
   Python cannot install handlers) it installs nothing and never fires.
+
+  In a multi-process run the signal may reach one process only (a maintenance event on one
+  host, `kill` of one task), so the loop asks `agreed()`, which every process calls at the
+  same step boundary: it gathers each process's flag (one int32 per process) and all of them
+  stop at that step when any of them was signalled.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -499,6 +504,19 @@ class StopOnSignal(contextlib.AbstractContextManager):
     if self.received == signal.SIGINT and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.received = signum
+
+  def agreed(self) -> tuple[str, int] | None:
+    """(signal name, index of the first signalled process), the same on every process, or
+    None when no process was signalled. A collective when there are several processes: every
+    process must call it at the same point of the loop."""
+    if jax.process_count() == 1:
+      return None if self.received is None else (signal.Signals(self.received).name, 0)
+    flags_p = np.asarray(multihost_utils.process_allgather(np.int32(self.received or 0)))
+    signalled = np.flatnonzero(flags_p)
+    if not signalled.size:
+      return None
+    first = int(signalled[0])
+    return signal.Signals(int(flags_p[first])).name, first
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -582,11 +600,16 @@ def _train(
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
   with StopOnSignal() as stop:
     while step < t.steps:
-      if stop.received is not None or 0 < t.stop_after <= step:
-        stopped_by = "stop_after" if stop.received is None else signal.Signals(stop.received).name
+      signalled = stop.agreed()  # the same answer on every process
+      if signalled is not None or 0 < t.stop_after <= step:
+        if signalled is None:
+          stopped_by, why = "stop_after", f"train.stop_after={t.stop_after} reached"
+        else:
+          stopped_by, by = signalled
+          why = f"{stopped_by} received" + (f" by process {by}" if jax.process_count() > 1 else "")
         if ckpt.latest_step() != step:
           save(step)
-        log(f"{stopped_by}: stopped at step {step}; checkpoint saved, rerun to resume")
+        log(f"{why}: stopped at step {step}; checkpoint saved, rerun to resume")
         break
       rollout = next(rollouts)
       train_start = time.perf_counter()

@@ -33,14 +33,13 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import pathlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jaxlib
 import numpy as np
+from etils import epath
 
 from opd_jax.mismatch import budget as budget_lib
 
@@ -332,18 +331,19 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
 
 
 def save_budget(path, budget: budget_lib.Budget, fingerprint: Mapping) -> None:
-  """Writes the budget file at `path` (parents created; written to a temporary file first and
-  renamed, so a reader never sees half a file)."""
-  path = pathlib.Path(path)
+  """Writes the budget file at `path`, a local path or a URI such as gs://bucket/budget.json
+  (`etils.epath`; parents created; written to a temporary file first and renamed, so a reader
+  never sees half a file)."""
+  path = epath.Path(path)
   text = budget_to_json(budget, fingerprint)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.name + ".tmp")
   tmp.write_text(text, encoding="utf-8")
-  os.replace(tmp, path)
+  tmp.replace(path)
 
 
 def load_budget(path) -> tuple[budget_lib.Budget, dict]:
-  """Reads a budget file written by `save_budget`.
+  """Reads a budget file written by `save_budget` (a local path or a URI, as there).
 
   Returns:
     (Budget, fingerprint dict); compare the fingerprint with `stale_reasons`.
@@ -352,7 +352,7 @@ def load_budget(path) -> tuple[budget_lib.Budget, dict]:
     FileNotFoundError: no file at `path`.
     ValueError: a corrupt file or another schema; the message names the file.
   """
-  path = pathlib.Path(path)
+  path = epath.Path(path)
   try:
     text = path.read_text(encoding="utf-8")
   except UnicodeDecodeError as e:

@@ -1,0 +1,266 @@
+"""Faults and bad input: each row of the README's fault table is a test here or named there.
+
+Kills are real signals to real subprocesses; two-process runs go through
+launch/local_multiprocess.sh (or its environment, when a peer must survive the launcher).
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opd_jax import checkpointing, metrics_writer, trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "configs"))
+
+import bf16_sync  # noqa: E402
+
+QUIET = dict(log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def teacher_cache(tmp_path_factory):
+  """One bootstrapped tiny teacher shared by every run in this module."""
+  return str(tmp_path_factory.mktemp("teacher_cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(teacher_cache, tmp_path_factory):
+  """A finished tiny run (6 steps, checkpoints 3 and 6); it also fills the teacher cache."""
+  workdir = tmp_path_factory.mktemp("run")
+  result = trainer.run(tiny_config(teacher_cache), str(workdir), **QUIET)
+  assert result["end_step"] == 6
+  return workdir
+
+
+def tiny_config(teacher_cache, **overrides):
+  config = bf16_sync.get_config("tiny")
+  config.teacher.cache_dir = teacher_cache
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _steps_on_disk(directory) -> list[int]:
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+# -- a kill in the middle of a write ----------------------------------------------------------
+
+
+def test_a_metrics_line_cut_off_by_a_kill_is_dropped_when_the_run_resumes(tmp_path):
+  with metrics_writer.MetricsWriter(tmp_path) as w:
+    w.write_scalars(1, {"loss/total": 0.5})
+  log = tmp_path / metrics_writer.JSONL_NAME
+  with open(log, "a", encoding="utf-8") as f:
+    f.write('{"step": 2, "loss/to')  # what a SIGKILL half-way through an append leaves
+  with metrics_writer.MetricsWriter(tmp_path) as w:  # the resumed run
+    w.write_scalars(2, {"loss/total": 0.25})
+  assert metrics_writer.read_jsonl(tmp_path) == {1: {"loss/total": 0.5}, 2: {"loss/total": 0.25}}
+
+
+_SLOW_SAVE = """
+import sys, numpy as np
+from opd_jax import checkpointing
+state = {"w": np.random.default_rng(0).standard_normal((48, 1024, 1024), dtype=np.float32)}
+print("saving", flush=True)
+checkpointing.Checkpointer(sys.argv[1], max_to_keep=10).save(int(sys.argv[2]), state, {})
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_keeps_the_last_complete_one_and_the_run_resumes(
+  tiny_run, teacher_cache, tmp_path
+):
+  workdir = tmp_path / "w"
+  shutil.copytree(tiny_run, workdir)
+  ckpt_dir = workdir / "checkpoints"
+  assert _steps_on_disk(ckpt_dir) == [3, 6]
+  # A 192 MiB save of step 9 into the same directory, killed while its files are written.
+  writer = subprocess.Popen(
+    [sys.executable, "-c", _SLOW_SAVE, str(ckpt_dir), "9"],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  deadline = time.time() + 300
+  partial = []
+  while time.time() < deadline and writer.poll() is None and not partial:
+    partial = [d for d in os.listdir(ckpt_dir) if d.startswith("9.orbax-checkpoint-tmp")]
+    time.sleep(0.005)
+  assert partial, f"the write was not caught in progress: {writer.communicate()[0][-2000:]}"
+  writer.send_signal(signal.SIGKILL)
+  writer.wait()
+  assert "9" not in os.listdir(ckpt_dir), "the kill came after the commit"
+  assert any(d.startswith("9.orbax-checkpoint-tmp") for d in os.listdir(ckpt_dir))
+
+  ckpt = checkpointing.Checkpointer(ckpt_dir)
+  assert ckpt.latest_step() == 6  # the uncommitted step 9 is never offered
+  ckpt.close()
+  assert not [d for d in os.listdir(ckpt_dir) if "tmp" in d]  # and it was cleaned up
+  resumed = trainer.run(tiny_config(teacher_cache, **{"train.steps": 9}), str(workdir), **QUIET)
+  assert (resumed["start_step"], resumed["end_step"]) == (6, 9)
+  assert np.isfinite(metrics_writer.read_jsonl(workdir)[9]["loss/total"])
+  assert _steps_on_disk(ckpt_dir) == [6, 9]
+
+
+# -- two processes ----------------------------------------------------------------------------
+
+
+def _launch_env():
+  env = dict(os.environ)
+  env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+  return env
+
+
+def _children(pid: int) -> list[int]:
+  with open(f"/proc/{pid}/task/{pid}/children") as f:
+    return [int(c) for c in f.read().split()]
+
+
+def _process_with_id(pids, process_id: int) -> int:
+  """The pid among `pids` whose environment has JAX_PROCESS_ID=process_id."""
+  for pid in pids:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+      if f"JAX_PROCESS_ID={process_id}".encode() in f.read().split(b"\0"):
+        return pid
+  raise AssertionError(f"no process {process_id} among {pids}")
+
+
+def _wait_for_logged_lines(proc, log: Path, lines: int, timeout: float = 900) -> None:
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if log.exists() and len(log.read_text().splitlines()) >= lines:
+      return
+    time.sleep(0.1)
+  raise AssertionError(f"no {lines} logged lines in {log} (exit status {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_then_the_command_resumes(
+  teacher_cache, tmp_path
+):
+  workdir = tmp_path / "mp"
+  cmd = [
+    "bash",
+    "launch/local_multiprocess.sh",
+    "2",
+    "--config=bf16_sync.py:tiny",
+    f"--workdir={workdir}",
+    f"--config.teacher.cache_dir={teacher_cache}",
+    "--config.train.steps=30",
+    "--config.train.checkpoint_every=1000",
+    "--config.train.eval_every=1000",
+    "--config.train.log_every=1",
+  ]
+  launcher = subprocess.Popen(
+    cmd, cwd=ROOT, env=_launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  _wait_for_logged_lines(launcher, workdir / "metrics.jsonl", 4)
+  os.kill(_process_with_id(_children(launcher.pid), 1), signal.SIGTERM)
+  out, _ = launcher.communicate(timeout=300)
+  assert launcher.returncode == 0, out[-4000:]
+  found = re.search(r"SIGTERM received by process 1: stopped at step (\d+); checkpoint saved", out)
+  assert found, out[-4000:]
+  stopped = int(found[1])
+  assert 1 <= stopped < 30
+  assert _steps_on_disk(workdir / "checkpoints") == [stopped]  # one checkpoint, both processes
+  assert max(metrics_writer.read_jsonl(workdir)) == stopped
+
+  again = subprocess.run(
+    cmd, cwd=ROOT, env=_launch_env(), capture_output=True, text=True, timeout=1800
+  )
+  assert again.returncode == 0, again.stdout[-4000:]
+  assert f"resumed from step {stopped}" in again.stdout
+  assert max(metrics_writer.read_jsonl(workdir)) == 30
+
+
+# -- bad input, before any compute ------------------------------------------------------------
+
+
+def test_an_unwritable_workdir_is_refused_before_anything_is_built(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  config = tiny_config(str(cache))
+  with pytest.raises(ValueError, match=r"the workdir '.*a_file/run' is not writable"):
+    trainer.run(config, str(blocker / "run"), **QUIET)
+  assert not list(cache.iterdir())  # no teacher was bootstrapped
+
+
+def test_a_truncated_safetensors_file_is_named(teacher_cache, tmp_path, make_hf_checkpoint):
+  student = tmp_path / "student"
+  shutil.copytree(make_hf_checkpoint("qwen3").path, student)
+  weights = student / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:-100])
+  teacher = make_hf_checkpoint("qwen3", seed=1)
+  config = tiny_config(
+    teacher_cache,
+    **{
+      "student.checkpoint": str(student),
+      "teacher.checkpoint": str(teacher.path),
+      "tokenizer": "char",
+    },
+  )
+  with pytest.raises(ValueError, match=f"cannot read safetensors file {weights}"):
+    trainer.run(config, str(tmp_path / "w"), **QUIET)
+
+
+@pytest.mark.slow
+def test_a_corrupt_teacher_cache_entry_is_named_with_what_to_do(tiny_run, teacher_cache, tmp_path):
+  cache = tmp_path / "cache"
+  shutil.copytree(teacher_cache, cache)
+  entries = sorted(cache.glob("teacher-*"))
+  assert len(entries) == 1
+  weights = entries[0] / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:-100])
+  with pytest.raises(
+    ValueError, match=f"the cached checkpoint {entries[0]} cannot be read .*delete that directory"
+  ):
+    trainer.run(tiny_config(str(cache)), str(tmp_path / "w"), **QUIET)
+
+
+def _save_tokenizer(path, vocab_size):
+  """A WordLevel tokenizer of `vocab_size` ids: '<pad>'=0, '<bos>'=1, '<eos>'=2, 'w3', ..."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+  raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+  raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  fast = PreTrainedTokenizerFast(
+    tokenizer_object=raw, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+  )
+  fast.save_pretrained(path)
+
+
+def test_a_tokenizer_that_does_not_fit_the_checkpoints_vocabulary_is_refused(
+  teacher_cache, tmp_path, make_hf_checkpoint
+):
+  _save_tokenizer(tmp_path / "tok", 200)
+  ckpt = make_hf_checkpoint("qwen3")  # vocab_size 128
+  config = tiny_config(
+    teacher_cache,
+    **{
+      "student.checkpoint": str(ckpt.path),
+      "teacher.checkpoint": str(ckpt.path),
+      "tokenizer": str(tmp_path / "tok"),
+    },
+  )
+  with pytest.raises(ValueError, match=r"tokenizer .*has 200 tokens but the models' vocabulary"):
+    trainer.run(config, str(tmp_path / "w"), **QUIET)

@@ -69,6 +69,27 @@ def run(config, workdir: str) -> dict:
   return trainer.run(config, workdir)
 
 
+def exit_after_peer_failure(error: Exception) -> None:
+  """Ends this process at once when a collective with the other processes failed.
+
+  In a multi-process run that almost always means another process died (SIGKILL, a lost
+  host): the survivor's next collective fails as soon as the dead peer's connection drops.
+  Exiting normally would first wait at JAX's shutdown barrier for the dead process until the
+  heartbeat timeout (100 s by default), so this prints one line and leaves with status 1
+  straight away. Checkpoints are committed atomically, so the last one still resumes the run.
+  """
+  first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  print(
+    f"error: process {jax.process_index()}/{jax.process_count()}: a collective with the other "
+    f"processes failed ({first_line[:300]}); another process has probably died, see its log. "
+    "Rerun the same command to resume from the last checkpoint.",
+    file=sys.stderr,
+    flush=True,
+  )
+  sys.stdout.flush()
+  os._exit(1)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -85,6 +106,10 @@ def main(argv):
     run(_CONFIG.value, _WORKDIR.value)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    exit_after_peer_failure(e)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

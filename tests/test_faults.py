@@ -4,6 +4,7 @@ Kills are real signals to real subprocesses; two-process runs go through
 launch/local_multiprocess.sh (or its environment, when a peer must survive the launcher).
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -187,6 +188,77 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_then_the_command
   assert again.returncode == 0, again.stdout[-4000:]
   assert f"resumed from step {stopped}" in again.stdout
   assert max(metrics_writer.read_jsonl(workdir)) == 30
+
+
+def _one_process(process_id: int, port: int, args: list[str], log: Path) -> subprocess.Popen:
+  """Process `process_id` of 2, started as launch/local_multiprocess.sh starts it, but without
+  the launcher (which would stop the survivor itself when its peer dies)."""
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    JAX_NUM_PROCESSES="2",
+    JAX_PROCESS_ID=str(process_id),
+  )
+  cmd = [sys.executable, "-m", "opd_jax.main", "--distributed", *args]
+  with open(log, "w") as out:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_of_two_processes_ends_the_other_with_an_error_then_the_run_resumes(
+  teacher_cache, tmp_path
+):
+  workdir = tmp_path / "mp"
+  args = [
+    "--config=bf16_sync.py:tiny",
+    f"--workdir={workdir}",
+    f"--config.teacher.cache_dir={teacher_cache}",
+    "--config.train.steps=20",
+    "--config.train.checkpoint_every=3",
+    "--config.train.eval_every=1000",
+    "--config.train.log_every=1",
+  ]
+  port = 20000 + os.getpid() % 20000
+  survivor = _one_process(0, port, args, tmp_path / "p0.log")
+  victim = _one_process(1, port, args, tmp_path / "p1.log")
+  try:
+    deadline = time.time() + 900
+    while time.time() < deadline and survivor.poll() is None:  # kill between checkpoints
+      ckpt_dir = workdir / "checkpoints"
+      saved = _steps_on_disk(ckpt_dir) if ckpt_dir.exists() else []
+      with contextlib.suppress(ValueError):  # a line being written as it is read
+        if saved and max(metrics_writer.read_jsonl(workdir)) > saved[-1]:
+          break
+      time.sleep(0.1)
+    assert survivor.poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    status = survivor.wait(timeout=120)
+    waited = time.time() - killed_at
+  finally:
+    for proc in (survivor, victim):
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  log = (tmp_path / "p0.log").read_text()
+  assert status == 1, log[-3000:]
+  assert "error: process 0/2: a collective with the other processes failed" in log, log[-3000:]
+  assert waited < 60, f"the survivor took {waited:.0f}s to stop"
+  last = max(_steps_on_disk(workdir / "checkpoints"))
+  assert last < 20
+
+  again = subprocess.run(
+    ["bash", "launch/local_multiprocess.sh", "2", *args],
+    cwd=ROOT,
+    env=_launch_env(),
+    capture_output=True,
+    text=True,
+    timeout=1800,
+  )
+  assert again.returncode == 0, again.stdout[-4000:]
+  assert f"resumed from step {last}" in again.stdout
+  assert max(metrics_writer.read_jsonl(workdir)) == 20
 
 
 # -- bad input, before any compute ------------------------------------------------------------

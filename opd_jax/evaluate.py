@@ -16,6 +16,14 @@ for given weights:
                                  training rollouts, whose losses score T = 1.
 
 The teacher is always at T = 1, unfiltered.
+
+On a mesh (the params' own, `sharding.params_mesh`), the evaluation is sharded like the
+training rollouts: every process holds the held-out token ids, each data·fsdp shard
+decodes only its rows (`sampler.sample(..., mesh=)`), the teacher-forced forwards keep
+the batch split (`completion_logits`), and each process decodes and scores only the
+texts of the rows its devices hold; the hit counts are summed across shards on device.
+Padding rows (the held-out set rounded up to a multiple of data·fsdp) have mask 0 and
+are not counted.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import losses, sampler, task, train_step
+from opd_jax import losses, sampler, sharding, task, train_step
 from opd_jax.model_config import ModelConfig
 
 
@@ -46,21 +55,37 @@ def make_eval_set(source, tokenizer, prompt_len: int) -> EvalSet:
   return EvalSet(prompts, tokens_bp, lens_b)
 
 
-def greedy_rollout(params, cfg: ModelConfig, eval_set: EvalSet, max_new_tokens: int, eos_id: int):
-  """Greedy completions of every held-out prompt (a `Rollout`)."""
+def greedy_rollout(
+  params, cfg: ModelConfig, eval_set: EvalSet, max_new_tokens: int, eos_id: int, mesh=None
+):
+  """Greedy completions of every held-out prompt (a `Rollout`; batch-split on `mesh`)."""
   scfg = sampler.SamplerConfig(
     max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=(eos_id,)
   )
-  return sampler.sample(params, (eval_set.tokens_bp, eval_set.lens_b), jax.random.key(0), scfg, cfg)
+  prompts = (eval_set.tokens_bp, eval_set.lens_b)
+  return sampler.sample(params, prompts, jax.random.key(0), scfg, cfg, mesh=mesh)
 
 
 def accuracy(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
-  """Exact-match accuracy of a rollout's completions, and the decoded texts."""
-  tokens = np.asarray(rollout.completion_tokens)
-  mask = np.asarray(rollout.completion_mask)
-  texts = [tokenizer.decode(row[m > 0].tolist()) for row, m in zip(tokens, mask, strict=True)]
-  hits = [task.score(p, t) for p, t in zip(eval_set.prompts, texts, strict=True)]
-  return float(np.mean(hits)), texts
+  """Exact-match accuracy of a rollout's completions, and the decoded texts.
+
+  Rows beyond the held-out set (a sharded rollout's padding) are not counted. Each
+  process decodes and scores only the rows its devices hold, and the hits are summed on
+  device, so every row counts once; texts of rows held by other processes are "".
+  """
+  n = len(eval_set.prompts)
+  texts = [""] * n
+
+  def hits(start, tokens_bc, mask_bc):
+    out = np.zeros(len(tokens_bc), np.float32)
+    for i, (row, m) in enumerate(zip(tokens_bc, mask_bc, strict=True), start):
+      if i < n:
+        texts[i] = tokenizer.decode(row[m > 0].tolist())
+        out[i - start] = task.score(eval_set.prompts[i], texts[i])
+    return out
+
+  hits_b = sharding.map_local_rows(hits, rollout.completion_tokens, rollout.completion_mask)
+  return float(jnp.sum(hits_b)) / n, texts
 
 
 @jax.jit
@@ -90,14 +115,39 @@ def student_teacher_kl(
   Returns:
     The mean KL as a float.
   """
-  s_bcv, _, mask_bc = _logits(student_params, rollout, student_cfg)
-  t_bcv, _, _ = _logits(teacher_params, rollout, teacher_cfg)
+  mesh = sharding.params_mesh(student_params)
+  s_bcv, mask_bc = completion_logits(student_params, rollout, student_cfg, mesh)
+  t_bcv, _ = completion_logits(teacher_params, rollout, teacher_cfg, mesh)
   if sampling is None or sampling.temperature == 0:
     return float(_masked_kl(s_bcv, t_bcv, mask_bc))
   return float(_masked_kl_transformed(s_bcv, t_bcv, mask_bc, sampling))
 
 
-_logits = jax.jit(train_step.completion_logits, static_argnums=(2, 3))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def completion_logits(params, rollout, cfg: ModelConfig, mesh=None):
+  """Teacher-forced logits at the rollout's completion positions (T = 1): (f32 [B, C, V],
+  mask [B, C]), `train_step.completion_logits`.
+
+  With a `mesh` the batch stays split over data·fsdp: the weights are gathered over fsdp
+  (`sharding.DECODE_RULES`), the logits are laid out [B over data·fsdp, C, V over
+  tensor], so the program never gathers the batch.
+  """
+  if mesh is not None:
+    params = jax.lax.with_sharding_constraint(
+      params, sharding.tree_shardings(params, mesh, sharding.DECODE_RULES)
+    )
+    rollout = jax.tree.map(
+      lambda x: (
+        jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim)) if x.ndim else x
+      ),
+      rollout,
+    )
+  logits_bcv, _, mask_bc = train_step.completion_logits(params, rollout, cfg)
+  if mesh is not None:
+    logits_bcv = jax.lax.with_sharding_constraint(
+      logits_bcv, sharding.logical_sharding(mesh, "btv", logits_bcv.shape)
+    )
+  return logits_bcv, mask_bc
 
 
 def evaluate(
@@ -119,7 +169,10 @@ def evaluate(
   Returns:
     (metrics dict, a few decoded student samples for the text log).
   """
-  rollout = greedy_rollout(student_params, student_cfg, eval_set, max_new_tokens, tokenizer.eos_id)
+  mesh = sharding.params_mesh(student_params)
+  rollout = greedy_rollout(
+    student_params, student_cfg, eval_set, max_new_tokens, tokenizer.eos_id, mesh
+  )
   acc, texts = accuracy(rollout, eval_set, tokenizer)
   metrics = {
     "quality/student_accuracy": acc,
@@ -133,7 +186,7 @@ def evaluate(
     )
   if teacher_accuracy is None:
     t_rollout = greedy_rollout(
-      teacher_params, teacher_cfg, eval_set, max_new_tokens, tokenizer.eos_id
+      teacher_params, teacher_cfg, eval_set, max_new_tokens, tokenizer.eos_id, mesh
     )
     teacher_accuracy, _ = accuracy(t_rollout, eval_set, tokenizer)
   metrics["quality/teacher_accuracy"] = teacher_accuracy

@@ -48,11 +48,19 @@ devices) they run fully in parallel. `publish` makes an explicit device copy
 shardings before the train step donates them, so the engine never reads a donated
 buffer; the copy is dispatched asynchronously and the trainer does not wait for it.
 
-With several processes, every process gathers all processes' prompts so the
-sampler's inputs are identical everywhere (JAX treats host arrays as replicated),
-and the rollout is then laid out batch-sharded for the train step. The async source
-is single-process for now: two threads issuing multi-process programs in an order
-that differs between processes can deadlock their collectives.
+Sharding. Rollouts are sampled SPMD on the mesh the engine's weights live on
+(`sharding.params_mesh`): the trainer's mesh with the training layout, or the rollout mesh
+`rollout_mesh` names (the weights are laid out on it by `transform`). Each data·fsdp shard
+decodes only its own prompts (`sampler.sample(..., mesh=)`), the teacher scores them in
+place (`evaluate.completion_logits`), and rewards are decoded and scored on the host by
+the one process whose devices hold the rows (`sharding.map_local_rows`), so no process
+decodes prompts that another process also decodes (tensor-parallel peers of one shard
+share its rows by design). With several processes, each process reads its own rows of
+every batch and the prompt token ids alone (B x P int32) are exchanged, so that every
+process can place every device's rows; each device then receives only its own. The
+rollout is laid out batch-sharded for the train step. The async source is
+single-process for now: two threads issuing multi-process programs in an order that
+differs between processes can deadlock their collectives.
 """
 
 from __future__ import annotations
@@ -63,14 +71,16 @@ import queue
 import threading
 import time
 import traceback
+import types
 import zlib
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opd_jax import engine, rl, sampler, sharding, task, train_step
+from opd_jax import engine, evaluate, rl, sampler, sharding, task
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -92,9 +102,34 @@ def _engine_params(params, cfg: engine.EngineConfig, rng):
   return engine.engine_params(params, cfg, rng)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _teacher_logits(teacher_params, rollout: Rollout, teacher_cfg: ModelConfig):
-  return train_step.completion_logits(teacher_params, rollout, teacher_cfg)[0]
+def _to_mesh(tree, mesh):
+  """`tree` laid out on `mesh` with the training rules (a no-op when it already is)."""
+  shardings = sharding.tree_shardings(tree, mesh)
+  leaves = jax.tree.leaves(tree)
+  mesh_devices = set(mesh.devices.flat)
+  if all(getattr(x, "sharding", None) is not None for x in leaves) and all(
+    x.sharding.device_set <= mesh_devices for x in leaves
+  ):
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+  return jax.device_put(tree, shardings)
+
+
+def _rewards(rollout: Rollout, tokenizer) -> jax.Array:
+  """`rl.rollout_rewards`, computed by each process on the rows its devices hold."""
+
+  def rows(start, prompt_bp, lens_b, tokens_bc, mask_bc):
+    del start
+    part = types.SimpleNamespace(  # host rows of the fields rollout_rewards reads
+      prompt_tokens=prompt_bp,
+      prompt_lens=lens_b,
+      completion_tokens=tokens_bc,
+      completion_mask=mask_bc,
+    )
+    return np.asarray(rl.rollout_rewards(part, tokenizer))
+
+  r = rollout
+  fields = (r.prompt_tokens, r.prompt_lens, r.completion_tokens, r.completion_mask)
+  return sharding.map_local_rows(rows, *fields)
 
 
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
@@ -134,6 +169,9 @@ class RolloutEngine:
     score_rewards: when True, every rollout also carries `reward_b`, the task's
       exact-match reward of each decoded completion (`rl.rollout_rewards`), for the RL
       loss; the engine holds the tokenizer, so the reward is computed where the texts are.
+    rollout_mesh: None samples on the mesh the published weights live on (the trainer's,
+      or the engine's own devices); a ("data", "fsdp", "tensor") mesh lays the engine's
+      weights (and the teacher) out on it with the training rules and samples there.
   """
 
   def __init__(
@@ -148,8 +186,12 @@ class RolloutEngine:
     mesh,
     teacher=None,
     score_rewards: bool = False,
+    rollout_mesh=None,
   ):
     self.prompts = prompt_batches
+    self._rollout_mesh = rollout_mesh
+    if teacher is not None and rollout_mesh is not None:
+      teacher = (_to_mesh(teacher[0], rollout_mesh), teacher[1])
     self._score_rewards = score_rewards
     self._teacher = teacher
     self._tokenizer = tokenizer
@@ -162,8 +204,12 @@ class RolloutEngine:
     self._mesh = mesh
 
   def transform(self, params, version: int):
-    """params_r = T(θ_version), computed once per version."""
-    return _engine_params(params, self.engine_cfg, jax.random.fold_in(self._noise_key, version))
+    """params_r = T(θ_version), computed once per version (laid out on the rollout mesh
+    when there is one)."""
+    params_r = _engine_params(params, self.engine_cfg, jax.random.fold_in(self._noise_key, version))
+    if self._rollout_mesh is not None:
+      params_r = _to_mesh(params_r, self._rollout_mesh)
+    return params_r
 
   def data_state(self) -> dict:
     """The prompt iterator's position (what a checkpoint stores)."""
@@ -181,8 +227,12 @@ class RolloutEngine:
     return tokens_bp, lens_b
 
   def sample(self, params_r, prompts, batch_index: int, version: int):
-    """Samples one batch; returns (train-sharded Rollout, per-batch stats)."""
+    """Samples one batch; returns (train-sharded Rollout, per-batch stats).
+
+    The batch is decoded on the mesh `params_r` lives on, each data·fsdp shard its rows.
+    """
     start = time.perf_counter()
+    mesh = sharding.params_mesh(params_r)
     rollout = sampler.sample(
       params_r,
       prompts,
@@ -191,15 +241,15 @@ class RolloutEngine:
       self._model_cfg,
       weight_version=version,
       engine_id=self.engine_cfg.engine_id,
+      mesh=mesh,
     )
     if self._teacher is not None:
       teacher_params, teacher_cfg = self._teacher
-      rollout = rollout.replace(
-        teacher_logits=_teacher_logits(teacher_params, rollout, teacher_cfg)
-      )
+      logits_bcv, _ = evaluate.completion_logits(teacher_params, rollout, teacher_cfg, mesh)
+      rollout = rollout.replace(teacher_logits=logits_bcv)
     if self._score_rewards:
-      rollout = rollout.replace(reward_b=rl.rollout_rewards(rollout, self._tokenizer))
-    num_tokens = int(np.asarray(rollout.completion_mask).sum())  # waits for the sampler
+      rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer))
+    num_tokens = int(jnp.sum(rollout.completion_mask))  # waits for the sampler
     seconds = time.perf_counter() - start
     saturated = rollout.kv_saturated_fraction
     stats = {

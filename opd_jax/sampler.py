@@ -47,6 +47,22 @@ so KL(π_b ‖ π_θ) and the importance ratios stay finite for any engine.
 KV saturation: with an FP8 "tensor"-scaled cache, values beyond 448 · scale are
 clipped; `Rollout.kv_saturated_fraction` is the share of the K/V elements written
 to FP8 layers (prompt and counted completion tokens) that clipped.
+
+Sharded sampling (`mesh=`): the batch is split over the mesh's ("data", "fsdp") axes
+and each shard decodes only its own rows, SPMD, with the params in whatever layout
+they carry (FSDP and tensor axes as in training, or a separate rollout mesh). Every
+process passes the same global prompts (token ids only); each device receives just
+its rows (`jax.make_array_from_callback`), the KV cache is laid out [B over data·fsdp,
+S, K over tensor, H], and every [B, ...] buffer of the loop is constrained to the
+batch layout, so the compiled program never all-gathers the batch: the only
+cross-shard traffic on the batch side is the scalar "all rows done?" reduction of
+the loop condition and the scalar saturation sums. Row b meets the same key and the
+same computation as without a mesh, so a sharded greedy rollout equals the unsharded
+one token for token (and sampled ones do too, since `jax.random` draws are
+sharding-invariant). The batch is padded to a multiple of data·fsdp (not to a power
+of two) with rows that start finished, and those padding rows stay in the returned
+rollout (mask 0) so that nothing is re-laid out; `sample_program` returns the lowered
+program for inspection (`sharding.hlo_collectives`).
 """
 
 from __future__ import annotations
@@ -59,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import kvcache, model
+from opd_jax import kvcache, model, sharding
 from opd_jax.model_config import ModelConfig
 from opd_jax.quant import QArray
 from opd_jax.rollout import Rollout
@@ -308,9 +324,24 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
   return token_b, behaviour_lp_b, model_lp_b, dist, support_bm
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "model_cfg", "cache_len"))
-def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_len):
-  """Prefill + decode loop on padded inputs; returns a dict of [B, C(, k)] arrays."""
+def _constrain(x, mesh, dims: str | None = None):
+  """x laid out with its batch (dim 0) over the mesh's batch axes: `dims` letters name
+  every dimension (e.g. "btkh"), or None splits dim 0 only. Identity without a mesh."""
+  if mesh is None:
+    return x
+  if dims is None:
+    layout = sharding.batch_sharding(mesh, x.ndim)
+  else:
+    layout = sharding.logical_sharding(mesh, dims, x.shape)
+  return jax.lax.with_sharding_constraint(x, layout)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "model_cfg", "cache_len", "mesh"))
+def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_len, mesh=None):
+  """Prefill + decode loop on padded inputs; returns a dict of [B, C(, k)] arrays.
+
+  With a `mesh`, every batch-leading array is constrained to the batch layout (module
+  docstring), so no step gathers the batch."""
   global _TRACES
   _TRACES += 1
   b, p = tokens_bp.shape
@@ -319,6 +350,11 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   k = v if cfg.return_topk == -1 else min(cfg.return_topk, v)
   m = support_width(cfg, v)
   stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+  tokens_bp, lens_b, live_b = (_constrain(x, mesh) for x in (tokens_bp, lens_b, live_b))
+  if mesh is not None:  # FSDP: gather the weights once, never the batch
+    params = jax.lax.with_sharding_constraint(
+      params, sharding.tree_shardings(params, mesh, sharding.DECODE_RULES)
+    )
 
   out = {
     "tokens": jnp.zeros((b, c), jnp.int32),
@@ -333,6 +369,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
       out["topk_ids"] = jnp.zeros((b, c, k), jnp.int32)
   if m:
     out["support"] = jnp.zeros((b, c, m), jnp.int32)
+  out = {name: _constrain(x, mesh) for name, x in out.items()}
 
   def record(out, done_b, i, logits_bv):
     """Samples token i from logits_bv and stores it for the rows not yet done."""
@@ -353,7 +390,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
         values["topk_ids"] = ids_bk
     if support_bm is not None:
       values["support"] = support_bm
-    out = {name: out[name].at[:, i].set(values[name]) for name in out}
+    out = {name: _constrain(out[name].at[:, i].set(values[name]), mesh) for name in out}
     stopped_b = jnp.any(token_b[:, None] == stops[None, :], axis=-1)
     # Token i sits at position len_b + i; feeding it needs that cache slot.
     full_b = lens_b + i >= s
@@ -363,11 +400,12 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   # drops the LM head over all P positions; step 0 below feeds the last prompt
   # token instead, rewriting its own slot, and samples token 0 from one row of
   # logits per sequence.
-  cache = kvcache.init_cache(model_cfg, b, s, spec)
+  cache = _constrain_cache(kvcache.init_cache(model_cfg, b, s, spec), mesh)
   t_prefill = min(p, s)  # every prompt fits in s, so columns ≥ s are padding
   _, cache = model.forward_with_cache(
     params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec, lens_b
   )
+  cache = _constrain_cache(cache, mesh)
   # K/V elements one token writes to the FP8 layers, and the clipped ones so far.
   fp8_per_token = 2 * model_cfg.num_kv_heads * model_cfg.head_dim
   fp8_per_token *= sum("k_scale" in entry for entry in cache)
@@ -386,6 +424,8 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
     logits_b1v, cache = model.forward_with_cache(
       params, token_b[:, None], pos_b, cache, model_cfg, spec
     )
+    cache = _constrain_cache(cache, mesh)
+    logits_b1v = _constrain(logits_b1v, mesh, "btv")
     clipped += jnp.sum(jnp.where(done_b, 0, _clipped_b(cache))).astype(jnp.float32)
     written += jnp.sum(~done_b).astype(jnp.float32) * fp8_per_token
     out, done_b, token_b = record(out, done_b, i, logits_b1v[:, 0])
@@ -395,6 +435,15 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   *_, out, (clipped, written) = jax.lax.while_loop(cond, body, state)
   out["kv_saturated_fraction"] = clipped / jnp.maximum(written, 1.0)
   return out
+
+
+def _constrain_cache(cache, mesh):
+  """The KV cache laid out [B over data·fsdp, S, K over tensor, H] (scales alike)."""
+  if mesh is None:
+    return cache
+  return [
+    {name: _constrain(x, mesh, "btkh"[: x.ndim]) for name, x in entry.items()} for entry in cache
+  ]
 
 
 def _clipped_b(cache) -> jax.Array:
@@ -468,33 +517,8 @@ def engine_label(params, cfg: SamplerConfig) -> str:
   )
 
 
-def sample(
-  params,
-  prompts,
-  rng,
-  cfg: SamplerConfig,
-  model_cfg: ModelConfig,
-  weight_version: int = 0,
-  engine_id: str | None = None,
-) -> Rollout:
-  """Samples completions for a batch of prompts with a KV cache.
-
-  Args:
-    params: the model params pytree (plain or FP8 `QArray` matrices).
-    prompts: a list of B token-id lists (any lengths ≥ 1), or a pair
-      (tokens [B, P] right-padded array, lens [B] array). A list is padded to the bucket of its
-      longest prompt; a pair keeps the bucket of its width P, so fixed-shape callers
-      always get fixed-shape rollouts.
-    rng: a PRNG key; step i uses fold_in(rng, i).
-    cfg: sampler settings (static).
-    model_cfg: the model config (static).
-    weight_version: the version tag of `params`, stored in the rollout.
-    engine_id: stored in the rollout; default `engine_label(params, cfg)`.
-
-  Returns:
-    A `Rollout` with prompt_tokens [B, P'], where P' is the bucketed prompt width,
-    and completion arrays [B, C], C = cfg.max_new_tokens.
-  """
+def _prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh):
+  """Validates, pads and places the inputs; returns (core args, core kwargs, B)."""
   if not isinstance(cfg, SamplerConfig):
     raise ValueError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
   dtype = jnp.dtype(model.compute_dtype(params)).name
@@ -513,27 +537,80 @@ def sample(
         f"prompt {i} has {n} tokens, longer than the KV cache ({cache_len} slots); "
         "raise SamplerConfig.cache_len or shorten the prompt"
       )
-  if engine_id is None:
-    engine_id = engine_label(params, cfg)
   if cfg.kv is None:
     cfg = dataclasses.replace(cfg, kv=kvcache.KVCacheSpec(dtype=dtype))
 
-  padded_batch = next_pow2(batch)
+  if mesh is None:
+    padded_batch = next_pow2(batch)
+  else:
+    shards = sharding.batch_shards(mesh)
+    padded_batch = -(-batch // shards) * shards
   tokens = np.zeros((padded_batch, bucket), np.int32)
   tokens[:batch, :width] = tokens_bp
   lens = np.ones((padded_batch,), np.int32)
   lens[:batch] = lens_b
   live = np.arange(padded_batch) < batch
-  out = _sample_core(params, tokens, lens, live, rng, cfg, model_cfg, cache_len)
+  inputs = [tokens, lens, live]
+  if mesh is not None:  # each device gets only its rows
+    inputs = [sharding.place_rows(x, mesh) for x in inputs]
+  static = {"cfg": cfg, "model_cfg": model_cfg, "cache_len": cache_len, "mesh": mesh}
+  return inputs, static, batch
+
+
+def sample_program(params, prompts, rng, cfg: SamplerConfig, model_cfg: ModelConfig, mesh=None):
+  """The jitted sampler core lowered for these inputs (`.compile().as_text()` is its HLO),
+  exactly as `sample` would run it."""
+  (tokens, lens, live), static, _ = _prepare(params, prompts, cfg, model_cfg, mesh)
+  return _sample_core.lower(params, tokens, lens, live, rng, **static)
+
+
+def sample(
+  params,
+  prompts,
+  rng,
+  cfg: SamplerConfig,
+  model_cfg: ModelConfig,
+  weight_version: int = 0,
+  engine_id: str | None = None,
+  mesh=None,
+) -> Rollout:
+  """Samples completions for a batch of prompts with a KV cache.
+
+  Args:
+    params: the model params pytree (plain or FP8 `QArray` matrices). With a `mesh`,
+      laid out on it (any layout: `sharding.tree_shardings` gives the training one).
+    prompts: a list of B token-id lists (any lengths ≥ 1), or a pair
+      (tokens [B, P] right-padded array, lens [B] array). A list is padded to the bucket of its
+      longest prompt; a pair keeps the bucket of its width P, so fixed-shape callers
+      always get fixed-shape rollouts. With a mesh: the global batch, the same on every
+      process.
+    rng: a PRNG key; step i uses fold_in(rng, i).
+    cfg: sampler settings (static).
+    model_cfg: the model config (static).
+    weight_version: the version tag of `params`, stored in the rollout.
+    engine_id: stored in the rollout; default `engine_label(params, cfg)`.
+    mesh: None decodes the whole batch as one program on the params' device; a
+      ("data", "fsdp", "tensor") mesh decodes each data·fsdp shard's rows on that
+      shard only (module docstring).
+
+  Returns:
+    A `Rollout` with prompt_tokens [B, P'], where P' is the bucketed prompt width,
+    and completion arrays [B, C], C = cfg.max_new_tokens. With a mesh, B is rounded up
+    to a multiple of data·fsdp (the extra rows have lens 1 and mask 0) and every [B, ...]
+    array is split over the batch axes.
+  """
+  (tokens, lens, live), static, batch = _prepare(params, prompts, cfg, model_cfg, mesh)
+  if engine_id is None:
+    engine_id = engine_label(params, cfg)
+  out = _sample_core(params, tokens, lens, live, rng, **static)
+  padded_batch = tokens.shape[0]
 
   def rows(x):
-    return x if padded_batch == batch else x[:batch]
+    return x if padded_batch == batch or mesh is not None else x[:batch]
 
   topk_ids = out.get("topk_ids")
   if "topk_lp" in out and topk_ids is None:  # full distribution, vocabulary order
-    topk_ids = jnp.broadcast_to(
-      jnp.arange(model_cfg.vocab_size, dtype=jnp.int32), out["topk_lp"].shape
-    )
+    topk_ids = _vocab_ids(out["topk_lp"].shape, mesh)
   return Rollout(
     prompt_tokens=rows(jnp.asarray(tokens)),
     prompt_lens=rows(jnp.asarray(lens)),
@@ -549,3 +626,14 @@ def sample(
     kv_saturated_fraction=out["kv_saturated_fraction"],
     engine_id=engine_id,
   )
+
+
+def _vocab_ids(shape, mesh):
+  """int32 [B, C, V] holding 0..V-1 along the last axis (batch-split with a mesh)."""
+  if mesh is None:
+    return jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
+  layout = sharding.batch_sharding(mesh, len(shape))
+  build = jax.jit(
+    lambda: jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape), out_shardings=layout
+  )
+  return build()

@@ -30,6 +30,7 @@ model shape gets a valid (if less split) layout.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +71,11 @@ DEFAULT_RULES = (
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# The params' layout while decoding: as `DEFAULT_RULES` but with the FSDP split of the
+# embedding axis gathered, so that one-token decode steps keep the batch on (data, fsdp)
+# and gather weights (once per sampler call) rather than activations.
+DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
 
 
 def make_mesh(shape: Sequence[int] | Mapping[str, int], devices=None) -> Mesh:
@@ -248,6 +254,125 @@ def batch_sharding(mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
   if ndim < 1:
     raise ValueError(f"a batch array needs a leading batch dimension, got ndim={ndim}")
   return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), None, mesh, rules))
+
+
+def batch_shards(mesh, rules=DEFAULT_RULES) -> int:
+  """How many ways the batch rule splits a batch: data · fsdp with the default rules."""
+  return math.prod(mesh.shape[a] for a in _rules_dict(rules, mesh).get("batch", ()))
+
+
+def place_rows(host_bx: np.ndarray, mesh, rules=DEFAULT_RULES) -> jax.Array:
+  """A global array of the host batch `host_bx` [B, ...], split by `batch_sharding`.
+
+  Every process passes the same host array; each device receives only its own rows
+  (`jax.make_array_from_callback`), so no device holds, and no program gathers, rows of
+  another batch shard. B must be divisible by `batch_shards(mesh)`.
+  """
+  host_bx = np.asarray(host_bx)
+  shards = batch_shards(mesh, rules)
+  if host_bx.ndim < 1 or host_bx.shape[0] % shards:
+    raise ValueError(
+      f"a batch of shape {host_bx.shape} cannot be split over {shards} batch shards "
+      f"(mesh {dict(mesh.shape)}): its leading size must be a multiple of {shards}"
+    )
+  layout = batch_sharding(mesh, host_bx.ndim, rules)
+  return jax.make_array_from_callback(host_bx.shape, layout, lambda index: host_bx[index])
+
+
+def local_rows(x) -> list[tuple[int, np.ndarray]]:
+  """This process's rows of a batch-leading array: (first row, host rows) per distinct
+  row block its devices hold (devices that replicate a block, e.g. along "tensor", count
+  once), in row order. For a fully addressable array this covers every row."""
+  blocks = {}
+  for shard in x.addressable_shards:
+    rows = shard.index[0] if shard.index else slice(None)
+    start = rows.start or 0
+    if start not in blocks:
+      blocks[start] = np.asarray(shard.data)
+  return sorted(blocks.items(), key=lambda item: item[0])
+
+
+def map_local_rows(fn, *arrays) -> jax.Array:
+  """fn applied on the host to this process's rows of batch-split arrays, as one global
+  array: out[r0:r1] = fn(r0, *(a[r0:r1] for a in arrays)) for every row block [r0, r1) a
+  device of this process holds (each block computed once). fn returns a numpy array with
+  one entry per row; the result is laid out like `arrays[0]`'s batch. Host-side work per
+  row (decoding texts, scoring them) then runs on exactly one process per row block, and
+  reductions of the result count every row once however many devices replicate it.
+  """
+  first = arrays[0]
+  blocks = [dict(local_rows(a)) for a in arrays]
+  done = {start: np.asarray(fn(start, *(b[start] for b in blocks))) for start in blocks[0]}
+  if not isinstance(first.sharding, NamedSharding):  # one device: one block
+    return jax.numpy.asarray(np.concatenate([done[k] for k in sorted(done)]))
+  width = next(iter(done.values())).shape[1:]
+  spec = first.sharding.spec
+  layout = NamedSharding(first.sharding.mesh, P(spec[0] if len(spec) else None))
+
+  def piece(index):
+    start = index[0].start or 0
+    return done[start][: (index[0].stop or first.shape[0]) - start]
+
+  return jax.make_array_from_callback((first.shape[0],) + width, layout, piece)
+
+
+def params_mesh(tree):
+  """The ("data", "fsdp", "tensor") `Mesh` a pytree's arrays are laid out on (the first
+  `NamedSharding` leaf's), or None when there is none or it has a single device."""
+  for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QArray)):
+    leaf = leaf.value if isinstance(leaf, QArray) else leaf
+    layout = getattr(leaf, "sharding", None)
+    mesh = layout.mesh if isinstance(layout, NamedSharding) else None
+    if mesh is not None and mesh.size > 1 and set(MESH_AXES) <= set(mesh.axis_names):
+      return mesh
+  return None
+
+
+_HLO_OPS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_HLO_LINE = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_HLO_ARRAY = re.compile(r"^[a-z0-9]+\[([0-9,]*)\]")
+
+
+def hlo_collectives(hlo_text: str) -> list[dict]:
+  """The cross-device ops of a compiled HLO text (`jitted.lower(...).compile().as_text()`).
+
+  Returns:
+    One dict per op: "op" (one of all-gather, all-reduce, all-to-all, reduce-scatter,
+    collective-permute; an async "-start" counts as its op), "operand" (the first
+    operand's shape, None when it is a tuple or not found), "result" (the result's shape,
+    None for a tuple), "dims" (the `dimensions={..}` an all-gather or all-to-all
+    concatenates along, else ()), and "line" (the HLO line).
+  """
+
+  def shape(type_text):
+    match = _HLO_ARRAY.match(type_text)
+    return None if match is None else tuple(int(n) for n in match.group(1).split(",") if n)
+
+  shapes, lines = {}, []
+  for line in hlo_text.splitlines():
+    match = _HLO_LINE.match(line)
+    if match is None:
+      continue
+    name, type_text, op, rest = match.groups()
+    shapes[name] = shape(type_text)
+    lines.append((line, type_text, op, rest))
+  found = []
+  for line, type_text, op, rest in lines:
+    base = op.removesuffix("-start")
+    if base not in _HLO_OPS:
+      continue
+    operand = re.match(r"\s*(?:[^%]*\s)?%([\w.\-]+)", rest)
+    dims = re.search(r"dimensions=\{([0-9,]*)\}", rest)
+    found.append(
+      {
+        "op": base,
+        "operand": shapes.get(operand.group(1)) if operand else None,
+        "result": shape(type_text),
+        "dims": tuple(int(n) for n in dims.group(1).split(",") if n) if dims else (),
+        "line": line.strip(),
+      }
+    )
+  return found
 
 
 def replicated(mesh) -> NamedSharding:

@@ -33,7 +33,7 @@ def get_config(arg=None):
     raise ValueError(f"unknown variant {arg!r} of base.py; known: {', '.join(VARIANTS)}")
   c = ml_collections.ConfigDict()
   c.seed = 0  # global seed: init, data order, sampling
-  c.tokenizer = "char"  # "char" (built-in task) or a local tokenizer directory
+  c.tokenizer = ""  # "" = the student checkpoint's, else "char"; "char" or a tokenizer dir
 
   # Device mesh; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict()
@@ -68,6 +68,9 @@ def get_config(arg=None):
   c.data.train_size = 200_000  # built-in task: training prompts per epoch
   c.data.eval_size = 256  # held-out prompts for quality/*
   c.data.batch_size = 32  # prompts per training step (global)
+  # Prompt files ({"prompt": text} or {"messages": [...]} per line, opd_jax/prompts.py).
+  c.data.max_prompt_tokens = 0  # longest prompt (tokens, bos included); 0 = no limit
+  c.data.overlong = "error"  # longer prompts: truncate_left (keep the end) | drop | error
 
   # Rollout engine: how the behaviour policy differs from the trainer.
   c.rollout = ml_collections.ConfigDict()

@@ -4,11 +4,20 @@ Models come from local Hugging Face checkpoints (`hf.load_checkpoint`, each tens
 placed straight onto its sharding) or, for the built-in task, from the architecture
 in the config, initialised directly into their shardings with
 `jit(init, out_shardings=tree_shardings(eval_shape(init)))`.
+
+Building happens in two stages so that mistakes surface before any weights load:
+`plan_models` reads only config.json files and tokenizer files (mesh, tokenizer,
+both ModelConfigs, the vocabulary checks); `build_models` then loads or initialises
+the weights of that plan.
+
+The tokenizer (`tokenizer_path`): `config.tokenizer` when set; unset (""), the student
+checkpoint's own tokenizer, or the built-in character tokenizer without a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +78,91 @@ def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
   return cfg, init_sharded(cfg, mesh, rng, dtype)
 
 
+def tokenizer_path(config: ml_collections.ConfigDict) -> str:
+  """The run's tokenizer: `config.tokenizer`, or when that is "" the student checkpoint's
+  directory, or "char" for a built-in student (`tokenizer.resolve_name`)."""
+  return tokenizer.resolve_name(config.tokenizer, config.student.checkpoint)
+
+
+def checkpoint_config(directory: str, who: str) -> ModelConfig:
+  """The ModelConfig of an HF checkpoint directory from its config.json alone, after checking
+  that its weight files are there (without opening them)."""
+  try:
+    cfg = hf.load_config(directory)
+  except (ValueError, FileNotFoundError) as e:
+    raise type(e)(f"{who} checkpoint: {e}") from e
+  names = (hf.SINGLE_FILE, hf.INDEX_FILE)
+  if not any(os.path.isfile(os.path.join(directory, n)) for n in names):
+    raise FileNotFoundError(
+      f"{who} checkpoint {directory!r} has a {hf.CONFIG_FILE} but no weights ({' or '.join(names)})"
+    )
+  return cfg
+
+
+@dataclasses.dataclass
+class Plan:
+  """What the run's models will be, known before any weights load (`plan_models`)."""
+
+  mesh: jax.sharding.Mesh
+  tokenizer: object
+  tokenizer_path: str  # "char" or the tokenizer's directory
+  student_cfg: ModelConfig
+  teacher_cfg: ModelConfig
+
+
+def _teacher_tokenizer(config, run_tokenizer_path: str):
+  """The teacher checkpoint's own tokenizer when its directory holds one other than the run's
+  tokenizer directory; else None."""
+  directory = config.teacher.checkpoint
+  if not directory or os.path.abspath(directory) == os.path.abspath(run_tokenizer_path):
+    return None
+  if not any(os.path.isfile(os.path.join(directory, n)) for n in tokenizer.TOKENIZER_MAIN_FILES):
+    return None
+  return tokenizer.load_tokenizer(directory)
+
+
+def plan_models(config: ml_collections.ConfigDict) -> Plan:
+  """Mesh, tokenizer and both ModelConfigs from config.json and tokenizer files only.
+
+  Checks, in order: the mesh fits the devices; each checkpoint's config.json (a supported
+  architecture) and that its weight files exist; equal student and teacher vocabulary sizes;
+  the tokenizer loads; its size and special ids fit the models' vocabulary; a teacher
+  checkpoint's own tokenizer, if it has one, maps every id to the same token as the run's.
+
+  Raises:
+    ValueError / FileNotFoundError: naming the setting or file at fault.
+  """
+  mesh = build_mesh(config)
+  loaded = {
+    who: checkpoint_config(config[who].checkpoint, who)
+    for who in ("student", "teacher")
+    if config[who].checkpoint
+  }
+  if len(loaded) == 2:
+    tokenizer.check_same_vocab(loaded["student"].vocab_size, loaded["teacher"].vocab_size)
+  path = tokenizer_path(config)
+  tok = tokenizer.load_tokenizer(path)
+  student_cfg = loaded.get("student") or arch_config(config.student.arch, tok.vocab_size)
+  teacher_cfg = loaded.get("teacher") or arch_config(config.teacher.arch, tok.vocab_size)
+  tokenizer.check_same_vocab(student_cfg.vocab_size, teacher_cfg.vocab_size)
+  if student_cfg.vocab_size < tok.vocab_size:
+    raise ValueError(
+      f"tokenizer {path!r} has {tok.vocab_size} tokens but the models' vocabulary is "
+      f"{student_cfg.vocab_size}"
+    )
+  ids = {"eos": tok.eos_id, "pad": tok.pad_id, "bos": tok.bos_id}
+  bad = {k: i for k, i in ids.items() if i is not None and not 0 <= i < student_cfg.vocab_size}
+  if bad:
+    raise ValueError(
+      f"tokenizer {path!r} has special ids {bad} outside the models' vocabulary "
+      f"[0, {student_cfg.vocab_size})"
+    )
+  teacher_tok = _teacher_tokenizer(config, path)
+  if teacher_tok is not None:
+    tokenizer.check_same_vocab(student_cfg.vocab_size, teacher_cfg.vocab_size, tok, teacher_tok)
+  return Plan(mesh, tok, path, student_cfg, teacher_cfg)
+
+
 @dataclasses.dataclass
 class Models:
   """Everything the run needs about its two models."""
@@ -81,19 +175,14 @@ class Models:
   teacher_params: dict
 
 
-def build_models(config: ml_collections.ConfigDict) -> Models:
-  """Mesh, tokenizer, student and teacher; refuses mismatched vocabularies."""
-  mesh = build_mesh(config)
-  tok = tokenizer.load_tokenizer(config.tokenizer)
+def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) -> Models:
+  """Mesh, tokenizer, student and teacher of `plan` (default `plan_models(config)`, which
+  refuses mismatched vocabularies before any weights load)."""
+  plan = plan or plan_models(config)
+  mesh, tok = plan.mesh, plan.tokenizer
   rng_s, rng_t = jax.random.split(jax.random.key(config.seed))
   student_cfg, student = load_or_init(config.student, tok.vocab_size, mesh, rng_s)
   teacher_cfg, teacher = load_or_init(config.teacher, tok.vocab_size, mesh, rng_t)
-  tokenizer.check_same_vocab(student_cfg.vocab_size, teacher_cfg.vocab_size)
-  if student_cfg.vocab_size < tok.vocab_size:
-    raise ValueError(
-      f"tokenizer has {tok.vocab_size} tokens but the models' vocabulary is "
-      f"{student_cfg.vocab_size}"
-    )
   return Models(mesh, tok, student_cfg, student, teacher_cfg, teacher)
 
 

@@ -121,6 +121,8 @@ RULES: dict[str, Any] = {
   "data.train_size": POSITIVE,
   "data.eval_size": POSITIVE,
   "data.batch_size": POSITIVE,
+  "data.max_prompt_tokens": NON_NEGATIVE,
+  "data.overlong": Choice(("truncate_left", "drop", "error")),
   "rollout.weights": Choice(("trainer", "bf16", "fp8")),
   "rollout.weight_block_size": NON_NEGATIVE,
   "rollout.bf16_layers": Kind(tuple),

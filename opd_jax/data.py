@@ -4,9 +4,11 @@ Sources are random-access sequences of dicts with at least a string `"prompt"`:
 
 * `opd_jax.task.TaskSource(split, size, seed)`: the built-in synthetic task
   (`{"prompt", "completion", "answer"}`).
-* `JsonlSource(path)`: a JSONL file, one object per line with a string `"prompt"`; other fields
-  (e.g. `"answer"`) are kept. The file is read and validated eagerly, so a bad file fails at
-  start-up with the file and line in the message, not hours into a run.
+* `JsonlSource(path)`: a JSONL file, one object per line with a string `"prompt"` or a chat
+  `"messages"` list (`[{"role": ..., "content": ...}, ...]`, rendered later with the
+  tokenizer's chat template by `opd_jax.prompts`); other fields (e.g. `"answer"`) are kept.
+  The file is read and validated eagerly, so a bad file fails at start-up with the file and
+  line in the message, not hours into a run.
 
 `prompt_batches` turns a source into a grain iterator of batches:
 
@@ -24,6 +26,7 @@ produced next.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -32,17 +35,21 @@ from typing import Any
 import grain
 import numpy as np
 
+PROMPT_FIELDS = ("prompt", "messages")
+
 
 class JsonlSource:
   """Prompts from a JSONL file, read eagerly (grain's random-access source protocol).
 
-  Every non-blank line must be a JSON object with a string `"prompt"` field; all its fields are
-  kept. `source[i]` returns a fresh copy of line i's dict.
+  Every non-blank line must be a JSON object with exactly one of a string `"prompt"` field or
+  a non-empty `"messages"` list of `{"role": str, "content": str}` objects; all its fields are
+  kept. `source[i]` returns a fresh copy of record i's dict; `line_numbers[i]` is its line.
 
   Raises (from the constructor):
     FileNotFoundError: the file does not exist.
     ValueError: the file has no records; a line is not valid JSON (file, line number and the
-      JSON error in the message); a line has no string "prompt" field.
+      JSON error in the message); a line has neither field (with the nearest field name when
+      one looks misspelt), both, or a malformed one.
   """
 
   def __init__(self, path: str | os.PathLike):
@@ -52,7 +59,7 @@ class JsonlSource:
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"prompt file {self.path} does not exist")
-    records = []
+    records, lines = [], []
     with open(self.path, encoding="utf-8") as f:
       for line_no, line in enumerate(f, start=1):
         if not line.strip():
@@ -61,20 +68,15 @@ class JsonlSource:
           record = json.loads(line)
         except json.JSONDecodeError as e:
           raise ValueError(f"prompt file {self.path} line {line_no} is not valid JSON: {e}") from e
-        if not isinstance(record, dict):
-          raise ValueError(
-            f"prompt file {self.path} line {line_no} must be a JSON object, "
-            f"got {type(record).__name__}"
-          )
-        if not isinstance(record.get("prompt"), str):
-          raise ValueError(
-            f'prompt file {self.path} line {line_no} has no string "prompt" field '
-            f"(fields: {sorted(record)})"
-          )
+        problem = record_problem(record)
+        if problem:
+          raise ValueError(f"prompt file {self.path} line {line_no} {problem}")
         records.append(record)
+        lines.append(line_no)
     if not records:
       raise ValueError(f"prompt file {self.path} is empty")
     self._records = records
+    self.line_numbers = lines
 
   def __len__(self) -> int:
     return len(self._records)
@@ -84,6 +86,40 @@ class JsonlSource:
 
   def __repr__(self) -> str:
     return f"JsonlSource({self.path!r}, {len(self)} prompts)"
+
+
+def record_problem(record: Any) -> str | None:
+  """What is wrong with one prompt record, as the end of a sentence; None when it is valid."""
+  if not isinstance(record, dict):
+    return f"must be a JSON object, got {type(record).__name__}"
+  has_prompt, has_messages = "prompt" in record, "messages" in record
+  if has_prompt and has_messages:
+    return 'has both "prompt" and "messages"; give one'
+  if has_messages:
+    return _messages_problem(record["messages"])
+  if not isinstance(record.get("prompt"), str):
+    hint = ""
+    for key in record:
+      near = difflib.get_close_matches(str(key), PROMPT_FIELDS, n=1, cutoff=0.6)
+      if near and not has_prompt:
+        hint = f'; is {key!r} a misspelt "{near[0]}"?'
+        break
+    return f'has no string "prompt" field and no "messages" list (fields: {sorted(record)}){hint}'
+  return None
+
+
+def _messages_problem(messages: Any) -> str | None:
+  if not isinstance(messages, list) or not messages:
+    return f'has "messages" that is not a non-empty list: {messages!r:.80}'
+  for i, message in enumerate(messages):
+    ok = isinstance(message, dict) and all(
+      isinstance(message.get(k), str) for k in ("role", "content")
+    )
+    if not ok:
+      return (
+        f'has "messages"[{i}] that is not a {{"role": str, "content": str}} object: {message!r:.80}'
+      )
+  return None
 
 
 def collate(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -32,7 +32,10 @@ import dataclasses
 import hashlib
 import re
 
+import jax
 import numpy as np
+
+from opd_jax import sampler
 
 SPLITS = ("train", "heldout")
 ANSWER_MARKER = ">"
@@ -271,15 +274,26 @@ def encode_batch(examples, tokenizer, seq_len: int) -> dict[str, np.ndarray]:
 
 
 def encode_prompts(prompts, tokenizer, length: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-padded prompt tokens for the sampler.
+  """Right-padded prompt tokens for the sampler, padded to the batch's own bucket.
 
-  Row b is `[bos] prompt_b pad ...`; decoding for row b starts at position
-  lengths[b], overwriting the padding. Every default-config prompt has the same length.
+  Row b is `[bos] prompt_b pad ...` for a text prompt (bos when the tokenizer has one), or
+  prompt_b itself when it is already token ids (`opd_jax.prompts` gives those, bos
+  included); decoding for row b starts at position lengths[b], overwriting the padding.
+  The width is
+
+      P = min(length, sampler.prompt_bucket(max_b lengths[b]))
+
+  so a batch of short prompts is not padded to the longest prompt of the whole run, and the
+  sampler, which pads to that same power-of-two bucket, sees at most one shape per bucket.
+  Every default-config task prompt has the same length, below the smallest bucket, so P is
+  `length` there. With several processes P is always `length`: each process encodes its own
+  rows, and the gathered arrays must agree in shape.
 
   Args:
-    prompts: list of B prompt strings.
+    prompts: B prompts, each a string or a sequence of token ids.
     tokenizer: a `opd_jax.tokenizer` tokenizer.
-    length: P, the padded prompt length (`TaskConfig.max_prompt_tokens` fits the task).
+    length: the widest a batch may be (`TaskConfig.max_prompt_tokens` fits the task; the
+      longest prepared prompt for a file).
 
   Returns:
     (tokens int32 [B, P], lengths int32 [B]).
@@ -288,12 +302,18 @@ def encode_prompts(prompts, tokenizer, length: int) -> tuple[np.ndarray, np.ndar
     ValueError: when a prompt is longer than `length`.
   """
   bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-  tokens = np.full((len(prompts), length), tokenizer.pad_id, np.int32)
-  lengths = np.zeros((len(prompts),), np.int32)
-  for b, prompt in enumerate(prompts):
-    ids = bos + tokenizer.encode(prompt)
+  rows = []
+  for prompt in prompts:
+    ids = bos + tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if len(ids) > length:
       raise ValueError(f"prompt {prompt!r} needs {len(ids)} tokens > length={length}")
+    rows.append(ids)
+  width = min(length, sampler.prompt_bucket(max((len(r) for r in rows), default=1)))
+  if jax.process_count() > 1:
+    width = length
+  tokens = np.full((len(rows), width), tokenizer.pad_id, np.int32)
+  lengths = np.zeros((len(rows),), np.int32)
+  for b, ids in enumerate(rows):
     tokens[b, : len(ids)] = ids
     lengths[b] = len(ids)
   return tokens, lengths

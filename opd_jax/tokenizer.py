@@ -8,6 +8,7 @@ only this interface:
     decode(ids) -> str            # stops at eos, drops pad and other special tokens
     vocab_size, pad_id, bos_id, eos_id
     get_vocab() -> dict[str, int] # token string -> id, for the vocabulary check
+    render_chat(messages) -> str  # the chat template with the generation prompt appended
 
 Two implementations:
 - `CharTokenizer`: the built-in character tokenizer for the synthetic task
@@ -21,6 +22,8 @@ import os
 from collections.abc import Iterable
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+# A Hugging Face tokenizer directory holds at least one of these.
+TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Digits, the operators and separators of the synthetic task, and a space.
 CHAR_ALPHABET = "0123456789+-*=;>: "
 
@@ -93,6 +96,18 @@ class CharTokenizer:
     """Token string -> id."""
     return {t: i for i, t in enumerate(self._tokens)}
 
+  def render_chat(self, messages) -> str:
+    """Always raises: the character tokenizer serves the built-in task and has no chat template.
+
+    Raises:
+      ValueError: naming the fix (a Hugging Face tokenizer with a chat template).
+    """
+    raise ValueError(
+      'the built-in character tokenizer has no chat template, so "messages" records cannot be '
+      "rendered; set config.tokenizer (or student.checkpoint) to a Hugging Face tokenizer "
+      'directory with a chat template, or give plain "prompt" text'
+    )
+
 
 class HFTokenizer:
   """A Hugging Face tokenizer exposed through the same interface as `CharTokenizer`.
@@ -144,30 +159,72 @@ class HFTokenizer:
     """Token string -> id, added tokens included."""
     return dict(self.hf.get_vocab())
 
+  def render_chat(self, messages) -> str:
+    """`messages` ([{"role", "content"}, ...]) rendered with the tokenizer's chat template,
+    with the generation prompt (the assistant turn's opening) appended: the text a chat
+    model continues. `encode` of it gives the ids `apply_chat_template(tokenize=True)` gives.
+
+    Raises:
+      ValueError: the tokenizer has no chat template, or the template fails on `messages`.
+    """
+    if not getattr(self.hf, "chat_template", None):
+      raise ValueError(
+        f'tokenizer {self.hf.name_or_path!r} has no chat template, so "messages" records '
+        'cannot be rendered; give plain "prompt" text or a tokenizer with a chat template'
+      )
+    try:
+      return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...) and others
+      raise ValueError(f"the chat template of {self.hf.name_or_path!r} failed: {e}") from e
+
 
 def load_tokenizer(path_or_name: str) -> CharTokenizer | HFTokenizer:
   """Loads a tokenizer by name or from a local directory, without network access.
 
   Args:
-    path_or_name: "char" for the built-in `CharTokenizer`, or a local directory
-      holding a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json).
+    path_or_name: "char" (or "", see `resolve_name`) for the built-in `CharTokenizer`,
+      or a local directory holding a Hugging Face tokenizer (tokenizer.json /
+      tokenizer_config.json).
 
   Returns:
     A tokenizer with encode/decode/vocab_size/pad_id/bos_id/eos_id/get_vocab.
 
   Raises:
     FileNotFoundError: when the directory does not exist.
+    ValueError: when it holds no tokenizer files, or transformers cannot load them.
   """
-  if path_or_name == "char":
+  if path_or_name in ("char", ""):
     return CharTokenizer()
   if not os.path.isdir(path_or_name):
     raise FileNotFoundError(
       f"tokenizer directory {path_or_name!r} does not exist (use 'char' for the built-in "
       "character tokenizer)"
     )
+  if not any(os.path.isfile(os.path.join(path_or_name, n)) for n in TOKENIZER_MAIN_FILES):
+    raise ValueError(
+      f"directory {path_or_name!r} holds no tokenizer ({', '.join(TOKENIZER_MAIN_FILES)}); "
+      "set config.tokenizer to the directory of the checkpoint's tokenizer"
+    )
   from transformers import AutoTokenizer
 
-  return HFTokenizer(AutoTokenizer.from_pretrained(path_or_name, local_files_only=True))
+  try:
+    hf_tokenizer = AutoTokenizer.from_pretrained(path_or_name, local_files_only=True)
+  except (OSError, ValueError, KeyError) as e:
+    raise ValueError(f"cannot load the tokenizer in {path_or_name!r}: {e}") from e
+  return HFTokenizer(hf_tokenizer)
+
+
+def resolve_name(tokenizer: str, student_checkpoint: str) -> str:
+  """The tokenizer a run uses: `config.tokenizer` when set, else the student checkpoint's
+  directory when there is one, else "char" (the built-in task's tokenizer).
+
+  Args:
+    tokenizer: `config.tokenizer`: "" (unset), "char", or a tokenizer directory.
+    student_checkpoint: `config.student.checkpoint` ("" for a built-in student).
+  """
+  if tokenizer:
+    return tokenizer
+  return student_checkpoint or "char"
 
 
 def _first_difference(student_tok, teacher_tok) -> str | None:

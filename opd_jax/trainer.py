@@ -44,7 +44,9 @@ from opd_jax import (
   kvcache,
   metrics_writer,
   mismatch,
+  preflight,
   pretrain,
+  prompts,
   rl,
   sampler,
   sharding,
@@ -112,7 +114,8 @@ def loss_config(config) -> train_step.LossConfig:
 
 
 def prompt_source(config, task_cfg):
-  """Training prompts: the JSONL file when given, else the built-in task."""
+  """Training prompts: the JSONL file when given, else the built-in task. (`run` uses the
+  file's prepared `prompts.PromptSet` from `preflight.check` instead.)"""
   if config.data.prompt_file:
     return data.JsonlSource(config.data.prompt_file)
   return task.TaskSource("train", config.data.train_size, config.seed, task_cfg)
@@ -138,11 +141,12 @@ def prompt_width(source, tokenizer, task_cfg, from_file: bool) -> int:
   """P: the task's longest prompt, or the longest prompt in the file (with bos)."""
   if not from_file:
     return task_cfg.max_prompt_tokens
-  bos = 0 if tokenizer.bos_id is None else 1
+  if isinstance(source, prompts.PromptSet):
+    return source.width
   longest = 0
   for i in range(len(source)):
     try:
-      longest = max(longest, len(tokenizer.encode(source[i]["prompt"])) + bos)
+      longest = max(longest, len(prompts.record_ids(source[i], tokenizer)[1]))
     except ValueError as e:
       raise ValueError(f"prompt {i} of {getattr(source, 'path', 'the prompts')}: {e}") from e
   return longest
@@ -159,9 +163,10 @@ class Setup:
   cache_dir: str = ""  # bootstrapped teachers and warm-started students; "" = no cache
 
 
-def prepare_models(config, workdir: str, log=print) -> Setup:
-  """Builds models, bootstraps/loads the teacher and the held-out set."""
-  models = build.build_models(config)
+def prepare_models(config, workdir: str, log=print, plan: build.Plan | None = None) -> Setup:
+  """Builds models (of `plan`, from `preflight.check`, when given), bootstraps/loads the
+  teacher and the held-out set."""
+  models = build.build_models(config, plan)
   task_cfg = task_config(config)
   tok = models.tokenizer
   teacher_info = {"cached": True, "seconds": 0.0, "path": config.teacher.checkpoint}
@@ -183,7 +188,7 @@ def prepare_models(config, workdir: str, log=print) -> Setup:
       t.pretrain_lr,
       t.pretrain_batch_size,
       config.seed,
-      config.tokenizer,
+      build.tokenizer_path(config),
       t.dtype,
     )
     models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
@@ -226,8 +231,10 @@ RESUMABLE_KEYS = (
 
 
 def run_fingerprint(config) -> dict[str, str]:
-  """Every config value that shapes the training trajectory, as strings."""
-  return {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
+  """Every config value that shapes the training trajectory, as strings; `tokenizer` as the
+  tokenizer it resolves to (`build.tokenizer_path`), so "" and "char" agree."""
+  out = {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
+  return out | {"tokenizer": repr(build.tokenizer_path(config))}
 
 
 def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: str) -> None:
@@ -295,7 +302,7 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
       s.warmup_lr,
       s.warmup_batch_size,
       config.seed + 7,
-      config.tokenizer,
+      build.tokenizer_path(config),
       s.dtype,
     )
     directory = os.path.join(cache_dir, f"student-{key}")
@@ -335,8 +342,8 @@ def export_dir(config, workdir: str) -> str | None:
 
 def export_student(config, models: build.Models, params, out: str, log=print) -> list[str]:
   """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
-  the tokenizer files of `config.tokenizer` (the built-in character tokenizer when "char"),
-  and the generation defaults of the HF checkpoint the student came from, if any.
+  the files of the run's tokenizer (`build.tokenizer_path`; the built-in character tokenizer
+  when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
 
   Every process must call it (params are gathered across processes); process 0 writes.
   Returns the names of the files in `out` (on other processes: []).
@@ -345,25 +352,26 @@ def export_student(config, models: build.Models, params, out: str, log=print) ->
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() != 0:
     return []
+  tokenizer_path = build.tokenizer_path(config)
   files = hf.export_student(
     out,
     models.student_cfg,
     params,
     models.tokenizer,
-    tokenizer_dir=None if config.tokenizer == "char" else config.tokenizer,
+    tokenizer_dir=None if tokenizer_path == "char" else tokenizer_path,
     source_dir=config.student.checkpoint or None,
   )
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files
 
 
-def _check_shapes(config, setup: Setup) -> None:
+def _check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
   """Refuses settings that would silently truncate completions or not shard."""
-  r, mesh = config.rollout, setup.models.mesh
-  if not config.data.prompt_file and r.max_new_tokens < setup.task_cfg.max_completion_tokens:
+  r = config.rollout
+  if not config.data.prompt_file and r.max_new_tokens < task_cfg.max_completion_tokens:
     raise ValueError(
       f"rollout.max_new_tokens={r.max_new_tokens} is shorter than the task's longest "
-      f"completion ({setup.task_cfg.max_completion_tokens} tokens with eos)"
+      f"completion ({task_cfg.max_completion_tokens} tokens with eos)"
     )
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if config.data.batch_size % int(np.lcm(batch_devices, jax.process_count())):
@@ -406,14 +414,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   """Runs OPD as configured; returns the quality at the start and the end."""
   config_check.validate(config)
   start = time.time()
-  os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
   log = log if is_main else (lambda *a, **k: None)
-  setup = prepare_models(config, workdir, log)
-  _check_shapes(config, setup)
+  checked = preflight.check(config, workdir, log)  # everything checkable before weights load
+  _check_shapes(config, task_config(config), checked.plan.mesh)
+  setup = prepare_models(config, workdir, log, checked.plan)
   m, t = setup.models, config.train
   log(build.summary(m))
-  source = prompt_source(config, setup.task_cfg)
+  source = checked.train_prompts
+  if source is None:
+    source = prompt_source(config, setup.task_cfg)
   width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(config.data.prompt_file))
   prompt_iter = iter(process_prompt_batches(source, config.data.batch_size, run_seed(config)))
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)

@@ -119,6 +119,7 @@ def test_jsonl_source_keeps_fields_and_skips_blank_lines(tmp_path):
   assert len(source) == 2
   assert source[0] == {"prompt": "1+2=", "answer": "3"}
   assert source[1] == {"prompt": "4+5="}
+  assert source.line_numbers == [1, 3]  # blank lines are skipped, not renumbered
   batch = next(iter(data.prompt_batches(source, 2, seed=0)))
   assert sorted(batch["prompt"]) == ["1+2=", "4+5="]
 
@@ -141,7 +142,8 @@ def test_jsonl_source_errors(tmp_path):
   no_prompt = tmp_path / "no_prompt.jsonl"
   no_prompt.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"question": "c"}\n')
   with pytest.raises(
-    ValueError, match=r'line 3 has no string "prompt" field \(fields: \[\'question\'\]\)'
+    ValueError,
+    match=r'line 3 has no string "prompt" field and no "messages" list \(fields: \[.question.\]\)$',
   ):
     data.JsonlSource(no_prompt)
 

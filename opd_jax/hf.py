@@ -25,9 +25,17 @@ head axes split out so that sharding rules can name them):
 Every entry is either a plain reshape or "transpose the 2-D HF matrix, then
 reshape", so one flag per tensor describes both directions.
 
-Loading reads one tensor at a time, converts it on the host and waits until it
-is on its device (or sharding) before reading the next, so the host holds at
-most one tensor (and its converted copy) at a time, never the whole model.
+Loading reads one tensor at a time and waits until it is on its devices before
+reading the next. With a sharding, each process reads from the file only the slices
+its own devices hold (`safe_open(...).get_slice(name)[...]` inside
+`jax.make_array_from_callback`, each distinct slice once however many of its devices
+replicate it), so a host holds at most one tensor's slice (and its converted copy) at a
+time and, across the run, reads about 1/n of the split tensors when n processes split
+them. The slice of our layout maps back to one rectangular block of the HF tensor:
+each HF dimension is the flattening of consecutive dimensions of ours (reversed for a
+transposed matrix), so a slice of ours reads the bounding range of its flat indices
+along each HF dimension (exactly the slice when only the leading dimension of a group
+is split, as the sharding rules do). `bytes_read()` counts the bytes read.
 
 Export (`export_student`) writes a directory that `transformers` loads as it
 loads a published model: the weights and config.json (with the bos/eos/pad ids),
@@ -250,16 +258,90 @@ def _set(params: dict, key: tuple, value) -> None:
 ShardingsArg = jax.sharding.Sharding | dict | Callable[[ModelConfig], Any] | None
 
 
+_BYTES_READ = [0]
+
+
+def bytes_read() -> int:
+  """Bytes of tensor data `load_checkpoint` has read from weight files in this process."""
+  return _BYTES_READ[0]
+
+
+def reset_bytes_read() -> None:
+  """Restarts the `bytes_read` count at 0."""
+  _BYTES_READ[0] = 0
+
+
+def _hf_groups(spec: TensorSpec) -> list[list[int]]:
+  """Our dimensions grouped by the HF dimension they flatten into (in our order)."""
+  hf_dims = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+  groups, d = [], 0
+  for size in hf_dims:
+    group, prod = [], 1
+    while d < len(spec.shape) and (not group or prod * spec.shape[d] <= size) and prod < size:
+      group.append(d)
+      prod *= spec.shape[d]
+      d += 1
+    if not group and d < len(spec.shape):  # an HF dimension of size 1
+      group, d = [d], d + 1
+    groups.append(group)
+  groups[-1].extend(range(d, len(spec.shape)))  # trailing size-1 dimensions
+  return groups
+
+
+def _read_block(handle, spec: TensorSpec, index, np_dtype) -> np.ndarray:
+  """Our `index` (a tuple of slices) of tensor `spec`, read from the file as one block.
+
+  Returns:
+    The host array [slice shape] in `np_dtype`; the bytes read are added to `bytes_read`.
+  """
+  index = tuple(index) + (slice(None),) * (len(spec.shape) - len(tuple(index)))
+  ranges = [np.arange(n)[sl] for sl, n in zip(index, spec.shape, strict=True)]
+  hf_sel, flat = [], []
+  for group in _hf_groups(spec):
+    dims = [spec.shape[d] for d in group]
+    idx = np.ravel_multi_index(np.ix_(*[ranges[d] for d in group]), dims).reshape(-1)
+    hf_sel.append(slice(int(idx.min()), int(idx.max()) + 1))
+    flat.append(idx - idx.min())
+  try:
+    if spec.transpose:
+      block = handle.get_slice(spec.hf_name)[tuple(hf_sel[::-1])].T
+    else:
+      block = handle.get_slice(spec.hf_name)[tuple(hf_sel)]
+  except (safetensors.SafetensorError, OSError) as e:
+    raise ValueError(f"cannot read tensor {spec.hf_name!r}: {e}") from e
+  _BYTES_READ[0] += block.nbytes
+  if any(len(f) != s.stop - s.start for f, s in zip(flat, hf_sel, strict=True)):
+    block = block[np.ix_(*flat)]
+  return np.ascontiguousarray(block.reshape([len(r) for r in ranges]), dtype=np_dtype)
+
+
+def _place(handle, spec: TensorSpec, sharding, np_dtype) -> jax.Array:
+  """Tensor `spec` on `sharding` (None: the default device), reading only the slices this
+  process's devices hold, each distinct slice once."""
+  if sharding is None:
+    return jax.device_put(_read_block(handle, spec, (), np_dtype))
+  blocks = {}
+
+  def one(index):
+    key = tuple((sl.start, sl.stop) for sl in index)
+    if key not in blocks:
+      blocks[key] = _read_block(handle, spec, index, np_dtype)
+    return blocks[key]
+
+  return jax.make_array_from_callback(spec.shape, sharding, one)
+
+
 def load_checkpoint(
   path, dtype=jnp.float32, shardings: ShardingsArg = None
 ) -> tuple[ModelConfig, dict]:
   """Loads a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
 
   Tensors are read one at a time, converted to our layout and `dtype` on the
-  host, and placed with `jax.device_put(array, sharding)` before the next one
-  is read. Tensors the config does not need (a tied `lm_head.weight`, RoPE
-  buffers) are skipped; any other unused tensor is an error, since it means
-  config.json and the weights disagree.
+  host, and placed on their sharding before the next one is read; each process
+  reads only the slices of each tensor that its devices hold (module docstring).
+  Tensors the config does not need (a tied `lm_head.weight`, RoPE buffers) are
+  skipped; any other unused tensor is an error, since it means config.json and the
+  weights disagree.
 
   Args:
     path: directory holding config.json and model.safetensors or
@@ -306,13 +388,10 @@ def load_checkpoint(
           f"implies {spec.hf_shape}"
         )
       try:
-        raw = handle.get_tensor(spec.hf_name)
-      except (safetensors.SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read tensor {spec.hf_name!r} from {file}: {e}") from e
-      host = np.ascontiguousarray(spec.to_ours(raw), dtype=np_dtype)
-      placed = jax.device_put(host, _sharding_for(shardings, spec)).block_until_ready()
-      _set(params, spec.key, placed)
-      del raw, host
+        placed = _place(handle, spec, _sharding_for(shardings, spec), np_dtype)
+      except ValueError as e:
+        raise ValueError(f"{e} (in {file})") from e
+      _set(params, spec.key, placed.block_until_ready())
   used = {spec.hf_name for spec in specs}
   if cfg.tie_word_embeddings:
     used.add("lm_head.weight")

@@ -95,6 +95,11 @@ def get_config(arg=None):
   c.rollout.producer_timeout_s = 600.0  # async: error when no batch arrives for this long
   c.rollout.score_teacher = False  # the engine scores rollouts with the frozen teacher
   c.rollout.stale_k = 0  # sync: sample with the weights k versions old (deterministic stale-k)
+  # Rollout mesh (opd_jax/rollouts.py): the engine's weights on their own (data, fsdp,
+  # tensor) mesh over the training devices; all three 0 = sample on the training mesh.
+  c.rollout.mesh_data = 0  # rollout data axis (-1 = the devices the others leave)
+  c.rollout.mesh_fsdp = 0  # rollout fsdp axis (weights split, gathered once per batch)
+  c.rollout.mesh_tensor = 0  # rollout tensor axis (heads, MLP width, vocabulary)
 
   # Optimisation.
   c.train = ml_collections.ConfigDict()

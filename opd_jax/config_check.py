@@ -128,6 +128,9 @@ RULES: dict[str, Any] = {
   "rollout.bf16_layers": Kind(tuple),
   "rollout.kv_cache": Choice(("auto", "bf16", "fp8")),
   "rollout.kv_granularity": Choice(("token_head", "tensor")),
+  "rollout.mesh_data": MESH_AXIS,  # 0 (all three) = the training mesh
+  "rollout.mesh_fsdp": MESH_AXIS,
+  "rollout.mesh_tensor": MESH_AXIS,
   "rollout.kv_bf16_layers": Kind(tuple),
   "rollout.noise_sigma": Num(True, 0),
   "rollout.noise_layers": Kind(tuple),
@@ -216,11 +219,28 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"config.{who}.arch.num_heads ({arch.num_heads}) must be a multiple of "
         f"num_kv_heads ({arch.num_kv_heads})"
       )
+  errors += _rollout_mesh_errors(config)
   errors += _rollout_errors(config)
   errors += _rl_errors(config)
   errors += _budget_errors(config)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+
+
+def _rollout_mesh_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """rollout.mesh_*: all 0 (the training mesh) or all set, with at most one -1."""
+  r = config.get("rollout")
+  if r is None or not {"mesh_data", "mesh_fsdp", "mesh_tensor"} <= set(r):
+    return []
+  shape = [r.mesh_data, r.mesh_fsdp, r.mesh_tensor]
+  if shape == [0, 0, 0]:
+    return []
+  if 0 in shape or shape.count(-1) > 1:
+    return [
+      "config.rollout.mesh_data/mesh_fsdp/mesh_tensor must all be 0 (the training mesh) or "
+      f"all be positive with at most one -1, got {shape}"
+    ]
+  return []
 
 
 def _rollout_errors(config: ml_collections.ConfigDict) -> list[str]:

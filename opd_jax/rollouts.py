@@ -102,6 +102,34 @@ def _engine_params(params, cfg: engine.EngineConfig, rng):
   return engine.engine_params(params, cfg, rng)
 
 
+def rollout_mesh(config, train_mesh):
+  """The mesh `config.rollout.mesh_{data,fsdp,tensor}` names over the training mesh's
+  devices (-1 takes the devices the others leave), or None when all three are 0 (sample
+  on the training mesh).
+
+  Raises:
+    ValueError: a shape that does not fit the devices, or a `data.batch_size` that its
+      data·fsdp shards do not divide (every shard must get whole rows of every batch).
+  """
+  r = config.rollout
+  shape = (r.get("mesh_data", 0), r.get("mesh_fsdp", 0), r.get("mesh_tensor", 0))
+  if shape == (0, 0, 0):
+    return None
+  if 0 in shape:
+    raise ValueError(
+      f"config.rollout.mesh_data/mesh_fsdp/mesh_tensor must all be 0 (the training mesh) "
+      f"or all be set (positive or one -1), got {shape}"
+    )
+  mesh = sharding.make_mesh(shape, devices=list(train_mesh.devices.flat))
+  shards = sharding.batch_shards(mesh)
+  if config.data.batch_size % shards:
+    raise ValueError(
+      f"data.batch_size={config.data.batch_size} must be a multiple of the rollout mesh's "
+      f"data x fsdp shards ({shards}, rollout mesh {dict(mesh.shape)})"
+    )
+  return mesh
+
+
 def _to_mesh(tree, mesh):
   """`tree` laid out on `mesh` with the training rules (a no-op when it already is)."""
   shardings = sharding.tree_shardings(tree, mesh)

@@ -379,6 +379,7 @@ def _check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
     )
+  rollouts_lib.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
 
 
 class Evaluator:
@@ -479,6 +480,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     m.mesh,
     teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
     score_rewards=rl.needs_reward(config.train.loss),
+    rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)

@@ -119,7 +119,8 @@ def engine_checks(mesh, student, teacher) -> dict:
   """The RolloutEngine (teacher scoring and rewards) and evaluate.evaluate, sharded vs not."""
   out = {}
   results = []
-  for where in (None, mesh):
+  rollout_mesh = sharding.make_mesh((8, 1, 1))
+  for where, own_mesh in ((None, None), (mesh, None), (mesh, rollout_mesh)):
     eng = RolloutEngine(
       task_prompts(BATCH, 0),
       TOK,
@@ -131,11 +132,18 @@ def engine_checks(mesh, student, teacher) -> dict:
       where or sharding.make_mesh((1, 1, 1), jax.devices()[:1]),
       teacher=(teacher if where is None else place(teacher, mesh), TASK_CFG),
       score_rewards=True,
+      rollout_mesh=own_mesh,
     )
     params = student if where is None else place(student, mesh)
-    rollout, stats = eng.sample(eng.transform(params, 0), eng.draw_prompts(), 0, 0)
+    params_r = eng.transform(params, 0)
+    rollout, stats = eng.sample(params_r, eng.draw_prompts(), 0, 0)
     results.append((rollout, stats))
-  (ref, ref_stats), (split, split_stats) = results
+  (ref, ref_stats), (split, split_stats), (own, _) = results
+  # A rollout mesh (8x1x1) other than the trainer's (2x2x2): weights re-laid out on it.
+  out["own_mesh_same"] = same_tokens(own, ref, BATCH)
+  out["own_mesh_rows_per_device"] = rows_per_device(own.completion_tokens)
+  out["own_mesh_teacher_logits_diff"] = max_diff(own.teacher_logits, ref.teacher_logits)
+  out["own_mesh_params_mesh"] = dict(sharding.params_mesh(params_r).shape)
   out["engine_same"] = same_tokens(split, ref, BATCH)
   out["engine_rows_per_device"] = rows_per_device(split.completion_tokens)
   out["engine_teacher_logits_diff"] = max_diff(split.teacher_logits, ref.teacher_logits)

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax import model, sampler, sharding
+from opd_jax import config_check, model, rollouts, sampler, sharding
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "configs"))
+import base  # noqa: E402
 
 # A compiled CPU HLO excerpt: an FSDP weight gather, a batch gather, a tensor-parallel
 # all-reduce, a tuple all-reduce and an async all-gather.
@@ -88,6 +91,27 @@ def test_sampling_on_a_one_device_mesh_matches_plain_sampling():
   np.testing.assert_array_equal(split.support_ids, plain.support_ids)
 
 
+def _config(**rollout_mesh):
+  config = base.get_config()
+  for axis, size in rollout_mesh.items():
+    config.rollout[f"mesh_{axis}"] = size
+  return config
+
+
+def test_rollout_mesh_from_the_config():
+  mesh = sharding.make_mesh((1, 1, 1))
+  assert rollouts.rollout_mesh(_config(), mesh) is None
+  own = rollouts.rollout_mesh(_config(data=1, fsdp=-1, tensor=1), mesh)
+  assert dict(own.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+  with pytest.raises(ValueError, match=r"has 2 devices but there are 1"):
+    rollouts.rollout_mesh(_config(data=2, fsdp=1, tensor=1), mesh)
+  with pytest.raises(ValueError, match=r"must all be 0 \(the training mesh\) or all be set"):
+    rollouts.rollout_mesh(_config(data=1), mesh)
+  with pytest.raises(ValueError, match=r"rollout.mesh_data/mesh_fsdp/mesh_tensor must all be 0"):
+    config_check.validate(_config(fsdp=2))
+  config_check.validate(_config(data=-1, fsdp=2, tensor=1))
+
+
 @pytest.fixture(scope="module")
 def eight_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -140,10 +164,15 @@ def test_the_batch_gather_detector_finds_a_real_one(eight_devices):
 
 @pytest.mark.slow
 def test_rollout_engine_and_evaluation_match_unsharded_on_2x2x2(eight_devices):
+  """Teacher scoring and rewards in the engine, on the trainer's 2x2x2 mesh and on its own
+  8x1x1 rollout mesh; evaluate.evaluate with 13 held-out rows padded to 16."""
   got = eight_devices
   assert got["engine_same"] and got["engine_rewards_same"] and got["engine_tokens_same"]
   assert got["engine_rows_per_device"] == [4] * 8
   assert got["engine_teacher_logits_diff"] < 1e-5
+  assert got["own_mesh_same"] and got["own_mesh_rows_per_device"] == [2] * 8
+  assert got["own_mesh_params_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert got["own_mesh_teacher_logits_diff"] < 1e-5
   ref, split = got["eval_unsharded"], got["eval_sharded"]
   assert set(split) == set(ref)
   for name, value in ref.items():

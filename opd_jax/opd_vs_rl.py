@@ -2,26 +2,33 @@
 
     python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl.py[:tiny] --workdir=DIR [--json]
         [--config.run.teacher.cache_dir=/tmp/tcache] [--config.settings='("rollout.stale_k=2",)']
+        [--compilation-cache=DIR]
 
 For the reference engine and each mismatch setting of the config, trains OPD (the bf16_sync
 recipe), RL without importance correction and RL with the truncated ratio, each once into
 DIR/runs/<method>__<setting> (a restart reuses finished runs), then prints the table and writes
 DIR/opd_vs_rl.md, DIR/opd_vs_rl.json (every number) and DIR/opd_vs_rl.png (accuracy and drop
-against the training-time mismatch/kl). With --json the JSON also goes to stdout. The logic is
-`opd_jax.mismatch.opd_vs_rl.run_comparison`.
+against the training-time mismatch/kl). With --json the JSON also goes to stdout. The runs keep
+their compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the
+first of its kind loads the sampler, train step and evaluation instead of compiling them. The
+logic is `opd_jax.mismatch.opd_vs_rl.run_comparison`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags, logging
 
 from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
-from opd_jax.mismatch import opd_vs_rl
+from opd_jax.mismatch import admission, opd_vs_rl
 
 _JSON = flags.DEFINE_bool("json", False, "Also print the report JSON to stdout.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+  "compilation-cache", None, "Persistent XLA compilation cache; default <workdir>/jax_cache."
+)
 
 
 def main(argv):
@@ -29,6 +36,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  cache = _COMPILATION_CACHE.value
+  if cache is None:
+    cache = os.path.join(flags.FLAGS.workdir, "jax_cache")
+  if cache:
+    admission.enable_compilation_cache(cache)
   log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if _JSON.value else print
   try:
     report = opd_vs_rl.run_comparison(flags.FLAGS.config, flags.FLAGS.workdir, log=log)

@@ -85,7 +85,7 @@ def test_tiny_comparison_end_to_end(tmp_path):
     f"--workdir={tmp_path}",
     "--json",
   ]
-  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
   assert done.returncode == 0, done.stderr[-3000:]
   printed = json.loads(done.stdout)
   for ext in ("md", "json", "png"):

@@ -16,7 +16,8 @@ The directory is any `etils.epath` path: a local directory or an object store
 writes step N into a temporary directory and only then commits it (a rename on a
 local disk, a commit marker on an object store), so a process killed mid-write leaves
 an uncommitted temporary directory that `latest_step` never returns; the next
-`Checkpointer` on that directory deletes it (`cleanup_tmp_directories`).
+`Checkpointer` on that directory deletes it (`cleanup_tmp_directories`: in the
+background, and its first save waits for the deletion).
 """
 
 from __future__ import annotations

@@ -112,11 +112,11 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_last_complete_one_and_the_r
   ckpt = checkpointing.Checkpointer(ckpt_dir)
   assert ckpt.latest_step() == 6  # the uncommitted step 9 is never offered
   ckpt.close()
-  assert not [d for d in os.listdir(ckpt_dir) if "tmp" in d]  # and it was cleaned up
   resumed = trainer.run(tiny_config(teacher_cache, **{"train.steps": 9}), str(workdir), **QUIET)
   assert (resumed["start_step"], resumed["end_step"]) == (6, 9)
   assert np.isfinite(metrics_writer.read_jsonl(workdir)[9]["loss/total"])
   assert _steps_on_disk(ckpt_dir) == [6, 9]
+  assert not [d for d in os.listdir(ckpt_dir) if "tmp" in d]  # removed before the first save
 
 
 # -- two processes ----------------------------------------------------------------------------

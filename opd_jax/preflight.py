@@ -5,15 +5,19 @@ naming the setting, file or record at fault):
 
 1. the workdir (and a custom `export.dir` and the teacher cache when one is written): created
    if needed and writable, tested by writing and removing a probe file;
-2. the mesh, both models' config.json files and the vocabularies (`build.plan_models`: the
+2. the schema of the prompt file, and of the eval file when the config names one
+   (`data.eval_file`): every line a JSON object with a "prompt" or "messages"
+   (`data.JsonlSource`);
+3. the mesh, both models' config.json files and the vocabularies (`build.plan_models`: the
    mesh fits the devices, supported architectures, weight files present, student and teacher
    vocabularies equal, the tokenizer loads and fits them);
-3. the prompt file, and the eval file when the config names one (`data.eval_file`): schema
-   (`data.JsonlSource`), chat rendering, tokenizability and lengths under
+4. the prompts with that tokenizer: chat rendering, tokenizability and lengths under
    `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`).
 
-Loading even a small checkpoint takes seconds and a large one minutes; these checks read
-only JSON and tokenizer files, so a typo is reported before any of that.
+Cheapest first: the first two need neither JAX's devices nor transformers (whose import
+alone takes seconds). Loading even a small checkpoint takes seconds and a large one
+minutes; these checks read only JSON and tokenizer files, so a typo is reported before any
+of that.
 """
 
 from __future__ import annotations
@@ -72,13 +76,11 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
     check_writable(config.export.dir, "export.dir")
   if not config.teacher.checkpoint and config.teacher.cache_dir:
     check_writable(config.teacher.cache_dir, "teacher.cache_dir")
+  files = {"training": config.data.prompt_file, "eval": config.data.get("eval_file", "")}
+  sources = {what: data.JsonlSource(path) for what, path in files.items() if path}
   plan = build.plan_models(config)
-  train = eval_ = None
-  if config.data.prompt_file:
-    train = prompt_set(config.data.prompt_file, plan.tokenizer, config)
-    log(f"training prompts {train.describe()}")
-  eval_file = config.data.get("eval_file", "")
-  if eval_file:
-    eval_ = prompt_set(eval_file, plan.tokenizer, config)
-    log(f"eval prompts {eval_.describe()}")
-  return Checked(plan, train, eval_)
+  d, prepared = config.data, {}
+  for what, source in sources.items():
+    prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)
+    log(f"{what} prompts {prepared[what].describe()}")
+  return Checked(plan, prepared.get("training"), prepared.get("eval"))

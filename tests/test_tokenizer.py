@@ -90,3 +90,24 @@ def test_check_same_vocab_names_first_differing_token(tmp_path):
   hf = tk.load_tokenizer(str(tmp_path))
   with pytest.raises(ValueError, match=r"id 3 is '<unk>' in the student and '0' in the teacher"):
     tk.check_same_vocab(hf.vocab_size, a.vocab_size, hf, a)
+
+
+def test_resolve_name_prefers_the_setting_then_the_student_checkpoint():
+  assert tk.resolve_name("", "/ckpts/student") == "/ckpts/student"
+  assert tk.resolve_name("", "") == "char"
+  assert tk.resolve_name("char", "/ckpts/student") == "char"
+  assert tk.resolve_name("/tok", "/ckpts/student") == "/tok"
+  assert isinstance(tk.load_tokenizer(""), tk.CharTokenizer)
+
+
+def test_directory_without_tokenizer_files_says_what_to_set(tmp_path):
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(
+    ValueError, match=r"holds no tokenizer \(tokenizer.json, .*set config.tokenizer"
+  ):
+    tk.load_tokenizer(str(tmp_path))
+
+
+def test_char_tokenizer_has_no_chat_template():
+  with pytest.raises(ValueError, match="character tokenizer has no chat template"):
+    tk.CharTokenizer().render_chat([{"role": "user", "content": "1+2="}])

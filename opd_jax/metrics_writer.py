@@ -4,8 +4,10 @@ This module owns everything the training loop writes for people to watch:
 
 * `workdir/tb/events.out.tfevents.*`: TensorBoard event files. They are written with
   TensorBoard's own `EventFileWriter` and the `summary_v2` protobuf helpers, so TensorFlow is
-  never imported. Scalars are stored as v2 tensor summaries (float32, as `tf.summary.scalar`
-  stores them); `read_scalars` reads them back.
+  never imported. Scalars are stored as `simple_value` summaries (float32), the encoding
+  `EventAccumulator(...).Scalars(tag)` returns, so scripts read them without TensorBoard's
+  plugins; `read_scalars` reads them back (and v2 tensor scalars of older event files).
+  Histograms and text are v2 tensor summaries (`EventAccumulator(...).Tensors(tag)`).
 * `workdir/metrics.jsonl`: one JSON object per `write_scalars` call,
   `{"step": N, "<name>": value, ...}`, at full float64 precision. A step logged by several
   calls appears on several lines; `read_jsonl` merges them. JSON has no NaN or infinity, so
@@ -226,9 +228,9 @@ class MetricsWriter:
     values = {_check_name(name): _scalar_value(name, v) for name, v in scalars.items()}
     if not values:
       return
-    summary = summary_pb2.Summary()
-    for name, value in values.items():
-      summary.value.extend(scalar_summary.scalar_pb(name, value).value)
+    summary = summary_pb2.Summary(
+      value=[summary_pb2.Summary.Value(tag=name, simple_value=v) for name, v in values.items()]
+    )
     self._add_summary(step, summary)
     record = {"step": step, **{name: _json_value(v) for name, v in values.items()}}
     with open(self._jsonl_path, "a", encoding="utf-8") as f:
@@ -298,8 +300,8 @@ def _load_events(workdir: str | os.PathLike) -> event_accumulator.EventAccumulat
   tb_dir = epath.Path(workdir) / TB_SUBDIR
   if not tb_dir.is_dir():
     raise FileNotFoundError(f"no TensorBoard directory at {tb_dir}")
-  # 0 keeps every event; the default keeps a reservoir sample of 10 tensor events per tag.
-  guidance = {event_accumulator.TENSORS: 0}
+  # 0 keeps every event; the defaults keep a reservoir sample (10 tensor events per tag).
+  guidance = {event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0}
   if not is_remote(workdir):
     acc = event_accumulator.EventAccumulator(os.fspath(tb_dir), size_guidance=guidance)
     acc.Reload()
@@ -316,8 +318,10 @@ def _load_events(workdir: str | os.PathLike) -> event_accumulator.EventAccumulat
 def read_scalars(workdir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
   """Reads every scalar written by `MetricsWriter` under `workdir/tb/`.
 
-  v2 summaries land in the accumulator's tensor store; scalars are the tags whose plugin is
-  "scalars". Values come back at TensorBoard's float32 precision (`metrics.jsonl` keeps float64).
+  `simple_value` scalars are the accumulator's `Scalars(tag)`. Event files written before
+  scalars were stored that way hold v2 tensor summaries whose plugin is "scalars"; those are
+  read too, and a tag found in both is merged in write order (wall time). Values come back at
+  TensorBoard's float32 precision (`metrics.jsonl` keeps float64).
 
   Args:
     workdir: the directory given to `MetricsWriter`.
@@ -326,14 +330,20 @@ def read_scalars(workdir: str | os.PathLike) -> dict[str, list[tuple[int, float]
     name -> [(step, value), ...] in the order written.
   """
   acc = _load_events(workdir)
-  out = {}
-  for tag in acc.Tags()[event_accumulator.TENSORS]:
+  timed: dict[str, list[tuple[float, int, float]]] = {}
+  for tag in acc.Tags()[event_accumulator.SCALARS]:
+    timed[tag] = [(e.wall_time, e.step, float(e.value)) for e in acc.Scalars(tag)]
+  for tag in acc.Tags()[event_accumulator.TENSORS]:  # older event files
     if acc.SummaryMetadata(tag).plugin_data.plugin_name != scalar_summary.metadata.PLUGIN_NAME:
       continue
-    out[tag] = [
-      (e.step, float(tensor_util.make_ndarray(e.tensor_proto).item())) for e in acc.Tensors(tag)
-    ]
-  return out
+    timed.setdefault(tag, []).extend(
+      (e.wall_time, e.step, float(tensor_util.make_ndarray(e.tensor_proto).item()))
+      for e in acc.Tensors(tag)
+    )
+  return {
+    tag: [(step, value) for _, step, value in sorted(rows, key=lambda r: r[0])]
+    for tag, rows in timed.items()
+  }
 
 
 def read_jsonl(workdir: str | os.PathLike) -> dict[int, dict[str, float]]:

@@ -41,6 +41,43 @@ def test_scalars_round_trip_through_tensorboard_and_jsonl(tmp_path):
   ]
 
 
+def test_scalars_are_simple_values_for_event_accumulator_scalars(tmp_path):
+  """Scripts read scalars with `EventAccumulator(...).Scalars(tag)`, no plugin needed."""
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(1, {"loss/opd": 0.5, "perf/compile_count": 3})
+    writer.write_scalars(2, {"loss/opd": 0.25, "teacher/kl": math.inf})
+    writer.write_histogram(2, "rollout/staleness", [0, 1, 1])
+    writer.write_text(2, "rollout/samples", "1+2=3")
+  acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))  # default size guidance
+  acc.Reload()
+  tags = acc.Tags()
+  assert set(tags["scalars"]) == {"loss/opd", "perf/compile_count", "teacher/kl"}
+  assert [(e.step, e.value) for e in acc.Scalars("loss/opd")] == [(1, 0.5), (2, 0.25)]
+  assert [(e.step, e.value) for e in acc.Scalars("perf/compile_count")] == [(1, 3.0)]
+  assert [(e.step, e.value) for e in acc.Scalars("teacher/kl")] == [(2, math.inf)]
+  # Histograms and text stay v2 tensor summaries with their plugins.
+  assert set(tags["tensors"]) == {"rollout/staleness", "rollout/samples"}
+  assert acc.SummaryMetadata("rollout/samples").plugin_data.plugin_name == "text"
+
+
+def test_read_scalars_reads_older_tensor_scalars_then_new_ones(tmp_path):
+  """A run resumed in a workdir whose event files hold v2 tensor scalars (the encoding this
+  writer used before) reads back as one series."""
+  from tensorboard.compat.proto import event_pb2
+  from tensorboard.plugins.scalar import summary_v2 as scalar_summary
+  from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+  (tmp_path / "tb").mkdir()
+  old = EventFileWriter(str(tmp_path / "tb"))
+  for step, value in ((1, 2.0), (2, 1.5)):
+    summary = scalar_summary.scalar_pb("loss/opd", value)
+    old.add_event(event_pb2.Event(wall_time=100.0 + step, step=step, summary=summary))
+  old.close()
+  with mw.MetricsWriter(tmp_path) as writer:
+    writer.write_scalars(3, {"loss/opd": 1.0})
+  assert mw.read_scalars(tmp_path) == {"loss/opd": [(1, 2.0), (2, 1.5), (3, 1.0)]}
+
+
 def test_nonfinite_values_and_merging_by_step(tmp_path):
   with mw.MetricsWriter(tmp_path) as writer:
     writer.write_scalars(5, {"loss/opd": float("nan"), "teacher/kl": math.inf})

@@ -16,6 +16,14 @@ With `--json` it prints one object
 
 Stop tokens are the tokenizer's eos (or config.json's `eos_token_id` when there is
 no tokenizer), plus `--stop-ids`; `--ignore-eos` drops the eos.
+
+`--weights`, `--kv-cache` and `--dtype` take the trainer's values and defaults
+(`rollout.weights`, `rollout.kv_cache`, `student.dtype` in configs/base.py), and mean the
+same engine: `--weights trainer --kv-cache auto --dtype float32` by default, and `auto` is
+the engine's compute dtype (bf16 with `--weights bf16`, else `--dtype`), as in
+`trainer.engine_config`. The older spellings `--weights dense` (now `trainer`) and
+`--kv-cache f32` (a float32 cache whatever the weights) still work, with a deprecation
+message on stderr.
 """
 
 from __future__ import annotations
@@ -26,14 +34,23 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from opd_jax import engine, hf, kvcache, sampler, tokenizer
 from opd_jax.build import DTYPES
 
-WEIGHTS = {"dense": "trainer", "bf16": "bf16", "fp8": "fp8"}  # flag value -> EngineConfig.weights
-KV_CACHES = {"bf16": "bfloat16", "f32": "float32", "fp8": "float8_e4m3fn"}
+WEIGHTS = ("trainer", "bf16", "fp8")  # rollout.weights
+KV_CACHES = ("auto", "bf16", "fp8")  # rollout.kv_cache
+DEFAULT_WEIGHTS, DEFAULT_KV_CACHE, DEFAULT_DTYPE = "trainer", "auto", "float32"  # as configs/base
+# Older spellings -> (the value used, the message printed once per use).
+DEPRECATED = {
+  ("--weights", "dense"): ("trainer", "--weights dense is deprecated; use --weights trainer"),
+  ("--kv-cache", "f32"): (
+    "float32",
+    "--kv-cache f32 is deprecated; use --kv-cache auto with --dtype float32 "
+    "(a float32 cache is still used)",
+  ),
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -61,14 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-  p.add_argument("--dtype", default="bfloat16", help=f"load/compute dtype: {', '.join(DTYPES)}")
   p.add_argument(
-    "--weights",
-    default="dense",
-    help="dense (as loaded in --dtype), bf16, or fp8 (e4m3 layer matrices) (default dense)",
+    "--dtype",
+    default=DEFAULT_DTYPE,
+    help=f"load/compute dtype, as student.dtype: {', '.join(DTYPES)} (default {DEFAULT_DTYPE})",
   )
   p.add_argument(
-    "--kv-cache", default="auto", help="auto (the compute dtype), bf16, f32 or fp8 (default auto)"
+    "--weights",
+    default=DEFAULT_WEIGHTS,
+    help="as rollout.weights: trainer (as loaded in --dtype), bf16, or fp8 (e4m3 layer "
+    f"matrices) (default {DEFAULT_WEIGHTS})",
+  )
+  p.add_argument(
+    "--kv-cache",
+    default=DEFAULT_KV_CACHE,
+    help="as rollout.kv_cache: auto (the engine's compute dtype: bf16 with --weights bf16, "
+    f"else --dtype), bf16 or fp8 (default {DEFAULT_KV_CACHE})",
   )
   p.add_argument(
     "--kv-granularity",
@@ -99,6 +124,25 @@ def _choice(value: str, allowed, flag: str) -> str:
   return value
 
 
+def _deprecated(flag: str, value: str, warn) -> str | None:
+  """The value an older spelling stands for (after `warn(message)`), or None."""
+  if (flag, value) not in DEPRECATED:
+    return None
+  new, message = DEPRECATED[(flag, value)]
+  warn(f"warning: {message}")
+  return new
+
+
+def engine_numerics(weights: str, kv_cache: str, dtype: str) -> tuple[str, str]:
+  """(EngineConfig.weights, KV dtype name) for the trainer's option values.
+
+  The rule of `trainer.engine_config`: the engine computes in bf16 for `weights=bf16`,
+  else in `dtype`; `kv_cache=auto` stores the cache in that dtype.
+  """
+  engine_dtype = "bfloat16" if weights == "bf16" else dtype
+  return weights, {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[kv_cache]
+
+
 def _load_tokenizer(args):
   """The tokenizer named by --tokenizer, or the checkpoint's own, or None."""
   if args.tokenizer is not None:
@@ -117,11 +161,12 @@ def _config_eos_ids(checkpoint: str) -> list[int]:
   return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
-def generate(args) -> dict:
+def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict:
   """Runs the sampler for parsed arguments.
 
   Args:
     args: the `argparse.Namespace` from `build_parser()`.
+    warn: called with each deprecation message (default: printed to stderr).
 
   Returns:
     {"completions": list[list[int]], "logprobs": list[list[float]], "text"?: list[str],
@@ -131,9 +176,15 @@ def generate(args) -> dict:
     ValueError: a bad flag value, no prompt, or a text prompt without a tokenizer.
     FileNotFoundError: a missing checkpoint or tokenizer directory.
   """
-  dtype = DTYPES[_choice(args.dtype, DTYPES, "--dtype")]
-  weights = WEIGHTS[_choice(args.weights, WEIGHTS, "--weights")]
-  kv_flag = _choice(args.kv_cache, ("auto", *KV_CACHES), "--kv-cache")
+  dtype_name = _choice(args.dtype, DTYPES, "--dtype")
+  dtype = DTYPES[dtype_name]
+  weights = _deprecated("--weights", args.weights, warn) or _choice(
+    args.weights, WEIGHTS, "--weights"
+  )
+  kv_f32 = _deprecated("--kv-cache", args.kv_cache, warn)
+  kv_flag = "auto" if kv_f32 else _choice(args.kv_cache, KV_CACHES, "--kv-cache")
+  weights, kv_dtype = engine_numerics(weights, kv_flag, dtype_name)
+  kv_dtype = kv_f32 or kv_dtype
   granularity = _choice(args.kv_granularity, kvcache.KV_GRANULARITIES, "--kv-granularity")
   if not args.prompts:
     raise ValueError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
@@ -157,7 +208,6 @@ def generate(args) -> dict:
   if not args.ignore_eos:
     stops += [tok.eos_id] if tok is not None else _config_eos_ids(args.checkpoint)
   model_cfg, params = hf.load_checkpoint(args.checkpoint, dtype)
-  kv_dtype = jnp.dtype(dtype).name if kv_flag == "auto" else KV_CACHES[kv_flag]
   engine_cfg = engine.EngineConfig(
     weights=weights, kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity)
   )

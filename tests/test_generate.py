@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import generate, hf, sampler
+from opd_jax import config_check, generate, hf, sampler, trainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
+
+import base  # noqa: E402
 
 
 def _save_tokenizer(path, vocab_size):
@@ -78,9 +85,60 @@ def test_bad_arguments(make_hf_checkpoint):
     generate.main(["--checkpoint", ckpt])
   with pytest.raises(ValueError, match="--dtype 'float16' is not one of: float32, bfloat16"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--dtype", "float16"])
-  with pytest.raises(ValueError, match="--kv-cache 'int8' is not one of: auto, bf16, f32, fp8"):
+  with pytest.raises(ValueError, match="--kv-cache 'int8' is not one of: auto, bf16, fp8"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--kv-cache", "int8"])
   with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--top-p", "2"])
   with pytest.raises(FileNotFoundError, match="does not exist"):
     generate.main(["--checkpoint", ckpt + "-missing", "--prompt-ids", "1"])
+
+
+def test_options_and_defaults_are_the_trainers():
+  config = base.get_config()
+  args = generate.build_parser().parse_args(["--checkpoint", "x", "--prompt-ids", "1"])
+  assert (args.weights, args.kv_cache, args.dtype) == (
+    config.rollout.weights,
+    config.rollout.kv_cache,
+    config.student.dtype,
+  )
+  rules = config_check.RULES
+  assert rules["rollout.weights"].options == generate.WEIGHTS
+  assert rules["rollout.kv_cache"].options == generate.KV_CACHES
+  assert tuple(generate.DTYPES) == rules["student.dtype"].options
+  # Each combination names the engine the trainer builds for the same values.
+  for weights, kv, dtype in itertools.product(
+    generate.WEIGHTS, generate.KV_CACHES, generate.DTYPES
+  ):
+    config.rollout.weights, config.rollout.kv_cache = weights, kv
+    ref = trainer.engine_config(config, dtype)
+    assert generate.engine_numerics(weights, kv, dtype) == (ref.weights, ref.kv.dtype)
+
+
+@pytest.mark.slow
+def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
+  ckpt = str(make_hf_checkpoint("qwen3").path)
+  base_argv = ["--checkpoint", ckpt, "--prompt-ids", "5,9,2", "--max-new-tokens", "4"]
+  base_argv += ["--temperature", "0", "--ignore-eos"]
+  assert generate.main(base_argv) == 0  # the defaults: trainer weights, f32 compute and cache
+  captured = capsys.readouterr()
+  assert captured.out.startswith("engine w=trainer,kv=float32,") and captured.err == ""
+  default = generate.generate(generate.build_parser().parse_args(base_argv))
+
+  messages = []
+  old = base_argv + ["--weights", "dense", "--kv-cache", "f32", "--dtype", "bfloat16"]
+  got = generate.generate(generate.build_parser().parse_args(old), warn=messages.append)
+  assert messages == [
+    "warning: --weights dense is deprecated; use --weights trainer",
+    "warning: --kv-cache f32 is deprecated; use --kv-cache auto with --dtype float32 "
+    "(a float32 cache is still used)",
+  ]
+  assert got["engine_id"].startswith("w=trainer,kv=float32,")  # bf16 weights, f32 cache
+  assert len(got["completions"][0]) == 4
+
+  # The README's line: fp8 weights and an fp8 KV cache.
+  readme = base_argv + ["--weights", "fp8", "--kv-cache", "fp8", "--json"]
+  assert generate.main(readme) == 0
+  fp8 = json.loads(capsys.readouterr().out)
+  assert len(fp8["completions"][0]) == 4 and len(default["completions"][0]) == 4
+  bf16 = generate.generate(generate.build_parser().parse_args(base_argv + ["--weights", "bf16"]))
+  assert bf16["engine_id"].startswith("w=bf16,kv=bfloat16,")  # auto follows the engine dtype

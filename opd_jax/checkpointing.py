@@ -23,6 +23,7 @@ background, and its first save waits for the deletion).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
@@ -76,4 +77,9 @@ class Checkpointer:
     return restored["state"], restored["extra"]
 
   def close(self) -> None:
+    """Waits for outstanding writes and closes the manager; skipped in a multi-process run that
+    is failing (called while an exception propagates), where closing would wait at a barrier
+    for a peer that may be dead. `save` has already waited for its write to commit."""
+    if jax.process_count() > 1 and sys.exc_info()[1] is not None:
+      return
     self._manager.close()

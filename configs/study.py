@@ -30,6 +30,7 @@ def get_config(arg=None):
     raise ValueError(f"unknown variant {arg!r} of study.py; known: {', '.join(VARIANTS)}")
   c = ml_collections.ConfigDict()
   run = bf16_sync.get_config(arg)
+  run.tokenizer = "char"  # the built-in task's (explicit, as when the study's runs were recorded)
   c.run = run
   c.seeds = (0, 1, 2)  # train.seed of the reference runs (the noise floor)
   c.probe_steps = 40  # the probe run: this many steps of the reference, every step checkpointed

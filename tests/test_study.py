@@ -57,6 +57,8 @@ def test_settings_names_and_sources():
   assert by_spec["rollout.noise_sigma=0.2,rollout.stale_k=2"].name == "noise_sigma-0.2_stale_k-2"
   assert by_spec["rollout.kv_cache=fp8,rollout.kv_granularity=tensor"].source == "fp8_kv"
   assert by_spec["rollout.kernel=bf16_matmul"].role == "calibration"
+  async_fp8 = next(s for s in by_spec.values() if "mode=async" in s.spec)
+  assert async_fp8.source == "stale+fp8_weights+fp8_kv"  # lag 1 is the default max_lag
   assert by_spec["rollout.stale_k=6"].role == "held_out"
   assert len({s.name for s in settings}) == len(settings)
 

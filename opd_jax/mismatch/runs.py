@@ -91,15 +91,18 @@ def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = pr
     The trainer's result dict plus `training_summary(run_dir)` and the config ("config").
 
   Raises:
-    ValueError: `run_dir` holds a result of another configuration (the differing keys named),
+    ValueError: `run_dir` holds a result of another configuration (the differing keys named;
+      keys added to the config after the result was recorded are logged, not compared),
       or a run stopped before its last step (a signal): rerun to resume it.
   """
   wanted = config_repr(config)
   done = read_result(run_dir)
   if done is not None:
-    changed = sorted(
-      k for k in set(wanted) | set(done["config"]) if wanted.get(k) != done["config"].get(k)
-    )
+    saved = done["config"]
+    added = sorted(set(wanted) - set(saved))
+    changed = sorted(k for k in set(saved) if wanted.get(k) != saved[k])
+    if added and not changed:
+      log(f"{run_dir}: recorded before the config had {', '.join(added)}; not compared")
     if changed:
       raise ValueError(
         f"{run_dir} holds a finished run of another configuration (differs in: "

@@ -93,6 +93,8 @@ def source_of(candidate: admission.Candidate, reference: ml_collections.ConfigDi
   for key, source in SOURCE_OF_KEY:
     section, leaf = key.split(".")
     changed = candidate.config[section][leaf] != reference[section][leaf]
+    if source == "stale":  # an async engine is stale by its lag bound, whatever the default
+      changed = candidate.lag > 0
     if changed and source not in found:
       found.append(source)
   return "+".join(found) or REFERENCE

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 KL_FLOOR = 1e-8  # exact engines read ~1e-9 (f32 rounding); drawn at this floor on log axes
-MARKERS = "osD^v<>px*h"
+MARKERS = "osD^v<>pXhP"
 
 
 def _plt():

@@ -127,6 +127,9 @@ def get_config(arg=None):
   c.train.eval_every = 200  # steps between held-out evaluations
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
+  # Resuming with another train.steps (trainer.schedule_length): the checkpoint stores its
+  # learning-rate schedule's length.
+  c.train.resume_schedule = "keep"  # keep (stored schedule) | rebuild (over train.steps) | error
 
   # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
   c.budget = ml_collections.ConfigDict()

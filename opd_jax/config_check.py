@@ -166,6 +166,7 @@ RULES: dict[str, Any] = {
   "train.eval_every": POSITIVE,
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
+  "train.resume_schedule": Choice(("keep", "rebuild", "error")),
   "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),

@@ -227,6 +227,7 @@ RESUMABLE_KEYS = (
   "train.checkpoint_every",
   "train.keep_checkpoints",
   "export.dir",  # where the finished student is written, not how it is trained
+  "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
 )
 
 
@@ -245,6 +246,55 @@ def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: s
       f"the checkpoints in {directory} come from a different config ({details}); "
       "resume with the same config or use a new --workdir"
     )
+
+
+def schedule_length(config, resumed: dict, log=print) -> int:
+  """The learning-rate schedule's length (`train_step.make_optimizer`'s total_steps).
+
+  A fresh run: `train.steps`. A resumed run: the length its checkpoint was trained with
+  (extra["schedule_steps"]); when `train.steps` differs from it, `train.resume_schedule`
+  decides, and the log says which: `keep` keeps the stored schedule (train.steps only moves
+  where the run stops; past the stored length the rate stays at its final 10%), `rebuild`
+  builds a new schedule over `train.steps` (the rate jumps to the new schedule's value at
+  the current step), `error` refuses. Checkpoints written before the length was stored use
+  `train.steps`.
+
+  Args:
+    config: the run's config.
+    resumed: the restored checkpoint's extra data ({} for a fresh run).
+    log: where the decision is reported.
+
+  Raises:
+    ValueError: `train.resume_schedule=error` and `train.steps` differs from the stored length.
+  """
+  t = config.train
+  if not resumed:
+    return t.steps
+  if "schedule_steps" not in resumed:
+    log(f"the checkpoint does not record its schedule length: using train.steps={t.steps}")
+    return t.steps
+  stored = int(resumed["schedule_steps"])
+  if stored == t.steps:
+    return stored
+  change = f"train.steps changed from {stored} to {t.steps} on resume"
+  if t.resume_schedule == "error":
+    raise ValueError(
+      f"{change}, but the checkpoints were trained with a {stored}-step learning-rate schedule "
+      f"and train.resume_schedule='error'; set train.resume_schedule='keep' (keep it and stop "
+      f"at step {t.steps}) or 'rebuild' (a new schedule over {t.steps} steps), or resume with "
+      f"train.steps={stored}"
+    )
+  if t.resume_schedule == "keep":
+    log(
+      f"{change}: keeping the checkpoint's {stored}-step learning-rate schedule "
+      f"(train.resume_schedule='keep'); the run stops at step {t.steps}"
+    )
+    return stored
+  log(
+    f"{change}: rebuilding the learning-rate schedule over {t.steps} steps "
+    f"(train.resume_schedule='rebuild'); the rate continues from the new schedule's value"
+  )
+  return t.steps
 
 
 def initial_state(
@@ -437,6 +487,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
     state, next_batch = initial_state(
       config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
     )
+    schedule_steps = schedule_length(config, resumed, log)
+    if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
+      tx = train_step.make_optimizer(
+        t.lr, schedule_steps, t.warmup_steps, t.weight_decay, t.grad_clip
+      )
     m.student_params = None  # donated into the train state; the state owns the student now
     guard = guard_lib.LiveGuard.create(
       config,
@@ -452,7 +507,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
     source = make_rollouts(rollout_config, setup, prompt_iter, width, state, next_batch)
     try:
       return _train(
-        config, setup, state, state_shardings, tx, source, ckpt, writer, start, log, guard
+        config,
+        setup,
+        state,
+        state_shardings,
+        tx,
+        source,
+        ckpt,
+        writer,
+        start,
+        log,
+        guard,
+        schedule_steps=schedule_steps,
       )
     finally:
       source.close()
@@ -563,9 +629,23 @@ class _LagBreakdown:
 
 
 def _train(
-  config, setup, state, state_shardings, tx, rollouts, ckpt, writer, start, log, guard=None
+  config,
+  setup,
+  state,
+  state_shardings,
+  tx,
+  rollouts,
+  ckpt,
+  writer,
+  start,
+  log,
+  guard=None,
+  schedule_steps: int | None = None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
+
+  `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
+  None = train.steps), stored in every checkpoint for a resumed run to keep.
 
   `guard` (`guard_lib.LiveGuard`, with `budget.file`) sees every step's scalars after the
   publish, adds `budget/*` to them and may switch the rollout source it returns.
@@ -601,6 +681,7 @@ def _train(
       "next_batch": resume["next_batch"],
       "weight_version": step,
       "config": run_fingerprint(config),
+      "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
     }
     if guard:
       extra[guard_lib.EXTRA_KEY] = guard.checkpoint_extra()  # the rung a resumed run keeps

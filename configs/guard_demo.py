@@ -18,7 +18,7 @@ Commands (the budget file from the study, or one fitted with `opd_jax.budget.fit
 Append `,tiny` to a variant (`:fallback,tiny`) for the seconds-long wiring check.
 
 Measured (1,000 steps, --config.teacher.cache_dir=/tmp/tcache, three runs at once on 2 busy CPU
-cores: 65-75 minutes each; about 10 minutes alone). Budget: max_kl 2.58e-3 nats/token, fitted
+cores: 65-87 minutes each; about 10 minutes alone). Budget: max_kl 2.58e-3 nats/token, fitted
 with `fit_budget(tolerance=0.02)` from the reference run (check-measured mismatch/kl -3e-9,
 drop 0) and the σ = 0.05 run (2.58e-3, drop 0): censored above, the largest mismatch shown
 harmless. The check measures σ = 1 at 2.88 nats/token at the warm-started student.

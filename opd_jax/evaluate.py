@@ -93,10 +93,11 @@ def _masked_kl(student_bcv, teacher_bcv, mask_bc):
   return losses.masked_mean(losses.per_token_kl(student_bcv, teacher_bcv), mask_bc)
 
 
-@functools.partial(jax.jit, static_argnames="sampling")
-def _masked_kl_transformed(student_bcv, teacher_bcv, mask_bc, sampling):
+@functools.partial(jax.jit, static_argnames=("sampling", "mesh"))
+def _masked_kl_transformed(student_bcv, teacher_bcv, mask_bc, sampling, mesh=None):
   b, c, v = student_bcv.shape
-  z_bcv = sampler.process_logits(student_bcv.reshape(b * c, v), sampling).reshape(b, c, v)
+  z_bv = sampler.process_logits(student_bcv.reshape(b * c, v), sampling, mesh)
+  z_bcv = z_bv.reshape(b, c, v)
   return losses.masked_mean(losses.per_token_kl(z_bcv, teacher_bcv), mask_bc)
 
 
@@ -120,7 +121,7 @@ def student_teacher_kl(
   t_bcv, _ = completion_logits(teacher_params, rollout, teacher_cfg, mesh)
   if sampling is None or sampling.temperature == 0:
     return float(_masked_kl(s_bcv, t_bcv, mask_bc))
-  return float(_masked_kl_transformed(s_bcv, t_bcv, mask_bc, sampling))
+  return float(_masked_kl_transformed(s_bcv, t_bcv, mask_bc, sampling, mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))

@@ -53,13 +53,16 @@ and each shard decodes only its own rows, SPMD, with the params in whatever layo
 they carry (FSDP and tensor axes as in training, or a separate rollout mesh). Every
 process passes the same global prompts (token ids only); each device receives just
 its rows (`jax.make_array_from_callback`), the KV cache is laid out [B over data·fsdp,
-S, K over tensor, H], and every [B, ...] buffer of the loop is constrained to the
-batch layout, so the compiled program never all-gathers the batch: the only
-cross-shard traffic on the batch side is the scalar "all rows done?" reduction of
-the loop condition and the scalar saturation sums. Row b meets the same key and the
-same computation as without a mesh, so a sharded greedy rollout equals the unsharded
-one token for token (and sampled ones do too, since `jax.random` draws are
-sharding-invariant). The batch is padded to a multiple of data·fsdp (not to a power
+S, K over tensor, H], every [B, ...] buffer of the loop is constrained to the batch
+layout, and the token choice (top-k, top-p, the kept-set scatter, the inverse-CDF draw)
+runs inside a `jax.shard_map` over the batch axes (`per_shard`), since XLA would
+gather the batch to split a top-k or a scatter by rows itself. So the compiled program
+never all-gathers the batch: the only cross-shard traffic on the batch side is the
+scalar "all rows done?" reduction of the loop condition and the scalar saturation
+sums. The uniforms are drawn for the whole batch before the split, so row b meets the
+same draw and the same computation as without a mesh: a sharded rollout equals the
+unsharded one token for token, greedy or sampled (up to f32 reduction order where
+the tensor axis splits a matmul). The batch is padded to a multiple of data·fsdp (not to a power
 of two) with rows that start finished, and those padding rows stay in the returned
 rollout (mask 0) so that nothing is re-laid out; `sample_program` returns the lowered
 program for inspection (`sharding.hlo_collectives`).
@@ -228,9 +231,24 @@ def filter_logits(logits_bv, cfg: SamplerConfig):
   return z_bv, None
 
 
-def process_logits(logits_bv, cfg: SamplerConfig):
-  """The processed logits z of `filter_logits` alone: softmax(z) is π_b ([B, V] f32)."""
-  return filter_logits(logits_bv, cfg)[0]
+def process_logits(logits_bv, cfg: SamplerConfig, mesh=None):
+  """The processed logits z of `filter_logits` alone: softmax(z) is π_b ([B, V] f32).
+  With a `mesh`, each batch shard filters its own rows (`per_shard`)."""
+  return per_shard(lambda x_bv: filter_logits(x_bv, cfg)[0], mesh, logits_bv)
+
+
+def per_shard(fn, mesh, *arrays):
+  """fn applied to each batch shard's rows of `arrays` (a `jax.shard_map` over the mesh's
+  batch axes, other dimensions gathered), or to the arrays as they are without a mesh.
+
+  For row-wise functions only (row b of the output depends on row b of the inputs). XLA
+  cannot split top-k or a scatter by rows on its own and would gather the batch to run
+  them; inside the map every shard runs them on its rows.
+  """
+  if mesh is None:
+    return fn(*arrays)
+  spec = jax.sharding.PartitionSpec(sharding.batch_sharding(mesh, 1).spec[0])
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(*arrays)
 
 
 def _argmax(x_bv):
@@ -264,6 +282,12 @@ def sample_categorical(key, z_bv, block: int = 128):
   Returns:
     int32 token ids [B].
   """
+  u_b1 = jax.random.uniform(key, (z_bv.shape[0], 1), jnp.float32)
+  return _categorical(u_b1, z_bv, block)
+
+
+def _categorical(u_b1, z_bv, block: int = 128):
+  """`sample_categorical` with its uniforms u_b1 [B, 1] drawn."""
   b, v = z_bv.shape
   block = min(block, v)
   nb = -(-v // block)
@@ -271,7 +295,7 @@ def sample_categorical(key, z_bv, block: int = 128):
   p_bnk = jnp.pad(p_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
   mass_bn = jnp.sum(p_bnk, axis=-1)
   cum_bn = jnp.cumsum(mass_bn, axis=-1)
-  u_b1 = jax.random.uniform(key, (b, 1), jnp.float32) * cum_bn[:, -1:]
+  u_b1 = u_b1 * cum_bn[:, -1:]
   # Rounding can put u at the total; fall back to the last block (token) with mass.
   blk_b = jnp.minimum(jnp.sum(cum_bn <= u_b1, axis=-1), _last_positive(mass_bn))
   before_bn = jnp.pad(cum_bn[:, :-1], ((0, 0), (1, 0)))
@@ -282,8 +306,11 @@ def sample_categorical(key, z_bv, block: int = 128):
   return (blk_b * block + tok_b).astype(jnp.int32)
 
 
-def _choose(logits_bv, key, cfg: SamplerConfig):
-  """Samples one token per row.
+def _choose(logits_bv, key, cfg: SamplerConfig, mesh=None):
+  """Samples one token per row (each batch shard its own rows with a `mesh`).
+
+  The uniforms are drawn for the whole batch before the rows are split, so row b's draw
+  does not depend on the sharding.
 
   Returns:
     (token_b int32, behaviour_lp_b f32, model_lp_b f32, dist, support_bm) where dist
@@ -291,6 +318,14 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
     support_bm the kept set of `filter_logits` (None when nothing is filtered).
   """
   logits_bv = logits_bv.astype(jnp.float32)
+  if cfg.temperature == 0:
+    return per_shard(lambda x_bv: _choose_rows(x_bv, None, cfg), mesh, logits_bv)
+  u_b1 = jax.random.uniform(key, (logits_bv.shape[0], 1), jnp.float32)
+  return per_shard(lambda x_bv, u: _choose_rows(x_bv, u, cfg), mesh, logits_bv, u_b1)
+
+
+def _choose_rows(logits_bv, u_b1, cfg: SamplerConfig):
+  """`_choose` on rows of f32 logits with their uniforms (None when greedy)."""
   b, v = logits_bv.shape
   rows_b1 = jnp.arange(b)[:, None]
   if cfg.temperature == 0:
@@ -301,7 +336,7 @@ def _choose(logits_bv, key, cfg: SamplerConfig):
     support_bm = None
   else:
     z_bv, support_bm = filter_logits(logits_bv, cfg)
-    token_b = sample_categorical(key, z_bv)
+    token_b = _categorical(u_b1, z_bv)
     model_lp_bv = jax.nn.log_softmax(logits_bv / cfg.temperature, axis=-1)
     dist_lp_bv = jax.nn.log_softmax(z_bv, axis=-1)
     behaviour_lp_b = jnp.take_along_axis(dist_lp_bv, token_b[:, None], axis=-1)[:, 0]
@@ -374,7 +409,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   def record(out, done_b, i, logits_bv):
     """Samples token i from logits_bv and stores it for the rows not yet done."""
     key = jax.random.fold_in(rng, i)
-    token_b, behaviour_b, model_b, dist, support_bm = _choose(logits_bv, key, cfg)
+    token_b, behaviour_b, model_b, dist, support_bm = _choose(logits_bv, key, cfg, mesh)
     valid_b = ~done_b
     values = {
       "tokens": jnp.where(valid_b, token_b, 0),

@@ -106,7 +106,15 @@ def sampler_checks(mesh, student, teacher, prompts, refs) -> dict:
     "teacher_logits_diff": max_diff(logits, refs["teacher_logits"]),
     "teacher_logits_shard": list(logits.sharding.shard_shape(logits.shape)),
     "sampler_hlo": inspect(sampler.sample_program(s, prompts, key, GREEDY, CFG, mesh), local_batch),
+    "sampled_hlo": inspect(
+      sampler.sample_program(s, prompts, key, SAMPLED, CFG, mesh), local_batch
+    ),
     "teacher_hlo": inspect(evaluate.completion_logits.lower(t, greedy, CFG, mesh), local_batch),
+    # The evaluation's KL at the rollout's sampling transform, on the split logits.
+    "eval_kl_hlo": inspect(
+      evaluate._masked_kl_transformed.lower(logits, logits, greedy.completion_mask, SAMPLED, mesh),
+      local_batch,
+    ),
   }
 
 

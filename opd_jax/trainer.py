@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import threading
 import time
@@ -377,7 +378,12 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   if directory and jax.process_index() == 0:
     tmp = f"{directory}.tmp{os.getpid()}"
     hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
-    os.replace(tmp, directory)
+    try:
+      os.replace(tmp, directory)
+    except OSError:  # another run saved the same warm start first: the same params, keep it
+      if not os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
+        raise
+      shutil.rmtree(tmp, ignore_errors=True)
   return params
 
 

@@ -239,8 +239,15 @@ def run_fingerprint(config) -> dict[str, str]:
   return out | {"tokenizer": repr(build.tokenizer_path(config))}
 
 
-def _check_same_run(saved: dict[str, str], current: dict[str, str], directory: str) -> None:
-  changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+def _check_same_run(
+  saved: dict[str, str], current: dict[str, str], directory: str, log=print
+) -> None:
+  """Refuses to resume checkpoints of another config. Keys the saved config lacks (added to
+  the config since the checkpoint was written) are named in the log, not compared."""
+  added = sorted(set(current) - set(saved))
+  if added:
+    log(f"checkpoints in {directory} predate the config keys {', '.join(added)}; not compared")
+  changed = sorted(k for k in saved if saved[k] != current.get(k))
   if changed:
     details = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed[:5])
     raise ValueError(
@@ -314,7 +321,7 @@ def initial_state(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
     )
     state, extra = ckpt.restore(latest, target)
-    _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory)
+    _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory, log)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     if resumed is not None:
       resumed.update(extra)

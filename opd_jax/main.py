@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -69,23 +70,33 @@ def run(config, workdir: str) -> dict:
   return trainer.run(config, workdir)
 
 
-def exit_after_peer_failure(error: Exception) -> None:
-  """Ends this process at once when a collective with the other processes failed.
+PEER_FAILURE_SIGNS = ("Gloo", "Connection reset by peer", "heartbeat", "coordination service")
 
-  In a multi-process run that almost always means another process died (SIGKILL, a lost
-  host): the survivor's next collective fails as soon as the dead peer's connection drops.
-  Exiting normally would first wait at JAX's shutdown barrier for the dead process until the
-  heartbeat timeout (100 s by default), so this prints one line and leaves with status 1
-  straight away. Checkpoints are committed atomically, so the last one still resumes the run.
+
+def exit_multiprocess_error(error: Exception) -> None:
+  """Ends this process of a multi-process run at once, with one error line and status 1.
+
+  Exiting normally would first wait at JAX's shutdown barrier for every peer; when a peer died
+  (SIGKILL, a lost host) that wait lasts until the heartbeat timeout (100 s by default) and
+  ends in an abort. A peer's death shows here as a failed collective (the survivor's next
+  collective fails as soon as the dead peer's connection drops), named as such. Checkpoints
+  are committed atomically, so the last one still resumes the run.
   """
-  first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  print(
-    f"error: process {jax.process_index()}/{jax.process_count()}: a collective with the other "
-    f"processes failed ({first_line[:300]}); another process has probably died, see its log. "
-    "Rerun the same command to resume from the last checkpoint.",
-    file=sys.stderr,
-    flush=True,
-  )
+  text = str(error).strip()
+  first_line = text.splitlines()[0][:300] if text else type(error).__name__
+  where = f"process {jax.process_index()}/{jax.process_count()}"
+  if isinstance(error, jax.errors.JaxRuntimeError) or any(s in text for s in PEER_FAILURE_SIGNS):
+    message = (
+      f"error: {where}: a collective with the other processes failed ({first_line}); another "
+      "process has probably died, see its log. Rerun the same command to resume from the last "
+      "checkpoint."
+    )
+  elif isinstance(error, ValueError | FileNotFoundError):
+    message = f"error: {where}: {text}"
+  else:
+    traceback.print_exception(error)
+    message = f"error: {where}: {type(error).__name__}: {first_line}"
+  print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(1)
 
@@ -104,12 +115,12 @@ def main(argv):
   )
   try:
     run(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
-  except jax.errors.JaxRuntimeError as e:
-    if jax.process_count() == 1:
-      raise
-    exit_after_peer_failure(e)
+  except Exception as e:  # noqa: BLE001 (every failure of a multi-process run ends at once)
+    if jax.process_count() > 1:
+      exit_multiprocess_error(e)
+    if isinstance(e, ValueError | FileNotFoundError):
+      sys.exit(f"error: {e}")
+    raise
 
 
 def parse_flags(argv: list[str]) -> list[str]:

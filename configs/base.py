@@ -100,6 +100,8 @@ def get_config(arg=None):
   c.rollout.mesh_data = 0  # rollout data axis (-1 = the devices the others leave)
   c.rollout.mesh_fsdp = 0  # rollout fsdp axis (weights split, gathered once per batch)
   c.rollout.mesh_tensor = 0  # rollout tensor axis (heads, MLP width, vocabulary)
+  # Several samples per prompt (opd_jax/rollouts.py): data.batch_size counts prompts.
+  c.rollout.samples_per_prompt = 1  # completions per prompt (adjacent rows; B·n per step)
 
   # Optimisation.
   c.train = ml_collections.ConfigDict()
@@ -130,6 +132,9 @@ def get_config(arg=None):
   # Resuming with another train.steps (trainer.schedule_length): the checkpoint stores its
   # learning-rate schedule's length.
   c.train.resume_schedule = "keep"  # keep (stored schedule) | rebuild (over train.steps) | error
+  # Memory controls (opd_jax/train_step.py, opd_jax/model.py): same update, less memory.
+  c.train.microbatches = 1  # gradient-accumulation micro-batches per step (divide B·n)
+  c.train.remat = "none"  # per-layer rematerialisation: none | layer | dots | dots_no_batch
 
   # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
   c.budget = ml_collections.ConfigDict()

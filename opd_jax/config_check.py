@@ -149,6 +149,7 @@ RULES: dict[str, Any] = {
   "rollout.producer_timeout_s": Num(True, 0, lo_open=True),
   "rollout.stale_k": NON_NEGATIVE,
   "rollout.score_teacher": Kind(bool),
+  "rollout.samples_per_prompt": POSITIVE,
   "train.steps": POSITIVE,
   "train.stop_after": NON_NEGATIVE,
   "train.seed": Num(False, -1),
@@ -167,6 +168,8 @@ RULES: dict[str, Any] = {
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
   "train.resume_schedule": Choice(("keep", "rebuild", "error")),
+  "train.microbatches": POSITIVE,
+  "train.remat": Choice(("none", "layer", "dots", "dots_no_batch")),  # model.REMAT_CHOICES
   "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),

@@ -151,6 +151,47 @@ def masked_mean(x_bt, mask_bt):
   return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def token_entropy(logits):
+  """Per-position entropy H = −Σ_v π(v) log π(v) of softmax(logits), in f32.
+
+  Tokens with zero mass (logit −inf, outside a top-k/top-p kept set) contribute 0.
+
+  Args:
+    logits: [..., V].
+
+  Returns:
+    [...] f32.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  empty = logp == -jnp.inf
+  safe = jnp.where(empty, 0.0, logp)
+  return -jnp.sum(jnp.where(empty, 0.0, jnp.exp(safe) * safe), axis=-1)
+
+
+def microbatch_weights(mask_kbt):
+  """w_k = N_k / max(N, 1) for micro-batches k of one batch: N_k = Σ_{b,t} m_kbt counted
+  tokens of micro-batch k, N = Σ_k N_k the whole batch's.
+
+  Every loss here is a token mean over its (micro-)batch, loss_k = Σ_{b,t∈k} m ℓ / max(N_k, 1).
+  Micro-batch k's term is loss_k · w_k, so (an empty micro-batch has loss_k = 0)
+
+      Σ_k w_k · loss_k = Σ_k Σ_{b,t∈k} m ℓ / max(N, 1) = loss of the whole batch,
+      Σ_k w_k · ∇loss_k = ∇loss of the whole batch,
+
+  i.e. the token mean is normalised by the whole batch's token count N, not each
+  micro-batch's N_k. (Exact for per-token terms; a term that couples rows, such as the
+  `batch_mean` baseline, is not split this way.)
+
+  Args:
+    mask_kbt: [K, B/K, T] the completion mask of each micro-batch.
+
+  Returns:
+    [K] f32 weights summing to 1 (to 0 when the batch has no counted token).
+  """
+  n_k = jnp.sum(mask_kbt.astype(jnp.float32).reshape(mask_kbt.shape[0], -1), axis=1)
+  return n_k / jnp.maximum(jnp.sum(n_k), 1.0)
+
+
 def _check_logits(student_logits, teacher_logits, mask):
   if student_logits.ndim != 3:
     raise ValueError(f"student logits must be [B, T, V], got shape {student_logits.shape}")

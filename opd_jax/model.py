@@ -217,7 +217,41 @@ def unembed(params, x_btd, cfg: ModelConfig):
   return jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
 
 
-def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
+# Activation rematerialisation of `forward` (train.remat): the name -> the jax.checkpoint
+# policy of what each decoder layer saves for the backward pass (the rest is recomputed).
+REMAT_POLICIES = {
+  "layer": jax.checkpoint_policies.nothing_saveable,  # only each layer's input is kept
+  "dots": jax.checkpoint_policies.dots_saveable,  # matmul outputs kept, elementwise recomputed
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls
+}
+REMAT_CHOICES = ("none", *REMAT_POLICIES)
+
+
+def _plain_block(layer, x_btd, positions_bt, cfg: ModelConfig, kernel: str):
+  """`_block` without a cache: keys are the layer's own, at `positions_bt`."""
+  return _block(layer, x_btd, positions_bt, cfg, lambda k, v: (k, v, positions_bt), kernel)
+
+
+def layer_fn(remat: str = "none"):
+  """The decoder layer `forward` applies: `_plain_block`, or it under `jax.checkpoint`.
+
+  remat="none" stores every intermediate of every layer for the backward pass. A name of
+  `REMAT_POLICIES` wraps each layer in `jax.checkpoint` with that policy: the backward pass
+  recomputes what the policy does not save (one extra forward of the layer at most), so the
+  values and gradients are unchanged and the peak activation memory drops from
+  O(L · per-layer intermediates) towards O(L · B·T·D) plus one layer's intermediates.
+
+  Raises:
+    ValueError: an unknown name.
+  """
+  if remat == "none":
+    return _plain_block
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"unknown remat {remat!r}; allowed: {', '.join(REMAT_CHOICES)}")
+  return jax.checkpoint(_plain_block, policy=REMAT_POLICIES[remat], static_argnums=(3, 4))
+
+
+def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None, remat: str = "none"):
   """Causal forward without a cache.
 
   Args:
@@ -225,6 +259,8 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
     tokens_bt: int tokens [B, T].
     cfg: the model config.
     positions_bt: optional positions [B, T]; defaults to 0..T-1.
+    remat: "none", or a `REMAT_POLICIES` name to rematerialise each layer in the backward
+      pass (`layer_fn`); the logits are the same.
 
   Returns:
     logits [B, T, V] in f32.
@@ -232,9 +268,10 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None):
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
   kernel = kernel_of(params)
+  block = layer_fn(remat)
   x = _embed(params, tokens_bt)
   for layer in params["layers"]:
-    x = _block(layer, x, positions_bt, cfg, lambda k, v: (k, v, positions_bt), kernel)
+    x = block(layer, x, positions_bt, cfg, kernel)
   return unembed(params, x, cfg)
 
 

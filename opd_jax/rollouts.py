@@ -200,6 +200,11 @@ class RolloutEngine:
     rollout_mesh: None samples on the mesh the published weights live on (the trainer's,
       or the engine's own devices); a ("data", "fsdp", "tensor") mesh lays the engine's
       weights (and the teacher) out on it with the training rules and samples there.
+    samples_per_prompt: n, completions sampled per prompt (`rollout.samples_per_prompt`):
+      each prompt of a batch of B prompts fills n adjacent rows, so the rollout has B·n rows
+      (`data.batch_size` counts prompts). Each row has its own sampling key, so the n
+      completions differ under sampling. Process i's B/P prompts become the contiguous
+      rows [i·B·n/P, (i+1)·B·n/P), the rows its own devices decode.
   """
 
   def __init__(
@@ -215,7 +220,11 @@ class RolloutEngine:
     teacher=None,
     score_rewards: bool = False,
     rollout_mesh=None,
+    samples_per_prompt: int = 1,
   ):
+    if samples_per_prompt < 1:
+      raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    self.samples_per_prompt = samples_per_prompt
     self.prompts = prompt_batches
     self._rollout_mesh = rollout_mesh
     if teacher is not None and rollout_mesh is not None:
@@ -244,7 +253,8 @@ class RolloutEngine:
     return self.prompts.get_state()
 
   def draw_prompts(self) -> tuple[np.ndarray, np.ndarray]:
-    """The next prompt batch as (tokens [B, P], lens [B]); StopIteration at the end."""
+    """The next prompt batch as (tokens [B·n, P], lens [B·n]), each of the B prompts in n
+    adjacent rows (n = `samples_per_prompt`); StopIteration at the end."""
     batch = next(self.prompts)
     tokens_bp, lens_b = task.encode_prompts(
       list(batch["prompt"]), self._tokenizer, self._prompt_len
@@ -252,7 +262,8 @@ class RolloutEngine:
     if jax.process_count() > 1:
       tokens_bp = multihost_utils.process_allgather(tokens_bp, tiled=True)
       lens_b = multihost_utils.process_allgather(lens_b, tiled=True)
-    return tokens_bp, lens_b
+    n = self.samples_per_prompt  # the gathered batch is in process order: repeats stay local
+    return np.repeat(np.asarray(tokens_bp), n, axis=0), np.repeat(np.asarray(lens_b), n, axis=0)
 
   def sample(self, params_r, prompts, batch_index: int, version: int):
     """Samples one batch; returns (train-sharded Rollout, per-batch stats).

@@ -50,18 +50,23 @@ def make_optimizer(
   """AdamW after global-norm clipping, with linear warmup then cosine decay to 10%.
 
   lr(s) = lr · s / warmup for s < warmup, then lr · (0.1 + 0.9 · ½(1 + cos(π·u))) with
-  u the fraction of the remaining steps done.
+  u the fraction of the remaining steps done (`make_schedule`).
   """
+  schedule = make_schedule(lr, total_steps, warmup_steps)
+  return optax.chain(
+    optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
+  )
+
+
+def make_schedule(lr: float, total_steps: int, warmup_steps: int) -> optax.Schedule:
+  """The learning rate lr(s) of `make_optimizer` at optimizer step s (logged as `opt/lr`)."""
   warmup_steps = min(warmup_steps, max(total_steps - 1, 0))
-  schedule = optax.warmup_cosine_decay_schedule(
+  return optax.warmup_cosine_decay_schedule(
     init_value=0.0,
     peak_value=lr,
     warmup_steps=warmup_steps,
     decay_steps=max(total_steps, warmup_steps + 1),
     end_value=0.1 * lr,
-  )
-  return optax.chain(
-    optax.clip_by_global_norm(grad_clip), optax.adamw(schedule, weight_decay=weight_decay)
   )
 
 
@@ -98,15 +103,17 @@ class LossConfig:
       raise ValueError(f"unknown loss {self.name!r}")
 
 
-def completion_logits(params, rollout: Rollout, cfg: ModelConfig, temperature: float = 1.0):
-  """Teacher-forced logits over the rollout's completion tokens.
+def completion_logits(
+  params, rollout: Rollout, cfg: ModelConfig, temperature: float = 1.0, remat: str = "none"
+):
+  """Teacher-forced logits over the rollout's completion tokens (`remat`: `model.forward`'s).
 
   Returns:
     (logits_bcv f32, where logits_bcv[b, c] is the distribution of completion
     token c of row b, divided by the temperature when it is > 0; tokens_bc; mask_bc).
   """
   seq = rollout.sequences()
-  logits_btv = model.forward(params, seq.tokens_bt, cfg)
+  logits_btv = model.forward(params, seq.tokens_bt, cfg, remat=remat)
   logits_bcv = jnp.take_along_axis(logits_btv, seq.logit_index_bc[:, :, None], axis=1)
   if temperature > 0:
     logits_bcv = logits_bcv / temperature
@@ -224,6 +231,7 @@ def opd_loss(
   student_cfg: ModelConfig,
   teacher_cfg: ModelConfig,
   loss_cfg: LossConfig,
+  remat: str = "none",
 ):
   """The configured OPD loss of the student on `rollout`; returns (loss, metrics).
 
@@ -233,14 +241,19 @@ def opd_loss(
   student logits: no second forward pass. Greedy rollouts (temperature 0) train
   the student at T = 1 and measure mismatch against the replayed point mass.
   A rollout that carries `teacher_logits` (scored by the rollout engine) skips the
-  teacher's forward pass here.
+  teacher's forward pass here. `remat` rematerialises the student's layers
+  (`model.layer_fn`). `student/entropy` is the mean per-token entropy
+  Σ_{b,c} m_bc · H(π_θ(·|b,c)) / max(Σ m, 1) of the same π_θ, from the same logits.
   """
   raw_bcv, tokens_bc, mask_bc = completion_logits(
-    params, rollout, student_cfg, loss_cfg.temperature
+    params, rollout, student_cfg, loss_cfg.temperature, remat
   )
   student_bcv = student_policy_logits(raw_bcv, rollout)  # greedy rollouts carry no kept set
+  entropy_bc = losses.token_entropy(jax.lax.stop_gradient(student_bcv))
+  entropy = {"student/entropy": losses.masked_mean(entropy_bc, mask_bc)}
   if loss_cfg.name == rl.LOSS_NAME:  # the task's reward instead of the teacher: no teacher pass
-    return rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
+    loss, metrics = rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
+    return loss, metrics | entropy
   if rollout.teacher_logits is None:
     teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
   else:  # scored by the rollout engine: the same frozen teacher, the same positions
@@ -277,7 +290,7 @@ def opd_loss(
   else:
     policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
   metrics.update(mismatch.mismatch_metrics(policy_bcv, rollout))
-  return loss, metrics
+  return loss, metrics | entropy
 
 
 def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig):
@@ -317,8 +330,17 @@ def train_step(
   student_cfg,
   teacher_cfg,
   loss_cfg: LossConfig,
+  microbatches: int = 1,
+  remat: str = "none",
+  lr_schedule=None,
 ):
   """One OPD update on a batch of (possibly off-policy) rollouts.
+
+  With `microbatches` = K > 1 the batch is split into K micro-batches
+  (`split_microbatches`) whose gradients a `jax.lax.scan` accumulates, one optimizer
+  update per step: g = Σ_k w_k ∇loss_k with w_k = N_k / max(N, 1)
+  (`losses.microbatch_weights`), which is the full batch's gradient of the same
+  token-mean loss, while only one micro-batch's activations are live at a time.
 
   Args:
     state: the TrainState (donated by the caller).
@@ -327,16 +349,100 @@ def train_step(
     tx: the optax transformation (static).
     student_cfg, teacher_cfg: model configs (static).
     loss_cfg: the loss (static).
+    microbatches: K, gradient-accumulation micro-batches per step (static; divides B).
+    remat: the student forward's rematerialisation (`model.layer_fn`; static).
+    lr_schedule: the optimizer's schedule (`make_schedule`); when given, `opt/lr` is
+      lr_schedule(state.step), the rate this update applies.
 
   Returns:
-    (new state, metrics): f32 scalars under loss/*, teacher/*, mismatch/*, perf/*, and
-    per-token arrays [B, C] under per_token/*.
+    (new state, metrics): f32 scalars under loss/*, teacher/*, mismatch/*, student/*,
+    opt/*, perf/*, and per-token arrays [B, C] under per_token/*.
   """
   grad_fn = jax.value_and_grad(opd_loss, has_aux=True)
-  (loss, metrics), grads = grad_fn(
-    state.params, teacher_params, rollout, student_cfg, teacher_cfg, loss_cfg
-  )
+  args = (student_cfg, teacher_cfg, loss_cfg, remat)
+  if microbatches == 1:
+    (loss, metrics), grads = grad_fn(state.params, teacher_params, rollout, *args)
+  else:
+    check_microbatches(loss_cfg, microbatches, rollout.batch_size)
+    parts = split_microbatches(rollout, microbatches)
+    w_k = losses.microbatch_weights(parts.completion_mask)
+
+    def accumulate(acc, part_w):
+      part, w = part_w
+      (loss, metrics), grads = grad_fn(state.params, teacher_params, part, *args)
+      acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc, grads)
+      return acc, (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    grads, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (parts, w_k))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    loss = jnp.sum(w_k * loss_k)
+    metrics = combine_microbatch_metrics(metrics_k, w_k)
+  if lr_schedule is not None:
+    metrics = dict(metrics, **{"opt/lr": jnp.asarray(lr_schedule(state.step), jnp.float32)})
   return _apply(state, grads, tx, loss, metrics)
+
+
+def check_microbatches(loss_cfg: LossConfig, microbatches: int, batch_size: int) -> None:
+  """Refuses micro-batching that would not reproduce the full batch's gradient.
+
+  Raises:
+    ValueError: K < 1, K not dividing the batch, or a loss whose per-token terms depend
+      on other rows (the `batch_mean` baseline, `reinforce`'s leave-one-out baseline).
+  """
+  if microbatches < 1 or batch_size % microbatches:
+    raise ValueError(
+      f"train.microbatches={microbatches} must be >= 1 and divide the rollout batch "
+      f"({batch_size} rows)"
+    )
+  if microbatches == 1:
+    return
+  coupled = loss_cfg.name == rl.LOSS_NAME or (
+    loss_cfg.name == "reverse_kl_sampled" and loss_cfg.advantage_baseline != "none"
+  )
+  if coupled:
+    raise ValueError(
+      f"train.microbatches={microbatches} cannot split loss {loss_cfg.name!r} with its "
+      "batch baseline (each row's advantage depends on the other rows): use "
+      "train.microbatches=1 or advantage_baseline='none'"
+    )
+
+
+def split_microbatches(rollout: Rollout, microbatches: int) -> Rollout:
+  """The rollout as K micro-batches stacked on a new leading axis: leaves [K, B/K, ...].
+
+  Row j·K + k goes to micro-batch k (a strided split), so each micro-batch takes the same
+  share of every device's contiguous block of rows. Scalars are repeated K times.
+  """
+  k, b = microbatches, rollout.batch_size
+
+  def split(x):
+    if x.ndim == 0:
+      return jnp.broadcast_to(x, (k,))
+    return jnp.swapaxes(x.reshape(b // k, k, *x.shape[1:]), 0, 1)
+
+  return jax.tree.map(split, rollout)
+
+
+def combine_microbatch_metrics(metrics_k: dict, w_k) -> dict:
+  """The full batch's metrics from K micro-batches' (leaves [K, ...], weights w_k [K]).
+
+  Token means (almost every metric) combine as Σ_k w_k · x_k, exactly; `loss/num_tokens`
+  sums; `*_max` takes the max; `per_token/*` go back to the batch's row order [B, C].
+  Quantiles (`*_p95`) cannot be combined exactly: they read the token-weighted mean of
+  the micro-batches' quantiles.
+  """
+  out = {}
+  for key, x_k in metrics_k.items():
+    if key.startswith("per_token/"):
+      out[key] = jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
+    elif key == "loss/num_tokens":
+      out[key] = jnp.sum(x_k)
+    elif key.endswith("_max"):
+      out[key] = jnp.max(x_k)
+    else:
+      out[key] = jnp.sum(w_k * x_k)
+  return out
 
 
 def sft_loss(params, tokens_bt, loss_mask_bt, cfg: ModelConfig):

@@ -443,6 +443,14 @@ def _check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
     )
   rollouts_lib.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
+  rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
+  if rows % (config.train.microbatches * batch_devices):
+    raise ValueError(
+      f"data.batch_size x rollout.samples_per_prompt = {rows} completions must be a multiple "
+      f"of train.microbatches ({config.train.microbatches}) x the data x fsdp devices "
+      f"({batch_devices}), so that every micro-batch has rows on every device"
+    )
+  train_step.check_microbatches(loss_config(config), config.train.microbatches, rows)
 
 
 class Evaluator:
@@ -560,6 +568,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
     score_rewards=rl.needs_reward(config.train.loss),
     rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
+    samples_per_prompt=r.samples_per_prompt,
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)
@@ -672,6 +681,9 @@ def _train(
     student_cfg=m.student_cfg,
     teacher_cfg=m.teacher_cfg,
     loss_cfg=loss_cfg,
+    microbatches=t.microbatches,
+    remat=t.remat,
+    lr_schedule=train_step.make_schedule(t.lr, t.steps, t.warmup_steps),
   )
   step = int(state.step)
   rollouts.publish(state.params, step)

@@ -683,7 +683,7 @@ def _train(
     loss_cfg=loss_cfg,
     microbatches=t.microbatches,
     remat=t.remat,
-    lr_schedule=train_step.make_schedule(t.lr, t.steps, t.warmup_steps),
+    lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
   )
   step = int(state.step)
   rollouts.publish(state.params, step)

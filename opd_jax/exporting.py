@@ -132,7 +132,7 @@ def student_setup(config) -> trainer.Setup:
   """The `trainer.Setup` that `RunHistory` needs: the mesh, the tokenizer and the student's
   config with abstract params (shapes only, nothing allocated); no teacher is built."""
   # An unset tokenizer ("") is the student checkpoint's, else the built-in one.
-  tok = tokenizer.load_tokenizer(config.tokenizer or config.student.checkpoint or "char")
+  tok = tokenizer.load_tokenizer(build.tokenizer_path(config))
   dtype = build.DTYPES[config.student.dtype]
   if config.student.checkpoint:
     student_cfg = hf.load_config(config.student.checkpoint)

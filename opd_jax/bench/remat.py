@@ -17,6 +17,12 @@ reads XLA's buffer assignment from `jax.jit(...).lower(...).compile().memory_ana
 
 The numbers are the compiler's plan for the backend it runs on (CPU by default); on an
 accelerator the same command gives that backend's plan.
+
+Measured on CPU (8 layers, D=256, F=1024, V=2048, 16 rows x 128 tokens), temp MiB:
+none 826.8, layer 758.9 (0.92), dots 762.8 (0.92), dots_no_batch 762.8 (0.92);
+microbatches=4: none 246.3 (0.30), layer 230.6 (0.28). The CPU plan gains little from
+remat at this shape (not yet explained: what dominates it was not broken down);
+micro-batches divide the activation memory as expected.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@
 naming the setting, file or record at fault):
 
 1. the workdir (and a custom `export.dir` and the teacher cache when one is written): created
-   if needed and writable, tested by writing and removing a probe file;
+   if needed and writable, tested by writing and removing a probe file through `etils.epath`
+   (so a gs:// workdir is checked on its store, never created as a local `gs:` folder); on a
+   local disk the probe is 64 KiB, so a full disk fails here (ENOSPC) and not at the first
+   checkpoint;
 2. the schema of the prompt file, and of the eval file when the config names one
    (`data.eval_file`): every line a JSON object with a "prompt" or "messages"
    (`data.JsonlSource`);
@@ -22,11 +25,13 @@ of that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import tempfile
+import socket
 
 import ml_collections
+from etils import epath
 
 from opd_jax import build, data, prompts
 
@@ -40,16 +45,38 @@ class Checked:
   eval_prompts: prompts.PromptSet | None  # None: no data.eval_file
 
 
-def check_writable(directory: str, what: str) -> None:
-  """Creates `directory` if needed and writes and removes a probe file in it.
+# A local probe's size: a full disk refuses a write this large (ENOSPC) but still creates an
+# empty file, so an empty probe would pass. Object stores have no disk to fill.
+PROBE_BYTES = 64 * 1024
+
+
+def probe_path(directory: str | os.PathLike) -> epath.Path:
+  """The probe file `check_writable` writes and removes in `directory`: named by host and
+  process, so the processes of one run sharing a workdir never remove each other's probe."""
+  return epath.Path(directory) / f".write_probe_{socket.gethostname()}_{os.getpid()}"
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> None:
+  """Creates `directory` if needed (local or a URI such as gs://bucket/run, through
+  `etils.epath`) and writes and removes `probe_path(directory)` in it: `PROBE_BYTES` zero
+  bytes on a local disk, an empty object on an object store.
 
   Raises:
-    ValueError: naming `what` and the directory when either fails.
+    ValueError: naming `what`, the directory and the OS error (e.g. "[Errno 28] No space
+      left on device") when creating it or writing the probe fails.
   """
+  directory = os.fspath(directory)
+  probe = probe_path(directory)
+  size = 0 if "://" in directory else PROBE_BYTES
   try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write_probe_"):
-      pass
+    epath.Path(directory).mkdir(parents=True, exist_ok=True)
+    try:
+      probe.write_bytes(bytes(size))
+    except OSError:
+      with contextlib.suppress(OSError):  # a full disk may leave an empty probe behind
+        probe.unlink(missing_ok=True)
+      raise
+    probe.unlink()
   except OSError as e:
     raise ValueError(f"{what} {directory!r} is not writable: {e}") from e
 

@@ -346,7 +346,8 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   The warm start is a pure function of its settings, so with `cache_dir` it is saved there
   once (`student-<key>`, an HF checkpoint keyed like the teacher cache by
   `pretrain.teacher_key` of the student's settings) and loaded by later runs and checks:
-  bit-identical params (f32 safetensors), without the supervised steps.
+  bit-identical params (f32 safetensors), without the supervised steps. `cache_dir` is local
+  or a URI (`pretrain.is_cached` / `load_cached` / `save_cached`).
   """
   m, s = setup.models, config.student
   if s.checkpoint or not s.warmup_steps:
@@ -364,9 +365,9 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
       s.dtype,
     )
     directory = os.path.join(cache_dir, f"student-{key}")
-    if os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
+    if pretrain.is_cached(directory):
       shardings = build.param_shardings(m.student_cfg, m.mesh, build.DTYPES[s.dtype])
-      _, params = hf.load_checkpoint(directory, build.DTYPES[s.dtype], shardings=shardings)
+      params = pretrain.load_cached(directory, build.DTYPES[s.dtype], shardings)
       log(f"warm-started student loaded from cache {directory}")
       return params
   log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
@@ -382,15 +383,14 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
     mesh=m.mesh,
     log=log,
   )
-  if directory and jax.process_index() == 0:
-    tmp = f"{directory}.tmp{os.getpid()}"
-    hf.save_checkpoint(tmp, m.student_cfg, jax.device_get(params))
+  # Another run that saved the same warm start first saved the same params: keep its entry.
+  if directory and jax.process_index() == 0 and not pretrain.is_cached(directory):
     try:
-      os.replace(tmp, directory)
-    except OSError:  # another run saved the same warm start first: the same params, keep it
-      if not os.path.exists(os.path.join(directory, hf.CONFIG_FILE)):
+      pretrain.save_cached(directory, m.student_cfg, jax.device_get(params))
+    except OSError:  # a local rename onto the entry another run renamed there meanwhile
+      if not pretrain.is_cached(directory):
         raise
-      shutil.rmtree(tmp, ignore_errors=True)
+      shutil.rmtree(f"{directory}.tmp{os.getpid()}", ignore_errors=True)  # save_cached's copy
   return params
 
 

@@ -10,6 +10,8 @@ tensorstore driver, which this fake does not serve, so checkpoints are tested on
 import importlib
 import json
 import os
+import sys
+from pathlib import Path
 
 import fsspec
 import jax
@@ -20,9 +22,13 @@ from etils import epath
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from opd_jax import checkpointing, metrics_writer, model, pretrain
+from opd_jax import build, checkpointing, metrics_writer, model, preflight, pretrain, trainer
 from opd_jax.budget import fit_budget
 from opd_jax.mismatch import budget_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
+
+import bf16_sync  # noqa: E402
 
 
 class ObjectStore(MemoryFileSystem):
@@ -158,3 +164,63 @@ def test_jsonl_lines_on_the_store_are_plain_json(bucket):
     w.write_scalars(5, {"a": 1})
   text = (epath.Path(bucket) / "run" / "metrics.jsonl").read_text()
   assert [json.loads(line) for line in text.splitlines()] == [{"step": 5, "a": 1}]
+
+
+def test_preflight_checks_a_bucket_workdir_on_the_store_not_as_a_local_folder(
+  bucket, tmp_path, monkeypatch
+):
+  monkeypatch.chdir(tmp_path)  # where os.makedirs("gs://bucket/run") would make gs:/bucket/run
+  config = bf16_sync.get_config("tiny")
+  config.teacher.cache_dir = f"{bucket}/cache"
+  preflight.check(config, f"{bucket}/run", log=lambda *a: None)
+  assert list(tmp_path.iterdir()) == []
+  for name in ("run", "cache"):
+    directory = epath.Path(bucket) / name
+    assert directory.is_dir() and list(directory.iterdir()) == []  # the probe is removed
+  ObjectStore.store.clear()
+  ObjectStore.pseudo_dirs[:] = [""]
+  preflight.check_writable(f"{bucket}/deep/er/run", "the workdir")  # parents created
+  assert (epath.Path(bucket) / "deep" / "er" / "run").is_dir()
+
+
+def _warm_start_setup():
+  """The tiny config with a 2-step warm start, and its models without a teacher bootstrap."""
+  config = bf16_sync.get_config("tiny")
+  config.student.warmup_steps = 2
+  config.student.warmup_batch_size = 2
+  return config, trainer.Setup(build.build_models(config), trainer.task_config(config), {}, None)
+
+
+def _assert_same_params(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow  # two 2-step warm starts: their compiles take minutes on a busy machine
+def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bucket, tmp_path):
+  config, setup = _warm_start_setup()
+  cache = f"{bucket}/cache"
+  lines = []
+  trained = trainer.warm_started_student(config, setup, lines.append, cache)
+  (entry,) = epath.Path(cache).iterdir()
+  assert entry.name.startswith("student-") and pretrain.is_cached(os.fspath(entry))
+  loaded = trainer.warm_started_student(config, setup, lines.append, cache)
+  assert lines[0] == "warm-starting the student (2 supervised steps)"
+  assert lines[-1] == f"warm-started student loaded from cache {entry}"
+  _assert_same_params(trained, loaded)
+
+  # Another run saves the same warm start (local cache) while this one trains: its entry is
+  # kept, not an error. It holds the untrained params here (a real one holds the trained
+  # params) so that keeping it rather than overwriting it is visible.
+  config, setup = _warm_start_setup()  # fresh models: training consumed the first ones
+  untrained = jax.device_get(setup.models.student_params)
+  other = tmp_path / "cache" / entry.name
+
+  def log(line):
+    if line.startswith("  sft step 2/2"):
+      pretrain.save_cached(other, setup.models.student_cfg, untrained)
+
+  again = trainer.warm_started_student(config, setup, log, str(tmp_path / "cache"))
+  _assert_same_params(trained, again)
+  assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]  # no .tmp left
+  _assert_same_params(untrained, pretrain.load_cached(other, jax.numpy.float32, None))

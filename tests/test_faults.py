@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opd_jax import checkpointing, metrics_writer, trainer
+from opd_jax import checkpointing, metrics_writer, preflight, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -273,6 +273,23 @@ def test_an_unwritable_workdir_is_refused_before_anything_is_built(tmp_path):
   with pytest.raises(ValueError, match=r"the workdir '.*a_file/run' is not writable"):
     trainer.run(config, str(blocker / "run"), **QUIET)
   assert not list(cache.iterdir())  # no teacher was bootstrapped
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_refused_before_anything_is_built(tmp_path):
+  # /dev/full refuses every write with ENOSPC, as a full disk does (and accepts an empty one,
+  # as a full disk accepts an empty file): the workdir's probe is a link to it.
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  probe = preflight.probe_path(workdir)
+  os.symlink("/dev/full", probe)
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  message = rf"the workdir '{re.escape(str(workdir))}' is not writable: \[Errno 28\] No space"
+  with pytest.raises(ValueError, match=message):
+    trainer.run(tiny_config(str(cache)), str(workdir), **QUIET)
+  assert not list(cache.iterdir())  # no teacher was bootstrapped
+  assert not os.path.lexists(probe) and not list(workdir.iterdir())
 
 
 def test_a_truncated_safetensors_file_is_named(teacher_cache, tmp_path, make_hf_checkpoint):

@@ -14,7 +14,6 @@ candidate to <workdir>/admission_log.jsonl. `--config`, its overrides and `--wor
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app, flags, logging
@@ -53,11 +52,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  cache = _COMPILATION_CACHE.value
-  if cache is None:
-    cache = os.path.join(flags.FLAGS.workdir, admission.COMPILATION_CACHE)
-  if cache:
-    admission.enable_compilation_cache(cache)
+  admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
   try:
     admission.run_admission(
       flags.FLAGS.config,

@@ -17,7 +17,6 @@ logic is `opd_jax.mismatch.opd_vs_rl.run_comparison`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from absl import app, flags, logging
@@ -36,11 +35,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  cache = _COMPILATION_CACHE.value
-  if cache is None:
-    cache = os.path.join(flags.FLAGS.workdir, "jax_cache")
-  if cache:
-    admission.enable_compilation_cache(cache)
+  admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
   log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if _JSON.value else print
   try:
     report = opd_vs_rl.run_comparison(flags.FLAGS.config, flags.FLAGS.workdir, log=log)

@@ -123,3 +123,23 @@ def make_hf_checkpoint(tmp_path_factory):
     return cache[key]
 
   return make
+
+
+def tiny_config(teacher_cache, **overrides):
+  """`configs/bf16_sync.py:tiny` with a shared teacher cache and dotted-key overrides."""
+  import sys
+
+  configs = str(pathlib.Path(__file__).resolve().parent.parent / "configs")
+  if configs not in sys.path:
+    sys.path.insert(0, configs)
+  import bf16_sync
+
+  config = bf16_sync.get_config("tiny")
+  config.teacher.cache_dir = teacher_cache
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config

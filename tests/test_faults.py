@@ -22,7 +22,7 @@ from opd_jax import checkpointing, metrics_writer, preflight, trainer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
 
-import bf16_sync  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 
 QUIET = dict(log=lambda *a: None)
 
@@ -40,18 +40,6 @@ def tiny_run(teacher_cache, tmp_path_factory):
   result = trainer.run(tiny_config(teacher_cache), str(workdir), **QUIET)
   assert result["end_step"] == 6
   return workdir
-
-
-def tiny_config(teacher_cache, **overrides):
-  config = bf16_sync.get_config("tiny")
-  config.teacher.cache_dir = teacher_cache
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
 
 
 def _steps_on_disk(directory) -> list[int]:

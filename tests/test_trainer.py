@@ -19,25 +19,13 @@ from opd_jax import checkpointing, data, metrics_writer, trainer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
 
-import bf16_sync  # noqa: E402
+from conftest import tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def teacher_cache(tmp_path_factory):
   """One bootstrapped tiny teacher shared by every run in this module."""
   return str(tmp_path_factory.mktemp("teacher_cache"))
-
-
-def tiny_config(teacher_cache, **overrides):
-  config = bf16_sync.get_config("tiny")
-  config.teacher.cache_dir = teacher_cache
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
 
 
 @pytest.fixture(scope="module")

@@ -612,6 +612,13 @@ def append_log(workdir: str, entries: Sequence[dict]) -> str:
 # The check
 
 
+def compilation_cache_flag(value: str | None, workdir: str) -> None:
+  """A command's --compilation-cache flag: None means <workdir>/jax_cache, "" turns it off."""
+  cache = os.path.join(workdir, COMPILATION_CACHE) if value is None else value
+  if cache:
+    enable_compilation_cache(cache)
+
+
 def enable_compilation_cache(directory: str) -> None:
   """Keeps every XLA program the check compiles in `directory` (jax's persistent compilation
   cache), so a later check of the same config loads them instead of compiling.

@@ -5,6 +5,12 @@ placed straight onto its sharding) or, for the built-in task, from the architect
 in the config, initialised directly into their shardings with
 `jit(init, out_shardings=tree_shardings(eval_shape(init)))`.
 
+A built-in model's random init is deferred: `build_models` gives its abstract params
+(ShapeDtypeStructs carrying their shardings) and `materialize` runs the init the first time
+a concrete value is needed. Most runs never need it: the teacher comes from its cache, the
+warm-started student from its cache or a checkpoint, and the admission check restores a
+run's student; each skipped init is one XLA compilation (seconds) not paid.
+
 Building happens in two stages so that mistakes surface before any weights load:
 `plan_models` reads only config.json files and tokenizer files (mesh, tokenizer,
 both ModelConfigs, the vocabulary checks); `build_models` then loads or initialises
@@ -63,19 +69,30 @@ def init_sharded(cfg: ModelConfig, mesh, rng, dtype):
   return jax.jit(init, out_shardings=param_shardings(cfg, mesh, dtype))(rng)
 
 
-def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
-  """(ModelConfig, params) for a student/teacher config block.
+def abstract_params(cfg: ModelConfig, mesh, dtype):
+  """The params pytree of `cfg` as ShapeDtypeStructs with their shardings (no memory)."""
+  abstract = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg, dtype))
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    abstract,
+    sharding.tree_shardings(abstract, mesh),
+  )
 
-  A non-empty `block.checkpoint` loads that HF directory; otherwise the built-in
-  architecture is initialised at random (the trainer then warm-starts or
-  bootstraps it on the built-in task).
+
+def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
+  """(ModelConfig, params, pending init or None) for a student/teacher config block.
+
+  A non-empty `block.checkpoint` loads that HF directory (no pending init); otherwise the
+  params are the built-in architecture's abstract params and the pending init is the
+  zero-argument function that creates them at random (`init_sharded`), which
+  `materialize` runs when a value is needed (the trainer warm-starts or bootstraps it).
   """
   dtype = DTYPES[block.dtype]
   if block.checkpoint:
     shardings = lambda cfg: param_shardings(cfg, mesh, dtype)
-    return hf.load_checkpoint(block.checkpoint, dtype, shardings=shardings)
+    return (*hf.load_checkpoint(block.checkpoint, dtype, shardings=shardings), None)
   cfg = arch_config(block.arch, vocab_size)
-  return cfg, init_sharded(cfg, mesh, rng, dtype)
+  return cfg, abstract_params(cfg, mesh, dtype), lambda: init_sharded(cfg, mesh, rng, dtype)
 
 
 def tokenizer_path(config: ml_collections.ConfigDict) -> str:
@@ -170,9 +187,21 @@ class Models:
   mesh: jax.sharding.Mesh
   tokenizer: object
   student_cfg: ModelConfig
-  student_params: dict
+  student_params: dict  # concrete, or abstract until `materialize` (a built-in model)
   teacher_cfg: ModelConfig
-  teacher_params: dict
+  teacher_params: dict  # concrete, or abstract until `materialize` (a built-in model)
+  pending: dict = dataclasses.field(default_factory=dict)  # who -> deferred random init
+
+
+def materialize(models: Models, who: str):
+  """`models`' concrete `who` ("student" or "teacher") params: a deferred random init runs
+  now, once, and its result replaces the abstract params in `models`."""
+  if who not in ("student", "teacher"):
+    raise ValueError(f"who must be 'student' or 'teacher', got {who!r}")
+  init = models.pending.pop(who, None)
+  if init is not None:
+    setattr(models, f"{who}_params", init())
+  return getattr(models, f"{who}_params")
 
 
 def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) -> Models:
@@ -181,9 +210,10 @@ def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) ->
   plan = plan or plan_models(config)
   mesh, tok = plan.mesh, plan.tokenizer
   rng_s, rng_t = jax.random.split(jax.random.key(config.seed))
-  student_cfg, student = load_or_init(config.student, tok.vocab_size, mesh, rng_s)
-  teacher_cfg, teacher = load_or_init(config.teacher, tok.vocab_size, mesh, rng_t)
-  return Models(mesh, tok, student_cfg, student, teacher_cfg, teacher)
+  student_cfg, student, init_s = load_or_init(config.student, tok.vocab_size, mesh, rng_s)
+  teacher_cfg, teacher, init_t = load_or_init(config.teacher, tok.vocab_size, mesh, rng_t)
+  pending = {who: f for who, f in (("student", init_s), ("teacher", init_t)) if f is not None}
+  return Models(mesh, tok, student_cfg, student, teacher_cfg, teacher, pending)
 
 
 def summary(models: Models) -> str:

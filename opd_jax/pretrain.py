@@ -159,7 +159,10 @@ def bootstrap_teacher(
   train_kwargs: dict,
   log=print,
 ):
-  """Loads the cached teacher for `key`, or trains it from `init_params` and caches it.
+  """Loads the cached teacher for `key`, or trains it from `init_params()` and caches it.
+
+  `init_params` is a zero-argument function giving the params to train from; it is called
+  only when the cache has no entry (a random init need not run when it would be discarded).
 
   Returns:
     (params, info) where info says whether it came from the cache and how long
@@ -173,7 +176,7 @@ def bootstrap_teacher(
     return params, {"cached": True, "seconds": 0.0, "path": directory}
   log(f"bootstrapping teacher ({train_kwargs['steps']} supervised steps) -> {directory}")
   start = time.time()
-  params = supervised_train(init_params, cfg, mesh=mesh, log=log, **train_kwargs)
+  params = supervised_train(init_params(), cfg, mesh=mesh, log=log, **train_kwargs)
   seconds = time.time() - start
   if jax.process_index() == 0:  # a killed bootstrap never leaves a half-written cache
     save_cached(directory, cfg, jax.device_get(params))

@@ -194,7 +194,7 @@ def prepare_models(config, workdir: str, log=print, plan: build.Plan | None = No
     )
     models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
       models.teacher_cfg,
-      models.teacher_params,
+      lambda: build.materialize(models, "teacher"),
       cache_dir=cache_dir,
       key=key,
       dtype=build.DTYPES[t.dtype],
@@ -351,7 +351,7 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   """
   m, s = setup.models, config.student
   if s.checkpoint or not s.warmup_steps:
-    return m.student_params
+    return build.materialize(m, "student")
   directory = None
   if cache_dir:
     key = pretrain.teacher_key(
@@ -372,7 +372,7 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
       return params
   log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
   params = pretrain.supervised_train(
-    m.student_params,
+    build.materialize(m, "student"),
     m.student_cfg,
     task_cfg=setup.task_cfg,
     tokenizer=m.tokenizer,

@@ -213,7 +213,7 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
   # kept, not an error. It holds the untrained params here (a real one holds the trained
   # params) so that keeping it rather than overwriting it is visible.
   config, setup = _warm_start_setup()  # fresh models: training consumed the first ones
-  untrained = jax.device_get(setup.models.student_params)
+  untrained = jax.device_get(build.materialize(setup.models, "student"))
   other = tmp_path / "cache" / entry.name
 
   def log(line):

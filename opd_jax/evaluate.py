@@ -1,12 +1,21 @@
-"""Held-out quality: exact-match accuracy and per-token KL to the teacher.
+"""Held-out quality: per-token KL to the teacher, and a score of the completions.
 
 Quality is measured on greedy decodes of held-out prompts, so it is deterministic
-for given weights:
+for given weights. What is held out (`plan`, from `preflight.check`):
 
-    quality/<who>_accuracy   = mean_b 1[score(prompt_b, decode(y_b))]
+    the built-in task      its "heldout" split (data.eval_size problems), when the task is
+                           what the run trains on
+    data.eval_file         a JSONL file of {"prompt"} or {"messages"} records, optionally with
+                           an "answer"
+    data.prompt_file only  `heldout_split`: data.eval_size records of the prompt file, chosen
+                           by seed and left out of training
+    train.eval_every = 0   nothing: no evaluation, no greedy decodes
+
+The metrics:
+
     quality/student_teacher_kl = mean over completion tokens of KL(π_θ ‖ π_T) at the
                                  prefixes the student's greedy decode visits, with
-                                 the student at T = 1 (the model itself).
+                                 the student at T = 1 (the model itself). Always.
     quality/student_teacher_kl_at_rollout_t = the same KL with π_θ under the training
                                  rollouts' transform (temperature T, top-k, top-p, as
                                  `sampler.process_logits` applies them to the
@@ -14,15 +23,25 @@ for given weights:
                                  trains. Reported when `evaluate` gets the training
                                  `SamplerConfig`; equal to the T = 1 value for greedy
                                  training rollouts, whose losses score T = 1.
+    quality/<who>_accuracy     = mean_b 1[task.score(prompt_b, decode(y_b))]: the built-in
+                                 task's exact match, who = student | teacher, and
+                                 quality/relative_accuracy = student / teacher.
+    quality/<who>_score        = the user's held-out set: the mean over records with an
+                                 "answer" of scorer(prompt, decode(y), answer), the scorer
+                                 `data.eval_metric` names (`opd_jax.scoring`: exact_match,
+                                 or "package.module:function"), and quality/relative_score.
+                                 Absent when no record has an answer or the metric is none.
 
-The teacher is always at T = 1, unfiltered.
+The teacher is always at T = 1, unfiltered. A user's set is decoded `data.batch_size` rows at a
+time (`EvalSet.chunk`), so its logits never take more memory than a training batch's; the KL
+is pooled over the chunks' tokens. The built-in task's set is decoded in one batch.
 
 On a mesh (the params' own, `sharding.params_mesh`), the evaluation is sharded like the
 training rollouts: every process holds the held-out token ids, each data·fsdp shard
 decodes only its rows (`sampler.sample(..., mesh=)`), the teacher-forced forwards keep
 the batch split (`completion_logits`), and each process decodes and scores only the
-texts of the rows its devices hold; the hit counts are summed across shards on device.
-Padding rows (the held-out set rounded up to a multiple of data·fsdp) have mask 0 and
+texts of the rows its devices hold; the scores are summed across shards on device.
+Padding rows (a chunk rounded up to a multiple of data·fsdp) have mask 0 and
 are not counted.
 """
 
@@ -35,24 +54,169 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import losses, sampler, sharding, task, train_step
+from opd_jax import losses, sampler, scoring, sharding, task, train_step
+from opd_jax import prompts as prompts_lib
 from opd_jax.model_config import ModelConfig
+
+Scorer = scoring.Scorer
+
+
+def _task_scorer(prompt: str, completion: str, answer: str | None) -> float:
+  """The built-in task's exact match (`task.score`; the answer is implied by the prompt)."""
+  del answer
+  return float(task.score(prompt, completion))
 
 
 @dataclasses.dataclass
 class EvalSet:
-  """Held-out prompts, encoded once."""
+  """Held-out prompts, encoded once, and how their completions are scored.
 
-  prompts: list[str]
-  tokens_bp: np.ndarray
-  lens_b: np.ndarray
+  Rows are scored by `scorer(prompts[i], completion_i, answers[i])`: every row when `answers`
+  is None (the built-in task), else the rows whose answer is not None. The score's metrics
+  are quality/student_<metric>, quality/teacher_<metric> and quality/relative_<metric>;
+  with no scorer (or no row to score) there are none, and the KL is the whole evaluation.
+  """
+
+  prompts: list[str]  # the prompts' texts, as scored and shown in the text log
+  tokens_bp: np.ndarray  # int32 [N, P], right-padded
+  lens_b: np.ndarray  # int32 [N]
+  answers: list[str | None] | None = None  # None: every row scored (the built-in task)
+  scorer: Scorer | None = _task_scorer
+  metric: str = "accuracy"
+  chunk: int = 0  # rows decoded at once (a fixed compiled shape and memory); 0 = all
+  name: str = "the built-in task"
+
+  def __len__(self) -> int:
+    return len(self.prompts)
+
+  @property
+  def scored(self) -> list[int]:
+    """The rows `scorer` scores."""
+    if self.scorer is None:
+      return []
+    if self.answers is None:
+      return list(range(len(self)))
+    return [i for i, a in enumerate(self.answers) if a is not None]
+
+  def rows(self, start: int, stop: int) -> EvalSet:
+    """Rows [start, stop) as an EvalSet of their own (same width)."""
+    answers = None if self.answers is None else self.answers[start:stop]
+    return dataclasses.replace(
+      self,
+      prompts=self.prompts[start:stop],
+      tokens_bp=self.tokens_bp[start:stop],
+      lens_b=self.lens_b[start:stop],
+      answers=answers,
+    )
 
 
 def make_eval_set(source, tokenizer, prompt_len: int) -> EvalSet:
-  """Encodes every prompt of a random-access `source` of {"prompt": ...} dicts."""
+  """The built-in task's held-out set from a random-access `source` of {"prompt": ...} dicts,
+  scored by exact match (`task.score`) as quality/*_accuracy, decoded in one batch."""
   prompts = [source[i]["prompt"] for i in range(len(source))]
   tokens_bp, lens_b = task.encode_prompts(prompts, tokenizer, prompt_len)
   return EvalSet(prompts, tokens_bp, lens_b)
+
+
+def make_prompt_eval_set(
+  prompt_set: prompts_lib.PromptSet, tokenizer, scorer: Scorer | None, chunk: int
+) -> EvalSet:
+  """A held-out set of the user's prepared prompts (`prompts.PromptSet`): their token ids as
+  prepared (chat template, length policy), their texts, and their "answer" fields, scored by
+  `scorer` as quality/*_score (None, or no record with an answer: the KL alone).
+
+  Args:
+    prompt_set: the held-out prompts (`plan`'s second value).
+    tokenizer: the run's tokenizer (its pad id fills the rows).
+    scorer: from `scoring.resolve(data.eval_metric)`.
+    chunk: rows decoded at once (`data.batch_size`: a memory the train step already needs).
+  """
+  records = prompt_set.records
+  answers = scoring.answers(records, prompt_set.name)
+  if all(a is None for a in answers):
+    scorer = None
+  ids = [r["prompt"] for r in records]
+  tokens_bp, lens_b = task.encode_prompts(ids, tokenizer, prompt_set.width)
+  texts = [r["text"] for r in records]
+  return EvalSet(texts, tokens_bp, lens_b, answers, scorer, "score", chunk, prompt_set.name)
+
+
+def heldout_split(
+  prompt_set: prompts_lib.PromptSet, size: int, seed: int, batch_size: int
+) -> tuple[prompts_lib.PromptSet, prompts_lib.PromptSet]:
+  """(training, held-out) records of a prompt file: `size` records chosen by the permutation
+  `np.random.default_rng(seed).permutation(N)` (its first `size` entries) are held out, the
+  rest train; both keep the file's order. Deterministic for a given file, length policy and
+  seed; the held-out records are never trained on.
+
+  Raises:
+    ValueError: when fewer than `batch_size` records would be left to train on (the message
+      says what to change).
+  """
+  n = len(prompt_set)
+  if n - size < batch_size:
+    raise ValueError(
+      f"{prompt_set.name} has {n} prompts: holding out data.eval_size={size} of them for "
+      f"evaluation leaves {max(n - size, 0)}, fewer than one batch (data.batch_size="
+      f"{batch_size}); lower data.eval_size, give a separate data.eval_file, or turn "
+      "evaluation off with train.eval_every=0"
+    )
+  order = np.random.default_rng(seed).permutation(n)
+  held, kept = np.sort(order[:size]), np.sort(order[size:])
+
+  def subset(index, name, dropped, truncated):
+    return dataclasses.replace(
+      prompt_set,
+      name=name,
+      records=[prompt_set.records[i] for i in index],
+      lengths=prompt_set.lengths[index],
+      dropped=dropped,
+      truncated=truncated,
+    )
+
+  train = subset(kept, prompt_set.name, prompt_set.dropped, prompt_set.truncated)
+  return train, subset(held, f"{prompt_set.name} (held out)", [], 0)
+
+
+def plan(config, train_prompts, eval_prompts, log=print):
+  """Which prompts a run trains and evaluates on: (training prompts, held-out prompts).
+
+    train.eval_every = 0         (train_prompts, None): no evaluation
+    data.eval_file given         (train_prompts, eval_prompts)
+    data.prompt_file only        `heldout_split(train_prompts, data.eval_size, seed,
+                                 data.batch_size)`: a slice of the file, not trained on
+    neither (the built-in task)  (None, None): the trainer evaluates the task's held-out split
+
+  The held-out records' answers are checked here (`scoring.answers`), so a bad one fails
+  before any weights load.
+
+  Args:
+    config: the run's config.
+    train_prompts, eval_prompts: `prompts.PromptSet`s of data.prompt_file and
+      data.eval_file, or None where the config names none.
+    log: where the choice is reported.
+  """
+  if not config.train.eval_every:
+    log("evaluation off (train.eval_every=0)")
+    return train_prompts, None
+  if eval_prompts is None and train_prompts is None:
+    return None, None
+  d = config.data
+  if eval_prompts is None:
+    train_prompts, eval_prompts = heldout_split(
+      train_prompts, d.eval_size, config.seed, d.batch_size
+    )
+    log(
+      f"evaluation: {len(eval_prompts)} prompts of {train_prompts.name} held out (data.eval_size, "
+      f"seed {config.seed}); {len(train_prompts)} left for training"
+    )
+  answered = sum(a is not None for a in scoring.answers(eval_prompts.records, eval_prompts.name))
+  scored = f"scored by {d.eval_metric}" if answered and d.eval_metric != "none" else "not scored"
+  log(
+    f"evaluation: KL(student||teacher) on {len(eval_prompts)} prompts of {eval_prompts.name}; "
+    f"{answered} carry an answer ({scored})"
+  )
+  return train_prompts, eval_prompts
 
 
 def greedy_rollout(
@@ -66,26 +230,39 @@ def greedy_rollout(
   return sampler.sample(params, prompts, jax.random.key(0), scfg, cfg, mesh=mesh)
 
 
-def accuracy(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
-  """Exact-match accuracy of a rollout's completions, and the decoded texts.
+def score_rollout(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
+  """The sum of the scores of a rollout's completions over `eval_set.scored`, and the texts.
 
   Rows beyond the held-out set (a sharded rollout's padding) are not counted. Each
-  process decodes and scores only the rows its devices hold, and the hits are summed on
+  process decodes and scores only the rows its devices hold, and the scores are summed on
   device, so every row counts once; texts of rows held by other processes are "".
   """
-  n = len(eval_set.prompts)
+  n = len(eval_set)
   texts = [""] * n
+  scored = set(eval_set.scored)
 
-  def hits(start, tokens_bc, mask_bc):
+  def scores(start, tokens_bc, mask_bc):
     out = np.zeros(len(tokens_bc), np.float32)
     for i, (row, m) in enumerate(zip(tokens_bc, mask_bc, strict=True), start):
       if i < n:
         texts[i] = tokenizer.decode(row[m > 0].tolist())
-        out[i - start] = task.score(eval_set.prompts[i], texts[i])
+        if i in scored:
+          answer = None if eval_set.answers is None else eval_set.answers[i]
+          where = f"held-out prompt {i} of {eval_set.name}"
+          out[i - start] = scoring.score(
+            eval_set.scorer, eval_set.prompts[i], texts[i], answer, where
+          )
     return out
 
-  hits_b = sharding.map_local_rows(hits, rollout.completion_tokens, rollout.completion_mask)
-  return float(jnp.sum(hits_b)) / n, texts
+  scores_b = sharding.map_local_rows(scores, rollout.completion_tokens, rollout.completion_mask)
+  return float(jnp.sum(scores_b)), texts
+
+
+def accuracy(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
+  """The mean score of a rollout's completions over the scored rows (exact-match accuracy
+  for the built-in task), and the decoded texts (`score_rollout`)."""
+  total, texts = score_rollout(rollout, eval_set, tokenizer)
+  return total / max(len(eval_set.scored), 1), texts
 
 
 @jax.jit
@@ -151,46 +328,108 @@ def completion_logits(params, rollout, cfg: ModelConfig, mesh=None):
   return logits_bcv, mask_bc
 
 
+def _kl_sum(mean: float, rollout) -> tuple[float, float]:
+  """(mean x tokens, tokens) of a chunk's masked-mean KL, to pool chunks token-weighted."""
+  tokens = float(jnp.sum(rollout.completion_mask))
+  return mean * tokens, tokens
+
+
 def evaluate(
   student_params,
   student_cfg,
   teacher_params,
   teacher_cfg,
-  eval_set,
+  eval_set: EvalSet,
   tokenizer,
   max_new_tokens: int,
-  teacher_accuracy: float | None = None,
+  teacher_score: float | None = None,
   train_sampling: sampler.SamplerConfig | None = None,
 ):
-  """quality/* metrics of the student (and the teacher's accuracy when not given).
+  """quality/* metrics of the student (and the teacher's score when not given).
+
+  The set is decoded `eval_set.chunk` rows at a time (all at once when 0); the KL is pooled
+  over every completion token of every chunk, the score over every scored row:
+
+      quality/student_teacher_kl = Σ_chunks KL_c · n_c / Σ_chunks n_c   (n_c: tokens of c)
+      quality/student_<metric>   = Σ_scored rows score_i / |scored rows|
 
   `train_sampling`, the training rollouts' `SamplerConfig`, adds
-  `quality/student_teacher_kl_at_rollout_t` (see the module docstring).
+  `quality/student_teacher_kl_at_rollout_t` (see the module docstring). The teacher is
+  decoded only when the set has scored rows and `teacher_score` is None (it is frozen, so
+  the caller keeps its first score).
 
   Returns:
-    (metrics dict, a few decoded student samples for the text log).
+    (metrics dict, up to four "prompt + completion" student samples for the text log; a
+    record's answer is appended as " [answer: ...]").
   """
   mesh = sharding.params_mesh(student_params)
-  rollout = greedy_rollout(
-    student_params, student_cfg, eval_set, max_new_tokens, tokenizer.eos_id, mesh
-  )
-  acc, texts = accuracy(rollout, eval_set, tokenizer)
-  metrics = {
-    "quality/student_accuracy": acc,
-    "quality/student_teacher_kl": student_teacher_kl(
-      student_params, student_cfg, teacher_params, teacher_cfg, rollout
-    ),
-  }
+  n, chunk = len(eval_set), eval_set.chunk or len(eval_set)
+  scored = len(eval_set.scored)
+  score_teacher = scored and teacher_score is None
+  kl, kl_t, tokens, total, teacher_total, texts = 0.0, 0.0, 0.0, 0.0, 0.0, []
+  for start in range(0, n, chunk):
+    part = eval_set.rows(start, min(start + chunk, n))
+    rollout = greedy_rollout(
+      student_params, student_cfg, part, max_new_tokens, tokenizer.eos_id, mesh
+    )
+    part_total, part_texts = score_rollout(rollout, part, tokenizer)
+    total, texts = total + part_total, texts + part_texts
+    mean = student_teacher_kl(student_params, student_cfg, teacher_params, teacher_cfg, rollout)
+    kl_sum, part_tokens = _kl_sum(mean, rollout)
+    kl, tokens = kl + kl_sum, tokens + part_tokens
+    if train_sampling is not None:
+      mean_t = student_teacher_kl(
+        student_params, student_cfg, teacher_params, teacher_cfg, rollout, train_sampling
+      )
+      kl_t += _kl_sum(mean_t, rollout)[0]
+    if score_teacher:
+      t_rollout = greedy_rollout(
+        teacher_params, teacher_cfg, part, max_new_tokens, tokenizer.eos_id, mesh
+      )
+      teacher_total += score_rollout(t_rollout, part, tokenizer)[0]
+  tokens = max(tokens, 1.0)
+  metrics = {}
+  name = eval_set.metric
+  if scored:
+    metrics[f"quality/student_{name}"] = total / scored
+  metrics["quality/student_teacher_kl"] = kl / tokens
   if train_sampling is not None:
-    metrics["quality/student_teacher_kl_at_rollout_t"] = student_teacher_kl(
-      student_params, student_cfg, teacher_params, teacher_cfg, rollout, train_sampling
+    metrics["quality/student_teacher_kl_at_rollout_t"] = kl_t / tokens
+  if scored:
+    if teacher_score is None:
+      teacher_score = teacher_total / scored
+    metrics[f"quality/teacher_{name}"] = teacher_score
+    metrics[f"quality/relative_{name}"] = metrics[f"quality/student_{name}"] / max(
+      teacher_score, 1e-9
     )
-  if teacher_accuracy is None:
-    t_rollout = greedy_rollout(
-      teacher_params, teacher_cfg, eval_set, max_new_tokens, tokenizer.eos_id, mesh
-    )
-    teacher_accuracy, _ = accuracy(t_rollout, eval_set, tokenizer)
-  metrics["quality/teacher_accuracy"] = teacher_accuracy
-  metrics["quality/relative_accuracy"] = acc / max(teacher_accuracy, 1e-9)
-  samples = [f"{p}{t}" for p, t in zip(eval_set.prompts[:4], texts[:4], strict=True)]
+  samples = []
+  for i in range(min(4, n)):
+    answer = None if eval_set.answers is None else eval_set.answers[i]
+    suffix = "" if answer is None else f" [answer: {answer}]"
+    samples.append(f"{eval_set.prompts[i]}{texts[i]}{suffix}")
   return metrics, samples
+
+
+def summary(metrics: dict[str, float], metric: str, teacher: bool = True) -> str:
+  """One log line of what an evaluation measured, e.g. "teacher accuracy 0.950, student
+  accuracy 0.400, KL(student||teacher) 0.1234" (without the score when there is none)."""
+  parts = []
+  for who in ("teacher", "student") if teacher else ("student",):
+    key = f"quality/{who}_{metric}"
+    if key in metrics:
+      parts.append(f"{who} {metric} {metrics[key]:.3f}")
+  parts.append(f"KL(student||teacher) {metrics['quality/student_teacher_kl']:.4f}")
+  return ", ".join(parts)
+
+
+def before_after(initial: dict[str, float], final: dict[str, float], metric: str) -> dict:
+  """A run's summary fields of its first and last evaluations: teacher_<metric>,
+  student_<metric>_before/_after (when scored) and student_teacher_kl_before/_after."""
+  out = {}
+  if f"quality/student_{metric}" in initial:
+    out[f"teacher_{metric}"] = initial[f"quality/teacher_{metric}"]
+    out[f"student_{metric}_before"] = initial[f"quality/student_{metric}"]
+    out[f"student_{metric}_after"] = final[f"quality/student_{metric}"]
+  out["student_teacher_kl_before"] = initial["quality/student_teacher_kl"]
+  out["student_teacher_kl_after"] = final["quality/student_teacher_kl"]
+  return out

@@ -18,6 +18,13 @@ the weights of that plan.
 
 The tokenizer (`tokenizer_path`): `config.tokenizer` when set; unset (""), the student
 checkpoint's own tokenizer, or the built-in character tokenizer without a checkpoint.
+
+Padded vocabularies: the student and teacher must share one tokenizer, not one table size
+(`tokenizer.check_vocabularies`: the teacher checkpoint's own tokenizer, when it has one,
+must be identical to the run's; the tokenizer's V_real ids must fit both tables). Both
+ModelConfigs then carry `logical_vocab_size` = V_real whenever their table has more rows
+(`with_real_vocab`), so both models' logits are [..., V_real] and the padded rows take no
+part in any softmax, loss, metric or sample; the weights (and an export) keep every row.
 """
 
 from __future__ import annotations
@@ -125,6 +132,30 @@ class Plan:
   tokenizer_path: str  # "char" or the tokenizer's directory
   student_cfg: ModelConfig
   teacher_cfg: ModelConfig
+  vocab_note: str = ""  # what the vocabulary check compared (runs with a checkpoint), logged
+
+
+def with_real_vocab(cfg: ModelConfig, real_vocab_size: int) -> ModelConfig:
+  """`cfg` whose logits cover ids [0, real_vocab_size): `logical_vocab_size` set when the
+  embedding table has more rows (padding), 0 when the table is exactly that size."""
+  logical = 0 if real_vocab_size == cfg.vocab_size else real_vocab_size
+  return dataclasses.replace(cfg, logical_vocab_size=logical)
+
+
+def _load_run_tokenizer(path: str, loaded: dict):
+  """The run's tokenizer; when it cannot load and the two checkpoints' tables differ in size,
+  the error says so, since only a tokenizer can tell padding from another vocabulary."""
+  try:
+    return tokenizer.load_tokenizer(path)
+  except (ValueError, FileNotFoundError) as e:
+    rows = {who: cfg.vocab_size for who, cfg in loaded.items()}
+    if len(rows) == 2 and rows["student"] != rows["teacher"]:
+      raise ValueError(
+        f"student and teacher vocabularies differ: student vocab_size={rows['student']}, "
+        f"teacher vocab_size={rows['teacher']}; one tokenizer over padded tables is accepted, "
+        f"but the run's tokenizer does not load: {e}"
+      ) from e
+    raise
 
 
 def _teacher_tokenizer(config, run_tokenizer_path: str):
@@ -142,9 +173,11 @@ def plan_models(config: ml_collections.ConfigDict) -> Plan:
   """Mesh, tokenizer and both ModelConfigs from config.json and tokenizer files only.
 
   Checks, in order: the mesh fits the devices; each checkpoint's config.json (a supported
-  architecture) and that its weight files exist; equal student and teacher vocabulary sizes;
-  the tokenizer loads; its size and special ids fit the models' vocabulary; a teacher
-  checkpoint's own tokenizer, if it has one, maps every id to the same token as the run's.
+  architecture) and that its weight files exist; the tokenizer loads; a teacher checkpoint's
+  own tokenizer, if it has one, is identical to the run's (every token's id, the size, the
+  bos/eos/pad ids); the tokenizer's V_real ids, special ids included, fit both tables
+  (`tokenizer.check_vocabularies`), which may differ in size (padding). Both
+  ModelConfigs come back with `logical_vocab_size` set to V_real where their table is padded.
 
   Raises:
     ValueError / FileNotFoundError: naming the setting or file at fault.
@@ -155,29 +188,23 @@ def plan_models(config: ml_collections.ConfigDict) -> Plan:
     for who in ("student", "teacher")
     if config[who].checkpoint
   }
-  if len(loaded) == 2:
-    tokenizer.check_same_vocab(loaded["student"].vocab_size, loaded["teacher"].vocab_size)
   path = tokenizer_path(config)
-  tok = tokenizer.load_tokenizer(path)
+  tok = _load_run_tokenizer(path, loaded)
   student_cfg = loaded.get("student") or arch_config(config.student.arch, tok.vocab_size)
   teacher_cfg = loaded.get("teacher") or arch_config(config.teacher.arch, tok.vocab_size)
-  tokenizer.check_same_vocab(student_cfg.vocab_size, teacher_cfg.vocab_size)
-  if student_cfg.vocab_size < tok.vocab_size:
-    raise ValueError(
-      f"tokenizer {path!r} has {tok.vocab_size} tokens but the models' vocabulary is "
-      f"{student_cfg.vocab_size}"
-    )
-  ids = {"eos": tok.eos_id, "pad": tok.pad_id, "bos": tok.bos_id}
-  bad = {k: i for k, i in ids.items() if i is not None and not 0 <= i < student_cfg.vocab_size}
-  if bad:
-    raise ValueError(
-      f"tokenizer {path!r} has special ids {bad} outside the models' vocabulary "
-      f"[0, {student_cfg.vocab_size})"
-    )
   teacher_tok = _teacher_tokenizer(config, path)
-  if teacher_tok is not None:
-    tokenizer.check_same_vocab(student_cfg.vocab_size, teacher_cfg.vocab_size, tok, teacher_tok)
-  return Plan(mesh, tok, path, student_cfg, teacher_cfg)
+  vocab = tokenizer.check_vocabularies(
+    student_cfg.vocab_size,
+    teacher_cfg.vocab_size,
+    tok,
+    teacher_tok,
+    tokenizer_name=repr(path),
+    teacher_tokenizer_name=repr(config.teacher.checkpoint),
+  )
+  student_cfg = with_real_vocab(student_cfg, vocab.real_vocab_size)
+  teacher_cfg = with_real_vocab(teacher_cfg, vocab.real_vocab_size)
+  note = vocab.compared if loaded else ""
+  return Plan(mesh, tok, path, student_cfg, teacher_cfg, note)
 
 
 @dataclasses.dataclass
@@ -213,6 +240,9 @@ def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) ->
   student_cfg, student, init_s = load_or_init(config.student, tok.vocab_size, mesh, rng_s)
   teacher_cfg, teacher, init_t = load_or_init(config.teacher, tok.vocab_size, mesh, rng_t)
   pending = {who: f for who, f in (("student", init_s), ("teacher", init_t)) if f is not None}
+  # The plan's V_real (padded tables): the weights keep every row, the logits do not.
+  student_cfg = with_real_vocab(student_cfg, plan.student_cfg.real_vocab_size)
+  teacher_cfg = with_real_vocab(teacher_cfg, plan.teacher_cfg.real_vocab_size)
   return Models(mesh, tok, student_cfg, student, teacher_cfg, teacher, pending)
 
 
@@ -227,6 +257,7 @@ def summary(models: Models) -> str:
     lines.append(
       f"{name}: {cfg.model_type} L={cfg.num_layers} D={cfg.hidden_size} N={cfg.num_heads} "
       f"K={cfg.num_kv_heads} H={cfg.head_dim} F={cfg.intermediate_size} V={cfg.vocab_size}"
+      + (f" (logits over the first {cfg.real_vocab_size})" if cfg.logical_vocab_size else "")
     )
     lines.append(sharding.describe(params))
   return "\n".join(lines)

@@ -206,15 +206,25 @@ def compute_dtype(params):
 
 
 def unembed(params, x_btd, cfg: ModelConfig):
-  """Final norm and LM head; logits [B, T, V] in f32 (bf16 operands under bf16_matmul)."""
+  """Final norm and LM head; logits [B, T, V_real] in f32 (bf16 operands under bf16_matmul).
+
+  V_real = `cfg.real_vocab_size`: with a padded embedding table (`cfg.logical_vocab_size`
+  > 0) the logits of the padded rows are sliced off after the full-width matmul, so no
+  softmax downstream sees them and no sampler can pick them. The matmul itself keeps the
+  table's full width (and its vocabulary sharding); only its output is cut.
+  """
   x_btd = rms_norm(x_btd, params["final_norm_d"], cfg.rms_norm_eps)
   if kernel_of(params) == "bf16_matmul":
     x_btd = x_btd.astype(jnp.bfloat16)
   if cfg.tie_word_embeddings:
     head = as_dense(params["embed_vd"], x_btd.dtype)
-    return jnp.einsum("btd,vd->btv", x_btd, head, preferred_element_type=jnp.float32)
-  head = as_dense(params["lm_head_dv"], x_btd.dtype)
-  return jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+    logits_btv = jnp.einsum("btd,vd->btv", x_btd, head, preferred_element_type=jnp.float32)
+  else:
+    head = as_dense(params["lm_head_dv"], x_btd.dtype)
+    logits_btv = jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+  if cfg.real_vocab_size < cfg.vocab_size:
+    logits_btv = logits_btv[..., : cfg.real_vocab_size]
+  return logits_btv
 
 
 # Activation rematerialisation of `forward` (train.remat): the name -> the jax.checkpoint
@@ -263,7 +273,7 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None, remat: str =
       pass (`layer_fn`); the logits are the same.
 
   Returns:
-    logits [B, T, V] in f32.
+    logits [B, T, V_real] in f32 (V_real = cfg.real_vocab_size, `unembed`).
   """
   if positions_bt is None:
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -300,7 +310,7 @@ def forward_with_cache(
       padding, excluded from fp8 "tensor" scale calibration).
 
   Returns:
-    (logits [B, T, V] f32, updated cache).
+    (logits [B, T, V_real] f32 (`unembed`), updated cache).
   """
   spec = spec or kvcache.KVCacheSpec()
   t = tokens_bt.shape[1]

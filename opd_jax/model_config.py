@@ -5,6 +5,15 @@
 Hugging Face `config.json` via `ModelConfig.from_hf_dict`, which understands both
 the old top-level `rope_theta`/`rope_scaling` keys and transformers v5's
 `rope_parameters`.
+
+Padded vocabularies. A checkpoint's embedding table often has more rows than its
+tokenizer has tokens (Qwen2.5 0.5B-3B: 151,936 rows, 7B+: 152,064, one tokenizer of
+151,665 tokens). `vocab_size` is always the number of rows (what the weights and an
+exported config.json hold); `logical_vocab_size` V_real (0 = all rows) is the part of
+the table the tokenizer can produce. `model.unembed` keeps only the first V_real logits,
+so every consumer (sampler, losses, mismatch metrics, evaluation, teacher scoring) works
+over V_real: the padded rows are outside every softmax and can never be sampled. The
+run's builder sets it (`build.plan_models`); `from_hf_dict`/`to_hf_dict` never carry it.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ class ModelConfig:
   qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
   o_bias: bool = False  # Llama/Qwen3 when attention_bias
   qk_norm: bool = False  # Qwen3's per-head RMSNorm on q and k
+  # V_real: logits cover ids [0, V_real) only (padded embedding rows dropped); 0 = all rows.
+  logical_vocab_size: int = 0
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -57,10 +68,23 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+    logical = self.logical_vocab_size
+    if isinstance(logical, bool) or not isinstance(logical, int) or logical < 0:
+      raise ValueError(f"ModelConfig.logical_vocab_size must be an int >= 0, got {logical!r}")
+    if logical > self.vocab_size:
+      raise ValueError(
+        f"ModelConfig.logical_vocab_size={logical} exceeds vocab_size={self.vocab_size} "
+        "(the embedding rows)"
+      )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
       )
+
+  @property
+  def real_vocab_size(self) -> int:
+    """V_real, the width of the logits: `logical_vocab_size`, or every row when it is 0."""
+    return self.logical_vocab_size or self.vocab_size
 
   @property
   def num_groups(self) -> int:

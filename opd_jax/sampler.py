@@ -381,7 +381,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   _TRACES += 1
   b, p = tokens_bp.shape
   c, s, spec = cfg.max_new_tokens, cache_len, cfg.kv
-  v = model_cfg.vocab_size
+  v = model_cfg.real_vocab_size  # the logits' width: padded embedding rows are never sampled
   k = v if cfg.return_topk == -1 else min(cfg.return_topk, v)
   m = support_width(cfg, v)
   stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
@@ -562,7 +562,7 @@ def _prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh):
       f"unsupported params dtype {dtype!r} (from the embedding table); "
       f"allowed: {', '.join(COMPUTE_DTYPES)}"
     )
-  tokens_bp, lens_b = _as_padded_prompts(prompts, model_cfg.vocab_size)
+  tokens_bp, lens_b = _as_padded_prompts(prompts, model_cfg.real_vocab_size)
   batch, width = tokens_bp.shape
   bucket = prompt_bucket(width)
   cache_len = cfg.cache_len or bucket + cfg.max_new_tokens

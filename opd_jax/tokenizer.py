@@ -10,6 +10,14 @@ only this interface:
     get_vocab() -> dict[str, int] # token string -> id, for the vocabulary check
     render_chat(messages) -> str  # the chat template with the generation prompt appended
 
+Vocabulary checks: `check_vocabularies` accepts a student and teacher that share one
+tokenizer even when their embedding tables differ in size (padded vocabularies, e.g.
+Qwen2.5 0.5B-3B with 151,936 rows and 7B+ with 152,064 over one tokenizer of 151,665
+tokens); `real_vocab_size` is V_real, the ids that tokenizer can produce, which the models'
+logits are cut to (`ModelConfig.logical_vocab_size`). Tokenizers that differ are refused
+with what differs (`tokenizer_differences`). `check_same_vocab` is the strict form (equal
+sizes).
+
 Two implementations:
 - `CharTokenizer`: the built-in character tokenizer for the synthetic task
   (`opd_jax.task`). Needs no files.
@@ -18,6 +26,7 @@ Two implementations:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 
@@ -227,6 +236,23 @@ def resolve_name(tokenizer: str, student_checkpoint: str) -> str:
   return student_checkpoint or "char"
 
 
+def real_vocab_size(tok) -> int:
+  """V_real: how many ids the tokenizer can produce, max(len, largest id + 1).
+
+  The largest id counts every token of `get_vocab()` (added tokens included) and the
+  bos/eos/pad ids, so a tokenizer whose ids leave gaps is never cut short. A model's
+  embedding table may have more rows (a padded vocabulary); its logits are then cut to
+  V_real (`ModelConfig.logical_vocab_size`).
+  """
+  ids = list(tok.get_vocab().values()) + [i for i in special_ids(tok).values() if i is not None]
+  return max(tok.vocab_size, max(ids, default=-1) + 1)
+
+
+def special_ids(tok) -> dict[str, int | None]:
+  """{"bos", "eos", "pad"} -> the tokenizer's id (bos may be None)."""
+  return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+
+
 def _first_difference(student_tok, teacher_tok) -> str | None:
   """Describes the first id whose token differs between two tokenizers, or None."""
   s_by_id = {i: t for t, i in student_tok.get_vocab().items()}
@@ -238,14 +264,56 @@ def _first_difference(student_tok, teacher_tok) -> str | None:
   return None
 
 
+def tokenizer_differences(student_tok, teacher_tok, examples: int = 3) -> list[str]:
+  """What differs between two tokenizers, one phrase per kind ([] when they are identical).
+
+  Compared: the token -> id maps (`get_vocab()`, added tokens included), id by id, with the
+  first difference and the count of differing ids; the sizes; and the bos/eos/pad ids
+  (`special_ids`), each named with its token.
+
+  Args:
+    student_tok, teacher_tok: tokenizers with `get_vocab()`, `vocab_size` and the special ids.
+    examples: how many further differing ids are shown after the first.
+  """
+  s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
+  out = []
+  if s_vocab != t_vocab:
+    s_by_id = {i: t for t, i in s_vocab.items()}
+    t_by_id = {i: t for t, i in t_vocab.items()}
+    differing = sorted(i for i in set(s_by_id) | set(t_by_id) if s_by_id.get(i) != t_by_id.get(i))
+    phrase = (
+      f"first differing token: id {differing[0]} is {s_by_id.get(differing[0])!r} in the "
+      f"student and {t_by_id.get(differing[0])!r} in the teacher ({len(differing)} id(s) differ"
+    )
+    more = [
+      f"id {i}: {s_by_id.get(i)!r} vs {t_by_id.get(i)!r}" for i in differing[1 : 1 + examples]
+    ]
+    out.append(phrase + (f"; also {', '.join(more)}" if more else "") + ")")
+  if student_tok.vocab_size != teacher_tok.vocab_size:
+    out.append(
+      f"the student's tokenizer has {student_tok.vocab_size} tokens, the teacher's "
+      f"{teacher_tok.vocab_size}"
+    )
+  s_ids, t_ids = special_ids(student_tok), special_ids(teacher_tok)
+  s_tokens = {i: t for t, i in s_vocab.items()}
+  t_tokens = {i: t for t, i in t_vocab.items()}
+  for name in s_ids:
+    if s_ids[name] != t_ids[name]:
+      out.append(
+        f"{name} id {s_ids[name]} ({s_tokens.get(s_ids[name])!r}) in the student, "
+        f"{t_ids[name]} ({t_tokens.get(t_ids[name])!r}) in the teacher"
+      )
+  return out
+
+
 def check_same_vocab(
   student_vocab_size: int, teacher_vocab_size: int, student_tok=None, teacher_tok=None
 ) -> None:
-  """Refuses a student/teacher pair that does not share one vocabulary.
+  """Refuses a student/teacher pair that does not share one vocabulary of one size.
 
-  Per-token KL between student and teacher is only meaningful when id v means the
-  same token in both models. Checks the models' vocabulary sizes (embedding rows)
-  and, when both tokenizers are given, that every id maps to the same token string.
+  The strict check: equal embedding rows and, when both tokenizers are given, every id
+  mapped to the same token string. A run accepts more: one tokenizer over embedding tables
+  of different sizes (`check_vocabularies`).
 
   Args:
     student_vocab_size: the student model's vocabulary size (ModelConfig.vocab_size).
@@ -267,3 +335,90 @@ def check_same_vocab(
     if diff is not None:
       message += f"; {diff}"
     raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabCheck:
+  """What `check_vocabularies` accepted: V_real, the two tables' rows, and what it compared."""
+
+  real_vocab_size: int  # V_real: the ids every softmax and sampler of the run covers
+  student_rows: int  # the student's embedding rows (ModelConfig.vocab_size)
+  teacher_rows: int  # the teacher's
+  compared: str  # one line for the run's log: which tokenizers were compared, and how
+
+
+def check_vocabularies(
+  student_rows: int,
+  teacher_rows: int,
+  tok,
+  teacher_tok=None,
+  tokenizer_name: str = "the run's tokenizer",
+  teacher_tokenizer_name: str = "the teacher's tokenizer",
+) -> VocabCheck:
+  """Accepts a student and teacher that share one tokenizer, padded tables included.
+
+  Per-token KL between student and teacher is only meaningful when id v means the same
+  token in both. The run's tokenizer `tok` is the student's. When the teacher checkpoint has
+  a tokenizer of its own (`teacher_tok`), the two must be identical (`tokenizer_differences`:
+  every token's id, the sizes, the bos/eos/pad ids); without one, only the sizes can be
+  compared, and the returned `compared` line says so. Either way both embedding tables must
+  hold the tokenizer's ids, V_real = `real_vocab_size(tok)` ≤ min(student_rows,
+  teacher_rows); rows beyond V_real are padding, which the models' logits leave out
+  (`ModelConfig.logical_vocab_size`), so the tables may differ in size.
+
+  Args:
+    student_rows, teacher_rows: the models' embedding rows (ModelConfig.vocab_size).
+    tok: the run's tokenizer.
+    teacher_tok: the teacher checkpoint's own tokenizer, or None when it has none (or it is
+      the run's tokenizer directory).
+    tokenizer_name, teacher_tokenizer_name: how messages name the two (their directories).
+
+  Returns:
+    The `VocabCheck`.
+
+  Raises:
+    ValueError: tokenizers that differ (what differs, with examples), or a tokenizer with
+      more ids than a table has rows (both sizes named).
+  """
+  if teacher_tok is not None:
+    diffs = tokenizer_differences(tok, teacher_tok)
+    if diffs:
+      raise ValueError(
+        f"student and teacher vocabularies differ: {tokenizer_name} (the student's) and "
+        f"{teacher_tokenizer_name} are not the same tokenizer: {'; '.join(diffs)}"
+      )
+  v_real = real_vocab_size(tok)
+  smaller = min(student_rows, teacher_rows)
+  if v_real > smaller:
+    bad = {k: i for k, i in special_ids(tok).items() if i is not None and i >= smaller}
+    specials = f"; its special ids {bad} are beyond that" if bad else ""
+    if student_rows == teacher_rows:
+      raise ValueError(
+        f"tokenizer {tokenizer_name} has {v_real} tokens but the models' vocabulary is "
+        f"{student_rows}{specials}"
+      )
+    who = "student" if student_rows < teacher_rows else "teacher"
+    raise ValueError(
+      f"student and teacher vocabularies differ: student vocab_size={student_rows}, "
+      f"teacher vocab_size={teacher_rows}, and tokenizer {tokenizer_name} has {v_real} "
+      f"tokens, more than the {who}'s {smaller} embedding rows, so they cannot be one "
+      f"tokenizer's padded tables{specials}"
+    )
+  ids = ", ".join(f"{k}={v}" for k, v in special_ids(tok).items())
+  if teacher_tok is not None:
+    what = (
+      f"{tokenizer_name} (the student's) and {teacher_tokenizer_name} are identical "
+      f"({v_real} ids, {ids})"
+    )
+  else:
+    what = (
+      f"only {tokenizer_name} is known ({v_real} ids, {ids}); the teacher has no tokenizer "
+      "of its own to compare, so only the sizes were checked"
+    )
+  rows = f"embedding rows: student {student_rows}, teacher {teacher_rows}"
+  padded = (
+    f"; logits cover ids [0, {v_real}), the padded rows are masked out"
+    if v_real < max(student_rows, teacher_rows)
+    else ""
+  )
+  return VocabCheck(v_real, student_rows, teacher_rows, f"vocabulary: {what}; {rows}{padded}")

@@ -135,6 +135,9 @@ def get_config(arg=None):
   # Memory controls (opd_jax/train_step.py, opd_jax/model.py): same update, less memory.
   c.train.microbatches = 1  # gradient-accumulation micro-batches per step (divide B·n)
   c.train.remat = "none"  # per-layer rematerialisation: none | layer | dots | dots_no_batch
+  # GKD's λ (opd_jax/off_policy.py): the rest of each batch's prompts train on their reference
+  # completions ("completion", or a final assistant message); reverse_kl_sampled needs 1.
+  c.train.on_policy_fraction = 1.0  # share of prompts per batch with sampled completions
 
   # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
   c.budget = ml_collections.ConfigDict()

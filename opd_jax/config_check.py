@@ -170,6 +170,7 @@ RULES: dict[str, Any] = {
   "train.resume_schedule": Choice(("keep", "rebuild", "error")),
   "train.microbatches": POSITIVE,
   "train.remat": Choice(("none", "layer", "dots", "dots_no_batch")),  # model.REMAT_CHOICES
+  "train.on_policy_fraction": Num(True, 0, 1),  # GKD's λ (opd_jax/off_policy.py)
   "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),
@@ -227,6 +228,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   errors += _rollout_errors(config)
   errors += _rl_errors(config)
   errors += _budget_errors(config)
+  errors += _on_policy_fraction_errors(config)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -290,6 +292,25 @@ def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
       f"data.prompt_file={d.get('prompt_file')!r} has no reward (set it to '')"
     )
   return errors
+
+
+def _on_policy_fraction_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """train.on_policy_fraction < 1 trains some rows on reference completions: the sampled
+  reverse KL and REINFORCE are score-function estimators, unbiased only for the student's own
+  samples, and their importance ratio needs a behaviour probability the data does not have."""
+  t = config.get("train")
+  fraction = t.get("on_policy_fraction", 1.0) if t is not None else 1.0
+  on_policy_losses = ("reverse_kl_sampled", "reinforce")  # need y ~ π_θ (off_policy.py)
+  if not isinstance(fraction, (int, float)) or fraction >= 1:
+    return []
+  if t.get("loss") not in on_policy_losses:
+    return []
+  return [
+    f"config.train.on_policy_fraction={fraction} trains on reference completions, which "
+    f"train.loss={t.get('loss')!r} cannot use: it estimates its gradient from the student's own "
+    "samples (y ~ π_θ, with an importance ratio to the sampler). Use reverse_kl_full, "
+    "forward_kl or jsd (GKD's divergences), or train.on_policy_fraction=1"
+  ]
 
 
 def _budget_errors(config: ml_collections.ConfigDict) -> list[str]:

@@ -43,7 +43,9 @@ class JsonlSource:
 
   Every non-blank line must be a JSON object with exactly one of a string `"prompt"` field or
   a non-empty `"messages"` list of `{"role": str, "content": str}` objects; all its fields are
-  kept. `source[i]` returns a fresh copy of record i's dict; `line_numbers[i]` is its line.
+  kept. A reference completion (for train.on_policy_fraction < 1, `opd_jax.off_policy`) is a
+  `"completion"` string or a final assistant message, not both. `source[i]` returns a fresh
+  copy of record i's dict; `line_numbers[i]` is its line.
 
   Raises (from the constructor):
     FileNotFoundError: the file does not exist.
@@ -95,8 +97,10 @@ def record_problem(record: Any) -> str | None:
   has_prompt, has_messages = "prompt" in record, "messages" in record
   if has_prompt and has_messages:
     return 'has both "prompt" and "messages"; give one'
+  if "completion" in record and not isinstance(record["completion"], str):
+    return f'has a "completion" that is not a string: {record["completion"]!r:.80}'
   if has_messages:
-    return _messages_problem(record["messages"])
+    return _messages_problem(record["messages"], "completion" in record)
   if not isinstance(record.get("prompt"), str):
     hint = ""
     for key in record:
@@ -108,7 +112,7 @@ def record_problem(record: Any) -> str | None:
   return None
 
 
-def _messages_problem(messages: Any) -> str | None:
+def _messages_problem(messages: Any, has_completion: bool = False) -> str | None:
   if not isinstance(messages, list) or not messages:
     return f'has "messages" that is not a non-empty list: {messages!r:.80}'
   for i, message in enumerate(messages):
@@ -119,6 +123,11 @@ def _messages_problem(messages: Any) -> str | None:
       return (
         f'has "messages"[{i}] that is not a {{"role": str, "content": str}} object: {message!r:.80}'
       )
+  if messages[-1]["role"] == "assistant":  # the reference completion (opd_jax.off_policy)
+    if len(messages) == 1:
+      return 'has only an assistant message in "messages": nothing is left to prompt with'
+    if has_completion:
+      return 'has both a "completion" and a final assistant message; give one'
   return None
 
 

@@ -15,7 +15,9 @@ naming the setting, file or record at fault):
    mesh fits the devices, supported architectures, weight files present, student and teacher
    vocabularies equal, the tokenizer loads and fits them);
 4. the prompts with that tokenizer: chat rendering, tokenizability and lengths under
-   `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`).
+   `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
+5. with `train.on_policy_fraction` < 1, every training record's reference completion: present
+   and tokenizable (`off_policy.check_references`, naming the first record without one).
 
 Cheapest first: the first two need neither JAX's devices nor transformers (whose import
 alone takes seconds). Loading even a small checkpoint takes seconds and a large one
@@ -33,7 +35,7 @@ import socket
 import ml_collections
 from etils import epath
 
-from opd_jax import build, data, prompts
+from opd_jax import build, data, off_policy, prompts
 
 
 @dataclasses.dataclass
@@ -110,4 +112,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
   for what, source in sources.items():
     prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)
     log(f"{what} prompts {prepared[what].describe()}")
+  if config.train.get("on_policy_fraction", 1.0) < 1 and "training" in sources:
+    width = config.rollout.max_new_tokens  # every record needs a reference (off_policy)
+    log(off_policy.check_references(sources["training"], plan.tokenizer, width))
   return Checked(plan, prepared.get("training"), prepared.get("eval"))

@@ -3,10 +3,12 @@
 A record (`data.JsonlSource`) is `{"prompt": text}` or `{"messages": [{"role", "content"}]}`;
 other fields are kept. Its ids, computed once when the run starts (`prepare`):
 
-    text = record["prompt"]   or   tokenizer.render_chat(record["messages"])
+    text = record["prompt"]   or   tokenizer.render_chat(prompt_messages(record["messages"]))
     ids  = [bos] + encode(text)
 
-where the chat template appends the generation prompt (the opening of the assistant turn),
+where the chat template appends the generation prompt (the opening of the assistant turn)
+after the conversation without a final assistant message (that message is the record's
+reference completion, `opd_jax.off_policy`),
 and bos is added when the tokenizer has one and the text does not already start with it
 (chat templates such as Llama 3's write it themselves).
 
@@ -38,11 +40,20 @@ OVERLONG = ("truncate_left", "drop", "error")
 _SHOWN = 5  # dropped records named in the log line
 
 
+def prompt_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The conversation a chat record prompts with: its messages without a final "assistant"
+  message, which is the record's reference completion (`opd_jax.off_policy`), not prompt."""
+  messages = list(messages)
+  if messages and messages[-1].get("role") == "assistant":
+    return messages[:-1]
+  return messages
+
+
 def record_text(record: dict[str, Any], tokenizer) -> str:
-  """The text a record's prompt is: its "prompt", or its "messages" through the chat template
-  with the generation prompt."""
+  """The text a record's prompt is: its "prompt", or its "messages" (`prompt_messages`)
+  through the chat template with the generation prompt."""
   if "messages" in record:
-    return tokenizer.render_chat(record["messages"])
+    return tokenizer.render_chat(prompt_messages(record["messages"]))
   return record["prompt"]
 
 

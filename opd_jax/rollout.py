@@ -91,6 +91,10 @@ class Rollout:
       pass; None otherwise.
     reward_b: f32 [B], the task's exact-match reward of each decoded completion (1 or 0),
       when the rollout engine scored it for an RL loss (`opd_jax.rl`); None otherwise.
+    on_policy_b: int32 [B], 1 for a row the engine sampled, 0 for a row whose completion is
+      the prompt's reference (`opd_jax.off_policy`, train.on_policy_fraction < 1; its
+      log-probs are 0 and its `topk_*`/`support_ids` unspecified); None when every row was
+      sampled.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -108,6 +112,7 @@ class Rollout:
   kv_saturated_fraction: jax.Array | None = None
   teacher_logits: jax.Array | None = None
   reward_b: jax.Array | None = None
+  on_policy_b: jax.Array | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

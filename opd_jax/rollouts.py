@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opd_jax import engine, evaluate, rl, sampler, sharding, task
+from opd_jax import engine, evaluate, off_policy, rl, sampler, sharding, task
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -205,6 +205,10 @@ class RolloutEngine:
       (`data.batch_size` counts prompts). Each row has its own sampling key, so the n
       completions differ under sampling. Process i's B/P prompts become the contiguous
       rows [i·B·n/P, (i+1)·B·n/P), the rows its own devices decode.
+    on_policy_fraction: λ (`train.on_policy_fraction`): below 1, a share 1 − λ of each batch's
+      prompts train on their reference completions instead of samples (`opd_jax.off_policy`;
+      the rows are chosen by the key stream "rollout/on_policy" and the batch index). The
+      realised share is logged as `rollout/on_policy_fraction`.
   """
 
   def __init__(
@@ -221,9 +225,16 @@ class RolloutEngine:
     score_rewards: bool = False,
     rollout_mesh=None,
     samples_per_prompt: int = 1,
+    on_policy_fraction: float = 1.0,
   ):
     if samples_per_prompt < 1:
       raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    self._mix = None  # λ = 1: every row sampled
+    if on_policy_fraction < 1.0:
+      seed = off_policy.seed_from_key(named_stream(rng, "rollout/on_policy"))
+      self._mix = off_policy.Mix(
+        on_policy_fraction, seed, tokenizer, sampler_cfg.max_new_tokens, samples_per_prompt
+      )
     self.samples_per_prompt = samples_per_prompt
     self.prompts = prompt_batches
     self._rollout_mesh = rollout_mesh
@@ -252,10 +263,12 @@ class RolloutEngine:
     """The prompt iterator's position (what a checkpoint stores)."""
     return self.prompts.get_state()
 
-  def draw_prompts(self) -> tuple[np.ndarray, np.ndarray]:
+  def draw_prompts(self) -> tuple:
     """The next prompt batch as (tokens [B·n, P], lens [B·n]), each of the B prompts in n
-    adjacent rows (n = `samples_per_prompt`); StopIteration at the end."""
+    adjacent rows (n = `samples_per_prompt`), plus its `off_policy.References` [B·n, C] as a
+    third item when λ < 1; StopIteration at the end."""
     batch = next(self.prompts)
+    refs = None if self._mix is None else self._mix.references(batch)
     tokens_bp, lens_b = task.encode_prompts(
       list(batch["prompt"]), self._tokenizer, self._prompt_len
     )
@@ -263,7 +276,8 @@ class RolloutEngine:
       tokens_bp = multihost_utils.process_allgather(tokens_bp, tiled=True)
       lens_b = multihost_utils.process_allgather(lens_b, tiled=True)
     n = self.samples_per_prompt  # the gathered batch is in process order: repeats stay local
-    return np.repeat(np.asarray(tokens_bp), n, axis=0), np.repeat(np.asarray(lens_b), n, axis=0)
+    prompts = np.repeat(np.asarray(tokens_bp), n, axis=0), np.repeat(np.asarray(lens_b), n, axis=0)
+    return prompts if refs is None else (*prompts, refs)
 
   def sample(self, params_r, prompts, batch_index: int, version: int):
     """Samples one batch; returns (train-sharded Rollout, per-batch stats).
@@ -272,6 +286,14 @@ class RolloutEngine:
     """
     start = time.perf_counter()
     mesh = sharding.params_mesh(params_r)
+    refs = None
+    if isinstance(prompts, tuple) and isinstance(prompts[-1], off_policy.References):
+      prompts, refs = prompts[:-1], prompts[-1]  # λ < 1: draw_prompts' references
+    if (self._mix is None) != (refs is None):
+      raise ValueError(
+        "sample() needs prompts with references exactly when on_policy_fraction < 1: pass "
+        "this engine's own draw_prompts()"
+      )
     rollout = sampler.sample(
       params_r,
       prompts,
@@ -282,6 +304,9 @@ class RolloutEngine:
       engine_id=self.engine_cfg.engine_id,
       mesh=mesh,
     )
+    on_policy = 1.0
+    if self._mix is not None:  # before the teacher scores the rows
+      rollout, on_policy = self._mix.apply(rollout, refs, batch_index)
     if self._teacher is not None:
       teacher_params, teacher_cfg = self._teacher
       logits_bcv, _ = evaluate.completion_logits(teacher_params, rollout, teacher_cfg, mesh)
@@ -296,6 +321,7 @@ class RolloutEngine:
       "rollout/seconds": seconds,
       "rollout/tokens_per_s": num_tokens / max(seconds, 1e-9),
       "rollout/mean_completion_len": num_tokens / rollout.batch_size,
+      "rollout/on_policy_fraction": on_policy,
     }
     return _shard_rollout(rollout, self._mesh), stats
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from opd_jax import losses, mismatch, model, rl
+from opd_jax import losses, mismatch, model, off_policy, rl
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -153,7 +153,9 @@ def student_policy_logits(logits_bcv, rollout: Rollout):
   policy the engine deploys.
 
   Positions outside the completion mask keep the unfiltered logits, so padding
-  (whose token need not lie in the kept set) can never produce -inf log-probs.
+  (whose token need not lie in the kept set) can never produce -inf log-probs; so do the
+  rows whose completion is a reference (`Rollout.on_policy_b` 0, `opd_jax.off_policy`),
+  which no engine sampled, so K_b says nothing about them.
 
   Args:
     logits_bcv: [B, C, V] student logits at the completion positions, / T.
@@ -166,6 +168,8 @@ def student_policy_logits(logits_bcv, rollout: Rollout):
   if kept_bcv is None:
     return logits_bcv
   kept_bcv = kept_bcv | (rollout.completion_mask <= 0)[..., None]
+  if rollout.on_policy_b is not None:  # dataset rows: the student unfiltered
+    kept_bcv = kept_bcv | (rollout.on_policy_b <= 0)[:, None, None]
   return jnp.where(kept_bcv, logits_bcv, -jnp.inf)
 
 
@@ -289,7 +293,8 @@ def opd_loss(
     policy_bcv = student_bcv
   else:
     policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
-  metrics.update(mismatch.mismatch_metrics(policy_bcv, rollout))
+  # mismatch/* over the sampled rows only (reference rows were sampled by no engine)
+  metrics.update(mismatch.mismatch_metrics(policy_bcv, off_policy.sampled_rows(rollout)))
   return loss, metrics | entropy
 
 

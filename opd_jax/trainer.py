@@ -569,6 +569,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     score_rewards=rl.needs_reward(config.train.loss),
     rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
     samples_per_prompt=r.samples_per_prompt,
+    on_policy_fraction=config.train.on_policy_fraction,
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)

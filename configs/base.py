@@ -71,6 +71,11 @@ def get_config(arg=None):
   # Prompt files ({"prompt": text} or {"messages": [...]} per line, opd_jax/prompts.py).
   c.data.max_prompt_tokens = 0  # longest prompt (tokens, bos included); 0 = no limit
   c.data.overlong = "error"  # longer prompts: truncate_left (keep the end) | drop | error
+  # Held-out evaluation on your prompts (opd_jax/evaluate.py, opd_jax/scoring.py): KL to the
+  # teacher always, and a score of records with an "answer". Without eval_file, a prompt file
+  # loses data.eval_size records (by seed) to evaluation; the built-in task has its own split.
+  c.data.eval_file = ""  # held-out JSONL ({"prompt"} or {"messages"}, optional "answer")
+  c.data.eval_metric = "exact_match"  # exact_match | none | "package.module:function"
 
   # Rollout engine: how the behaviour policy differs from the trainer.
   c.rollout = ml_collections.ConfigDict()
@@ -126,7 +131,7 @@ def get_config(arg=None):
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay
   c.train.grad_clip = 1.0  # global-norm clip
   c.train.log_every = 10  # steps between metric lines
-  c.train.eval_every = 200  # steps between held-out evaluations
+  c.train.eval_every = 200  # steps between held-out evaluations; 0 = no evaluation
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
   # Resuming with another train.steps (trainer.schedule_length): the checkpoint stores its

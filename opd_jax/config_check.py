@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_collections
+
+from opd_jax import scoring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,16 @@ class Kind:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A value checked by a function that says what is wrong with it, or returns None."""
+
+  problem: Callable[[Any], str | None]
+
+  def check(self, value) -> str | None:
+    return self.problem(value)
+
+
 POSITIVE = Num(lo=1)
 NON_NEGATIVE = Num(lo=0)
 DTYPES = Choice(("float32", "bfloat16"))
@@ -123,6 +135,8 @@ RULES: dict[str, Any] = {
   "data.batch_size": POSITIVE,
   "data.max_prompt_tokens": NON_NEGATIVE,
   "data.overlong": Choice(("truncate_left", "drop", "error")),
+  "data.eval_file": Kind(str),  # held-out JSONL (opd_jax/evaluate.py)
+  "data.eval_metric": Rule(scoring.metric_problem),  # importable: checked by preflight
   "rollout.weights": Choice(("trainer", "bf16", "fp8")),
   "rollout.weight_block_size": NON_NEGATIVE,
   "rollout.bf16_layers": Kind(tuple),
@@ -164,7 +178,7 @@ RULES: dict[str, Any] = {
   "train.weight_decay": Num(True, 0),
   "train.grad_clip": Num(True, 0, lo_open=True),
   "train.log_every": POSITIVE,
-  "train.eval_every": POSITIVE,
+  "train.eval_every": NON_NEGATIVE,  # 0 = no evaluation
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
   "train.resume_schedule": Choice(("keep", "rebuild", "error")),

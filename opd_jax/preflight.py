@@ -18,6 +18,9 @@ naming the setting, file or record at fault):
    `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
 5. with `train.on_policy_fraction` < 1, every training record's reference completion: present
    and tokenizable (`off_policy.check_references`, naming the first record without one).
+6. evaluation (`evaluate.plan`): the scorer `data.eval_metric` names imports (checked after
+   step 2, `scoring.resolve`); without a `data.eval_file`, the held-out slice of the prompt file
+   leaves at least one training batch; the held-out records' answers are strings or numbers.
 
 Cheapest first: the first two need neither JAX's devices nor transformers (whose import
 alone takes seconds). Loading even a small checkpoint takes seconds and a large one
@@ -35,7 +38,7 @@ import socket
 import ml_collections
 from etils import epath
 
-from opd_jax import build, data, off_policy, prompts
+from opd_jax import build, data, evaluate, off_policy, prompts, scoring
 
 
 @dataclasses.dataclass
@@ -44,7 +47,10 @@ class Checked:
 
   plan: build.Plan
   train_prompts: prompts.PromptSet | None  # None: the built-in task's prompts
-  eval_prompts: prompts.PromptSet | None  # None: no data.eval_file
+  # What evaluation uses (`evaluate.plan`): data.eval_file's prompts, or the held-out slice of
+  # the prompt file (then left out of train_prompts); None: the built-in task, or no evaluation.
+  eval_prompts: prompts.PromptSet | None
+  scorer: scoring.Scorer | None = None  # data.eval_metric's function; None = "none"
 
 
 # A local probe's size: a full disk refuses a write this large (ENOSPC) but still creates an
@@ -107,6 +113,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
     check_writable(config.teacher.cache_dir, "teacher.cache_dir")
   files = {"training": config.data.prompt_file, "eval": config.data.get("eval_file", "")}
   sources = {what: data.JsonlSource(path) for what, path in files.items() if path}
+  scorer = scoring.resolve(config.data.eval_metric)  # a bad import path, before any weights
   plan = build.plan_models(config)
   d, prepared = config.data, {}
   for what, source in sources.items():
@@ -115,4 +122,5 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
   if config.train.get("on_policy_fraction", 1.0) < 1 and "training" in sources:
     width = config.rollout.max_new_tokens  # every record needs a reference (off_policy)
     log(off_policy.check_references(sources["training"], plan.tokenizer, width))
-  return Checked(plan, prepared.get("training"), prepared.get("eval"))
+  train, held = evaluate.plan(config, prepared.get("training"), prepared.get("eval"), log)
+  return Checked(plan, train, held, scorer)

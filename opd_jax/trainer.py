@@ -160,13 +160,22 @@ class Setup:
   models: build.Models
   task_cfg: task.TaskConfig
   teacher_info: dict
-  eval_set: evaluate.EvalSet
+  eval_set: evaluate.EvalSet | None  # None: no evaluation (train.eval_every=0)
   cache_dir: str = ""  # bootstrapped teachers and warm-started students; "" = no cache
 
 
-def prepare_models(config, workdir: str, log=print, plan: build.Plan | None = None) -> Setup:
+def prepare_models(
+  config,
+  workdir: str,
+  log=print,
+  plan: build.Plan | None = None,
+  eval_prompts: prompts.PromptSet | None = None,
+  scorer: evaluate.Scorer | None = None,
+) -> Setup:
   """Builds models (of `plan`, from `preflight.check`, when given), bootstraps/loads the
-  teacher and the held-out set."""
+  teacher and the held-out set: `eval_prompts` (`preflight.Checked.eval_prompts`, scored by
+  `scorer`) when given, else the built-in task's held-out split when the run trains on the
+  task, else none (a prompt file without its held-out prompts, or train.eval_every=0)."""
   models = build.build_models(config, plan)
   task_cfg = task_config(config)
   tok = models.tokenizer
@@ -202,8 +211,12 @@ def prepare_models(config, workdir: str, log=print, plan: build.Plan | None = No
       train_kwargs=kwargs,
       log=log,
     )
-  heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
-  eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
+  eval_set = None
+  if config.train.eval_every and eval_prompts is not None:
+    eval_set = evaluate.make_prompt_eval_set(eval_prompts, tok, scorer, config.data.batch_size)
+  elif config.train.eval_every and not config.data.prompt_file:  # the task is trained
+    heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
+    eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
   return Setup(models, task_cfg, teacher_info, eval_set, cache_dir)
 
 
@@ -229,6 +242,8 @@ RESUMABLE_KEYS = (
   "train.keep_checkpoints",
   "export.dir",  # where the finished student is written, not how it is trained
   "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
+  "data.eval_file",  # what is evaluated; whether the prompt file loses a slice is fingerprinted
+  "data.eval_metric",
 )
 
 
@@ -236,7 +251,12 @@ def run_fingerprint(config) -> dict[str, str]:
   """Every config value that shapes the training trajectory, as strings; `tokenizer` as the
   tokenizer it resolves to (`build.tokenizer_path`), so "" and "char" agree."""
   out = {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
-  return out | {"tokenizer": repr(build.tokenizer_path(config))}
+  d = config.data
+  heldout_slice = bool(d.prompt_file and not d.eval_file and config.train.eval_every)
+  return out | {
+    "tokenizer": repr(build.tokenizer_path(config)),
+    "data.heldout_slice": repr(heldout_slice),  # evaluate.plan trains without the slice
+  }
 
 
 def _check_same_run(
@@ -454,11 +474,13 @@ def _check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
 
 
 class Evaluator:
-  """Held-out quality at given steps, written to the metrics writer."""
+  """Held-out quality at given steps, written to the metrics writer (`setup.eval_set`, which
+  must not be None). The frozen teacher is decoded and scored once."""
 
   def __init__(self, config, setup: Setup, writer):
     self._config, self._setup, self._writer = config, setup, writer
-    self.teacher_accuracy = None
+    self.metric = setup.eval_set.metric  # quality/<who>_<metric>: accuracy or score
+    self.teacher_score = None
     m = setup.models
     kv = engine_config(config, jnp.dtype(config.student.dtype).name).kv
     self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.vocab_size)
@@ -473,10 +495,10 @@ class Evaluator:
       self._setup.eval_set,
       m.tokenizer,
       self._config.rollout.max_new_tokens,
-      self.teacher_accuracy,
+      self.teacher_score,
       train_sampling=self._sampling,
     )
-    self.teacher_accuracy = metrics["quality/teacher_accuracy"]
+    self.teacher_score = metrics.get(f"quality/teacher_{self.metric}")
     self._writer.write_scalars(step, metrics)
     self._writer.write_text(step, "quality/student_samples", "\n".join(samples))
     return metrics
@@ -490,7 +512,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   log = log if is_main else (lambda *a, **k: None)
   checked = preflight.check(config, workdir, log)  # everything checkable before weights load
   _check_shapes(config, task_config(config), checked.plan.mesh)
-  setup = prepare_models(config, workdir, log, checked.plan)
+  setup = prepare_models(config, workdir, log, checked.plan, checked.eval_prompts, checked.scorer)
   m, t = setup.models, config.train
   log(build.summary(m))
   source = checked.train_prompts
@@ -691,13 +713,14 @@ def _train(
   if guard:
     rollouts = guard.begin(step, state, rollouts)
   writer.write_text(step, "rollout/engine", rollouts.describe())
-  evaluator = Evaluator(config, setup, writer)
-  initial = evaluator(step, state.params)
+  evaluator = Evaluator(config, setup, writer) if setup.eval_set is not None else None
+  initial = evaluator(step, state.params) if evaluator else None
   quality = initial
   log(
-    f"step {step}: teacher accuracy {evaluator.teacher_accuracy:.3f}, student accuracy "
-    f"{initial['quality/student_accuracy']:.3f} (setup {time.time() - start:.0f}s, teacher "
-    f"bootstrap {setup.teacher_info['seconds']:.0f}s)\nrollouts: {rollouts.describe()}"
+    f"step {step}: "
+    + (evaluate.summary(initial, evaluator.metric) if evaluator else "evaluation off")
+    + f" (setup {time.time() - start:.0f}s, teacher bootstrap "
+    f"{setup.teacher_info['seconds']:.0f}s)\nrollouts: {rollouts.describe()}"
   )
 
   def save(step):
@@ -765,13 +788,10 @@ def _train(
         shown = ("loss/total", "teacher/reverse_kl", "rl/reward_mean")  # those the loss logs
         log(progress.line(step, {k: scalars[k] for k in shown if k in scalars}))
       pause_start = time.time()
-      if step % t.eval_every == 0 or step == t.steps:
+      if evaluator and (step % t.eval_every == 0 or step == t.steps):
         writer.write_scalars(step, {"perf/train_wall_seconds": pause_start - loop_start - paused})
         quality = evaluator(step, state.params)
-        log(
-          f"step {step}: student accuracy {quality['quality/student_accuracy']:.3f} "
-          f"KL(student||teacher) {quality['quality/student_teacher_kl']:.4f}"
-        )
+        log(f"step {step}: {evaluate.summary(quality, evaluator.metric, teacher=False)}")
       if step % t.checkpoint_every == 0 or step == t.steps:
         save(step)
       paused += time.time() - pause_start
@@ -780,11 +800,7 @@ def _train(
     "start_step": first_step,
     "end_step": step,
     "stopped_by": stopped_by,
-    "teacher_accuracy": evaluator.teacher_accuracy,
-    "student_accuracy_before": initial["quality/student_accuracy"],
-    "student_accuracy_after": quality["quality/student_accuracy"],
-    "student_teacher_kl_before": initial["quality/student_teacher_kl"],
-    "student_teacher_kl_after": quality["quality/student_teacher_kl"],
+    **(evaluate.before_after(initial, quality, evaluator.metric) if evaluator else {}),
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
     "wall_seconds": time.time() - start,
   }

@@ -141,26 +141,40 @@ def make_prompt_eval_set(
   return EvalSet(texts, tokens_bp, lens_b, answers, scorer, "score", chunk, prompt_set.name)
 
 
-def heldout_split(
-  prompt_set: prompts_lib.PromptSet, size: int, seed: int, batch_size: int
-) -> tuple[prompts_lib.PromptSet, prompts_lib.PromptSet]:
-  """(training, held-out) records of a prompt file: `size` records chosen by the permutation
-  `np.random.default_rng(seed).permutation(N)` (its first `size` entries) are held out, the
-  rest train; both keep the file's order. Deterministic for a given file, length policy and
-  seed; the held-out records are never trained on.
+def heldout_size(n: int, eval_size: int) -> int:
+  """How many of a prompt file's n records `heldout_split` holds out: data.eval_size, but
+  never more than half the file, so that a small file still trains on most of its prompts:
+
+      size = min(eval_size, ⌊n / 2⌋)
 
   Raises:
-    ValueError: when fewer than `batch_size` records would be left to train on (the message
-      says what to change).
+    ValueError: a file of one prompt, which cannot be split.
+  """
+  if n < 2:
+    raise ValueError(
+      f"a prompt file of {n} prompt cannot spare a held-out slice for evaluation; give a "
+      "separate data.eval_file, or turn evaluation off with train.eval_every=0"
+    )
+  return min(eval_size, n // 2)
+
+
+def heldout_split(
+  prompt_set: prompts_lib.PromptSet, eval_size: int, seed: int
+) -> tuple[prompts_lib.PromptSet, prompts_lib.PromptSet]:
+  """(training, held-out) records of a prompt file: `heldout_size(N, eval_size)` records,
+  the first entries of `np.random.default_rng(seed).permutation(N)`, are held out and the rest
+  train; both keep the file's order. Deterministic for a given file, length policy and seed;
+  the held-out records are never trained on. A training set smaller than a batch is drawn
+  with repeats (`data.prompt_batches` cycles over epochs).
+
+  Raises:
+    ValueError: a file of one prompt (`heldout_size`).
   """
   n = len(prompt_set)
-  if n - size < batch_size:
-    raise ValueError(
-      f"{prompt_set.name} has {n} prompts: holding out data.eval_size={size} of them for "
-      f"evaluation leaves {max(n - size, 0)}, fewer than one batch (data.batch_size="
-      f"{batch_size}); lower data.eval_size, give a separate data.eval_file, or turn "
-      "evaluation off with train.eval_every=0"
-    )
+  try:
+    size = heldout_size(n, eval_size)
+  except ValueError as e:
+    raise ValueError(f"{prompt_set.name}: {e}") from e
   order = np.random.default_rng(seed).permutation(n)
   held, kept = np.sort(order[:size]), np.sort(order[size:])
 
@@ -183,8 +197,8 @@ def plan(config, train_prompts, eval_prompts, log=print):
 
     train.eval_every = 0         (train_prompts, None): no evaluation
     data.eval_file given         (train_prompts, eval_prompts)
-    data.prompt_file only        `heldout_split(train_prompts, data.eval_size, seed,
-                                 data.batch_size)`: a slice of the file, not trained on
+    data.prompt_file only        `heldout_split(train_prompts, data.eval_size, seed)`: a
+                                 slice of the file (at most half), not trained on
     neither (the built-in task)  (None, None): the trainer evaluates the task's held-out split
 
   The held-out records' answers are checked here (`scoring.answers`), so a bad one fails
@@ -203,12 +217,12 @@ def plan(config, train_prompts, eval_prompts, log=print):
     return None, None
   d = config.data
   if eval_prompts is None:
-    train_prompts, eval_prompts = heldout_split(
-      train_prompts, d.eval_size, config.seed, d.batch_size
-    )
+    train_prompts, eval_prompts = heldout_split(train_prompts, d.eval_size, config.seed)
+    capped = "" if len(eval_prompts) == d.eval_size else ", capped at half the file"
     log(
-      f"evaluation: {len(eval_prompts)} prompts of {train_prompts.name} held out (data.eval_size, "
-      f"seed {config.seed}); {len(train_prompts)} left for training"
+      f"evaluation: {len(eval_prompts)} prompts of {train_prompts.name} held out "
+      f"(data.eval_size={d.eval_size}{capped}; seed {config.seed}), {len(train_prompts)} left "
+      "for training"
     )
   answered = sum(a is not None for a in scoring.answers(eval_prompts.records, eval_prompts.name))
   scored = f"scored by {d.eval_metric}" if answered and d.eval_metric != "none" else "not scored"
@@ -217,6 +231,34 @@ def plan(config, train_prompts, eval_prompts, log=print):
     f"{answered} carry an answer ({scored})"
   )
   return train_prompts, eval_prompts
+
+
+def takes_heldout_slice(config) -> bool:
+  """Whether `plan` holds a slice of the prompt file out of training under `config`."""
+  d = config.data
+  return bool(d.prompt_file and not d.eval_file and config.train.eval_every)
+
+
+def check_resumed_slice(saved: bool | None, config) -> None:
+  """Refuses to resume checkpoints trained with(out) a held-out slice of the prompt file
+  (`takes_heldout_slice`, stored as `saved`; None: checkpoints that predate it) under a config
+  that would change it, as turning evaluation on or off or adding or removing data.eval_file
+  does: the training records, and so the data position the checkpoint stores, would differ.
+
+  Raises:
+    ValueError: naming both settings and what to do.
+  """
+  now = takes_heldout_slice(config)
+  if saved is None or bool(saved) == now:
+    return
+  how = {True: "with", False: "without"}
+  raise ValueError(
+    f"the checkpoints were trained {how[bool(saved)]} a held-out slice of data.prompt_file, "
+    f"and this config would train {how[now]} one (train.eval_every="
+    f"{config.train.eval_every}, data.eval_file={config.data.eval_file!r}); the training "
+    "records would differ. Resume with the evaluation settings the run started with, or use a "
+    "new --workdir"
+  )
 
 
 def greedy_rollout(

@@ -61,6 +61,7 @@ from jax.experimental import multihost_utils
 
 from opd_jax.rollout import Rollout
 
+
 def reference_text(record: Mapping[str, Any]) -> str | None:
   """A record's reference completion: its "completion" string, else the content of a final
   assistant message of its "messages"; None when it has neither."""
@@ -203,9 +204,8 @@ def sampled_rows(rollout: Rollout) -> Rollout:
   """The rollout with the dataset rows' mask zeroed: what `mismatch/*` average over."""
   if rollout.on_policy_b is None:
     return rollout
-  mask_bc = rollout.completion_mask * rollout.on_policy_b[:, None].astype(
-    rollout.completion_mask.dtype
-  )
+  on_b1 = rollout.on_policy_b[..., None]  # [B, 1], or [K, B/K, 1] for micro-batches
+  mask_bc = rollout.completion_mask * on_b1.astype(rollout.completion_mask.dtype)
   return rollout.replace(completion_mask=mask_bc)
 
 

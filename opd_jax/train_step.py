@@ -382,7 +382,10 @@ def train_step(
     grads, (loss_k, metrics_k) = jax.lax.scan(accumulate, zeros, (parts, w_k))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     loss = jnp.sum(w_k * loss_k)
-    metrics = combine_microbatch_metrics(metrics_k, w_k)
+    sampled_w_k = None  # λ < 1: mismatch/* are means over the sampled tokens only
+    if rollout.on_policy_b is not None:
+      sampled_w_k = losses.microbatch_weights(off_policy.sampled_rows(parts).completion_mask)
+    metrics = combine_microbatch_metrics(metrics_k, w_k, sampled_w_k)
   if lr_schedule is not None:
     metrics = dict(metrics, **{"opt/lr": jnp.asarray(lr_schedule(state.step), jnp.float32)})
   return _apply(state, grads, tx, loss, metrics)
@@ -429,16 +432,21 @@ def split_microbatches(rollout: Rollout, microbatches: int) -> Rollout:
   return jax.tree.map(split, rollout)
 
 
-def combine_microbatch_metrics(metrics_k: dict, w_k) -> dict:
+def combine_microbatch_metrics(metrics_k: dict, w_k, sampled_w_k=None) -> dict:
   """The full batch's metrics from K micro-batches' (leaves [K, ...], weights w_k [K]).
 
   Token means (almost every metric) combine as Σ_k w_k · x_k, exactly; `loss/num_tokens`
   sums; `*_max` takes the max; `per_token/*` go back to the batch's row order [B, C].
   Quantiles (`*_p95`) cannot be combined exactly: they read the token-weighted mean of
-  the micro-batches' quantiles.
+  the micro-batches' quantiles. `sampled_w_k` (the micro-batches' shares of the sampled
+  tokens, when some rows are references: `opd_jax.off_policy`) weights `mismatch/*`, which
+  average over sampled tokens only.
   """
   out = {}
   for key, x_k in metrics_k.items():
+    if sampled_w_k is not None and key.startswith("mismatch/") and not key.endswith("_max"):
+      out[key] = jnp.sum(sampled_w_k * x_k)
+      continue
     if key.startswith("per_token/"):
       out[key] = jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
     elif key == "loss/num_tokens":

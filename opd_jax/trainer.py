@@ -242,7 +242,7 @@ RESUMABLE_KEYS = (
   "train.keep_checkpoints",
   "export.dir",  # where the finished student is written, not how it is trained
   "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
-  "data.eval_file",  # what is evaluated; whether the prompt file loses a slice is fingerprinted
+  "data.eval_file",  # what is evaluated; a change of the held-out slice is refused (initial_state)
   "data.eval_metric",
 )
 
@@ -251,12 +251,7 @@ def run_fingerprint(config) -> dict[str, str]:
   """Every config value that shapes the training trajectory, as strings; `tokenizer` as the
   tokenizer it resolves to (`build.tokenizer_path`), so "" and "char" agree."""
   out = {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
-  d = config.data
-  heldout_slice = bool(d.prompt_file and not d.eval_file and config.train.eval_every)
-  return out | {
-    "tokenizer": repr(build.tokenizer_path(config)),
-    "data.heldout_slice": repr(heldout_slice),  # evaluate.plan trains without the slice
-  }
+  return out | {"tokenizer": repr(build.tokenizer_path(config))}
 
 
 def _check_same_run(
@@ -342,6 +337,7 @@ def initial_state(
     )
     state, extra = ckpt.restore(latest, target)
     _check_same_run(extra["config"], run_fingerprint(config), ckpt.directory, log)
+    evaluate.check_resumed_slice(extra.get("heldout_slice"), config)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     if resumed is not None:
       resumed.update(extra)
@@ -731,6 +727,7 @@ def _train(
       "weight_version": step,
       "config": run_fingerprint(config),
       "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
+      "heldout_slice": evaluate.takes_heldout_slice(config),  # trained without it (resume check)
     }
     if guard:
       extra[guard_lib.EXTRA_KEY] = guard.checkpoint_extra()  # the rung a resumed run keeps

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from opd_jax import (
@@ -31,7 +32,7 @@ from opd_jax import (
   trainer,
 )
 from opd_jax.model_config import ModelConfig
-from opd_jax.rollouts import RolloutEngine, SyncRollouts
+from opd_jax.rollouts import AsyncRollouts, RolloutEngine, SyncRollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -247,6 +248,57 @@ def test_all_reference_batch_reads_zero_mismatch(mesh, params):
   loss, metrics = train_step.opd_loss(student, teacher, rollout, CFG, CFG, loss_cfg)
   assert np.isfinite(float(loss)) and float(loss) > 0
   assert all(float(v) == 0.0 for k, v in metrics.items() if k.startswith("mismatch/"))
+
+
+def test_microbatches_weight_mismatch_by_the_sampled_tokens(mesh, params):
+  """K = 2 micro-batches reproduce the whole batch's mismatch/*, whose means count sampled
+  tokens only, on a batch whose micro-batches hold different shares of sampled tokens (so
+  weighting by all tokens would not). The trainer is the teacher here, so mismatch is large."""
+  student, teacher = params
+  loss_cfg = train_step.LossConfig("reverse_kl_full", temperature=1.0)
+  for rollout, _ in _rollouts(_engine(mesh, 0.5), student, steps=3):
+    mask_kbc = np.asarray(rollout.completion_mask).reshape(BATCH // 2, 2, -1).swapaxes(0, 1)
+    on_kb1 = np.asarray(rollout.on_policy_b).reshape(BATCH // 2, 2).T[..., None]
+    sampled_k, all_k = (mask_kbc * on_kb1).sum(axis=(1, 2)), mask_kbc.sum(axis=(1, 2))
+    if abs(sampled_k[0] / sampled_k.sum() - all_k[0] / all_k.sum()) > 0.05:
+      break
+  else:
+    pytest.fail("no batch with unequal shares of sampled tokens per micro-batch")
+  tx = optax.sgd(0.1)
+  out = {}
+  for k in (1, 2):
+    state = train_step.init_state(jax.tree.map(jnp.copy, teacher), tx, 0)
+    _, out[k] = train_step.train_step(
+      state,
+      teacher,
+      rollout,
+      tx=tx,
+      student_cfg=CFG,
+      teacher_cfg=CFG,
+      loss_cfg=loss_cfg,
+      microbatches=k,
+    )
+  assert float(out[1]["mismatch/k1"]) > 0.1
+  for key in ("mismatch/kl", "mismatch/k1", "mismatch/k3", "mismatch/abs_logp_diff"):
+    np.testing.assert_allclose(float(out[2][key]), float(out[1][key]), rtol=1e-5, err_msg=key)
+
+
+def test_async_source_mixes_the_same_rows_as_sync(mesh, params):
+  """The mix is a function of the batch index: async with max_lag 0 gives sync's batches."""
+  student, _ = params
+  seen = {}
+  for name, make in (("sync", SyncRollouts), ("async", lambda e: AsyncRollouts(e, max_lag=0))):
+    source = make(_engine(mesh, 0.5))
+    source.publish(student, 0)
+    seen[name] = []
+    for version in (1, 2):
+      rollout = next(source)
+      seen[name].append((np.asarray(rollout.on_policy_b), np.asarray(rollout.completion_tokens)))
+      source.publish(student, version)
+    source.close()
+  for (on_s, tok_s), (on_a, tok_a) in zip(seen["sync"], seen["async"], strict=True):
+    np.testing.assert_array_equal(on_a, on_s)
+    np.testing.assert_array_equal(tok_a, tok_s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def test_the_held_out_slice_is_excluded_from_training(corrupt, tmp_path):
   assert (len(train), len(held)) == (16, 4)
   assert not set(train) & set(held) and sorted(train + held) == [f"q{i:02d}: " for i in range(20)]
   assert train == sorted(train) and held == sorted(held)  # the file's order
-  assert "4 prompts of " in lines[-2] and "held out (data.eval_size, seed 0); 16 left" in lines[-2]
+  assert "4 prompts of " in lines[-2] and "(data.eval_size=4; seed 0), 16 left" in lines[-2]
   # Seeded by config.seed, which is also the permutation's seed: reproducible, and another
   # seed holds out other records.
   order = np.random.default_rng(0).permutation(20)
@@ -218,18 +218,22 @@ def test_the_held_out_slice_is_excluded_from_training(corrupt, tmp_path):
   assert seen == set(train)
 
 
-def test_a_prompt_file_too_small_for_the_slice_is_refused(corrupt, tmp_path):
+def test_a_small_prompt_file_gives_at_most_half_and_one_prompt_is_refused(corrupt, tmp_path):
   student, teacher = corrupt
-  file = numbered_prompts(tmp_path, 7)  # 4 held out would leave 3 < data.batch_size = 4
-  config = user_config(student, teacher, file)
-  message = r"p.jsonl has 7 prompts: holding out data.eval_size=4 .* leaves 3, fewer than one batch"
-  with pytest.raises(ValueError, match=message):
-    trainer.run(config, str(tmp_path / "w"), log=quiet)
+  assert [evaluate.heldout_size(n, 4) for n in (2, 3, 7, 8, 9, 100)] == [1, 1, 3, 4, 4, 4]
+  file = numbered_prompts(tmp_path, 7)  # data.eval_size=4 > 7 // 2
+  lines = []
+  checked = preflight.check(user_config(student, teacher, file), str(tmp_path / "w"), lines.append)
+  assert (len(checked.train_prompts), len(checked.eval_prompts)) == (4, 3)
+  assert "3 prompts of" in lines[-2] and "(data.eval_size=4, capped at half the file" in lines[-2]
+  one = numbered_prompts(tmp_path, 1, "one.jsonl")
+  with pytest.raises(ValueError, match=r"one.jsonl: a prompt file of 1 prompt cannot spare"):
+    trainer.run(user_config(student, teacher, one), str(tmp_path / "w"), log=quiet)
   # Without evaluation nothing is held out; with an eval file neither.
   off = preflight.check(
-    user_config(student, teacher, file, **{"train.eval_every": 0}), str(tmp_path / "w"), quiet
+    user_config(student, teacher, one, **{"train.eval_every": 0}), str(tmp_path / "w"), quiet
   )
-  assert len(off.train_prompts) == 7 and off.eval_prompts is None
+  assert len(off.train_prompts) == 1 and off.eval_prompts is None
   eval_file = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "answer": 1}])
   config = user_config(student, teacher, file, **{"data.eval_file": eval_file})
   with_file = preflight.check(config, str(tmp_path / "w"), quiet)
@@ -465,3 +469,10 @@ def test_eval_every_0_runs_and_writes_no_quality_metrics(models, tmp_path):
   config.train.steps = 3
   result = trainer.run(config, str(tmp_path / "w"), log=quiet)
   assert (result["start_step"], result["end_step"]) == (2, 3)
+  # Turning evaluation on would hold 2 of the 4 trained prompts out: refused on resume.
+  config.train.steps, config.train.eval_every = 4, 2
+  with pytest.raises(ValueError, match=r"trained without a held-out slice .* would train with"):
+    trainer.run(config, str(tmp_path / "w"), log=quiet)
+  config.data.eval_file = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "e", "answer": "1"}])
+  result = trainer.run(config, str(tmp_path / "w"), log=quiet)  # an eval file leaves them
+  assert (result["start_step"], result["end_step"]) == (3, 4) and "student_score_after" in result

@@ -9,8 +9,10 @@ with the character-level chat tokenizer of tests/test_prompts.py saved in the st
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -476,3 +478,50 @@ def test_eval_every_0_runs_and_writes_no_quality_metrics(models, tmp_path):
   config.data.eval_file = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "e", "answer": "1"}])
   result = trainer.run(config, str(tmp_path / "w"), log=quiet)  # an eval file leaves them
   assert (result["start_step"], result["end_step"]) == (3, 4) and "student_score_after" in result
+
+
+# ---------------------------------------------------------------------------------------------
+# On a mesh: the user's set, decoded in chunks, split over data·fsdp.
+
+SHARDED_CHECK = """
+import json
+import jax, jax.numpy as jnp
+from opd_jax import evaluate, model, prompts, sharding, tokenizer
+from opd_jax.model_config import ModelConfig
+
+tok = tokenizer.CharTokenizer()
+cfg = ModelConfig("qwen3", tok.vocab_size, 32, 64, 2, 4, 2, 8, qk_norm=True)
+records = [{"prompt": f"{i}+{2 * i}="} | ({"answer": str(i)} if i % 3 else {}) for i in range(13)]
+prepared = prompts.prepare(records, tok, name="records")
+scorer = lambda prompt, completion, answer: float(len(completion) + len(answer))
+student = model.init_params(jax.random.key(0), cfg, jnp.float32, scale=0.3)
+teacher = model.init_params(jax.random.key(1), cfg, jnp.float32, scale=0.3)
+mesh = sharding.make_mesh((2, 2, 2))
+place = lambda p: jax.device_put(p, sharding.tree_shardings(p, mesh))
+out = []
+for chunk, s, t in ((0, student, teacher), (5, place(student), place(teacher))):
+  eval_set = evaluate.make_prompt_eval_set(prepared, tok, scorer, chunk)
+  out.append(evaluate.evaluate(s, cfg, t, cfg, eval_set, tok, 6))
+print(json.dumps({"devices": jax.device_count(), "runs": out}))
+"""
+
+
+@pytest.mark.slow
+def test_a_chunked_eval_on_a_mesh_matches_the_unsharded_one(tmp_path):
+  """13 rows in chunks of 5 on a 2x2x2 mesh (chunks padded to 8, 8 and 4 rows over 4
+  data·fsdp shards) against one unsharded batch: padding rows are neither scored nor in
+  the KL, and every row is scored once."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  proc = subprocess.run(
+    [sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True, text=True, timeout=900
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got["devices"] == 8
+  (ref, ref_samples), (split, split_samples) = got["runs"]
+  assert sorted(ref) == sorted(split) and "quality/student_score" in ref
+  for name, value in ref.items():
+    assert split[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+  assert split_samples == ref_samples

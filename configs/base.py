@@ -59,6 +59,9 @@ def get_config(arg=None):
   c.teacher.pretrain_lr = 3e-3  # its peak learning rate
   c.teacher.pretrain_batch_size = 64  # its batch size
   c.teacher.cache_dir = ""  # where bootstrapped teachers are cached; "" = workdir/teacher_cache
+  # Teacher temperature (opd_jax/teacher_topk.py): π_T = softmax(logits / τ_T) in every loss and
+  # teacher/* metric; independent of rollout.temperature, at which the student is scored.
+  c.teacher.temperature = 1.0  # τ_T > 0
 
   # Prompts: the built-in task or a JSONL file with a "prompt" field.
   c.data = ml_collections.ConfigDict()
@@ -143,6 +146,9 @@ def get_config(arg=None):
   # GKD's λ (opd_jax/off_policy.py): the rest of each batch's prompts train on their reference
   # completions ("completion", or a final assistant message); reverse_kl_sampled needs 1.
   c.train.on_policy_fraction = 1.0  # share of prompts per batch with sampled completions
+  # Sparse teacher (opd_jax/teacher_topk.py): per token, the teacher's top-k log-probs plus one
+  # tail bucket instead of its full logits; every OPD loss is computed on those k + 1 bins.
+  c.train.teacher_top_k = 0  # k in [0, V]; 0 = the full vocabulary (the exact reference)
 
   # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
   c.budget = ml_collections.ConfigDict()

@@ -127,6 +127,7 @@ RULES: dict[str, Any] = {
   "teacher.pretrain_lr": Num(True, 0, lo_open=True),
   "teacher.pretrain_batch_size": POSITIVE,
   "teacher.cache_dir": Kind(str),
+  "teacher.temperature": Num(True, 0, lo_open=True),  # τ_T (opd_jax/teacher_topk.py)
   "data.prompt_file": Kind(str),
   "data.num_operands": Num(lo=2),
   "data.max_operand": POSITIVE,
@@ -185,6 +186,7 @@ RULES: dict[str, Any] = {
   "train.microbatches": POSITIVE,
   "train.remat": Choice(("none", "layer", "dots", "dots_no_batch")),  # model.REMAT_CHOICES
   "train.on_policy_fraction": Num(True, 0, 1),  # GKD's λ (opd_jax/off_policy.py)
+  "train.teacher_top_k": NON_NEGATIVE,  # <= V checked at build (opd_jax/teacher_topk.py)
   "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),

@@ -20,6 +20,11 @@ The losses:
 - `jsd`: TRL's generalized Jensen-Shannon divergence, which is `forward_kl` at β=0
   and `reverse_kl_full` at β=1.
 
+With a sparse teacher (`train.teacher_top_k` = k > 0: the teacher's top-k log-probs plus a
+tail bucket, `opd_jax.teacher_topk`), `forward_kl_topk`, `reverse_kl_topk`, `jsd_topk` and
+`reverse_kl_sampled_topk` compute the same divergences between the teacher and the student
+both coarse-grained onto those k + 1 bins (≤ the full divergence; equal at k = V).
+
 Each returns `(loss, metrics)` with namespaced metric names (`loss/*`, `teacher/*`).
 Configuration arguments (`is_clip`, `top_k`, `beta`) are Python numbers, static
 under `jax.jit`.
@@ -34,6 +39,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from opd_jax import teacher_topk
 
 
 def token_logprobs(logits, tokens):
@@ -285,6 +292,14 @@ def reverse_kl_sampled(
     (mean over tokens of the subtracted b, 0 without one), loss/num_tokens.
   """
   _check_logits(student_logits, teacher_logits, mask)
+  _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline)
+  teacher_lp = token_logprobs(teacher_logits, tokens)
+  return _sampled_reverse_kl(
+    student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
+  )
+
+
+def _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline):
   if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
     raise ValueError(
       f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
@@ -296,8 +311,14 @@ def reverse_kl_sampled(
     raise ValueError(f"advantage_clip must be None or > 0, got {advantage_clip!r}")
   if baseline not in ("none", "batch_mean"):
     raise ValueError(f"baseline must be 'none' or 'batch_mean', got {baseline!r}")
+
+
+def _sampled_reverse_kl(
+  student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
+):
+  """`reverse_kl_sampled` given the teacher's log-probs of the sampled tokens [B, T]."""
   student_lp = token_logprobs(student_logits, tokens)
-  teacher_lp = jax.lax.stop_gradient(token_logprobs(teacher_logits, tokens))
+  teacher_lp = jax.lax.stop_gradient(teacher_lp)
   advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
   if is_clip is None:
     ratio = jnp.ones_like(student_lp)
@@ -427,9 +448,166 @@ def jsd(student_logits, teacher_logits, mask, beta: float = 0.5):
     teacher_lp = jax.lax.stop_gradient(
       jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
     )
-    mixture_lp = jnp.logaddexp(teacher_lp + jnp.log(beta), student_lp + jnp.log1p(-beta))
-    jsd_bt = beta * bucket_kl(teacher_lp, mixture_lp) + (1 - beta) * bucket_kl(
-      student_lp, mixture_lp
-    )
-    loss = masked_mean(jsd_bt, mask)
+    loss = masked_mean(_generalized_jsd(student_lp, teacher_lp, beta), mask)
   return loss, {"loss/jsd": loss, "loss/num_tokens": jnp.sum(mask.astype(jnp.float32))}
+
+
+def _generalized_jsd(student_lp, teacher_lp, beta: float):
+  """Per-position β·KL(π_T ‖ M) + (1 − β)·KL(π_θ ‖ M), M = β·π_T + (1 − β)·π_θ, 0 < β < 1,
+  from log-probabilities on any common partition (the vocabulary, or top-k bins)."""
+  mixture_lp = jnp.logaddexp(teacher_lp + jnp.log(beta), student_lp + jnp.log1p(-beta))
+  return beta * bucket_kl(teacher_lp, mixture_lp) + (1 - beta) * bucket_kl(student_lp, mixture_lp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse teacher (`train.teacher_top_k` = k > 0, `opd_jax.teacher_topk`).
+#
+# The teacher is known only on k + 1 bins per position: its k most likely tokens S and one
+# tail bucket (S's complement). The student is projected on the same bins (`teacher_topk.
+# project`): p̄_θ(i) = π_θ(id_i), p̄_θ(tail) = 1 − Σ_{v∈S} π_θ(v). The losses below are the
+# divergences between these two coarse-grained distributions p̄_T, p̄_θ on k + 1 bins.
+# Coarse-graining is a deterministic map of the vocabulary onto the bins, so by the
+# data-processing inequality each is ≤ its full-vocabulary counterpart. By the chain rule
+# the gap is exactly the tail term: KL(p ‖ q) − KL(p̄ ‖ q̄) = p(tail) · KL(p(·|tail) ‖ q(·|tail)),
+# the divergence of the two distributions conditioned on the tail, weighted by p's tail mass
+# (the teacher's for the forward KL, the student's for the reverse KL). It is 0 at k = V and
+# whenever the two conditionals coincide, and small when p's top-k hold nearly all its mass
+# (`teacher/top_k_mass` for the forward KL).
+
+
+def _check_topk(student_logits, teacher, mask):
+  if student_logits.ndim != 3:
+    raise ValueError(f"student logits must be [B, T, V], got shape {student_logits.shape}")
+  if teacher.ids_bck.shape[:2] != student_logits.shape[:2]:
+    raise ValueError(
+      f"teacher top-k ids {teacher.ids_bck.shape} and student logits {student_logits.shape} "
+      "disagree; expected [B, T, k] and [B, T, V]"
+    )
+  if teacher.k > student_logits.shape[-1]:
+    raise ValueError(
+      f"train.teacher_top_k={teacher.k} exceeds the student's vocabulary V="
+      f"{student_logits.shape[-1]}"
+    )
+  if mask.shape != student_logits.shape[:2]:
+    raise ValueError(f"mask {mask.shape} must be [B, T] = {student_logits.shape[:2]}")
+
+
+def _topk_bins(student_logits, teacher):
+  """(student [B, T, k+1] log-probs with gradient, teacher [B, T, k+1] log-probs, no gradient)."""
+  teacher_lp = jax.lax.stop_gradient(teacher.bins())
+  return teacher_topk.project(student_logits, teacher.ids_bck), teacher_lp
+
+
+def _topk_metrics(teacher, mask):
+  return {
+    "teacher/top_k_mass": masked_mean(teacher.top_mass(), mask),
+    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
+  }
+
+
+def forward_kl_topk(student_logits, teacher, mask):
+  """Forward KL(p̄_T ‖ p̄_θ) on the teacher's top-k bins plus a tail bucket.
+
+      ℓ_t = Σ_{i∈S} π_T(i) (log π_T(i) − log π_θ(i))
+            + π_T(tail) (log π_T(tail) − log π_θ(tail)),
+      π(tail) = 1 − Σ_{i∈S} π(i),  S = the teacher's top-k ids at position t.
+
+  Exactly KL between the two coarse-grained distributions, ≤ the full forward KL
+  (data-processing inequality); equal to `forward_kl` at k = V. Gradients flow to the
+  student only.
+
+  Args:
+    student_logits: [B, T, V].
+    teacher: `teacher_topk.TopKTeacher` with fields [B, T, k] and [B, T].
+    mask: [B, T].
+
+  Returns:
+    (loss, metrics): loss/forward_kl, teacher/forward_kl, teacher/top_k_mass,
+    loss/num_tokens.
+  """
+  _check_topk(student_logits, teacher, mask)
+  student_lp, teacher_lp = _topk_bins(student_logits, teacher)
+  loss = masked_mean(bucket_kl(teacher_lp, student_lp), mask)
+  return loss, {"loss/forward_kl": loss, "teacher/forward_kl": loss} | _topk_metrics(teacher, mask)
+
+
+def reverse_kl_topk(student_logits, teacher, mask):
+  """Reverse KL(p̄_θ ‖ p̄_T) on the teacher's top-k bins plus a tail bucket.
+
+      ℓ_t = Σ_{i∈S} π_θ(i) (log π_θ(i) − log π_T(i))
+            + π_θ(tail) (log π_θ(tail) − log π_T(tail))
+
+  with the bins of `forward_kl_topk`. Exactly KL between the coarse-grained
+  distributions, ≤ the full reverse KL; equal to `reverse_kl_full` at k = V. (Unlike
+  `reverse_kl_full(top_k=...)`, the bins are the teacher's top-k, not the student's,
+  since only those are stored.) Gradients flow to the student only.
+
+  Returns:
+    (loss, metrics): loss/reverse_kl_full, teacher/reverse_kl, teacher/top_k_mass,
+    loss/num_tokens.
+  """
+  _check_topk(student_logits, teacher, mask)
+  student_lp, teacher_lp = _topk_bins(student_logits, teacher)
+  loss = masked_mean(bucket_kl(student_lp, teacher_lp), mask)
+  return loss, {"loss/reverse_kl_full": loss, "teacher/reverse_kl": loss} | _topk_metrics(
+    teacher, mask
+  )
+
+
+def jsd_topk(student_logits, teacher, mask, beta: float = 0.5):
+  """Generalized JSD (`jsd`'s convention) between the coarse-grained p̄_T and p̄_θ.
+
+      0 < β < 1:  ℓ_t = β·KL(p̄_T ‖ M̄) + (1 − β)·KL(p̄_θ ‖ M̄),  M̄ = β·p̄_T + (1 − β)·p̄_θ
+      β = 0:      `forward_kl_topk`;   β = 1: `reverse_kl_topk`
+
+  on the k + 1 bins of `forward_kl_topk` (the mixture of the coarse-grained
+  distributions is the coarse-grained mixture, so this is the JSD of the coarse-grained
+  distributions, ≤ the full JSD). Gradients flow to the student only.
+
+  Returns:
+    (loss, metrics): loss/jsd, teacher/top_k_mass, loss/num_tokens.
+  """
+  _check_topk(student_logits, teacher, mask)
+  if not 0.0 <= beta <= 1.0:
+    raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+  if beta == 0.0:
+    loss, _ = forward_kl_topk(student_logits, teacher, mask)
+  elif beta == 1.0:
+    loss, _ = reverse_kl_topk(student_logits, teacher, mask)
+  else:
+    student_lp, teacher_lp = _topk_bins(student_logits, teacher)
+    loss = masked_mean(_generalized_jsd(student_lp, teacher_lp, beta), mask)
+  return loss, {"loss/jsd": loss} | _topk_metrics(teacher, mask)
+
+
+def reverse_kl_sampled_topk(
+  student_logits,
+  teacher,
+  tokens,
+  mask,
+  behaviour_logprobs,
+  is_clip: float | None = 2.0,
+  advantage_clip: float | None = None,
+  baseline: str = "none",
+):
+  """`reverse_kl_sampled` with a sparse teacher: the same estimator and metrics, with
+
+      log π_T(y_t) = stored value                  if y_t ∈ S (the teacher's top-k)
+                   = log π_T(tail) − log n_t       otherwise (`teacher_topk.token_logprobs`)
+
+  n_t the number of tokens the tail covers: the tail mass spread uniformly over them, the
+  maximum-entropy teacher π̃_T consistent with the k + 1 bins. The estimator is then an
+  unbiased gradient of KL(π_θ ‖ π̃_T); π̃_T = π_T on S, so tokens inside the top-k get the
+  exact advantage, and a token outside gets the mean log-prob of the tail tokens' mass
+  (too high for a token the teacher rules out, too low for one just below the top-k).
+
+  Args and returns as `reverse_kl_sampled`, with `teacher` a `teacher_topk.TopKTeacher`;
+  the metrics add teacher/top_k_mass.
+  """
+  _check_topk(student_logits, teacher, mask)
+  _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline)
+  teacher_lp = teacher_topk.token_logprobs(teacher, tokens)
+  loss, metrics = _sampled_reverse_kl(
+    student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
+  )
+  return loss, metrics | {"teacher/top_k_mass": masked_mean(teacher.top_mass(), mask)}

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from opd_jax.teacher_topk import TopKTeacher
+
 
 class Sequences(NamedTuple):
   """Prompt and completion packed for a training forward pass.
@@ -85,7 +87,8 @@ class Rollout:
     kv_saturated_fraction: f32 scalar, the share of the K/V elements written to FP8
       cache layers (prompt and counted completion tokens, K and V) that clipped at
       ±448 · scale; 0 without FP8 layers. None for hand-built rollouts.
-    teacher_logits: f32 [B, C, V], the frozen teacher's logits (T = 1) at the
+    teacher_logits: f32 [B, C, V], the frozen teacher's raw logits (T = 1; the train step
+      divides them by `teacher.temperature`) at the
       completion positions when the rollout engine scored them
       (`rollout.score_teacher`), so the train step skips the teacher's forward
       pass; None otherwise.
@@ -95,6 +98,10 @@ class Rollout:
       the prompt's reference (`opd_jax.off_policy`, train.on_policy_fraction < 1; its
       log-probs are 0 and its `topk_*`/`support_ids` unspecified); None when every row was
       sampled.
+    teacher_topk: the sparse teacher (`opd_jax.teacher_topk.TopKTeacher`: top-k log-probs
+      [B, C, k] at `teacher.temperature`, their ids, the tail bucket [B, C]) when the
+      rollout engine scored the teacher with `train.teacher_top_k` = k > 0; it then
+      carries this instead of `teacher_logits`. None otherwise.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -113,6 +120,7 @@ class Rollout:
   teacher_logits: jax.Array | None = None
   reward_b: jax.Array | None = None
   on_policy_b: jax.Array | None = None
+  teacher_topk: TopKTeacher | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from opd_jax import engine, evaluate, off_policy, rl, sampler, sharding, task
+from opd_jax import engine, evaluate, off_policy, rl, sampler, sharding, task, teacher_topk
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -160,6 +160,15 @@ def _rewards(rollout: Rollout, tokenizer) -> jax.Array:
   return sharding.map_local_rows(rows, *fields)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "top_k", "temperature"))
+def sparse_teacher(params, rollout: Rollout, cfg: ModelConfig, mesh, top_k: int, temperature):
+  """The teacher's top-k log-probs plus a tail at the rollout's completion positions
+  (`teacher_topk.from_logits` of `evaluate.completion_logits`), in one program: the full
+  [B, C, V] logits are a temporary of it and never leave it."""
+  logits_bcv, _ = evaluate.completion_logits(params, rollout, cfg, mesh)
+  return teacher_topk.from_logits(logits_bcv, top_k, temperature)
+
+
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
   """Lays the rollout out for the train step: batch over (data, fsdp), scalars replicated.
 
@@ -194,6 +203,11 @@ class RolloutEngine:
       scores every rollout with the frozen teacher (`Rollout.teacher_logits`), as
       verl's and slime's rollout side does, so that forward pass leaves the train
       step; in async mode it then overlaps training. The teacher is only read.
+    teacher_top_k: k > 0 (`train.teacher_top_k`): the engine keeps only the teacher's top-k
+      log-probs plus a tail bucket (`Rollout.teacher_topk`, at `teacher_temperature`), so
+      the rollout carries [B, C, k] instead of the full [B, C, V] logits; 0 keeps the full
+      raw logits (`Rollout.teacher_logits`, T = 1; the train step applies the temperature).
+    teacher_temperature: τ_T (`teacher.temperature`) of the sparse teacher.
     score_rewards: when True, every rollout also carries `reward_b`, the task's
       exact-match reward of each decoded completion (`rl.rollout_rewards`), for the RL
       loss; the engine holds the tokenizer, so the reward is computed where the texts are.
@@ -226,7 +240,12 @@ class RolloutEngine:
     rollout_mesh=None,
     samples_per_prompt: int = 1,
     on_policy_fraction: float = 1.0,
+    teacher_top_k: int = 0,
+    teacher_temperature: float = 1.0,
   ):
+    teacher_topk.check_top_k(teacher_top_k)
+    teacher_topk.check_temperature(teacher_temperature)
+    self._teacher_top_k, self._teacher_temperature = teacher_top_k, teacher_temperature
     if samples_per_prompt < 1:
       raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     self._mix = None  # λ = 1: every row sampled
@@ -309,8 +328,13 @@ class RolloutEngine:
       rollout, on_policy = self._mix.apply(rollout, refs, batch_index)
     if self._teacher is not None:
       teacher_params, teacher_cfg = self._teacher
-      logits_bcv, _ = evaluate.completion_logits(teacher_params, rollout, teacher_cfg, mesh)
-      rollout = rollout.replace(teacher_logits=logits_bcv)
+      if self._teacher_top_k:
+        k, tau = self._teacher_top_k, self._teacher_temperature
+        sparse = sparse_teacher(teacher_params, rollout, teacher_cfg, mesh, k, tau)
+        rollout = rollout.replace(teacher_topk=sparse)
+      else:
+        logits_bcv, _ = evaluate.completion_logits(teacher_params, rollout, teacher_cfg, mesh)
+        rollout = rollout.replace(teacher_logits=logits_bcv)
     if self._score_rewards:
       rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer))
     num_tokens = int(jnp.sum(rollout.completion_mask))  # waits for the sampler

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from opd_jax import losses, mismatch, model, off_policy, rl
+from opd_jax import losses, mismatch, model, off_policy, rl, teacher_topk
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
@@ -91,8 +91,12 @@ class LossConfig:
   advantage_baseline: str = "none"  # reverse_kl_sampled: none | batch_mean
   jsd_beta: float = 0.5  # β for jsd (0 = forward KL, 1 = reverse KL)
   temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
+  teacher_top_k: int = 0  # k > 0: the teacher as its top-k + a tail bucket; 0 = full vocabulary
+  teacher_temperature: float = 1.0  # τ_T: π_T = softmax(teacher logits / τ_T), full or sparse
 
   def __post_init__(self):
+    teacher_topk.check_top_k(self.teacher_top_k)
+    teacher_topk.check_temperature(self.teacher_temperature)
     if self.name not in (
       "reverse_kl_sampled",
       "reverse_kl_full",
@@ -240,7 +244,8 @@ def opd_loss(
   """The configured OPD loss of the student on `rollout`; returns (loss, metrics).
 
   π_θ is `student_policy_logits` of the student at the sampler's temperature (the
-  teacher stays at T = 1, unfiltered). The metrics include `mismatch/*`
+  teacher at its own `teacher_temperature` τ_T, unfiltered, full or top-k + tail:
+  `teacher_scores`). The metrics include `mismatch/*`
   (`opd_jax.mismatch.mismatch_metrics`) computed from the same stop-gradient
   student logits: no second forward pass. Greedy rollouts (temperature 0) train
   the student at T = 1 and measure mismatch against the replayed point mass.
@@ -258,11 +263,63 @@ def opd_loss(
   if loss_cfg.name == rl.LOSS_NAME:  # the task's reward instead of the teacher: no teacher pass
     loss, metrics = rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
     return loss, metrics | entropy
+  teacher = teacher_scores(teacher_params, rollout, teacher_cfg, loss_cfg)
+  if isinstance(teacher, teacher_topk.TopKTeacher):
+    loss, metrics, teacher_lp_bc = topk_teacher_loss(student_bcv, teacher, rollout, loss_cfg)
+  else:
+    loss, metrics, teacher_lp_bc = full_teacher_loss(student_bcv, teacher, rollout, loss_cfg)
+  student_bcv = jax.lax.stop_gradient(student_bcv)
+  metrics["teacher/logprob"] = losses.masked_mean(teacher_lp_bc, mask_bc)
+  # Per-token advantage A_t = log π_T(y_t) − log π_θ(y_t), for histograms.
+  metrics["per_token/advantage_bc"] = teacher_lp_bc - losses.token_logprobs(student_bcv, tokens_bc)
+  if loss_cfg.temperature > 0:
+    policy_bcv = student_bcv
+  else:
+    policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
+  # mismatch/* over the sampled rows only (reference rows were sampled by no engine)
+  metrics.update(mismatch.mismatch_metrics(policy_bcv, off_policy.sampled_rows(rollout)))
+  return loss, metrics | entropy
+
+
+def teacher_scores(teacher_params, rollout: Rollout, teacher_cfg: ModelConfig, loss_cfg):
+  """π_T at the rollout's completion positions, in the form the loss reads it.
+
+  Returns the full logits z_T / τ_T [B, C, V] when `loss_cfg.teacher_top_k` = 0, else a
+  `teacher_topk.TopKTeacher` (top-k log-probs of softmax(z_T / τ_T) plus the tail). No
+  gradient flows through either. Sources: the rollout's sparse teacher (`teacher_topk`,
+  scored by the engine at τ_T with the same k), the rollout's raw logits (`teacher_logits`,
+  scored by the engine at T = 1), or the teacher's forward pass here.
+
+  Raises:
+    ValueError: a rollout's sparse teacher with another k or τ_T than `loss_cfg`'s, or a
+      sparse teacher where the loss asks for the full vocabulary.
+  """
+  k, tau = loss_cfg.teacher_top_k, loss_cfg.teacher_temperature
+  given = rollout.teacher_topk
+  if given is not None:
+    if given.k != k or given.temperature != tau:
+      raise ValueError(
+        f"the rollout's sparse teacher has top-k {given.k} at temperature {given.temperature}"
+        f", but the loss asks for train.teacher_top_k={k} at teacher.temperature={tau}"
+      )
+    return given
   if rollout.teacher_logits is None:
-    teacher_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
+    logits_bcv, _, _ = completion_logits(teacher_params, rollout, teacher_cfg)
   else:  # scored by the rollout engine: the same frozen teacher, the same positions
-    teacher_bcv = rollout.teacher_logits
-  teacher_bcv = jax.lax.stop_gradient(teacher_bcv)
+    logits_bcv = rollout.teacher_logits
+  logits_bcv = jax.lax.stop_gradient(logits_bcv)
+  if k == 0:
+    return teacher_topk.scale_logits(logits_bcv, tau)
+  return teacher_topk.from_logits(logits_bcv, k, tau)
+
+
+def full_teacher_loss(student_bcv, teacher_bcv, rollout: Rollout, loss_cfg: LossConfig):
+  """The configured loss against the full teacher logits [B, C, V] (already / τ_T).
+
+  Returns:
+    (loss, metrics with teacher/reverse_kl, teacher_lp_bc = log π_T(y) [B, C]).
+  """
+  tokens_bc, mask_bc = rollout.completion_tokens, rollout.completion_mask
   if loss_cfg.name == "reverse_kl_sampled":
     loss, metrics = losses.reverse_kl_sampled(
       student_bcv,
@@ -286,16 +343,42 @@ def opd_loss(
   if "teacher/reverse_kl" not in metrics:  # reverse_kl_full already reports it
     kl_bc = losses.per_token_kl(student_bcv, teacher_bcv)
     metrics["teacher/reverse_kl"] = losses.masked_mean(kl_bc, mask_bc)
-  metrics["teacher/logprob"] = losses.masked_mean(teacher_lp_bc, mask_bc)
-  # Per-token advantage A_t = log π_T(y_t) − log π_θ(y_t), for histograms.
-  metrics["per_token/advantage_bc"] = teacher_lp_bc - losses.token_logprobs(student_bcv, tokens_bc)
-  if loss_cfg.temperature > 0:
-    policy_bcv = student_bcv
+  return loss, metrics, teacher_lp_bc
+
+
+def topk_teacher_loss(student_bcv, teacher, rollout: Rollout, loss_cfg: LossConfig):
+  """The configured loss against the sparse teacher (`losses.*_topk`, on its k + 1 bins).
+
+  `teacher/reverse_kl` is then the reverse KL between the coarse-grained distributions
+  (≤ the full one), and `teacher/logprob` uses the tail spread uniformly for sampled tokens
+  outside the top-k (`teacher_topk.token_logprobs`).
+
+  Returns:
+    (loss, metrics with teacher/reverse_kl and teacher/top_k_mass, teacher_lp_bc [B, C]).
+  """
+  tokens_bc, mask_bc = rollout.completion_tokens, rollout.completion_mask
+  if loss_cfg.name == "reverse_kl_sampled":
+    loss, metrics = losses.reverse_kl_sampled_topk(
+      student_bcv,
+      teacher,
+      tokens_bc,
+      mask_bc,
+      rollout.behaviour_logprobs,
+      is_clip=loss_cfg.is_clip,
+      advantage_clip=loss_cfg.advantage_clip,
+      baseline=loss_cfg.advantage_baseline,
+    )
+  elif loss_cfg.name == "reverse_kl_full":
+    loss, metrics = losses.reverse_kl_topk(student_bcv, teacher, mask_bc)
+  elif loss_cfg.name == "forward_kl":
+    loss, metrics = losses.forward_kl_topk(student_bcv, teacher, mask_bc)
   else:
-    policy_bcv = greedy_policy_logits(student_bcv, tokens_bc)
-  # mismatch/* over the sampled rows only (reference rows were sampled by no engine)
-  metrics.update(mismatch.mismatch_metrics(policy_bcv, off_policy.sampled_rows(rollout)))
-  return loss, metrics | entropy
+    loss, metrics = losses.jsd_topk(student_bcv, teacher, mask_bc, beta=loss_cfg.jsd_beta)
+  metrics = dict(metrics)
+  if "teacher/reverse_kl" not in metrics:  # reverse_kl_topk already reports it
+    _, kl = losses.reverse_kl_topk(jax.lax.stop_gradient(student_bcv), teacher, mask_bc)
+    metrics["teacher/reverse_kl"] = kl["teacher/reverse_kl"]
+  return loss, metrics, teacher_topk.token_logprobs(teacher, tokens_bc)
 
 
 def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig):

@@ -52,6 +52,7 @@ from opd_jax import (
   sampler,
   sharding,
   task,
+  teacher_topk,
   train_step,
 )
 from opd_jax import rollouts as rollouts_lib
@@ -111,6 +112,8 @@ def loss_config(config) -> train_step.LossConfig:
     advantage_baseline=t.advantage_baseline,
     jsd_beta=t.jsd_beta,
     temperature=config.rollout.temperature,
+    teacher_top_k=t.teacher_top_k,
+    teacher_temperature=config.teacher.temperature,
   )
 
 
@@ -574,6 +577,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
   scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.vocab_size)
   train_step.check_rollout_loss(scfg, loss_config(config))
+  teacher_topk.check_top_k(config.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
   engine_ = rollouts_lib.RolloutEngine(
     prompt_iter,
     m.tokenizer,
@@ -588,6 +592,8 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
     samples_per_prompt=r.samples_per_prompt,
     on_policy_fraction=config.train.on_policy_fraction,
+    teacher_top_k=config.train.teacher_top_k,
+    teacher_temperature=config.teacher.temperature,
   )
   if r.mode == "sync":
     return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)

@@ -8,6 +8,12 @@ Hugging Face tokenizer files copied, or the built-in character tokenizer as a `t
 fast tokenizer; `hf.export_student`). `out` loads with `AutoModelForCausalLM.from_pretrained`
 and `AutoTokenizer.from_pretrained`.
 
+A padded student (an embedding table with more rows than its tokenizer has ids; the run
+trained it with logits cut to the tokenizer's V_real, `ModelConfig.logical_vocab_size`) is
+written with every row, so the export has its source checkpoint's shapes and `vocab_size`. The
+padded rows get no gradient: they keep the source's values (weight decay, when set, shrinks
+them).
+
 The config defaults to the one the run saved: every checkpoint's extra data holds the run's
 `trainer.run_fingerprint` (each config value's repr, less the `trainer.RESUMABLE_KEYS`), which
 `config_from_fingerprint` lays over `configs/base.py`. A config given instead must describe the

@@ -12,8 +12,10 @@ naming the setting, file or record at fault):
    (`data.eval_file`): every line a JSON object with a "prompt" or "messages"
    (`data.JsonlSource`);
 3. the mesh, both models' config.json files and the vocabularies (`build.plan_models`: the
-   mesh fits the devices, supported architectures, weight files present, student and teacher
-   vocabularies equal, the tokenizer loads and fits them);
+   mesh fits the devices, supported architectures, weight files present, the tokenizer loads,
+   a teacher tokenizer identical to the run's, the tokenizer's ids fit both embedding tables,
+   which may differ in size: padded rows are left out of the logits; what was compared is
+   logged);
 4. the prompts with that tokenizer: chat rendering, tokenizability and lengths under
    `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
 5. with `train.on_policy_fraction` < 1, every training record's reference completion: present
@@ -115,6 +117,8 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
   sources = {what: data.JsonlSource(path) for what, path in files.items() if path}
   scorer = scoring.resolve(config.data.eval_metric)  # a bad import path, before any weights
   plan = build.plan_models(config)
+  if plan.vocab_note:
+    log(plan.vocab_note)
   d, prepared = config.data, {}
   for what, source in sources.items():
     prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)

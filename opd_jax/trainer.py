@@ -482,7 +482,7 @@ class Evaluator:
     self.teacher_score = None
     m = setup.models
     kv = engine_config(config, jnp.dtype(config.student.dtype).name).kv
-    self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.vocab_size)
+    self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size)
 
   def __call__(self, step: int, params) -> dict[str, float]:
     m = self._setup.models
@@ -575,7 +575,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   """The rollout source `rollout.mode` names, starting at batch `next_batch`."""
   m, r = setup.models, config.rollout
   ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
-  scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.vocab_size)
+  scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.real_vocab_size)
   train_step.check_rollout_loss(scfg, loss_config(config))
   teacher_topk.check_top_k(config.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
   engine_ = rollouts_lib.RolloutEngine(

@@ -13,6 +13,12 @@ the student warm start, then resume from the latest checkpoint in the workdir if
 there is one. Everything written (TensorBoard, metrics.jsonl, checkpoints' JSON)
 comes from process 0 only.
 
+Held-out evaluation (`Evaluator`, `opd_jax.evaluate`) runs at the start, every
+`train.eval_every` steps and at the end, on the set `preflight.check` chose (`evaluate.plan`):
+`data.eval_file`, else a held-out slice of `data.prompt_file` (never trained on), else the
+built-in task's split when the task is trained. `train.eval_every=0` runs no evaluation (no
+greedy decodes), and the run's summary then has no quality fields.
+
 SIGTERM and SIGINT stop the run at the next step boundary: it saves a checkpoint,
 stops the rollout producer and returns (a second SIGINT interrupts at once). The
 same command resumes.

@@ -36,7 +36,7 @@ import sys
 import jax
 import numpy as np
 
-from opd_jax import engine, hf, kvcache, sampler, tokenizer
+from opd_jax import build, engine, hf, kvcache, sampler, tokenizer
 from opd_jax.build import DTYPES
 
 WEIGHTS = ("trainer", "bf16", "fp8")  # rollout.weights
@@ -208,6 +208,9 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
   if not args.ignore_eos:
     stops += [tok.eos_id] if tok is not None else _config_eos_ids(args.checkpoint)
   model_cfg, params = hf.load_checkpoint(args.checkpoint, dtype)
+  if tok is not None and tokenizer.real_vocab_size(tok) < model_cfg.vocab_size:
+    # A padded table: like the trainer, sample over the tokenizer's ids only.
+    model_cfg = build.with_real_vocab(model_cfg, tokenizer.real_vocab_size(tok))
   engine_cfg = engine.EngineConfig(
     weights=weights, kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity)
   )

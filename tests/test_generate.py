@@ -142,3 +142,25 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert len(fp8["completions"][0]) == 4 and len(default["completions"][0]) == 4
   bf16 = generate.generate(generate.build_parser().parse_args(base_argv + ["--weights", "bf16"]))
   assert bf16["engine_id"].startswith("w=bf16,kv=bfloat16,")  # auto follows the engine dtype
+
+
+def test_padded_rows_are_never_generated(make_hf_checkpoint, tmp_path, capsys):
+  """A 100-token tokenizer over 128 embedding rows whose padded lm-head columns dominate
+  every logit: without the tokenizer only padded ids come out; with it, none do."""
+  cfg, params = hf.load_checkpoint(make_hf_checkpoint("qwen3").path, jnp.float32)
+  params = jax.device_get(params)
+  params["lm_head_dv"] = np.asarray(params["lm_head_dv"]).copy()
+  params["lm_head_dv"][:, 100:] = 1e3  # padded rows; the final norm keeps h nonzero
+  directory = tmp_path / "padded"
+  hf.save_checkpoint(directory, cfg, params)
+  argv = ["--checkpoint", str(directory), "--prompt-ids", "5,9,77", "--max-new-tokens", "4"]
+  argv += ["--temperature", "0", "--dtype", "float32", "--ignore-eos", "--json"]
+
+  assert generate.main(argv) == 0  # no tokenizer: all 128 rows are the vocabulary
+  unmasked = json.loads(capsys.readouterr().out)["completions"][0]
+  assert min(unmasked) >= 100  # the control: the padded rows win when they are allowed
+
+  _save_tokenizer(directory, 100)
+  assert generate.main(argv) == 0
+  masked = json.loads(capsys.readouterr().out)["completions"][0]
+  assert len(masked) == 4 and max(masked) < 100

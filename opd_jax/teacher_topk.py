@@ -18,8 +18,15 @@ teacher's k ids, and the rest summed into its tail. The losses on these bins liv
 
 Teacher temperature (`teacher.temperature` = τ_T): π_T = softmax(z_T / τ_T), applied to
 the teacher's logits before the top-k, the tail and every loss or train-step metric that
-reads π_T (full and sparse). It is independent of `rollout.temperature` T_r, at which the
-student is scored (π_θ = softmax(z_θ / T_r), `train_step.student_policy_logits`).
+reads π_T (`teacher/*`; full and sparse). It is independent of `rollout.temperature` T_r,
+at which the student is sampled and scored (π_θ = softmax(z_θ / T_r),
+`train_step.student_policy_logits`). The losses drive softmax(z_θ / T_r) towards
+softmax(z_T / τ_T), i.e. z_θ ≈ z_T · T_r / τ_T up to a constant: the student at its own
+T = 1 learns the teacher at temperature τ_T / T_r. The default τ_T = 1 matches the student
+at T_r to the teacher at T = 1; τ_T = T_r matches the two at T = 1 (what a student deployed
+at T = 1 wants when sampling rollouts at T_r ≠ 1). Greedy rollouts (T_r = 0) score the
+student at T = 1 and the teacher at τ_T. Held-out `quality/*` (`opd_jax.evaluate`) still
+compares with the teacher at T = 1.
 
 The sampled loss needs log π_T(y) of any token y (`token_logprobs`): for y ∈ S it is the
 stored value; for y ∉ S the tail mass is spread uniformly over the n tokens it covers,
@@ -105,12 +112,13 @@ def _in_set(ids, vocab_size: int):
 def _masked_logsumexp(x, drop):
   """log Σ_{v: ¬drop_v} exp(x_v) over the last axis; −inf when nothing is left.
 
-  NaN-free gradient even when every entry is dropped or −inf (the double `where`).
+  NaN-free gradient even when every entry is dropped or −inf, and when a dropped entry is
+  far above the kept ones (the inner `where`s keep exp from overflowing in either branch).
   """
-  x = jnp.where(drop, -jnp.inf, x)
-  top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+  keep = ~drop & (x > -jnp.inf)
+  top = jax.lax.stop_gradient(jnp.max(jnp.where(keep, x, -jnp.inf), axis=-1, keepdims=True))
   top = jnp.where(jnp.isfinite(top), top, 0.0)
-  terms = jnp.where(x == -jnp.inf, 0.0, jnp.exp(jnp.where(x == -jnp.inf, 0.0, x) - top))
+  terms = jnp.where(keep, jnp.exp(jnp.where(keep, x, top) - top), 0.0)
   total = jnp.sum(terms, axis=-1)
   safe = jnp.where(total > 0, total, 1.0)
   return jnp.where(total > 0, jnp.log(safe) + top[..., 0], -jnp.inf)
@@ -120,6 +128,12 @@ def from_logits(logits, top_k: int, temperature: float = 1.0) -> TopKTeacher:
   """The sparse teacher of full logits [..., V] (e.g. [B, C, V]).
 
       π_T = softmax(z / τ_T),  S = its k largest,  tail = log Σ_{v∉S} π_T(v)
+
+  Computed without materialising log π_T: with m_1 the largest logit and m_t the largest
+  outside S, s_t = Σ_{v∉S} exp(z_v − m_t) ≥ 1 and s_S = Σ_{v∈S} exp(z_v − m_1), so
+  log Z = m_1 + log(s_S + exp(m_t − m_1) · s_t) and tail = m_t + log s_t − log Z: no
+  cancellation and no underflow of a tiny tail. (The top-k values are used whole: slicing
+  them makes XLA's CPU backend replace the top-k by a full sort, ~50x slower.)
 
   Args:
     logits: [..., V] teacher logits (any float dtype; computed in f32).
@@ -133,12 +147,29 @@ def from_logits(logits, top_k: int, temperature: float = 1.0) -> TopKTeacher:
   check_top_k(top_k, vocab)
   if top_k == 0:
     raise ValueError("train.teacher_top_k=0 means the full vocabulary: no sparse teacher")
-  logp = jax.nn.log_softmax(scale_logits(jax.lax.stop_gradient(logits), temperature), axis=-1)
-  top_lp, ids = jax.lax.top_k(logp, top_k)
-  in_top = _in_set(ids, vocab)
-  tail = _masked_logsumexp(logp, in_top)
-  count = jnp.sum(jnp.isfinite(logp) & ~in_top, axis=-1).astype(jnp.int32)
-  return TopKTeacher(top_lp, ids.astype(jnp.int32), tail, count, float(temperature))
+  z = scale_logits(jax.lax.stop_gradient(logits), temperature)
+  top_z, ids = jax.lax.top_k(z, top_k)
+  ids = ids.astype(jnp.int32)
+  m_1 = _finite_or_zero(jnp.max(z, axis=-1))
+  top_sum = jnp.sum(jnp.exp(top_z - m_1[..., None]), axis=-1)
+  if top_k == vocab:  # nothing left for the tail
+    log_z = m_1 + jnp.log(top_sum)
+    empty = jnp.full(z.shape[:-1], -jnp.inf)
+    count = jnp.zeros(z.shape[:-1], jnp.int32)
+    return TopKTeacher(top_z - log_z[..., None], ids, empty, count, float(temperature))
+  in_tail = ~_in_set(ids, vocab) & (z > -jnp.inf)
+  m_t = _finite_or_zero(jnp.max(jnp.where(in_tail, z, -jnp.inf), axis=-1))
+  tail_sum = jnp.sum(jnp.where(in_tail, jnp.exp(z - m_t[..., None]), 0.0), axis=-1)
+  # Counted in f32 (exact below 2^24 tokens): XLA's CPU backend reduces f32, not int, fast.
+  count = jnp.sum(jnp.where(in_tail, 1.0, 0.0), axis=-1).astype(jnp.int32)
+  log_z = m_1 + jnp.log(top_sum + jnp.exp(m_t - m_1) * tail_sum)
+  safe_tail = jnp.where(tail_sum > 0, tail_sum, 1.0)
+  tail = jnp.where(tail_sum > 0, m_t + jnp.log(safe_tail) - log_z, -jnp.inf)
+  return TopKTeacher(top_z - log_z[..., None], ids, tail, count, float(temperature))
+
+
+def _finite_or_zero(x):
+  return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
 def project(logits, ids):
@@ -156,10 +187,14 @@ def project(logits, ids):
   Returns:
     [..., k + 1] f32 log-probabilities (tail last); gradients flow to `logits`.
   """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  top = jnp.take_along_axis(logp, ids.astype(jnp.int32), axis=-1)
-  tail = _masked_logsumexp(logp, _in_set(ids, logp.shape[-1]))
-  return jnp.concatenate([top, tail[..., None]], axis=-1)
+  z = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(z, axis=-1, keepdims=True)
+  top = jnp.take_along_axis(z, ids.astype(jnp.int32), axis=-1) - log_z
+  tail_lse = _masked_logsumexp(z, _in_set(ids, z.shape[-1]))[..., None]
+  # An empty tail stays a constant −inf: a NaN cotangent from a consumer (logaddexp at two
+  # −inf) must not reach log Z through it.
+  tail = jnp.where(tail_lse > -jnp.inf, tail_lse - log_z, -jnp.inf)
+  return jnp.concatenate([top, tail], axis=-1)
 
 
 def token_logprobs(teacher: TopKTeacher, tokens):

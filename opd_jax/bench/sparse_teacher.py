@@ -1,0 +1,228 @@
+"""Full versus sparse teacher (`train.teacher_top_k`): step time and memory at V = 32k, 150k.
+
+Command (CPU, about five minutes on two cores):
+
+    python -m opd_jax.bench.sparse_teacher            # readable table
+    python -m opd_jax.bench.sparse_teacher --json     # {"shape": {...}, "rows": [...]} only
+
+A tiny-depth, tiny-width decoder (so that the vocabulary dominates, as it does for the
+logits of a real model) with a small batch. For each vocabulary V and each teacher
+source it compiles the jitted `train_step.train_step` (student forward and backward,
+AdamW, state donated) twice, with the full teacher (k = 0) and with the top-k teacher:
+
+* `step`: the step runs the teacher's forward pass itself (`rollout.score_teacher` off);
+* `engine`: the rollout engine scored the teacher (`rollout.score_teacher`): the step
+  receives [B, C, V] logits (full) or the [B, C, k] top-k plus tail (sparse) as input.
+  The engine's own scoring program (`evaluate.completion_logits` versus
+  `rollouts.sparse_teacher`) is timed as its own row, `engine_scoring`, since the top-k
+  moves there.
+
+Per row: `temp_bytes` and `argument_bytes` from the compiled program's
+`memory_analysis()` (XLA's buffer plan, as `bench/remat.py` reads it), the median wall
+time of `--repeats` calls after one warm-up call, and the sparse/full ratios of all
+three. The loss is `forward_kl` (GKD's, where top-k teachers are usual), `--loss` to change.
+
+Measured on CPU (2 shared cores, load ~7; 1 layer, D = 64, B = 4, P = 16, C = 32, k = 64;
+ratios sparse / full, seconds are medians of 5):
+
+    V        source          time (full s)   temp MiB (full)   args MiB (full)
+    32768    step            1.11 (0.176)    0.92 (145.6)      1.00 (32.6)
+    32768    engine          0.90 (0.162)    0.85 (129.6)      0.61 (40.4)
+    32768    engine_scoring  2.34 (0.028)    2.33 (24.0)       1.00 (8.1)
+    151936   step            1.06 (0.744)    0.92 (669.3)      1.00 (148.9)
+    151936   engine          1.00 (0.386)    0.84 (595.1)      0.60 (185.9)
+    151936   engine_scoring  2.19 (0.082)    2.33 (111.3)      1.00 (37.2)
+
+The teacher a rollout carries shrinks from 16.0 MiB (V = 32k) and 74.2 MiB (V = 150k) of
+f32 logits to 65 KiB (k = 64: ids, log-probs, tail, count). The step's own buffers fall
+by 8% (teacher scored in the step: the backward pass no longer keeps π_T [B, C, V]) to
+15-16% (engine-scored), and its inputs by 40%; its time does not: the student's own
+[B, T, V] logits and their gradient dominate. On this CPU backend the top-k and the tail's
+masked pass cost more than they save: the scoring program is 2.2-2.3x slower and needs 2.3x
+the scratch (gathered logits, the top-k mask and the tail's exponentials are materialised),
+so the sparse path pays off in what the rollout holds and moves (async buffers, transfers
+to the trainer's devices), not in CPU step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax import evaluate, model, rollouts, teacher_topk, train_step
+from opd_jax.model_config import ModelConfig
+from opd_jax.rollout import Rollout
+
+VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
+TOP_K = 64
+BATCH, PROMPT, COMPLETION = 4, 16, 32  # rows, prompt width P, completion length C
+
+
+def bench_config(vocab: int) -> ModelConfig:
+  """One small decoder layer, D = 64, tied embeddings: the vocabulary dominates."""
+  return ModelConfig(
+    model_type="qwen3",
+    vocab_size=vocab,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+    tie_word_embeddings=True,
+  )
+
+
+def make_rollout(vocab: int, seed: int = 0) -> Rollout:
+  """A batch of random prompt and completion tokens (all counted)."""
+  rng = np.random.default_rng(seed)
+  i32 = jnp.int32
+  return Rollout(
+    prompt_tokens=jnp.asarray(rng.integers(0, vocab, (BATCH, PROMPT)), i32),
+    prompt_lens=jnp.full((BATCH,), PROMPT, i32),
+    completion_tokens=jnp.asarray(rng.integers(0, vocab, (BATCH, COMPLETION)), i32),
+    completion_mask=jnp.ones((BATCH, COMPLETION), i32),
+    behaviour_logprobs=jnp.full((BATCH, COMPLETION), -1.0, jnp.float32),
+    model_logprobs=jnp.full((BATCH, COMPLETION), -1.0, jnp.float32),
+    weight_version=jnp.zeros((), i32),
+  )
+
+
+def _timed(fn, args, repeats: int, feed_state: bool) -> float:
+  """Median seconds of `repeats` calls after one warm-up (the state fed back when donated)."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    if feed_state:
+      args = (out[0], *args[1:])
+    start = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def _memory(compiled) -> dict:
+  mem = compiled.memory_analysis()
+  return {
+    "temp_bytes": int(mem.temp_size_in_bytes),
+    "argument_bytes": int(mem.argument_size_in_bytes),
+  }
+
+
+def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: int) -> dict:
+  """The train step with the full (top_k = 0) or sparse teacher: memory plan and time."""
+  tx = train_step.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
+  loss_cfg = train_step.LossConfig(loss, is_clip=None, teacher_top_k=top_k)
+  fn = jax.jit(
+    lambda s, t, r: train_step.train_step(
+      s, t, r, tx=tx, student_cfg=cfg, teacher_cfg=cfg, loss_cfg=loss_cfg
+    ),
+    donate_argnums=0,
+  )
+  state = train_step.init_state(jax.tree.map(jnp.copy, params), tx, 0)
+  row = _memory(fn.lower(state, teacher, rollout).compile())
+  row["seconds"] = _timed(fn, (state, teacher, rollout), repeats, feed_state=True)
+  return row
+
+
+def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
+  """The engine's teacher scoring: full logits, or the top-k plus tail in one program."""
+  if top_k:
+    fn = jax.jit(lambda t, r: rollouts.sparse_teacher(t, r, cfg, None, top_k, 1.0))
+  else:
+    fn = jax.jit(lambda t, r: evaluate.completion_logits(t, r, cfg)[0])
+  row = _memory(fn.lower(teacher, rollout).compile())
+  row["seconds"] = _timed(fn, (teacher, rollout), repeats, feed_state=False)
+  out = fn(teacher, rollout)
+  row["output_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out))
+  return row
+
+
+def run(vocabs=VOCABS, top_k: int = TOP_K, loss: str = "forward_kl", repeats: int = 5) -> list:
+  rows = []
+  for vocab in vocabs:
+    cfg = bench_config(vocab)
+    student = model.init_params(jax.random.key(1), cfg, jnp.float32, scale=0.5)
+    teacher = model.init_params(jax.random.key(2), cfg, jnp.float32, scale=0.8)
+    rollout = make_rollout(vocab)
+    full_logits = evaluate.completion_logits(teacher, rollout, cfg)[0]
+    sparse = teacher_topk.from_logits(full_logits, top_k)
+    sources = {
+      "step": (rollout, rollout),
+      "engine": (rollout.replace(teacher_logits=full_logits), rollout.replace(teacher_topk=sparse)),
+    }
+    for source, (full_r, sparse_r) in sources.items():
+      full = measure_step(cfg, student, teacher, full_r, loss, 0, repeats)
+      top = measure_step(cfg, student, teacher, sparse_r, loss, top_k, repeats)
+      rows.append(_pair(vocab, source, full, top))
+    full = measure_scoring(cfg, teacher, rollout, 0, repeats)
+    top = measure_scoring(cfg, teacher, rollout, top_k, repeats)
+    rows.append(_pair(vocab, "engine_scoring", full, top))
+    del full_logits
+  return rows
+
+
+def _pair(vocab: int, source: str, full: dict, top: dict) -> dict:
+  row = {"vocab": vocab, "source": source}
+  for key in full:
+    row[f"full_{key}"] = full[key]
+    row[f"sparse_{key}"] = top[key]
+    row[f"ratio_{key}"] = top[key] / full[key] if full[key] else float("nan")
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  parser.add_argument("--top-k", type=int, default=TOP_K)
+  parser.add_argument("--loss", default="forward_kl")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)))
+  args = parser.parse_args(argv)
+  vocabs = tuple(int(v) for v in args.vocabs.split(","))
+  rows = run(vocabs, args.top_k, args.loss, args.repeats)
+  c = bench_config(vocabs[0])
+  shape = {
+    "layers": c.num_layers,
+    "hidden": c.hidden_size,
+    "batch": BATCH,
+    "prompt": PROMPT,
+    "completion": COMPLETION,
+    "top_k": args.top_k,
+    "loss": args.loss,
+    "repeats": args.repeats,
+    "backend": jax.default_backend(),
+  }
+  if args.json:
+    print(json.dumps({"shape": shape, "rows": rows}))
+    return 0
+  mib = 2**20
+  print(f"full vs sparse teacher (k={args.top_k}), {shape}")
+  print(
+    f"{'V':>7} {'source':>15} {'full s':>8} {'sparse s':>9} {'time':>6} {'full temp':>10} "
+    f"{'sp temp':>8} {'temp':>6} {'full args':>10} {'sp args':>8} {'args':>6}"
+  )
+  for r in rows:
+    print(
+      f"{r['vocab']:>7} {r['source']:>15} {r['full_seconds']:>8.3f} {r['sparse_seconds']:>9.3f} "
+      f"{r['ratio_seconds']:>6.2f} {r['full_temp_bytes'] / mib:>10.1f} "
+      f"{r['sparse_temp_bytes'] / mib:>8.1f} {r['ratio_temp_bytes']:>6.2f} "
+      f"{r['full_argument_bytes'] / mib:>10.1f} {r['sparse_argument_bytes'] / mib:>8.1f} "
+      f"{r['ratio_argument_bytes']:>6.2f}"
+    )
+  print("(MiB; ratios are sparse / full)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

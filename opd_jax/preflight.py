@@ -15,7 +15,7 @@ naming the setting, file or record at fault):
    mesh fits the devices, supported architectures, weight files present, the tokenizer loads,
    a teacher tokenizer identical to the run's, the tokenizer's ids fit both embedding tables,
    which may differ in size: padded rows are left out of the logits; what was compared is
-   logged);
+   logged), and a `train.teacher_top_k` that fits the teacher's vocabulary;
 4. the prompts with that tokenizer: chat rendering, tokenizability and lengths under
    `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
 5. with `train.on_policy_fraction` < 1, every training record's reference completion: present
@@ -40,7 +40,7 @@ import socket
 import ml_collections
 from etils import epath
 
-from opd_jax import build, data, evaluate, off_policy, prompts, scoring
+from opd_jax import build, data, evaluate, off_policy, prompts, scoring, teacher_topk
 
 
 @dataclasses.dataclass
@@ -119,6 +119,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
   plan = build.plan_models(config)
   if plan.vocab_note:
     log(plan.vocab_note)
+  teacher_topk.check_top_k(config.train.teacher_top_k, plan.teacher_cfg.real_vocab_size)
   d, prepared = config.data, {}
   for what, source in sources.items():
     prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)

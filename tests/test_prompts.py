@@ -336,3 +336,12 @@ def test_teacher_with_another_tokenizer_is_reported_before_weights(ckpts, tmp_pa
   save_tokenizer(other, bos=True)  # one more token, <s>, and it is the bos
   with pytest.raises(ValueError, match="first differing token: id 99 is None in the student"):
     _run(user_config(student, other), tmp_path / "w")
+
+
+def test_teacher_top_k_beyond_the_vocabulary_is_reported_before_weights(ckpts, tmp_path):
+  student, teacher = ckpts
+  good = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}] * 8)
+  config = user_config(student, teacher, good)
+  config.train.teacher_top_k = 1000  # the tokenizer has 99 ids
+  with pytest.raises(ValueError, match=r"train.teacher_top_k=1000 exceeds the vocabulary V=99"):
+    _run(config, tmp_path / "w")

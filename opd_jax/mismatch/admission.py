@@ -118,7 +118,16 @@ TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logg
 ROUNDING_KL = 1e-6
 # Run-config keys that may differ between a --params-from run and the check's config: what the
 # candidate changes, how the run trained, and where its teacher is cached.
-_RUN_KEYS_FREE = ("rollout.", "train.", "budget.", "export.", "teacher.cache_dir")
+# Keys a --params-from run may differ in: none changes the student's engine or the mismatch
+# between engine and trainer (the teacher's temperature only shapes the loss's target).
+_RUN_KEYS_FREE = (
+  "rollout.",
+  "train.",
+  "budget.",
+  "export.",
+  "teacher.cache_dir",
+  "teacher.temperature",
+)
 # Table columns: (header, row key, format).
 _COLUMNS = (
   ("candidate", "candidate", "s"),

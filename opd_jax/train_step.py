@@ -313,6 +313,39 @@ def teacher_scores(teacher_params, rollout: Rollout, teacher_cfg: ModelConfig, l
   return teacher_topk.from_logits(logits_bcv, k, tau)
 
 
+# loss name -> (the loss against full teacher logits, the same loss on the sparse teacher)
+TEACHER_LOSSES = {
+  "reverse_kl_sampled": (losses.reverse_kl_sampled, losses.reverse_kl_sampled_topk),
+  "reverse_kl_full": (losses.reverse_kl_full, losses.reverse_kl_topk),
+  "forward_kl": (losses.forward_kl, losses.forward_kl_topk),
+  "jsd": (losses.jsd, losses.jsd_topk),
+}
+
+
+def configured_loss(student_bcv, teacher, rollout: Rollout, loss_cfg: LossConfig, sparse: bool):
+  """(loss, metrics) of `loss_cfg.name` against the teacher: full logits [B, C, V] (already
+  / τ_T) or, with `sparse`, a `teacher_topk.TopKTeacher` (`losses.*_topk`, on its k + 1
+  bins)."""
+  if loss_cfg.name not in TEACHER_LOSSES:
+    raise ValueError(f"unknown loss {loss_cfg.name!r}; known: {', '.join(TEACHER_LOSSES)}")
+  fn = TEACHER_LOSSES[loss_cfg.name][int(sparse)]
+  mask_bc = rollout.completion_mask
+  if loss_cfg.name == "reverse_kl_sampled":
+    return fn(
+      student_bcv,
+      teacher,
+      rollout.completion_tokens,
+      mask_bc,
+      rollout.behaviour_logprobs,
+      is_clip=loss_cfg.is_clip,
+      advantage_clip=loss_cfg.advantage_clip,
+      baseline=loss_cfg.advantage_baseline,
+    )
+  if loss_cfg.name == "jsd":
+    return fn(student_bcv, teacher, mask_bc, beta=loss_cfg.jsd_beta)
+  return fn(student_bcv, teacher, mask_bc)
+
+
 def full_teacher_loss(student_bcv, teacher_bcv, rollout: Rollout, loss_cfg: LossConfig):
   """The configured loss against the full teacher logits [B, C, V] (already / τ_T).
 
@@ -320,23 +353,7 @@ def full_teacher_loss(student_bcv, teacher_bcv, rollout: Rollout, loss_cfg: Loss
     (loss, metrics with teacher/reverse_kl, teacher_lp_bc = log π_T(y) [B, C]).
   """
   tokens_bc, mask_bc = rollout.completion_tokens, rollout.completion_mask
-  if loss_cfg.name == "reverse_kl_sampled":
-    loss, metrics = losses.reverse_kl_sampled(
-      student_bcv,
-      teacher_bcv,
-      tokens_bc,
-      mask_bc,
-      rollout.behaviour_logprobs,
-      is_clip=loss_cfg.is_clip,
-      advantage_clip=loss_cfg.advantage_clip,
-      baseline=loss_cfg.advantage_baseline,
-    )
-  elif loss_cfg.name == "reverse_kl_full":
-    loss, metrics = losses.reverse_kl_full(student_bcv, teacher_bcv, mask_bc)
-  elif loss_cfg.name == "forward_kl":
-    loss, metrics = losses.forward_kl(student_bcv, teacher_bcv, mask_bc)
-  else:
-    loss, metrics = losses.jsd(student_bcv, teacher_bcv, mask_bc, beta=loss_cfg.jsd_beta)
+  loss, metrics = configured_loss(student_bcv, teacher_bcv, rollout, loss_cfg, sparse=False)
   student_bcv = jax.lax.stop_gradient(student_bcv)
   teacher_lp_bc = losses.token_logprobs(teacher_bcv, tokens_bc)
   metrics = dict(metrics)
@@ -357,23 +374,7 @@ def topk_teacher_loss(student_bcv, teacher, rollout: Rollout, loss_cfg: LossConf
     (loss, metrics with teacher/reverse_kl and teacher/top_k_mass, teacher_lp_bc [B, C]).
   """
   tokens_bc, mask_bc = rollout.completion_tokens, rollout.completion_mask
-  if loss_cfg.name == "reverse_kl_sampled":
-    loss, metrics = losses.reverse_kl_sampled_topk(
-      student_bcv,
-      teacher,
-      tokens_bc,
-      mask_bc,
-      rollout.behaviour_logprobs,
-      is_clip=loss_cfg.is_clip,
-      advantage_clip=loss_cfg.advantage_clip,
-      baseline=loss_cfg.advantage_baseline,
-    )
-  elif loss_cfg.name == "reverse_kl_full":
-    loss, metrics = losses.reverse_kl_topk(student_bcv, teacher, mask_bc)
-  elif loss_cfg.name == "forward_kl":
-    loss, metrics = losses.forward_kl_topk(student_bcv, teacher, mask_bc)
-  else:
-    loss, metrics = losses.jsd_topk(student_bcv, teacher, mask_bc, beta=loss_cfg.jsd_beta)
+  loss, metrics = configured_loss(student_bcv, teacher, rollout, loss_cfg, sparse=True)
   metrics = dict(metrics)
   if "teacher/reverse_kl" not in metrics:  # reverse_kl_topk already reports it
     _, kl = losses.reverse_kl_topk(jax.lax.stop_gradient(student_bcv), teacher, mask_bc)

@@ -49,14 +49,21 @@ CHAT_TEMPLATE = (
 SYSTEM = "Add the numbers step by step."
 
 
-def save_chat_tokenizer(directory: str | os.PathLike) -> object:
+def save_chat_tokenizer(
+  directory: str | os.PathLike, bos: bool = False, template: str | None = CHAT_TEMPLATE
+) -> object:
   """Writes the character-level chat tokenizer (module docstring) into `directory` and
-  returns it loaded as the trainer loads it (`tokenizer.load_tokenizer`)."""
+  returns it loaded as the trainer loads it (`tokenizer.load_tokenizer`).
+
+  Qwen-like by default: 99 tokens, eos and pad, no bos. `bos=True` adds a `<s>` bos (100
+  tokens, Llama-like); `template` is the chat template (None: none, so `messages` records
+  cannot be rendered)."""
   import tokenizers
   import transformers
   from tokenizers import decoders, models, pre_tokenizers
 
-  vocab = {c: i for i, c in enumerate(CHARS)} | {s: len(CHARS) + i for i, s in enumerate(SPECIALS)}
+  specials = SPECIALS + (["<s>"] if bos else [])
+  vocab = {c: i for i, c in enumerate(CHARS)} | {s: len(CHARS) + i for i, s in enumerate(specials)}
   backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
   backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
   backend.decoder = decoders.Fuse()
@@ -64,9 +71,11 @@ def save_chat_tokenizer(directory: str | os.PathLike) -> object:
     tokenizer_object=backend,
     eos_token="<|im_end|>",
     pad_token="<|endoftext|>",
+    bos_token="<s>" if bos else None,
     additional_special_tokens=["<|im_start|>"],
   )
-  fast.chat_template = CHAT_TEMPLATE
+  if template is not None:
+    fast.chat_template = template
   fast.save_pretrained(str(directory))
   return tokenizer_lib.load_tokenizer(str(directory))
 

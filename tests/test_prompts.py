@@ -10,44 +10,30 @@ from pathlib import Path
 
 import jax
 import pytest
-import tokenizers
-import transformers
-from tokenizers import decoders, models, pre_tokenizers
 
-from opd_jax import build, data, hf, model, preflight, prompts, sampler, task, trainer
+from opd_jax import (
+  build,
+  data,
+  hf,
+  model,
+  preflight,
+  prompts,
+  sampler,
+  task,
+  toy_checkpoints,
+  trainer,
+)
 from opd_jax import tokenizer as tokenizer_lib
+from opd_jax.toy_checkpoints import CHARS, CHAT_TEMPLATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
 import base  # noqa: E402
 
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # 96 printable characters, ids 0..95
-CHAT_TEMPLATE = (
-  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
-
-
-def save_tokenizer(directory, bos: bool = False, template: str | None = CHAT_TEMPLATE):
-  """A character-level fast tokenizer (Qwen-like: eos and pad, no bos unless asked) with a
-  simple chat template, saved into `directory`; 99 or 100 tokens."""
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<s>"] if bos else [])
-  vocab = {c: i for i, c in enumerate(CHARS)} | {s: len(CHARS) + i for i, s in enumerate(specials)}
-  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
-  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-  backend.decoder = decoders.Fuse()
-  fast = transformers.PreTrainedTokenizerFast(
-    tokenizer_object=backend,
-    eos_token="<|im_end|>",
-    pad_token="<|endoftext|>",
-    bos_token="<s>" if bos else None,
-    additional_special_tokens=["<|im_start|>"],
-  )
-  if template is not None:
-    fast.chat_template = template
-  fast.save_pretrained(directory)
-  return tokenizer_lib.load_tokenizer(str(directory))
+# A character-level fast tokenizer (Qwen-like: eos and pad, no bos unless asked) with a
+# simple chat template, saved into a directory; 99 or 100 tokens.
+save_tokenizer = toy_checkpoints.save_chat_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,11 @@ The metrics:
     quality/student_teacher_kl_at_rollout_t = the same KL with π_θ under the training
                                  rollouts' transform (temperature T, top-k, top-p, as
                                  `sampler.process_logits` applies them to the
-                                 student's own logits): the quantity the OPD loss
-                                 trains. Reported when `evaluate` gets the training
-                                 `SamplerConfig`; equal to the T = 1 value for greedy
-                                 training rollouts, whose losses score T = 1.
+                                 student's own logits) and π_T at `teacher.temperature`
+                                 τ_T: the quantity the OPD loss trains. Reported when
+                                 `evaluate` gets the training `SamplerConfig`; equal to
+                                 the T = 1 value for greedy training rollouts, whose
+                                 losses score T = 1, when τ_T = 1.
     quality/<who>_accuracy     = mean_b 1[task.score(prompt_b, decode(y_b))]: the built-in
                                  task's exact match, who = student | teacher, and
                                  quality/relative_accuracy = student / teacher.
@@ -321,16 +322,24 @@ def _masked_kl_transformed(student_bcv, teacher_bcv, mask_bc, sampling, mesh=Non
 
 
 def student_teacher_kl(
-  student_params, student_cfg, teacher_params, teacher_cfg, rollout, sampling=None
+  student_params,
+  student_cfg,
+  teacher_params,
+  teacher_cfg,
+  rollout,
+  sampling=None,
+  teacher_temperature: float = 1.0,
 ) -> float:
   """Mean per-token KL(π_θ ‖ π_T) over the rollout's completion tokens.
 
   Args:
     student_params, student_cfg, teacher_params, teacher_cfg: the two models.
     rollout: the completions whose prefixes are scored.
-    sampling: None scores the student at T = 1; a `sampler.SamplerConfig` with
-      temperature > 0 scores π_θ = softmax(process_logits(logits, sampling)) instead
-      (its temperature, top-k and top-p on the student's own logits).
+    sampling: None scores both models at T = 1; a `sampler.SamplerConfig` scores what the
+      loss trains instead: with temperature > 0, π_θ = softmax(process_logits(logits,
+      sampling)) (its temperature, top-k and top-p on the student's own logits), and the
+      teacher at `teacher_temperature` τ_T, π_T = softmax(z_T / τ_T).
+    teacher_temperature: τ_T (`teacher.temperature`); used only with `sampling`.
 
   Returns:
     The mean KL as a float.
@@ -338,6 +347,8 @@ def student_teacher_kl(
   mesh = sharding.params_mesh(student_params)
   s_bcv, mask_bc = completion_logits(student_params, rollout, student_cfg, mesh)
   t_bcv, _ = completion_logits(teacher_params, rollout, teacher_cfg, mesh)
+  if sampling is not None and teacher_temperature != 1.0:
+    t_bcv = t_bcv / teacher_temperature
   if sampling is None or sampling.temperature == 0:
     return float(_masked_kl(s_bcv, t_bcv, mask_bc))
   return float(_masked_kl_transformed(s_bcv, t_bcv, mask_bc, sampling, mesh))
@@ -386,6 +397,7 @@ def evaluate(
   max_new_tokens: int,
   teacher_score: float | None = None,
   train_sampling: sampler.SamplerConfig | None = None,
+  teacher_temperature: float = 1.0,
 ):
   """quality/* metrics of the student (and the teacher's score when not given).
 
@@ -396,7 +408,8 @@ def evaluate(
       quality/student_<metric>   = Σ_scored rows score_i / |scored rows|
 
   `train_sampling`, the training rollouts' `SamplerConfig`, adds
-  `quality/student_teacher_kl_at_rollout_t` (see the module docstring). The teacher is
+  `quality/student_teacher_kl_at_rollout_t` (see the module docstring), with the teacher at
+  `teacher_temperature` (`teacher.temperature`) as the loss scores it. The teacher is
   decoded only when the set has scored rows and `teacher_score` is None (it is frozen, so
   the caller keeps its first score).
 
@@ -421,7 +434,13 @@ def evaluate(
     kl, tokens = kl + kl_sum, tokens + part_tokens
     if train_sampling is not None:
       mean_t = student_teacher_kl(
-        student_params, student_cfg, teacher_params, teacher_cfg, rollout, train_sampling
+        student_params,
+        student_cfg,
+        teacher_params,
+        teacher_cfg,
+        rollout,
+        train_sampling,
+        teacher_temperature,
       )
       kl_t += _kl_sum(mean_t, rollout)[0]
     if score_teacher:

@@ -502,6 +502,7 @@ class Evaluator:
       self._config.rollout.max_new_tokens,
       self.teacher_score,
       train_sampling=self._sampling,
+      teacher_temperature=self._config.teacher.temperature,
     )
     self.teacher_score = metrics.get(f"quality/teacher_{self.metric}")
     self._writer.write_scalars(step, metrics)

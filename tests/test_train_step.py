@@ -216,6 +216,17 @@ def test_quality_kl_at_the_rollout_transform(setup):
   same = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, SAMPLED_T1)
   np.testing.assert_allclose(same, at_t1, rtol=1e-5)
 
+  # The teacher at teacher.temperature τ_T = 2, as the loss scores it: π_T = softmax(z_T / 2).
+  hot = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, scfg, 2.0)
+  t2_lp = _np_log_softmax(t_bcv / 2.0)
+  with np.errstate(invalid="ignore"):
+    kl2 = np.where(np.isfinite(s_lp), np.exp(s_lp) * (s_lp - t2_lp), 0.0).sum(-1)
+  np.testing.assert_allclose(hot, kl2[mask].mean(), rtol=1e-4)
+  assert abs(hot - got) > 1e-3
+  # Without the rollout transform both stay at T = 1: τ_T is the loss's, not the model's.
+  plain = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, None, 2.0)
+  np.testing.assert_allclose(plain, at_t1, rtol=1e-6)
+
 
 SAMPLED_T1 = sampler.SamplerConfig(8, 1.0)
 

@@ -64,3 +64,17 @@ def test_readme_walkthrough_from_toy_checkpoints_to_a_transformers_student(tmp_p
   assert logits.shape == (128,) and np.isfinite(logits).all()  # the student's own rows
   assert 1 <= len(new) <= 8 and isinstance(tok.decode(new), str)
   assert student.config.eos_token_id == tok.eos_token_id == 98  # the generation ids travel
+
+
+@pytest.mark.parametrize(
+  "kwargs, problem",
+  [
+    ({"student_vocab_rows": 50}, "student_vocab_rows=50 is below the tokenizer's 99 tokens"),
+    ({"teacher_vocab_rows": 98}, "teacher_vocab_rows=98 is below the tokenizer's 99 tokens"),
+    ({"num_prompts": 0}, "need num_prompts >= 1"),
+  ],
+)
+def test_toy_files_refuse_bad_sizes_before_writing(tmp_path, kwargs, problem):
+  with pytest.raises(ValueError, match=problem):
+    toy_checkpoints.write_toy_files(str(tmp_path / "out"), **kwargs)
+  assert not (tmp_path / "out").exists()  # nothing half-written

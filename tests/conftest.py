@@ -125,6 +125,17 @@ def make_hf_checkpoint(tmp_path_factory):
   return make
 
 
+def apply_overrides(config, overrides):
+  """`config` with each dotted key of `overrides` ("train.steps": 2, ...) set; returned."""
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
 def tiny_config(teacher_cache, **overrides):
   """`configs/bf16_sync.py:tiny` with a shared teacher cache and dotted-key overrides."""
   import sys
@@ -136,10 +147,4 @@ def tiny_config(teacher_cache, **overrides):
 
   config = bf16_sync.get_config("tiny")
   config.teacher.cache_dir = teacher_cache
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)

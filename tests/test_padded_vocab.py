@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_prompts import user_config
 
 from opd_jax import build, exporting, hf, model, preflight, sampler, sharding, train_step, trainer
 from opd_jax import tokenizer as tokenizer_lib
@@ -95,19 +96,7 @@ def pair(make_hf_checkpoint, tmp_path_factory):
   return student, teacher, s.model, t.model
 
 
-def run_config(student, teacher, prompt_file="", **overrides):
-  config = base.get_config("tiny")
-  config.student.checkpoint = str(student)
-  config.teacher.checkpoint = str(teacher)
-  config.data.prompt_file = prompt_file
-  config.export.dir = "none"
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+run_config = user_config  # the tiny config on two HF checkpoint directories
 
 
 def _tokens(tok, n_rows=2, width=12):

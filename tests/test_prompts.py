@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import apply_overrides
 
 from opd_jax import (
   build,
@@ -61,13 +62,7 @@ def user_config(student, teacher, prompt_file="", **overrides):
   config.teacher.checkpoint = str(teacher)
   config.data.prompt_file = prompt_file
   config.export.dir = "none"
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import apply_overrides
 
 from opd_jax import build, evaluate, hf, metrics_writer, preflight, scoring, trainer
 
@@ -94,13 +95,7 @@ def user_config(student, teacher, prompt_file, **overrides):
   config.train.eval_every = 2
   config.train.checkpoint_every = 2
   config.export.dir = "none"
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)
 
 
 def numbered_prompts(tmp_path, n, name="p.jsonl"):

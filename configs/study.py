@@ -12,7 +12,7 @@ teacher and the warm-started student are shared) to give the seed-to-seed noise 
 
 Cost and resolution. A run is `run.train.steps` = 500 OPD steps (half the default budget, with
 the learning-rate schedule compressed to it) and 512 held-out prompts: about 100-130 s each on
-2 quiet CPU cores, so the 3 + 15 calibration and 9 held-out runs take about an hour. Halving the
+2 quiet CPU cores, so the 3 + 15 calibration and 15 held-out runs take about 70 minutes. Halving the
 step budget means that a source which only slows training shows up as a quality drop here but
 might catch up in 1,000 steps; 512 held-out prompts give a binomial standard error of about
 1 point at 95 % accuracy. Three reference seeds estimate the noise floor only roughly.
@@ -65,6 +65,14 @@ def get_config(arg=None):
     "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,rollout.stale_k=2",
     "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.kv_cache=fp8,"
     "rollout.kv_granularity=tensor,rollout.mode=async,rollout.max_lag=1",
+    # Added after the first validation, before any of them ran: the first nine held no setting
+    # above the budget, so the check's refusals were never tested. These span it.
+    "rollout.noise_sigma=0.25",
+    "rollout.noise_sigma=0.35",
+    "rollout.noise_sigma=0.5",
+    "rollout.noise_sigma=0.3,rollout.stale_k=4",
+    "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.noise_sigma=0.4",
+    "rollout.stale_k=5,rollout.kv_cache=fp8,rollout.kv_granularity=tensor",
   )
   run.train.steps = 500
   run.train.eval_every = 100

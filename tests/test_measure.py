@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
 from opd_jax import engine, kvcache, model
+from opd_jax.mismatch import admission
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.sampler import SamplerConfig
 
@@ -86,3 +93,51 @@ def test_bad_arguments_are_named(params):
     measure_lib.measure(params, CFG, "fp8", PROMPTS, jax.random.key(0), SamplerConfig(4))
   with pytest.raises(ValueError, match="sampler_cfg"):
     measure_lib.measure(params, CFG, EXACT, PROMPTS, jax.random.key(0), {"max_new_tokens": 4})
+
+
+FAST_COMPILE_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from opd_jax.mismatch import admission
+took = admission.fast_compilation() if sys.argv[1] == "fast" else False
+import jax
+from conftest import tiny_model_cfg
+from opd_jax import engine, kvcache, model
+from opd_jax.mismatch import measure
+from opd_jax.sampler import SamplerConfig
+cfg = tiny_model_cfg(vocab_size=64)
+params = model.init_params(jax.random.key(0), cfg, scale=0.3)
+fp8 = engine.EngineConfig(weights="fp8", kv=kvcache.KVCacheSpec(dtype="float8_e4m3fn"))
+sampling = SamplerConfig(max_new_tokens=12)
+m = measure.measure(params, cfg, fp8, {prompts!r}, jax.random.key(0), sampling)
+print(json.dumps({{"took": took, "again": admission.fast_compilation(),
+                  "xla_flags": os.environ.get("XLA_FLAGS", ""), "kl": m["mismatch/kl"]}}))
+"""
+
+
+def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
+  """The admission check compiles without XLA backend optimisation (`--fast-compile`): the
+  flag must reach XLA (the backend reads it at start, so a second call is refused), and the
+  FP8 engine's mismatch/kl must match an optimised build within 1e-4 relative."""
+  tests = str(Path(__file__).resolve().parent)
+  script = FAST_COMPILE_SCRIPT.format(tests=tests, prompts=PROMPTS)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  runs = {}
+  for mode in ("fast", "optimised"):
+    out = subprocess.run(
+      [sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+  fast, optimised = runs["fast"], runs["optimised"]
+  assert fast["took"] and not fast["again"]  # set once, before the backend started
+  assert "--xla_backend_optimization_level=0" in fast["xla_flags"]
+  assert "xla_backend_optimization_level" not in optimised["xla_flags"]
+  assert optimised["kl"] > 1e-5  # FP8 weights and KV read a real mismatch
+  np.testing.assert_allclose(fast["kl"], optimised["kl"], rtol=1e-4)
+
+
+def test_fast_compilation_leaves_a_started_backend_alone(params, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+  assert not admission.fast_compilation()  # the suite's backend is up: too late to take effect
+  assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true"

@@ -55,7 +55,9 @@ rounding). The check measures at one set of weights on N held-out prompts; train
 over the weights and prompts of many steps: the two agree when the mismatch changes little
 along training, which the ratio shows.
 
-Cost. A check is mostly XLA compilation; the command keeps its compiled programs in
+Cost. A check is mostly XLA compilation. The command compiles without backend optimisation
+(`fast_compilation`: half the compile time, the same KLs to ~1e-6 relative), compiles the
+scorer while the sampler decodes (`measure.measure`), and keeps its compiled programs in
 `<workdir>/jax_cache` (`enable_compilation_cache`), so only the first check of a config on a
 machine compiles. `python -m opd_jax.bench.admission_cost` reports both, as fractions of a
 training run of the same config.
@@ -626,6 +628,30 @@ def compilation_cache_flag(value: str | None, workdir: str) -> None:
   cache = os.path.join(workdir, COMPILATION_CACHE) if value is None else value
   if cache:
     enable_compilation_cache(cache)
+
+
+FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
+
+
+def fast_compilation() -> bool:
+  """Turns XLA's backend (LLVM) optimisation off for this process; True when it took effect.
+
+  A check runs each of its programs once, on a few dozen prompts, so compiling them is most of
+  its cost. Without backend optimisation the FP8 sampler compiles in 1.4 s instead of 2.7 s and
+  the scorer in 0.6 s instead of 1.2 s on 2 CPU cores, and the measured `mismatch/kl` moves by
+  2e-7 relative (1.3791605e-4 -> 1.3791629e-4 on the bench's candidate). The HLO programs are
+  the same: only the machine code is less optimised. `XLA_FLAGS` is read when the backend
+  starts, so this must run before anything touches a device; it is False (and changes nothing)
+  when the backend is already up or when `XLA_FLAGS` sets the level itself. The persistent
+  compilation cache keys entries by `XLA_FLAGS`, so fast and optimised programs never mix.
+  """
+  from jax._src import xla_bridge  # no public "is the backend up?" query
+
+  flags = os.environ.get("XLA_FLAGS", "")
+  if xla_bridge.backends_are_initialized() or "xla_backend_optimization_level" in flags:
+    return False
+  os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_XLA_FLAG}".strip()
+  return True
 
 
 def enable_compilation_cache(directory: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -141,3 +142,14 @@ def test_fast_compilation_leaves_a_started_backend_alone(params, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
   assert not admission.fast_compilation()  # the suite's backend is up: too late to take effect
   assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true"
+
+
+def test_a_padded_table_is_measured_over_its_real_vocabulary():
+  """The behaviour distribution is chosen from V_real, as the trainer chooses it: 4,160 rows
+  (above the 4,096 full-distribution limit) over a 4,000-token vocabulary keep the full,
+  exact distribution, where the row count would have picked top-64."""
+  cfg = dataclasses.replace(tiny_model_cfg(vocab_size=4160), logical_vocab_size=4000)
+  padded = model.init_params(jax.random.key(0), cfg, scale=0.3)
+  rollout = measure_lib.engine_rollout(padded, cfg, FP8, PROMPTS, jax.random.key(0), SCFG)
+  assert rollout.topk_logprobs.shape == (len(PROMPTS), SCFG.max_new_tokens, 4000)
+  np.testing.assert_allclose(np.exp(np.asarray(rollout.topk_logprobs)).sum(-1), 1.0, atol=1e-4)

@@ -429,7 +429,9 @@ def candidate_sampler_config(candidate: Candidate, setup: trainer.Setup) -> samp
   """The sampler settings the trainer would use with the candidate's config."""
   m = setup.models
   kv = candidate.engine_cfg.kv
-  return trainer.sampler_config(candidate.config, m.tokenizer.eos_id, kv, m.student_cfg.vocab_size)
+  return trainer.sampler_config(
+    candidate.config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size
+  )
 
 
 def measure_candidate(

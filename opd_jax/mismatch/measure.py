@@ -89,7 +89,7 @@ def engine_rollout(
   """
   sample_key, noise_key = engine_keys(rng)
   params_r = engine_params(student_params, engine_cfg, noise_key)
-  cfg = engine_sampler_config(engine_cfg, sampler_cfg, student_cfg.vocab_size)
+  cfg = engine_sampler_config(engine_cfg, sampler_cfg, student_cfg.real_vocab_size)
   return sampler.sample(
     params_r, prompts, sample_key, cfg, student_cfg, engine_id=engine_cfg.engine_id
   )

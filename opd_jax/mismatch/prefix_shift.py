@@ -181,7 +181,7 @@ def prefix_shift(
     (E[min(d, L)]), "predicted/diverged_fraction", "predicted/censored_first_divergence",
     "histogram" (list of C + 1 counts: positions 0..C−1, then never), "engine_id".
   """
-  check_sampling(sampler_cfg, cfg.vocab_size)
+  check_sampling(sampler_cfg, cfg.real_vocab_size)
   temperature = sampler_cfg.temperature
   compute_dtype = jnp.dtype(model.compute_dtype(student_params)).name
   ref_engine = sensitivity.reference_engine(compute_dtype)
@@ -337,9 +337,9 @@ def run_prefix_shift(
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
   scfg = trainer.sampler_config(
-    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.vocab_size
+    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
   )
-  check_sampling(scfg, cfg.vocab_size)
+  check_sampling(scfg, cfg.real_vocab_size)
   log(f"prefix shift of {student}: {num_prompts} prompts, T={scfg.temperature:g}")
   rows = []
   for name, spec, ecfg in engines:

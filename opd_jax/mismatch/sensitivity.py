@@ -448,11 +448,11 @@ def run_sensitivity(
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
   scfg = trainer.sampler_config(
-    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.vocab_size
+    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
   )
   log(
     f"sensitivity scan of {source}: {cfg.model_type} L={cfg.num_layers} D={cfg.hidden_size} "
-    f"V={cfg.vocab_size}, {num_prompts} calibration prompts, T={scfg.temperature:g}"
+    f"V={cfg.real_vocab_size}, {num_prompts} calibration prompts, T={scfg.temperature:g}"
   )
   reference, rows = scan(params, cfg, prompts, rng, scfg, settings, log)
   result = {

@@ -41,6 +41,7 @@ def get_config(arg=None):
   c.rl_lr = 3e-5  # peak lr of both RL methods (configs/rl_sync.py: 3e-4 collapses)
   c.is_clip = 2.0  # truncation C of the rl_is method
   c.methods = ("opd", "rl", "rl_is")  # which methods to train
+  c.seeds = (0,)  # train.seed of every cell's runs; more give each cell a mean and an sd
   c.settings = (  # mismatch settings besides the reference engine, largest mismatch first
     "rollout.noise_sigma=0.4",
     "rollout.stale_k=4",

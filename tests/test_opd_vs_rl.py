@@ -41,7 +41,9 @@ def test_drops_are_against_the_same_methods_reference():
   assert [r["drop_points"] for r in rows[:4]] == pytest.approx([0.0, 0.0, 5.0, -10.0])
   assert math.isnan(rows[4]["drop_points"])
   table = opd_vs_rl.markdown_table(rows)
-  assert "| fp8 | rl | 60.0 % | -10.0 |" in table and "| fp8 | rl_is | 40.0 % | — |" in table
+  assert (
+    "| fp8 | rl | 0 | 60.0 % | -10.0 |" in table and "| fp8 | rl_is | 0 | 40.0 % | — |" in table
+  )
 
 
 def test_method_overrides_and_setting_names():
@@ -61,16 +63,45 @@ def test_method_overrides_and_setting_names():
 def test_plan_covers_every_method_and_setting_and_refuses_bad_specs():
   config = opd_vs_rl_config.get_config("tiny")
   plan = opd_vs_rl.plan(config)
-  assert [(m, s) for m, s, _, _ in plan] == [
+  assert [(m, s) for m, s, _, _, _ in plan] == [
     (m, s) for s in ("reference", "noise_sigma-0.5") for m in ("opd", "rl", "rl_is")
   ]
-  by_key = {(m, s): c for m, s, _, c in plan}
+  by_key = {(m, s): c for m, s, _, _, c in plan}
   assert by_key[("rl_is", "noise_sigma-0.5")].rollout.noise_sigma == 0.5
   assert by_key[("rl", "reference")].train.loss == "reinforce"
   assert by_key[("opd", "reference")].train.loss == "reverse_kl_full"
+  config.seeds = (0, 3)
+  seeded = opd_vs_rl.plan(config)
+  assert [seed for _, _, _, seed, _ in seeded] == [0] * 6 + [3] * 6
+  assert [c.train.seed for *_, c in seeded] == [0] * 6 + [3] * 6
+  assert opd_vs_rl.run_name("rl", "reference", 0) == "rl__reference"  # earlier runs are reused
+  assert opd_vs_rl.run_name("rl", "reference", 3) == "rl__reference__seed3"
+  config.seeds = (1, 1)
+  with pytest.raises(ValueError, match="distinct train seeds"):
+    opd_vs_rl.plan(config)
+  config.seeds = (0,)
   config.settings = ("rollout.nois_sigma=0.1",)
   with pytest.raises(ValueError, match="noise_sigma"):
     opd_vs_rl.plan(config)
+
+
+def test_cells_summarise_seeds_against_the_mean_reference():
+  """Two seeds per cell: accuracy 0.9/0.8 (reference, mean 0.85) and 0.7/0.6 (mean 0.65,
+  sample sd 0.0707): the cell's drop is 100·(0.85 − 0.65) = 20 points."""
+  rows = [
+    dict(_row("opd", "reference", 0.9), seed=0),
+    dict(_row("opd", "noise", 0.7), seed=0),
+    dict(_row("opd", "reference", 0.8), seed=1),
+    dict(_row("opd", "noise", 0.6), seed=1),
+  ]
+  opd_vs_rl.add_drops(rows)
+  assert [r["drop_points"] for r in rows] == pytest.approx([-5.0, 15.0, 5.0, 25.0])
+  ref, noise = opd_vs_rl.summarise(rows)
+  assert (ref["setting"], noise["setting"]) == ("reference", "noise")
+  assert noise["seeds"] == [0, 1] and noise["accuracy"] == pytest.approx(0.65)
+  assert noise["accuracy_sd"] == pytest.approx(0.1 / math.sqrt(2))
+  assert noise["drop_points"] == pytest.approx(20.0) and ref["drop_points"] == pytest.approx(0.0)
+  assert "| noise | opd | 2 | 65.0 ± 7.1 % | +20.0 |" in opd_vs_rl.summary_table([ref, noise])
 
 
 @pytest.mark.slow

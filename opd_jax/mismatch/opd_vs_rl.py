@@ -12,10 +12,13 @@ start and prompts (`configs/opd_vs_rl.py`):
 and tabulates, per run: the final held-out accuracy, its drop against the same method's
 reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
 mismatch scale), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
-pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>, so a
-restarted comparison reuses what finished. The report (markdown table, JSON with every number,
-PNG of accuracy and drop against mismatch/kl) is rewritten after every finished run, so a
-comparison stopped early still reports what it has.
+pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>
+(`__seed<k>` appended for train.seed k ≠ 0), so a restarted comparison reuses what finished.
+With several `seeds`, each (setting, method) cell is also summarised over its seeds: mean and
+sample sd of the accuracy, and the drop of the mean against the mean of the method's reference.
+The report (markdown table, JSON with every number, PNG of accuracy and drop against
+mismatch/kl) is rewritten after every finished run, so a comparison stopped early still
+reports what it has.
 """
 
 from __future__ import annotations
@@ -89,12 +92,15 @@ def last_logged(run_dir: str, key: str, window: int = 10) -> float:
   return float(np.mean(values[-window:])) if values else math.nan
 
 
-def run_row(method: str, setting: str, spec: str, run_dir: str, result: dict) -> dict[str, Any]:
+def run_row(
+  method: str, setting: str, spec: str, run_dir: str, result: dict, seed: int = 0
+) -> dict[str, Any]:
   """One table row from a finished run's result and its metrics.jsonl."""
   row = {
     "method": method,
     "setting": setting,
     "spec": spec,
+    "seed": seed,
     "run_dir": run_dir,
     "accuracy_before": result["student_accuracy_before"],
     "accuracy": result["student_accuracy_after"],
@@ -110,14 +116,69 @@ def run_row(method: str, setting: str, spec: str, run_dir: str, result: dict) ->
   return row
 
 
+def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
+  """method -> mean accuracy of its finished reference runs (over seeds)."""
+  by_method: dict[str, list[float]] = {}
+  for r in rows:
+    if r["setting"] == REFERENCE:
+      by_method.setdefault(r["method"], []).append(r["accuracy"])
+  return {m: float(np.mean(a)) for m, a in by_method.items()}
+
+
 def add_drops(rows: Sequence[dict]) -> None:
-  """Sets each row's `drop` (points): its method's reference accuracy minus its accuracy;
-  nan while that reference run has not finished."""
-  ref = {r["method"]: r["accuracy"] for r in rows if r["setting"] == REFERENCE}
+  """Sets each row's `drop` (points): its method's reference accuracy (the mean over the
+  reference's seeds) minus its accuracy; nan while that reference has no finished run."""
+  ref = reference_accuracy(rows)
   for r in rows:
     r["drop_points"] = (
       100.0 * (ref[r["method"]] - r["accuracy"]) if r["method"] in ref else math.nan
     )
+
+
+def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
+  """One entry per (setting, method) cell over its seeds, in the rows' order:
+
+      accuracy = mean_s q_s,  accuracy_sd = sample sd of q_s (nan for one seed),
+      drop_points = 100·(mean of the method's reference − accuracy),
+
+  and the seed means of the training-time mismatch/kl and the grad-norm statistics.
+  """
+  cells: dict[tuple[str, str], list[dict]] = {}
+  for r in rows:
+    cells.setdefault((r["setting"], r["method"]), []).append(r)
+  ref = reference_accuracy(rows)
+  out = []
+  for (setting, method), mine in cells.items():
+    q = np.asarray([r["accuracy"] for r in mine], np.float64)
+    entry = {
+      "setting": setting,
+      "method": method,
+      "seeds": [r.get("seed", 0) for r in mine],
+      "accuracy": float(q.mean()),
+      "accuracy_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
+      "drop_points": 100.0 * (ref[method] - float(q.mean())) if method in ref else math.nan,
+    }
+    for key in ("mismatch_kl_mean", "grad_norm_mean", "grad_norm_max", "train_reward_last"):
+      entry[key] = float(np.mean([r[key] for r in mine]))
+    out.append(entry)
+  return out
+
+
+def summary_table(cells: Sequence[dict]) -> str:
+  """The per-cell summary over seeds as a markdown table."""
+  head = (
+    "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) | "
+    "train mismatch/kl | grad-norm mean | grad-norm max |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
+    f"{_fmt(100 * c['accuracy'], '.1f')} ± {_fmt(100 * c['accuracy_sd'], '.1f')} % | "
+    f"{_fmt(c['drop_points'], '+.1f')} | {_fmt(c['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(c['grad_norm_mean'], '.3g')} | {_fmt(c['grad_norm_max'], '.3g')} |"
+    for c in cells
+  ]
+  return head + "\n".join(lines) + "\n"
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -127,12 +188,13 @@ def _fmt(x: float, spec: str) -> str:
 def markdown_table(rows: Sequence[dict]) -> str:
   """The comparison as a markdown table, one line per (setting, method)."""
   head = (
-    "| setting | method | accuracy | drop vs own ref (pts) | train mismatch/kl | "
+    "| setting | method | seed | accuracy | drop vs own ref (pts) | train mismatch/kl | "
     "grad-norm mean | grad-norm max | grad-norm std | last reward |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
   )
   lines = [
-    f"| {r['setting']} | {r['method']} | {_fmt(100 * r['accuracy'], '.1f')} % | "
+    f"| {r['setting']} | {r['method']} | {r.get('seed', 0)} | "
+    f"{_fmt(100 * r['accuracy'], '.1f')} % | "
     f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
     f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
     f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} |"
@@ -159,16 +221,21 @@ def plot(rows: Sequence[dict], path: str) -> bool:
   def kl(r):
     return r["mismatch_kl_mean"] if r["mismatch_kl_mean"] > F32_ROUNDING_KL else 0.0
 
+  cells = summarise(rows)  # one point per (setting, method): the mean over seeds, ± sd
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-  positive = [kl(r) for r in rows if kl(r) > 0]
+  positive = [kl(r) for r in cells if kl(r) > 0]
   linthresh = min(positive) / 2 if positive else 1e-4
   for method, marker in zip(METHODS, "osD", strict=True):
-    mine = sorted((r for r in rows if r["method"] == method), key=kl)
+    mine = sorted((r for r in cells if r["method"] == method), key=kl)
     if not mine:
       continue
     x = [kl(r) for r in mine]
-    axes[0].plot(x, [100 * r["accuracy"] for r in mine], marker=marker, label=method)
-    axes[1].plot(x, [r["drop_points"] for r in mine], marker=marker, label=method)
+    sd = [0.0 if math.isnan(r["accuracy_sd"]) else 100 * r["accuracy_sd"] for r in mine]
+    acc = [100 * r["accuracy"] for r in mine]
+    axes[0].errorbar(x, acc, yerr=sd, marker=marker, capsize=3, label=method)
+    axes[1].errorbar(
+      x, [r["drop_points"] for r in mine], yerr=sd, marker=marker, capsize=3, label=method
+    )
     for r in mine:
       axes[0].annotate(r["setting"], (kl(r), 100 * r["accuracy"]), fontsize=6)
   for ax, ylabel in zip(
@@ -190,10 +257,14 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   """Writes <workdir>/opd_vs_rl.{md,json,png} from the finished rows; returns the JSON dict."""
   add_drops(rows)
   table = markdown_table(rows)
+  cells = summarise(rows)
+  text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
+  if any(len(c["seeds"]) > 1 for c in cells):
+    text += f"## Over seeds\n\n{summary_table(cells)}\n## Every run\n\n"
   base = os.path.join(workdir, REPORT_NAME)
   with open(base + ".md", "w", encoding="utf-8") as f:
-    f.write(f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n{table}")
-  report = dict(meta, rows=rows, table_markdown=table)
+    f.write(text + table)
+  report = dict(meta, rows=rows, cells=cells, table_markdown=table)
   tmp = base + ".json.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
@@ -203,19 +274,28 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   return report
 
 
+def run_name(method: str, setting: str, seed: int) -> str:
+  """<method>__<setting>, with __seed<k> for train.seed k ≠ 0 (seed 0 keeps the plain name)."""
+  return f"{method}__{setting}" + (f"__seed{seed}" if seed else "")
+
+
 def plan(
   config: ml_collections.ConfigDict,
-) -> list[tuple[str, str, str, ml_collections.ConfigDict]]:
-  """(method, setting name, spec, run config) for every run, settings outermost (the
-  reference first), so that a comparison stopped early has whole settings.
+) -> list[tuple[str, str, str, int, ml_collections.ConfigDict]]:
+  """(method, setting name, spec, seed, run config) for every run: seeds outermost, then
+  settings (the reference first), so that a comparison stopped early has whole settings of
+  its first seeds.
 
   Raises:
     ValueError: a bad setting spec (named by `admission.parse_candidate`), an unknown
-      method, or two settings with the same name.
+      method, two settings with the same name, or no or repeated seeds.
   """
   methods = tuple(config.methods)
   if not methods:
     raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
+  seeds = [int(s) for s in config.get("seeds", (0,))]
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"config.seeds must be distinct train seeds, at least one; got {seeds}")
   base = config.run
   settings = [("", {})]
   for spec in config.settings:
@@ -224,10 +304,15 @@ def plan(
   if len(set(names)) != len(names):
     raise ValueError(f"config.settings has repeated settings: {names}")
   out = []
-  for (spec, rollout_overrides), name in zip(settings, names, strict=True):
-    for method in methods:
-      overrides = dict(rollout_overrides, **method_overrides(method, config.rl_lr, config.is_clip))
-      out.append((method, name, spec, runs.with_overrides(base, overrides)))
+  for seed in seeds:
+    for (spec, rollout_overrides), name in zip(settings, names, strict=True):
+      for method in methods:
+        overrides = dict(
+          rollout_overrides,
+          **method_overrides(method, config.rl_lr, config.is_clip),
+          **{"train.seed": seed},
+        )
+        out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
   return out
 
 
@@ -254,7 +339,8 @@ def run_comparison(
     "rl_lr": config.rl_lr,
     "is_clip": config.is_clip,
     "teacher_cache_dir": config.run.teacher.cache_dir,
-    "planned": [f"{m}__{s}" for m, s, _, _ in todo],
+    "seeds": sorted({seed for _, _, _, seed, _ in todo}),
+    "planned": [run_name(m, s, seed) for m, s, _, seed, _ in todo],
     "summary": (
       f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
       f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, rl_is C={config.is_clip}. "
@@ -264,11 +350,11 @@ def run_comparison(
   }
   rows: list[dict] = []
   report: dict[str, Any] = {}
-  for i, (method, name, spec, run_config) in enumerate(todo):
-    run_dir = os.path.join(workdir, "runs", f"{method}__{name}")
-    log(f"[{i + 1}/{len(todo)}] {method} on {name} -> {run_dir}")
+  for i, (method, name, spec, seed, run_config) in enumerate(todo):
+    run_dir = os.path.join(workdir, "runs", run_name(method, name, seed))
+    log(f"[{i + 1}/{len(todo)}] {method} on {name}, seed {seed} -> {run_dir}")
     result = runs.run_once(run_config, run_dir, log)
-    rows.append(run_row(method, name, spec, run_dir, result))
+    rows.append(run_row(method, name, spec, run_dir, result, seed))
     meta["finished"] = len(rows)
     report = write_report(rows, workdir, meta, log)
     r = rows[-1]
@@ -277,6 +363,7 @@ def run_comparison(
       f"mismatch/kl {r['mismatch_kl_mean']:.2e}, grad-norm mean {r['grad_norm_mean']:.3g} "
       f"max {r['grad_norm_max']:.3g}"
     )
-  log(report["table_markdown"])
+  cells = report["cells"]
+  log(summary_table(cells) if any(len(c["seeds"]) > 1 for c in cells) else report["table_markdown"])
   log(f"wrote {os.path.join(workdir, REPORT_NAME)}.{{md,json,png}}")
   return report

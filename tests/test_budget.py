@@ -465,6 +465,20 @@ def test_stale_reasons_say_what_changed(setup):
   ]
 
 
+def test_a_model_field_newer_than_the_budget_is_no_change_at_its_default(setup):
+  """A budget saved before ModelConfig had `logical_vocab_size` (0: every row is real) still
+  matches an unpadded model, and is stale for a padded one."""
+  _, _, fp = setup
+  saved = json.loads(json.dumps(fp))
+  del saved["student"]["architecture"]["logical_vocab_size"]
+  assert budget_file.stale_reasons(saved, fp) == []
+  padded = json.loads(json.dumps(fp))
+  padded["student"]["architecture"]["logical_vocab_size"] = 3
+  assert budget_file.stale_reasons(saved, padded) == [
+    "student architecture logical_vocab_size is in the current fingerprint but not in the saved one"
+  ]
+
+
 def _write_edited(tmp_path, setup, edit):
   doc = json.loads(budget_file.budget_to_json(fit_budget(STEP, 0.5), setup[2]))
   edit(doc)

@@ -42,6 +42,7 @@ import numpy as np
 from etils import epath
 
 from opd_jax.mismatch import budget as budget_lib
+from opd_jax.model_config import ModelConfig
 
 SCHEMA = "opd_jax.budget"
 VERSION = 1
@@ -139,6 +140,15 @@ def _label(path: tuple[str, ...]) -> str:
   return ".".join(path)
 
 
+def _added_at_default(path: tuple[str, ...], key: str, value) -> bool:
+  """Whether `key` is a ModelConfig field that a budget saved before the field existed lacks,
+  at its default value: the same architecture, so not a reason to recalibrate."""
+  if len(path) != 2 or path[1] != "architecture":
+    return False
+  field = ModelConfig.__dataclass_fields__.get(key)
+  return field is not None and field.default is not dataclasses.MISSING and value == field.default
+
+
 def _diff(saved, current, path: tuple[str, ...], out: list[str]):
   if isinstance(saved, Mapping) and isinstance(current, Mapping):
     keys = list(saved) + [k for k in current if k not in saved]
@@ -147,7 +157,8 @@ def _diff(saved, current, path: tuple[str, ...], out: list[str]):
       if key not in current:
         out.append(f"{_label(sub)} is in the saved fingerprint but not in the current one")
       elif key not in saved:
-        out.append(f"{_label(sub)} is in the current fingerprint but not in the saved one")
+        if not _added_at_default(path, key, current[key]):
+          out.append(f"{_label(sub)} is in the current fingerprint but not in the saved one")
       else:
         _diff(saved[key], current[key], sub, out)
     return
@@ -168,7 +179,9 @@ def stale_reasons(saved_fp: Mapping, current_fp: Mapping) -> list[str]:
 
   One line per differing leaf, e.g. "student weights hash changed: 3f2a… -> 9b1c…",
   "jax version 0.10.1 -> 0.10.2", "teacher architecture num_layers changed: 4 -> 8",
-  "quantization format fp8/channel -> fp8/block128".
+  "quantization format fp8/channel -> fp8/block128". A ModelConfig field that the saved
+  fingerprint predates is no change while it holds its default (a budget saved before
+  `logical_vocab_size` existed still matches an unpadded model).
   """
   out: list[str] = []
   _diff(saved_fp, current_fp, (), out)

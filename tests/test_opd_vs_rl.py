@@ -73,7 +73,8 @@ def test_plan_covers_every_method_and_setting_and_refuses_bad_specs():
   config.seeds = (0, 3)
   seeded = opd_vs_rl.plan(config)
   assert [seed for _, _, _, seed, _ in seeded] == [0] * 6 + [3] * 6
-  assert [c.train.seed for *_, c in seeded] == [0] * 6 + [3] * 6
+  # Seed 0 is the run's own (train.seed -1 = seed 0): its config is left as it was recorded.
+  assert [c.train.seed for *_, c in seeded] == [-1] * 6 + [3] * 6
   assert opd_vs_rl.run_name("rl", "reference", 0) == "rl__reference"  # earlier runs are reused
   assert opd_vs_rl.run_name("rl", "reference", 3) == "rl__reference__seed3"
   config.seeds = (1, 1)

@@ -303,6 +303,9 @@ def plan(
   names = [setting_name(s) for s, _ in settings]
   if len(set(names)) != len(names):
     raise ValueError(f"config.settings has repeated settings: {names}")
+  # The run's own seed is left as the config states it (train.seed = -1 means `seed`), so that
+  # its runs keep their recorded configs; other seeds set train.seed.
+  own_seed = base.train.seed if base.train.seed >= 0 else base.seed
   out = []
   for seed in seeds:
     for (spec, rollout_overrides), name in zip(settings, names, strict=True):
@@ -310,7 +313,7 @@ def plan(
         overrides = dict(
           rollout_overrides,
           **method_overrides(method, config.rl_lr, config.is_clip),
-          **{"train.seed": seed},
+          **({} if seed == own_seed else {"train.seed": seed}),
         )
         out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
   return out

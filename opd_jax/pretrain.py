@@ -7,7 +7,8 @@ it (architecture, task, steps, lr, batch, seed, tokenizer). A later run with the
 same settings loads it instead of training; any change trains a new one.
 
 The cache directory is any `etils.epath` path (`save_cached`, `load_cached`): a local
-one is written to a temporary directory and renamed; on an object store
+one is written to a temporary directory and renamed (when two runs bootstrap the same entry
+at once, the first rename wins and the other's copy is dropped); on an object store
 (gs://bucket/cache) the files are uploaded with config.json last, and an entry counts
 only once its config.json exists, so a killed bootstrap never leaves a half-written
 entry that a later run would load. An unreadable entry is an error naming it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -108,7 +110,17 @@ def save_cached(directory: str | os.PathLike, cfg: ModelConfig, params) -> None:
   if "://" not in directory:
     tmp = f"{directory}.tmp{os.getpid()}"
     hf.save_checkpoint(tmp, cfg, params)
-    os.replace(tmp, directory)
+    try:
+      os.replace(tmp, directory)
+    except OSError as e:  # the directory exists and is not empty
+      shutil.rmtree(tmp)
+      if not is_cached(directory):
+        raise ValueError(
+          f"cannot write the cache entry {directory}: it exists without {hf.CONFIG_FILE}; "
+          "delete it so that the next run rebuilds it"
+        ) from e
+      # Another run finished the same entry first: the key hashes every setting that shaped
+      # it, so its checkpoint stands for this one.
     return
   target = epath.Path(directory)
   target.mkdir(parents=True, exist_ok=True)

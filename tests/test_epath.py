@@ -136,6 +136,27 @@ def test_teacher_cache_entry_round_trips_bit_for_bit(bucket, tmp_path, where):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_two_runs_writing_one_local_cache_entry_keep_the_first(tmp_path):
+  """Two runs that bootstrap the same entry at once: the second save finds the first's
+  complete entry, keeps it and removes its own copy; a non-entry in the way is named."""
+  cfg = tiny_model_cfg()
+  first = jax.device_get(model.init_params(jax.random.key(0), cfg))
+  second = jax.device_get(model.init_params(jax.random.key(1), cfg))
+  directory = tmp_path / "teacher-0123"
+  pretrain.save_cached(os.fspath(directory), cfg, first)
+  pretrain.save_cached(os.fspath(directory), cfg, second)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher-0123"]  # no temporary left
+  loaded = pretrain.load_cached(os.fspath(directory), jax.numpy.float32, None)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(loaded), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  junk = tmp_path / "teacher-4567"
+  junk.mkdir()
+  (junk / "notes.txt").write_text("not a checkpoint")
+  with pytest.raises(ValueError, match=f"cannot write the cache entry {junk}: .*delete it"):
+    pretrain.save_cached(os.fspath(junk), cfg, first)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher-0123", "teacher-4567"]
+
+
 def test_an_upload_cut_short_is_not_a_cache_entry_and_a_corrupt_one_is_named(bucket):
   cfg = tiny_model_cfg()
   params = jax.device_get(model.init_params(jax.random.key(0), cfg))

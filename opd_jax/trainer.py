@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import signal
 import threading
 import time
@@ -408,14 +407,10 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
     mesh=m.mesh,
     log=log,
   )
-  # Another run that saved the same warm start first saved the same params: keep its entry.
+  # Another run that saved the same warm start first saved the same params: save_cached keeps
+  # its entry.
   if directory and jax.process_index() == 0 and not pretrain.is_cached(directory):
-    try:
-      pretrain.save_cached(directory, m.student_cfg, jax.device_get(params))
-    except OSError:  # a local rename onto the entry another run renamed there meanwhile
-      if not pretrain.is_cached(directory):
-        raise
-      shutil.rmtree(f"{directory}.tmp{os.getpid()}", ignore_errors=True)  # save_cached's copy
+    pretrain.save_cached(directory, m.student_cfg, jax.device_get(params))
   return params
 
 

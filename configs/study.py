@@ -37,6 +37,9 @@ def get_config(arg=None):
   c.num_prompts = 64  # calibration prompts per admission-check measurement
   c.tolerance = 0.0  # quality-drop tolerance; 0 = auto: max(2 sd of seeds, 2 binomial SE)
   c.sensitivity = True  # also run the layer-sensitivity scan at the probe's student
+  # A held-out run whose drop is within one seed-sd of τ is trained again with these seeds and
+  # labelled by the mean (one run cannot tell kept from degraded there).
+  c.borderline_seeds = (1, 2)
   c.calibration = (
     "rollout.noise_sigma=0.05",
     "rollout.noise_sigma=0.1",

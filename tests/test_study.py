@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opd_jax.mismatch import admission, budget_file, study
+from opd_jax.mismatch import admission, budget, budget_file, study
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -74,6 +74,16 @@ def test_settings_refuse_duplicates_and_bad_specs():
     study.study_settings(config)
 
 
+def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_path):
+  assert study.is_borderline(0.069, 0.0586, 0.0293)  # |d − τ| = 0.010 < sd
+  assert not study.is_borderline(0.0, 0.0586, 0.0293)  # 0.059 away: clearly kept
+  assert not study.is_borderline(0.24, 0.0586, 0.0293)  # clearly degraded
+  config = study_config.get_config("tiny")
+  config.borderline_seeds = (config.seeds[0],)
+  with pytest.raises(ValueError, match="exclude the held-out runs' seed"):
+    study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
+
+
 def test_probe_must_cover_the_largest_lag(tmp_path):
   config = study_config.get_config("tiny")
   config.calibration = ("rollout.stale_k=4",)
@@ -129,3 +139,18 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert {p: p.stat().st_mtime for p in mtimes} == mtimes
   again = json.loads((workdir / "study.json").read_text())
   assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in result["rows"]]
+
+  # A held-out run whose drop is within one seed-sd of τ is trained again with the borderline
+  # seeds and labelled by the mean of its runs (the floor is set so that it is borderline).
+  settings = study.study_settings(config)
+  rows = [dict(r) for r in result["rows"]]
+  held = next(i for i, st in enumerate(settings) if st.role == "held_out")
+  rows[held][budget.DROP_KEY] = 0.1
+  floor = {"mean": rows[held]["accuracy"] + 0.1, "sd": 0.05, "se": 0.01}
+  study.label_runs(config, settings, rows, 0.1, floor, str(workdir), lambda *a: None)
+  runs_q = rows[held]["accuracy_runs"]
+  assert len(runs_q) == 1 + len(config.borderline_seeds)
+  assert rows[held]["label_drop"] == pytest.approx(floor["mean"] - sum(runs_q) / len(runs_q))
+  for seed in config.borderline_seeds:
+    assert (workdir / "runs" / f"{settings[held].name}_seed{seed}" / "result.json").exists()
+  assert all(len(r["accuracy_runs"]) == 1 for i, r in enumerate(rows) if i != held)

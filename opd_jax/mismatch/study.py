@@ -20,8 +20,11 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    degradation. `budget.fit_budget(records, τ)` on the reference and calibration records gives
    the budget, saved as `DIR/budget.json` with the fingerprint of θ_P and the teacher.
 5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
-   the check would have given; the full run says whether quality was kept (d ≤ τ). The
-   confusion table and the agreement rate go to the report.
+   the check would have given; the full run says whether quality was kept (d ≤ τ). One run
+   cannot label a setting whose drop lies within one seed-sd of τ (|d − τ| < sd): such a
+   setting is trained again with each of `borderline_seeds`, and its label is the drop of the
+   mean over its runs. The confusion table and the agreement rate go to the report, beside
+   the single-run ones.
 6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
    (`study_report`). The check's mismatch is also set beside each run's training-time mean
    `mismatch/kl` (agreement of the two x-axes).
@@ -50,6 +53,7 @@ REFERENCE_SPEC = "rollout.weights=trainer"  # a candidate that changes nothing: 
 MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
+LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
 # Which override makes a setting belong to which source, checked in this order.
 SOURCE_OF_KEY = (
   ("rollout.noise_sigma", "noise"),
@@ -245,15 +249,24 @@ def budget_records(rows: Sequence[dict]) -> list[dict]:
   ]
 
 
-def confusion(rows: Sequence[dict], tolerance: float) -> dict[str, Any]:
+def is_borderline(drop: float, tolerance: float, spread: float) -> bool:
+  """Whether one run's drop d is too close to τ to label its setting: |d − τ| < spread (the
+  seed-to-seed sd of the reference)."""
+  return abs(drop - tolerance) < spread
+
+
+def confusion(
+  rows: Sequence[dict], tolerance: float, drop_key: str = budget.DROP_KEY
+) -> dict[str, Any]:
   """Held-out verdicts against what training showed.
 
-  A run "kept quality" iff its drop d ≤ τ. Counts: admitted & kept (true accept), admitted &
-  degraded (false accept), refused & kept (false refuse), refused & degraded (true refuse).
+  A setting "kept quality" iff its drop `row[drop_key]` ≤ τ. Counts: admitted & kept (true
+  accept), admitted & degraded (false accept), refused & kept (false refuse), refused &
+  degraded (true refuse).
   """
   table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
   for r in rows:
-    kept = r[budget.DROP_KEY] <= tolerance
+    kept = r[drop_key] <= tolerance
     table[("admitted" if r["admitted"] else "refused") + ("_kept" if kept else "_degraded")] += 1
   n = sum(table.values())
   agree = table["admitted_kept"] + table["refused_degraded"]
@@ -298,6 +311,40 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   }
 
 
+def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
+  """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
+
+  A held-out row whose single-run drop is borderline (`is_borderline` with the reference's sd,
+  or the binomial SE with one reference seed) is trained again with each of
+  `config.borderline_seeds` into DIR/runs/<name>_seed<k>; every other row keeps its one run.
+
+  Raises:
+    ValueError: a borderline seed that repeats one or is the held-out runs' own seed.
+  """
+  extra = [int(x) for x in config.get("borderline_seeds", ())]
+  if len(set(extra)) != len(extra) or int(config.seeds[0]) in extra:
+    raise ValueError(
+      f"config.borderline_seeds={tuple(extra)} must be distinct and exclude the held-out runs' "
+      f"seed {config.seeds[0]}"
+    )
+  spread = floor["sd"] or floor["se"]
+  for s, row in zip(settings, rows, strict=True):
+    row["accuracy_runs"] = [row["accuracy"]]
+    if s.role == "held_out" and extra and is_borderline(row[budget.DROP_KEY], tolerance, spread):
+      for seed in extra:
+        again = dataclasses.replace(s, seed=seed)
+        log(
+          f"borderline {s.name} (drop {row[budget.DROP_KEY]:.3f}, τ {tolerance:.3f}): seed {seed}"
+        )
+        result = runs.run_once(
+          run_config(config, again, workdir),
+          os.path.join(workdir, "runs", f"{s.name}_seed{seed}"),
+          log,
+        )
+        row["accuracy_runs"].append(result["student_accuracy_after"])
+    row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
+
+
 def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
   """Runs the study (module docstring) in `workdir`; returns what `study.json` holds."""
   from opd_jax.mismatch import study_report  # matplotlib only when reporting
@@ -330,13 +377,14 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     row.update({k: v for k, v in res.items() if k.startswith("train/")})
     rows.append(row)
 
+  label_runs(config, settings, rows, tolerance, floor, workdir, log)
   fitted = budget.fit_budget(budget_records(rows), tolerance)
   budget_path = os.path.join(workdir, BUDGET_FILE)
   budget_file.save_budget(budget_path, fitted, fingerprint)
   for row in rows:
     verdict = budget.admit(row, fitted)
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
-    row["kept_quality"] = row[budget.DROP_KEY] <= tolerance
+    row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]
 
   result: dict[str, Any] = {
@@ -358,7 +406,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
       "curve_kl": list(fitted.overall.curve_kl),
       "curve_drop": list(fitted.overall.curve_drop),
     },
-    "confusion": confusion(held_out, tolerance),
+    "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
+    "confusion": confusion(held_out, tolerance, LABEL_DROP),
+    "confusion_single_run": confusion(held_out, tolerance),
     "check_vs_training": agreement(rows),
     "rows": rows,
     "curves": {s.name: results[s.name].get("curve", []) for s in settings},

@@ -175,14 +175,16 @@ def _g(x: Any) -> str:
 def rows_table(rows: list[dict]) -> list[str]:
   lines = [
     "| setting | role | source | check mismatch/kl | training mean | accuracy % | drop pts |"
-    " verdict | kept |",
-    "|---|---|---|---|---|---|---|---|---|",
+    " drop over runs | verdict | kept |",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
+    runs = r.get("accuracy_runs", [r["accuracy"]])
+    over = f"{_pct(r.get('label_drop', r['quality_drop']))} ({len(runs)})"
     lines.append(
       f"| {r['name']} | {r['role']} | {r['source']} | {_g(r['mismatch/kl'])} | "
       f"{_g(r.get('train/mismatch/kl_mean'))} | {_pct(r['accuracy'])} | "
-      f"{_pct(r['quality_drop'])} | {'admit' if r['admitted'] else 'refuse'} | "
+      f"{_pct(r['quality_drop'])} | {over} | {'admit' if r['admitted'] else 'refuse'} | "
       f"{'yes' if r['kept_quality'] else 'no'} |"
     )
   return lines
@@ -224,6 +226,20 @@ def findings(result: dict) -> list[str]:
     f"(admitted & kept {conf['admitted_kept']}, admitted & degraded {conf['admitted_degraded']}, "
     f"refused & kept {conf['refused_kept']}, refused & degraded {conf['refused_degraded']})."
   )
+  single = result.get("confusion_single_run")
+  rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]
+  if single and result.get("borderline_seeds"):
+    out.append(
+      f"{len(rerun)} held-out settings had a single-run drop within one seed-sd of τ and were "
+      f"trained again with seeds {result['borderline_seeds']} (labelled by the mean): "
+      + (
+        ", ".join(
+          f"{r['name']} {_pct(r['quality_drop'])} -> {_pct(r['label_drop'])}" for r in rerun
+        )
+        or "none"
+      )
+      + f". Judged by single runs, agreement would be {_pct(single['agreement'])} %."
+    )
   a = result["check_vs_training"]
   out.append(
     f"Check against training-time mismatch ({a['n']} runs): Spearman {_g(a['spearman'])}, "

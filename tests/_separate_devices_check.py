@@ -20,9 +20,11 @@ import test_rollouts as t  # noqa: E402
 from opd_jax.rollouts import AsyncRollouts  # noqa: E402
 
 
-def run(engine_shardings):
+def run(engine_shardings, max_lag):
   trainer_mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-  source = AsyncRollouts(t._engine(trainer_mesh), max_lag=1, engine_shardings=engine_shardings)
+  source = AsyncRollouts(
+    t._engine(trainer_mesh), max_lag=max_lag, engine_shardings=engine_shardings
+  )
   try:
     seen = t._drive(source, 4)
   finally:
@@ -32,18 +34,22 @@ def run(engine_shardings):
 
 
 def main():
-  engine_mesh = Mesh(np.array(jax.devices()[1:2]), ("x",))
-  separate, separate_devices = run(NamedSharding(engine_mesh, PartitionSpec()))
-  shared, _ = run(None)
+  engine = NamedSharding(Mesh(np.array(jax.devices()[1:2]), ("x",)), PartitionSpec())
+  # max_lag = 0 is reproducible batch for batch, so the two placements must agree exactly.
+  separate, separate_devices = run(engine, 0)
+  shared, _ = run(None, 0)
   same = all(np.array_equal(a[k], b[k]) for a, b in zip(separate, shared, strict=True) for k in a)
-  versions = [r["version"] for r in separate]
+  # max_lag = 1 overlaps the two devices; which version each batch gets depends on timing.
+  ahead, ahead_devices = run(engine, 1)
   print(
     json.dumps(
       {
         "devices": jax.device_count(),
         "same": same,
-        "versions": versions,
+        "versions": [r["version"] for r in separate],
         "rollout_devices": separate_devices,
+        "ahead_versions": [r["version"] for r in ahead],
+        "ahead_rollout_devices": ahead_devices,
       }
     )
   )

@@ -289,7 +289,9 @@ def test_bad_async_settings_are_refused(mesh):
 
 @pytest.mark.slow
 def test_engine_on_separate_devices_gives_the_same_rollouts():
-  """Trainer on device 0, producer and sampler on device 1 (2 forced CPU devices)."""
+  """Trainer on device 0, producer and sampler on device 1 (2 forced CPU devices): the same
+  rollouts as on one device at max_lag = 0 (the reproducible loop), and at max_lag = 1 every
+  batch within the lag bound and handed to the trainer's device."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
   script = Path(__file__).with_name("_separate_devices_check.py")
@@ -299,6 +301,10 @@ def test_engine_on_separate_devices_gives_the_same_rollouts():
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["devices"] == 2
-  assert result["same"], result
-  assert result["rollout_devices"] == [0]  # handed to the trainer's devices
-  assert result["versions"] == [0, 0, 1, 2]
+  assert result["same"], result  # at max_lag = 0: placement changes no token
+  assert result["versions"] == [0, 1, 2, 3]
+  assert result["rollout_devices"] == result["ahead_rollout_devices"] == [0]  # on the trainer's
+  # At max_lag = 1 the version each batch gets depends on timing, within the bound.
+  assert all(step - 1 <= v <= step for step, v in enumerate(result["ahead_versions"])), result[
+    "ahead_versions"
+  ]

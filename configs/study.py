@@ -12,8 +12,10 @@ teacher and the warm-started student are shared) to give the seed-to-seed noise 
 
 Cost and resolution. A run is `run.train.steps` = 500 OPD steps (half the default budget, with
 the learning-rate schedule compressed to it) and 512 held-out prompts: about 100-130 s each on
-2 quiet CPU cores, so the 3 + 15 calibration and 15 held-out runs take about 70 minutes. Halving the
-step budget means that a source which only slows training shows up as a quality drop here but
+2 quiet CPU cores, so the 3 + 15 calibration and 15 held-out runs take about 70 minutes, and
+the borderline re-runs (2 per held-out setting within one seed-sd of τ: 6 settings, 12 runs in
+the committed study) about 25 more; `borderline_seeds=()` skips them. Halving the step budget
+means that a source which only slows training shows up as a quality drop here but
 might catch up in 1,000 steps; 512 held-out prompts give a binomial standard error of about
 1 point at 95 % accuracy. Three reference seeds estimate the noise floor only roughly.
 """

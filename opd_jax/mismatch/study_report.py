@@ -34,7 +34,9 @@ def _x(kl: float) -> float:
 
 
 def plot_quality(result: dict, path: str) -> str:
-  """Quality drop against the check's mismatch/kl with the fit and the budget."""
+  """Quality drop against the check's mismatch/kl with the fit and the budget. A held-out
+  setting is drawn at the drop it was judged by (`label_drop`: the mean of its runs when it was
+  borderline)."""
   plt = _plt()
   fig, ax = plt.subplots(figsize=(7.5, 4.6))
   sources = sorted({r["source"] for r in result["rows"]})
@@ -45,7 +47,7 @@ def plot_quality(result: dict, path: str) -> str:
         continue
       ax.scatter(
         [_x(r["mismatch/kl"]) for r in rs],
-        [100 * r["quality_drop"] for r in rs],
+        [100 * r.get("label_drop", r["quality_drop"]) for r in rs],
         marker=MARKERS[i % len(MARKERS)],
         facecolors=f"C{i}" if fill else "none",
         edgecolors=f"C{i}",

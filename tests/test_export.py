@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import apply_overrides
 
 from opd_jax import exporting, hf, model, tokenizer, trainer
 
@@ -39,13 +40,7 @@ def _config(teacher_cache, **overrides):
   config.train.steps = 2
   config.train.checkpoint_every = 1
   config.train.eval_every = 100
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)
 
 
 def _checkpoint_params(workdir, step):

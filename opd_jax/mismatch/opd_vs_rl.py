@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax import metrics_writer
-from opd_jax.mismatch import admission, runs
+from opd_jax.mismatch import admission, runs, study
 
 REFERENCE = "reference"
 METHODS = ("opd", "rl", "rl_is")
@@ -64,10 +63,7 @@ def method_overrides(method: str, rl_lr: float, is_clip: float) -> dict[str, Any
 def setting_name(spec: str) -> str:
   """A directory name for a setting spec: "rollout.weights=fp8,rollout.kv_cache=fp8" ->
   "weights-fp8_kv_cache-fp8"; the empty spec is the reference."""
-  if not spec:
-    return REFERENCE
-  name = spec.replace("rollout.", "").replace("=", "-").replace(",", "_")
-  return re.sub(r"[^A-Za-z0-9_.-]", "", name)
+  return study.setting_name(spec) if spec else REFERENCE
 
 
 def grad_norm_stats(run_dir: str) -> dict[str, float]:

@@ -16,8 +16,13 @@ The directory is any `etils.epath` path: a local directory or an object store
 writes step N into a temporary directory and only then commits it (a rename on a
 local disk, a commit marker on an object store), so a process killed mid-write leaves
 an uncommitted temporary directory that `latest_step` never returns; the next
-`Checkpointer` on that directory deletes it (`cleanup_tmp_directories`: in the
-background, and its first save waits for the deletion).
+writing `Checkpointer` on that directory deletes it (`cleanup_tmp_directories`: in the
+background; its first save, and its `close`, wait for the deletion, so two writers opened
+one after the other never delete the same directory at once).
+
+A reader (`read_only=True`: the admission check, the sensitivity scan, anything that
+restores another run's checkpoints) deletes nothing and creates nothing: the temporary
+directory it would see may be a live run's step being written.
 """
 
 from __future__ import annotations
@@ -45,13 +50,19 @@ def all_finite(tree) -> bool:
 
 
 class Checkpointer:
-  """Saves and restores (state, extra) under `directory` with orbax."""
+  """Saves and restores (state, extra) under `directory` with orbax; `read_only` restores only."""
 
-  def __init__(self, directory: str | os.PathLike, max_to_keep: int = 2):
+  def __init__(self, directory: str | os.PathLike, max_to_keep: int = 2, *, read_only=False):
     self.directory = absolute(directory)
-    options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
-    )
+    self.read_only = read_only
+    if read_only:
+      options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, max_to_keep=None, save_interval_steps=0
+      )
+    else:
+      options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
+      )
     self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
 
   def latest_step(self) -> int | None:
@@ -59,6 +70,8 @@ class Checkpointer:
 
   def save(self, step: int, state, extra: dict[str, Any]) -> None:
     """Writes step `step`; raises ValueError (saving nothing) if `state` is not finite."""
+    if self.read_only:
+      raise ValueError(f"refusing to save step {step}: {self.directory} was opened read-only")
     if not all_finite(state):
       raise ValueError(
         f"refusing to checkpoint step {step}: the state has non-finite values; "
@@ -83,3 +96,9 @@ class Checkpointer:
     if jax.process_count() > 1 and sys.exc_info()[1] is not None:
       return
     self._manager.close()
+    # `CheckpointManager.close` does not wait for the deletion of stale temporary directories
+    # that its constructor started; a writer closed before its first save would leave it
+    # running into the next writer's own deletion of the same directories.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()

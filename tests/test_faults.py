@@ -97,14 +97,33 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_last_complete_one_and_the_r
   assert "9" not in os.listdir(ckpt_dir), "the kill came after the commit"
   assert any(d.startswith("9.orbax-checkpoint-tmp") for d in os.listdir(ckpt_dir))
 
-  ckpt = checkpointing.Checkpointer(ckpt_dir)
-  assert ckpt.latest_step() == 6  # the uncommitted step 9 is never offered
-  ckpt.close()
+  reader = checkpointing.Checkpointer(ckpt_dir, read_only=True)
+  assert reader.latest_step() == 6  # the uncommitted step 9 is never offered
+  reader.close()
+  assert any(d.startswith("9.orbax-checkpoint-tmp") for d in os.listdir(ckpt_dir))  # nor deleted
   resumed = trainer.run(tiny_config(teacher_cache, **{"train.steps": 9}), str(workdir), **QUIET)
   assert (resumed["start_step"], resumed["end_step"]) == (6, 9)
   assert np.isfinite(metrics_writer.read_jsonl(workdir)[9]["loss/total"])
   assert _steps_on_disk(ckpt_dir) == [6, 9]
   assert not [d for d in os.listdir(ckpt_dir) if "tmp" in d]  # removed before the first save
+
+
+def test_a_reader_leaves_a_write_in_progress_alone_and_a_writer_deletes_it_before_closing(
+  tmp_path,
+):
+  partial = tmp_path / "9.orbax-checkpoint-tmp"  # what a killed (or a live) write of step 9 is
+  partial.mkdir()
+  (partial / "shard").write_bytes(bytes(1 << 16))
+  reader = checkpointing.Checkpointer(tmp_path, read_only=True)
+  assert reader.latest_step() is None
+  with pytest.raises(ValueError, match="opened read-only"):
+    reader.save(9, {"w": np.zeros(2, np.float32)}, {})
+  reader.close()
+  assert partial.exists()
+  # A writer that never saves still finishes deleting before `close` returns, so the next
+  # writer on this directory never deletes the same files at the same time.
+  checkpointing.Checkpointer(tmp_path).close()
+  assert os.listdir(tmp_path) == []
 
 
 # -- two processes ----------------------------------------------------------------------------

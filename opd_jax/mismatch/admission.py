@@ -407,7 +407,7 @@ class RunHistory:
     if step not in self._cache:
       if step not in self.steps:
         raise ValueError(f"{self.run_dir} has no checkpoint at step {step} (has {self.steps})")
-      ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"))
+      ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"), read_only=True)
       try:
         state, extra = ckpt.restore(step, self._target)
       finally:

@@ -133,9 +133,18 @@ def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
   fast, optimised = runs["fast"], runs["optimised"]
   assert fast["took"] and not fast["again"]  # set once, before the backend started
   assert "--xla_backend_optimization_level=0" in fast["xla_flags"]
+  for flag in admission.FAST_COMPILE_CPU_XLA_FLAGS:  # this jaxlib has them all
+    assert flag in fast["xla_flags"]
   assert "xla_backend_optimization_level" not in optimised["xla_flags"]
   assert optimised["kl"] > 1e-5  # FP8 weights and KV read a real mismatch
   np.testing.assert_allclose(fast["kl"], optimised["kl"], rtol=1e-4)
+
+
+def test_only_flags_this_xla_defines_are_added():
+  """XLA aborts the process on an unknown XLA_FLAGS entry, so each CPU flag is looked up first."""
+  assert admission.xla_knows_flag("--xla_backend_optimization_level=0")
+  assert admission.xla_knows_flag("--xla_cpu_use_fusion_emitters=false")
+  assert not admission.xla_knows_flag("--xla_cpu_no_such_flag_in_any_release=true")
 
 
 def test_fast_compilation_leaves_a_started_backend_alone(params, monkeypatch):

@@ -1,7 +1,7 @@
 """The `Rollout`: what the rollout engine hands to the trainer.
 
-A `Rollout` is a `flax.struct` pytree, so it crosses `jax.jit`, device transfers and
-the async double buffer as one value. All per-token arrays are aligned on the
+A `Rollout` is a pytree dataclass (`opd_jax.pytree`), so it crosses `jax.jit`, device
+transfers and the async double buffer as one value. All per-token arrays are aligned on the
 completion axis C: entry [b, c] describes the c-th generated token of sequence b.
 
 Log-probability conventions (all f32, natural log):
@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from opd_jax import pytree
 from opd_jax.teacher_topk import TopKTeacher
 
 
@@ -61,7 +61,7 @@ class Sequences(NamedTuple):
   logit_index_bc: jax.Array
 
 
-@struct.dataclass
+@pytree.dataclass
 class Rollout:
   """A batch of sampled completions with everything the trainer needs.
 
@@ -121,7 +121,7 @@ class Rollout:
   reward_b: jax.Array | None = None
   on_policy_b: jax.Array | None = None
   teacher_topk: TopKTeacher | None = None
-  engine_id: str = struct.field(pytree_node=False, default="")
+  engine_id: str = pytree.static("")
 
   @property
   def batch_size(self) -> int:

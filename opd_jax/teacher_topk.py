@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+
+from opd_jax import pytree
 
 
-@struct.dataclass
+@pytree.dataclass
 class TopKTeacher:
   """The teacher at every completion position as its top-k bins plus a tail.
 
@@ -59,7 +60,7 @@ class TopKTeacher:
   ids_bck: jax.Array
   tail_bc: jax.Array
   tail_count_bc: jax.Array
-  temperature: float = struct.field(pytree_node=False, default=1.0)
+  temperature: float = pytree.static(1.0)
 
   @property
   def k(self) -> int:

@@ -27,14 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
-from opd_jax import losses, mismatch, model, off_policy, rl, teacher_topk
+from opd_jax import losses, mismatch, model, off_policy, pytree, rl, teacher_topk
 from opd_jax.model_config import ModelConfig
 from opd_jax.rollout import Rollout
 
 
-@struct.dataclass
+@pytree.dataclass
 class TrainState:
   """params: student pytree; opt_state: optax state; step: int32 []; rng: uint32 key data."""
 

@@ -78,6 +78,7 @@ def main(argv):
     )
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
+  main_cli.freeze_heap_for_exit()
 
 
 if __name__ == "__main__":

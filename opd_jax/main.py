@@ -7,6 +7,7 @@ A bare `--config=fp8_async.py` resolves inside the repository's `configs/`.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -101,6 +102,17 @@ def exit_multiprocess_error(error: Exception) -> None:
   os._exit(1)
 
 
+def freeze_heap_for_exit() -> None:
+  """Takes every live object out of the cyclic collector's reach; called when a command's work
+  is done and its outputs are closed.
+
+  Interpreter shutdown otherwise runs the collector over everything jax, orbax and grain
+  imported: 0.36 s on 2 CPU cores, against 0.04 s frozen (the memory goes back to the OS
+  either way). A frozen cycle is never finalised, so nothing may still hold unflushed output.
+  """
+  gc.freeze()
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -121,6 +133,7 @@ def main(argv):
     if isinstance(e, ValueError | FileNotFoundError):
       sys.exit(f"error: {e}")
     raise
+  freeze_heap_for_exit()
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,20 +87,20 @@ def abstract_params(cfg: ModelConfig, mesh, dtype):
   )
 
 
-def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, rng):
+def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, init_key: Callable):
   """(ModelConfig, params, pending init or None) for a student/teacher config block.
 
   A non-empty `block.checkpoint` loads that HF directory (no pending init); otherwise the
   params are the built-in architecture's abstract params and the pending init is the
-  zero-argument function that creates them at random (`init_sharded`), which
-  `materialize` runs when a value is needed (the trainer warm-starts or bootstraps it).
+  zero-argument function that creates them at random (`init_sharded` with `init_key()`),
+  which `materialize` runs when a value is needed (the trainer warm-starts or bootstraps it).
   """
   dtype = DTYPES[block.dtype]
   if block.checkpoint:
     shardings = lambda cfg: param_shardings(cfg, mesh, dtype)
     return (*hf.load_checkpoint(block.checkpoint, dtype, shardings=shardings), None)
   cfg = arch_config(block.arch, vocab_size)
-  return cfg, abstract_params(cfg, mesh, dtype), lambda: init_sharded(cfg, mesh, rng, dtype)
+  return cfg, abstract_params(cfg, mesh, dtype), lambda: init_sharded(cfg, mesh, init_key(), dtype)
 
 
 def tokenizer_path(config: ml_collections.ConfigDict) -> str:
@@ -236,9 +237,12 @@ def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) ->
   refuses mismatched vocabularies before any weights load)."""
   plan = plan or plan_models(config)
   mesh, tok = plan.mesh, plan.tokenizer
-  rng_s, rng_t = jax.random.split(jax.random.key(config.seed))
-  student_cfg, student, init_s = load_or_init(config.student, tok.vocab_size, mesh, rng_s)
-  teacher_cfg, teacher, init_t = load_or_init(config.teacher, tok.vocab_size, mesh, rng_t)
+
+  def init_key(index: int) -> Callable:  # split(key(seed))[index], derived only if used
+    return lambda: jax.random.split(jax.random.key(config.seed))[index]
+
+  student_cfg, student, init_s = load_or_init(config.student, tok.vocab_size, mesh, init_key(0))
+  teacher_cfg, teacher, init_t = load_or_init(config.teacher, tok.vocab_size, mesh, init_key(1))
   pending = {who: f for who, f in (("student", init_s), ("teacher", init_t)) if f is not None}
   # The plan's V_real (padded tables): the weights keep every row, the logits do not.
   student_cfg = with_real_vocab(student_cfg, plan.student_cfg.real_vocab_size)

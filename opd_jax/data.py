@@ -30,10 +30,12 @@ import difflib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import numpy as np
+
+if TYPE_CHECKING:
+  import grain
 
 PROMPT_FIELDS = ("prompt", "messages")
 
@@ -205,6 +207,8 @@ def prompt_batches(
     raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index} and {shard_count}")
   if len(source) < shard_count:
     raise ValueError(f"{len(source)} prompts cannot be split over {shard_count} shards")
+  import grain  # here, not at the top: commands that read no batches (admit) skip its 0.07 s
+
   ds = grain.MapDataset.source(source).seed(seed).shuffle()[shard_index::shard_count]
   if num_epochs is not None and len(ds) * num_epochs < batch_size:
     raise ValueError(

@@ -117,6 +117,7 @@ def test_options_and_defaults_are_the_trainers():
 @pytest.mark.slow
 def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   ckpt = str(make_hf_checkpoint("qwen3").path)
+  capsys.readouterr()  # transformers' progress bar, when this test is the first to save it
   base_argv = ["--checkpoint", ckpt, "--prompt-ids", "5,9,2", "--max-new-tokens", "4"]
   base_argv += ["--temperature", "0", "--ignore-eos"]
   assert generate.main(base_argv) == 0  # the defaults: trainer weights, f32 compute and cache

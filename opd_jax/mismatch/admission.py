@@ -672,9 +672,10 @@ def fast_compilation() -> bool:
 
   A check runs each of its programs once, on a few dozen prompts, so compiling them is most of
   its cost. Without backend optimisation the FP8 sampler compiles in 1.4 s instead of 2.7 s and
-  the scorer in 0.6 s instead of 1.2 s on 2 CPU cores, and the measured `mismatch/kl` moves by
-  2e-7 relative (1.3791605e-4 -> 1.3791629e-4 on the bench's candidate). The HLO programs are
-  the same: only the machine code is less optimised. The CPU flags of
+  the scorer in 0.6 s instead of 1.2 s on 2 busy CPU cores (the sampler: 0.94 s against 1.9 s
+  when idle), and the measured `mismatch/kl` moves by 2e-7 relative (1.3791605e-4 ->
+  1.3791629e-4 on the bench's candidate). The HLO programs are the same: only the machine code
+  is less optimised. The CPU flags of
   `FAST_COMPILE_CPU_XLA_FLAGS` halve the sampler's compilation again; each is added only when
   this XLA defines it (`xla_knows_flag`). `XLA_FLAGS` is read when the backend starts, so this
   must run before anything touches a device; it is False (and changes nothing) when the

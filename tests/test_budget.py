@@ -196,6 +196,71 @@ def test_layer_records_give_per_layer_thresholds_and_leave_the_overall_fit_alone
   assert len(b.records) == len(LAYERED)
 
 
+# Per-source fits. Reference (0, 0) twice anchors each source's curve.
+#   noise (0.1, 0), (0.2, 1)   -> x (0, .1, .2), f (0, 0, 1): crosses τ = .5 at .1 + .5 · .1 = .15
+#   stale (0.1, 0), (0.3, .2)  -> never over τ: censored above at .3
+#   kernel (0.01, 0)           -> censored above at .01
+#   noise+stale (0.4, 2)       -> the overall fit only
+# Overall: x (0, .01, .1, .2, .3, .4), means (0, 0, 0, 1, .2, 2); PAVA pools (1, .2) into .6,
+#   so f (0, 0, 0, .6, .6, 2) and max_kl = .1 + (.5 − 0)/(.6 − 0) · .1 = .18333...
+SOURCED = (
+  recs([(0.0, 0.0), (0.0, 0.0)], source="reference")
+  + recs([(0.1, 0.0), (0.2, 1.0)], source="noise")
+  + recs([(0.1, 0.0), (0.3, 0.2)], source="stale")
+  + recs([(0.01, 0.0)], source="kernel")
+  + recs([(0.4, 2.0)], source="noise+stale")
+)
+OVERALL = 0.1 + 0.5 / 0.6 * 0.1
+
+
+def test_each_single_source_gets_its_own_fit_anchored_at_the_reference():
+  b = fit_budget(SOURCED, 0.5)
+  assert b.max_kl == pytest.approx(OVERALL, abs=1e-15)
+  assert sorted(b.sources) == ["kernel", "noise", "stale"]  # no "reference", no combination
+  assert b.sources["noise"].curve_kl == (0.0, 0.1, 0.2)
+  assert b.sources["noise"].max_kl == pytest.approx(0.15, abs=1e-15)
+  assert b.sources["noise"].num_records == 4
+  assert (b.sources["stale"].censored, b.sources["stale"].max_kl) == ("above", 0.3)
+  assert (b.sources["kernel"].censored, b.sources["kernel"].max_kl) == ("above", 0.01)
+  assert b.source_limit("noise") == pytest.approx(0.15, abs=1e-15)  # its own crossing
+  assert b.source_limit("stale") == 0.3  # its own records vouch for more than the overall
+  assert b.source_limit("kernel") == b.max_kl  # nothing past .01: the overall budget decides
+  assert b.source_limit("fp8_kv") == b.max_kl  # no records at all
+  # A source with one record and no reference records has a single point: no fit.
+  lone = fit_budget(recs([(0.1, 0.0), (0.2, 1.0)]) + recs([(0.3, 0.0)], source="x"), 0.5)
+  assert sorted(lone.sources) == ["noise"]
+
+
+def test_admit_holds_a_measurement_to_its_strictest_source():
+  b = fit_budget(SOURCED, 0.5)
+  pooled = admit({"mismatch/kl": 0.16}, b)  # no source named: the overall budget
+  assert pooled.admitted and pooled.limit_source is None
+  noise = admit({"mismatch/kl": 0.16, "source": "noise"}, b)
+  assert not noise.admitted
+  assert (noise.limit_source, noise.limit) == ("noise", b.sources["noise"].max_kl)
+  assert noise.margin == pytest.approx(0.15 - 0.16, abs=1e-15)
+  assert noise.reasons == (
+    "mismatch/kl 0.16 > 0.15, the limit of source 'noise', where its own fit predicts the "
+    "tolerance 0.5: margin -0.01",
+  )
+  assert admit({"mismatch/kl": 0.16, "source": "noise"}, b, per_source=False).admitted
+  stale = admit({"mismatch/kl": 0.25, "source": "stale"}, b)
+  assert stale.admitted and stale.limit == 0.3
+  combined = admit({"mismatch/kl": 0.25, "source": "stale+noise"}, b)
+  assert not combined.admitted and combined.limit_source == "noise"
+  over = admit({"mismatch/kl": 0.35, "source": "stale"}, b)
+  assert over.reasons == (
+    "mismatch/kl 0.35 > 0.3, the limit of source 'stale', the larger of its largest calibrated "
+    f"mismatch 0.3 (still within τ) and the overall max_kl {OVERALL:.4g}: margin -0.05",
+  )
+  unknown = admit({"mismatch/kl": 0.2, "source": "fp8_kv"}, b)
+  assert not unknown.admitted and unknown.limit == b.max_kl
+  assert "which has no fit of its own" in unknown.reasons[0]
+  assert admit({"mismatch/kl": 0.2, "source": "reference"}, b).limit_source is None
+  with pytest.raises(ValueError, match="source 3"):
+    admit({"mismatch/kl": 0.2, "source": 3}, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Admission
 
@@ -416,6 +481,21 @@ def test_round_trip(tmp_path, setup):
   assert doc["fingerprint"]["backend"] == jax.default_backend()
   assert doc["fingerprint"]["jax_version"] == jax.__version__
   assert budget_api.budget_from_json(budget_api.budget_to_json(b, fp)) == (b, fp)
+
+
+def test_per_source_fits_round_trip_and_older_files_load_without_them(tmp_path, setup):
+  fp = setup[2]
+  b = fit_budget(SOURCED, 0.5)
+  path = tmp_path / "budget.json"
+  budget_file.save_budget(path, b, fp)
+  loaded, _ = budget_file.load_budget(path)
+  assert loaded == b and sorted(loaded.sources) == ["kernel", "noise", "stale"]
+  doc = json.loads(path.read_text())
+  del doc["budget"]["sources"]  # as written before per-source limits existed
+  older, _ = budget_api.budget_from_json(json.dumps(doc))
+  assert older.sources == {}
+  v = admit({"mismatch/kl": 0.16, "source": "noise"}, older)
+  assert v.admitted and v.limit == b.max_kl
 
 
 def test_weights_hash_follows_the_documented_recipe_and_tree_order():

@@ -60,16 +60,36 @@ are each fitted by the same rule, and `interval` is the equal-tailed percentile 
 max_kl at `level` (numpy's linear quantile). With few records the interval is wide and, when
 resamples hit the "below"/"above" cases, it mixes in their conventions (0, or a lower bound).
 
+Per-source limits
+-----------------
+Sources need not share one knee: on the embedded task weight noise degrades quality from a
+check KL of about 0.1 while staleness keeps it up to 0.2. So the same rule is also fitted per
+source. Source s's fit uses the records whose "source" is exactly s (one source, no "+") plus
+the records whose source is REFERENCE_SOURCE ("reference": the unperturbed runs, the curve's
+zero-mismatch anchor); a source with records at fewer than MIN_DISTINCT_KL distinct values is
+not fitted. Combination records ("noise+stale") enter the overall fit only. Source s's limit is
+
+  L_s = max_kl_s                     when its fit crosses τ (censored "none"),
+  L_s = max(x_m,s, overall max_kl)   when its records never cross τ (censored "above"): they
+                                     say nothing past x_m,s, so the pooled budget decides
+                                     there, but never below what s's own records vouch for,
+  L_s = 0                            when even its smallest mismatch is over τ ("below"),
+
+(with `conservative=True`, each max_kl is its interval's lower end). A measurement that names
+its sources ("source": "noise+stale", as the study's settings do) is held to the strictest of
+them, min_s L_s, with the overall max_kl for a source that has no fit of its own.
+
 Admission
 ---------
-`admit` admits a measurement iff mismatch/kl ≤ limit and every per-layer value it carries is
-within its layer's limit, where limit = max_kl by default, or the interval's lower end with
-`conservative=True`. The default is the point estimate: it is the fit's best guess of where the
-drop crosses τ, which is what a verdict is validated against (agreement with full runs); the lower
-end can sit far below it when the records are few or noisy (a resample that hits the "below" case
-pulls it to 0), rejecting configurations the data do not condemn. Choose `conservative=True` when
-a wrongly admitted configuration (a full training run that degrades) costs much more than a
-wrongly rejected one (a slower but safer engine).
+`admit` admits a measurement iff mismatch/kl ≤ limit and every per-layer value it carries is within
+its layer's limit, where limit = max_kl by default, or the interval's lower end with
+`conservative=True`; when the measurement names its sources and the budget has per-source fits,
+limit is min_s L_s instead (above; `per_source=False` keeps the overall one). The default is the
+point estimate: it is the fit's best guess of where the drop crosses τ, which is what a verdict is
+validated against (agreement with full runs); the lower end can sit far below it when the records
+are few or noisy (a resample that hits the "below" case pulls it to 0), rejecting configurations the
+data do not condemn. Choose `conservative=True` when a wrongly admitted configuration (a full
+training run that degrades) costs much more than a wrongly rejected one (a slower but safer engine).
 """
 
 from __future__ import annotations
@@ -89,6 +109,8 @@ MIN_DISTINCT_KL = 2  # a fit needs records at this many distinct mismatch/kl val
 KL_KEY = "mismatch/kl"
 DROP_KEY = "quality_drop"
 LAYER_KEY = "layer"
+SOURCE_KEY = "source"
+REFERENCE_SOURCE = "reference"  # records of unperturbed runs: every per-source fit's anchor
 LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_KL_PREFIX}{i}"
 CENSORED = ("none", "above", "below")
 
@@ -131,6 +153,7 @@ class Budget:
     layers: layer index -> that layer's Threshold, for layers with enough scan records.
     unfitted_layers: layers that had scan records at fewer than MIN_DISTINCT_KL distinct
       mismatch/kl values, so no threshold (sorted).
+    sources: source name -> its own Threshold ("Per-source limits" in the module docstring).
     records: the input records, each copied into a dict, in input order.
     level: coverage of the bootstrap intervals.
     num_bootstrap: bootstrap resamples per fit.
@@ -142,6 +165,7 @@ class Budget:
   layers: dict[int, Threshold]
   unfitted_layers: tuple[int, ...]
   records: tuple[dict[str, Any], ...]
+  sources: dict[str, Threshold] = dataclasses.field(default_factory=dict)
   level: float = LEVEL
   num_bootstrap: int = NUM_BOOTSTRAP
   seed: int = SEED
@@ -161,6 +185,28 @@ class Budget:
     """ "none", "above" or "below" (`overall.censored`)."""
     return self.overall.censored
 
+  def source_limit(self, source: str, *, conservative: bool = False) -> float:
+    """L_s, the limit of one source (module docstring); the overall one if s has no fit."""
+    overall = self.overall.interval[0] if conservative else self.overall.max_kl
+    threshold = self.sources.get(source)
+    if threshold is None:
+      return overall
+    own = threshold.interval[0] if conservative else threshold.max_kl
+    if threshold.censored == "above":
+      return max(threshold.curve_kl[-1], overall)
+    return own
+
+  def limit_for(
+    self, sources: Sequence[str], *, conservative: bool = False
+  ) -> tuple[float, str | None]:
+    """(min_s L_s over `sources`, the source that sets it); the overall limit and None when
+    there are no sources or no per-source fits."""
+    named = [s for s in sources if s and s != REFERENCE_SOURCE]
+    if not named or not self.sources:
+      return (self.overall.interval[0] if conservative else self.overall.max_kl), None
+    limit, which = min((self.source_limit(s, conservative=conservative), s) for s in named)
+    return limit, which
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -169,7 +215,9 @@ class Verdict:
   Attributes:
     admitted: True iff margin >= 0 and every checked layer margin >= 0.
     margin: limit − measured mismatch/kl, nats per token (negative: over budget).
-    limit: the overall limit used: budget.max_kl, or its interval's lower end if conservative.
+    limit: the limit used: budget.max_kl (or its interval's lower end if conservative), or
+      the strictest per-source limit of the measurement's sources.
+    limit_source: the source whose limit was used, None for the overall one.
     measured_kl: the measurement's mismatch/kl.
     conservative: whether the interval's lower end was used.
     reasons: one line per failed threshold (empty when admitted).
@@ -184,6 +232,7 @@ class Verdict:
   conservative: bool
   reasons: tuple[str, ...]
   layer_margins: dict[int, float]
+  limit_source: str | None = None
 
 
 def _describe(index: int, record: Any) -> str:
@@ -345,7 +394,9 @@ def fit_budget(
 
   Returns:
     A Budget with the overall Threshold (from the records without "layer"), one Threshold per
-    layer whose scan records span >= 2 distinct mismatch/kl values, and the records copied.
+    layer whose scan records span >= 2 distinct mismatch/kl values, one per source whose own
+    records and the reference's span >= 2 ("Per-source limits"; bootstrap seed sequence
+    (seed, 0, 1 + j) for the j-th source in sorted order), and the records copied.
 
   Raises:
     ValueError: empty records, a record that is not a mapping, a missing key, a non-numeric or
@@ -384,12 +435,28 @@ def fit_budget(
       continue
     layers[i] = _fit_one(kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 1 + i])
 
+  source = np.asarray(
+    [r[SOURCE_KEY] if isinstance(r[SOURCE_KEY], str) else "" for r in records], dtype=object
+  )
+  anchor = (layer < 0) & (source == REFERENCE_SOURCE)
+  singles = sorted(
+    {s for s in source[overall_idx].tolist() if s and s != REFERENCE_SOURCE and "+" not in s}
+  )
+  sources = {}
+  for j, name in enumerate(singles):
+    idx = np.nonzero(((layer < 0) & (source == name)) | anchor)[0]
+    if np.unique(kl[idx]).size >= MIN_DISTINCT_KL:
+      sources[name] = _fit_one(
+        kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 0, 1 + j]
+      )
+
   return Budget(
     tolerance=tolerance,
     overall=overall,
     layers=layers,
     unfitted_layers=tuple(unfitted),
     records=tuple(dict(r) for r in records),
+    sources=sources,
     level=float(level),
     num_bootstrap=num_bootstrap,
     seed=seed,
@@ -435,10 +502,36 @@ def _over(
   )
 
 
-def admit(measurement: Mapping[str, Any], budget: Budget, *, conservative: bool = False) -> Verdict:
+def _over_source(kl: float, budget: Budget, source: str, limit: float) -> str:
+  """The reason line for a mismatch `kl` above source `source`'s limit L_s."""
+  threshold = budget.sources.get(source)
+  head = f"{KL_KEY} {kl:.4g} > {limit:.4g}, the limit of source {source!r}"
+  if threshold is None:
+    why = "which has no fit of its own, so the overall budget applies"
+  elif threshold.censored == "none":
+    why = f"where its own fit predicts the tolerance {budget.tolerance:.4g}"
+  elif threshold.censored == "below":
+    why = f"whose smallest calibrated mismatch, {threshold.curve_kl[0]:.4g}, is already over τ"
+  else:
+    why = (
+      f"the larger of its largest calibrated mismatch {threshold.curve_kl[-1]:.4g} (still "
+      f"within τ) and the overall max_kl {budget.overall.max_kl:.4g}"
+    )
+  return f"{head}, {why}: margin {limit - kl:.4g}"
+
+
+def admit(
+  measurement: Mapping[str, Any],
+  budget: Budget,
+  *,
+  conservative: bool = False,
+  per_source: bool = True,
+) -> Verdict:
   """Screens one measured rollout configuration against a budget.
 
-  With limit = budget.max_kl (or, if `conservative`, the lower end of budget.interval):
+  With limit = budget.max_kl (or, if `conservative`, the lower end of budget.interval), or,
+  when `per_source` and the measurement has "source" (sources joined by "+") and the budget has
+  per-source fits, limit = min_s L_s over those sources (module docstring):
 
     margin = limit − measurement["mismatch/kl"]            (nats per token)
     admitted ⇔ margin >= 0  and  limit_i − measurement["mismatch/kl/layer_<i>"] >= 0
@@ -448,9 +541,11 @@ def admit(measurement: Mapping[str, Any], budget: Budget, *, conservative: bool 
   Layers measured but not in the budget, and budget layers not measured, are not checked.
 
   Args:
-    measurement: mapping with "mismatch/kl" (finite) and optionally "mismatch/kl/layer_<i>".
+    measurement: mapping with "mismatch/kl" (finite) and optionally "mismatch/kl/layer_<i>"
+      and "source" (str).
     budget: from fit_budget (or load_budget).
     conservative: use the lower end of each bootstrap interval instead of the point estimate.
+    per_source: use the measurement's per-source limits when it names its sources.
 
   Returns:
     A Verdict; `reasons` names each threshold that failed.
@@ -467,11 +562,18 @@ def admit(measurement: Mapping[str, Any], budget: Budget, *, conservative: bool 
   def limit_of(threshold: Threshold) -> float:
     return threshold.interval[0] if conservative else threshold.max_kl
 
-  limit = limit_of(budget.overall)
+  named = measurement.get(SOURCE_KEY) if per_source else None
+  if named is not None and not isinstance(named, str):
+    raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
+  limit, limit_source = budget.limit_for(
+    named.split("+") if named else (), conservative=conservative
+  )
   margin = limit - kl
   reasons = []
-  if margin < 0:
+  if margin < 0 and limit_source is None:
     reasons.append(_over(KL_KEY, kl, budget.overall, limit, conservative, budget.tolerance))
+  elif margin < 0:
+    reasons.append(_over_source(kl, budget, limit_source, limit))
   layer_margins = {}
   for i in sorted(budget.layers):
     key = f"{LAYER_KL_PREFIX}{i}"
@@ -492,4 +594,5 @@ def admit(measurement: Mapping[str, Any], budget: Budget, *, conservative: bool 
     conservative=conservative,
     reasons=tuple(reasons),
     layer_margins=layer_margins,
+    limit_source=limit_source,
   )

@@ -15,11 +15,16 @@ File schema (version 1), one JSON object:
               "layers": [{"layer": i, "max_kl": …, "interval": […], "censored": …,
                           "curve": {…}, "num_records": n_i}, …],
               "unfitted_layers": [i, …],
+              "sources": [{"source": "noise", "max_kl": …, "interval": […], "censored": …,
+                           "curve": {…}, "num_records": n_s}, …],
               "records": [{…the calibration records as given…}, …]},
    "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…"},
                    "teacher": {"architecture": {…}, "weights_sha256": "…"},
                    "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
                    "jax_version": "…", "jaxlib_version": "…"}}
+
+"sources" (the per-source fits) may be absent: files written before per-source limits load with
+none, and `budget.admit` then uses the overall budget for every measurement.
 
 Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
 compares equal to the original (numpy scalars in the records come back as Python numbers). A
@@ -214,6 +219,7 @@ def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
     **_threshold_dict(budget.overall),
     "layers": [{"layer": i, **_threshold_dict(t)} for i, t in sorted(budget.layers.items())],
     "unfitted_layers": list(budget.unfitted_layers),
+    "sources": [{"source": k, **_threshold_dict(t)} for k, t in sorted(budget.sources.items())],
     "records": [dict(r) for r in budget.records],
   }
   doc = {"schema": SCHEMA, "version": VERSION, "budget": body, "fingerprint": dict(fingerprint)}
@@ -321,6 +327,18 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
     isinstance(i, bool) or not isinstance(i, int) for i in unfitted
   ):
     r.fail("budget.unfitted_layers", f"expected a list of integers, got {unfitted!r}"[:200])
+  sources = {}
+  source_list = body.get("sources", [])  # absent in files written before per-source limits
+  if not isinstance(source_list, list):
+    r.fail("budget.sources", f"expected a list, got {source_list!r}"[:200])
+  for j, entry in enumerate(source_list):
+    where = f"budget.sources[{j}]"
+    if not isinstance(entry, Mapping):
+      r.fail(where, f"expected an object, got {entry!r}"[:200])
+    name = r.get(entry, "source", where)
+    if not isinstance(name, str) or not name:
+      r.fail(f"{where}.source", f"expected a source name, got {name!r}"[:200])
+    sources[name] = r.threshold(entry, where)
   records = r.get(body, "records", "budget")
   if not isinstance(records, list):
     r.fail("budget.records", f"expected a list, got {records!r}"[:200])
@@ -336,6 +354,7 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
     layers=layers,
     unfitted_layers=tuple(unfitted),
     records=tuple(dict(rec) for rec in records),
+    sources=sources,
     level=r.num(body, "level", "budget"),
     num_bootstrap=num_bootstrap,
     seed=seed,

@@ -59,7 +59,8 @@ def test_settings_names_and_sources():
   assert by_spec["rollout.kernel=bf16_matmul"].role == "calibration"
   async_fp8 = next(s for s in by_spec.values() if "mode=async" in s.spec)
   assert async_fp8.source == "stale+fp8_weights+fp8_kv"  # lag 1 is the default max_lag
-  assert by_spec["rollout.stale_k=6"].role == "held_out"
+  assert by_spec["rollout.stale_k=6"].role == "calibration"  # held out in round 1
+  assert by_spec["rollout.stale_k=7"].role == "held_out"
   assert len({s.name for s in settings}) == len(settings)
 
 
@@ -140,17 +141,30 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   again = json.loads((workdir / "study.json").read_text())
   assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in result["rows"]]
 
-  # A held-out run whose drop is within one seed-sd of τ is trained again with the borderline
-  # seeds and labelled by the mean of its runs (the floor is set so that it is borderline).
+  # A run whose drop is within one seed-sd of τ is trained again with the borderline seeds
+  # (the floor is set so that one held-out and one calibration setting are borderline and no
+  # other is): the held-out one is labelled by the mean of its runs, and the calibration one
+  # gives the budget one record per run.
   settings = study.study_settings(config)
-  rows = [dict(r) for r in result["rows"]]
+  assert "calibration" in config.borderline_roles
+  rows = [{**r, budget.DROP_KEY: 1.0} for r in result["rows"]]
   held = next(i for i, st in enumerate(settings) if st.role == "held_out")
-  rows[held][budget.DROP_KEY] = 0.1
+  cal = next(i for i, st in enumerate(settings) if st.role == "calibration")
   floor = {"mean": rows[held]["accuracy"] + 0.1, "sd": 0.05, "se": 0.01}
+  rows[held][budget.DROP_KEY] = rows[cal][budget.DROP_KEY] = 0.1
   study.label_runs(config, settings, rows, 0.1, floor, str(workdir), lambda *a: None)
-  runs_q = rows[held]["accuracy_runs"]
-  assert len(runs_q) == 1 + len(config.borderline_seeds)
-  assert rows[held]["label_drop"] == pytest.approx(floor["mean"] - sum(runs_q) / len(runs_q))
-  for seed in config.borderline_seeds:
-    assert (workdir / "runs" / f"{settings[held].name}_seed{seed}" / "result.json").exists()
-  assert all(len(r["accuracy_runs"]) == 1 for i, r in enumerate(rows) if i != held)
+  for i in (held, cal):
+    runs_q = rows[i]["accuracy_runs"]
+    assert len(runs_q) == 1 + len(config.borderline_seeds)
+    assert rows[i]["label_drop"] == pytest.approx(floor["mean"] - sum(runs_q) / len(runs_q))
+    for seed in config.borderline_seeds:
+      assert (workdir / "runs" / f"{settings[i].name}_seed{seed}" / "result.json").exists()
+  assert all(len(r["accuracy_runs"]) == 1 for i, r in enumerate(rows) if i not in (held, cal))
+  records = study.budget_records(rows, floor["mean"])
+  mine = [r for r in records if r["name"] == settings[cal].name]
+  assert [r["run"] for r in mine] == [0, 1, 2]
+  assert [r[budget.DROP_KEY] for r in mine] == pytest.approx(
+    [floor["mean"] - q for q in rows[cal]["accuracy_runs"]]
+  )
+  assert not any(r["name"] == settings[held].name for r in records)  # held out: never fitted
+  assert len(records) == len(config.seeds) + len(config.calibration) + 2

@@ -17,14 +17,17 @@ The procedure (every step writes its result into DIR, and a restarted study reus
 4. **Fit.** The tolerance τ is `tolerance`, or automatically
    τ = max(2·sd(q_ref), 2·sqrt(q̄(1 − q̄)/n_eval)): twice the larger of the seed-to-seed spread
    and the held-out binomial standard error, so a drop within the noise is never called a
-   degradation. `budget.fit_budget(records, τ)` on the reference and calibration records gives
-   the budget, saved as `DIR/budget.json` with the fingerprint of θ_P and the teacher.
+   degradation. One run cannot label a setting whose drop lies within one seed-sd of τ
+   (|d − τ| < sd): such a setting, when its role is in `borderline_roles`, is trained again with
+   each of `borderline_seeds`. `budget.fit_budget(records, τ)` on the reference and
+   calibration runs (one record per run, so a re-run setting counts by its mean) gives the
+   budget, pooled and per source, saved as `DIR/budget.json` with the fingerprint of θ_P and
+   the teacher.
 5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
-   the check would have given; the full run says whether quality was kept (d ≤ τ). One run
-   cannot label a setting whose drop lies within one seed-sd of τ (|d − τ| < sd): such a
-   setting is trained again with each of `borderline_seeds`, and its label is the drop of the
-   mean over its runs. The confusion table and the agreement rate go to the report, beside
-   the single-run ones.
+   the check would have given (with its sources named when `per_source`, so the strictest
+   per-source limit applies; the pooled budget's verdict is kept beside it); the full run says
+   whether quality was kept: d ≤ τ, with d over all its runs. The confusion table and the
+   agreement rate go to the report, beside the single-run and the pooled ones.
 6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
    (`study_report`). The check's mismatch is also set beside each run's training-time mean
    `mismatch/kl` (agreement of the two x-axes).
@@ -241,12 +244,20 @@ def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str,
   return {"mean": mean, "sd": sd, "se": se, "tolerance": 2.0 * max(sd, se), "n": int(q.size)}
 
 
-def budget_records(rows: Sequence[dict]) -> list[dict]:
-  """The fit's records: the reference and calibration rows, x = the check's mismatch/kl."""
-  keep = ("source", "name", budget.KL_KEY, budget.DROP_KEY, "mismatch/kl_p95", "accuracy")
-  return [
-    {k: r[k] for k in keep if k in r} for r in rows if r["role"] in (REFERENCE, "calibration")
-  ]
+def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
+  """The fit's records: one per run of the reference and calibration rows, x = the check's
+  mismatch/kl, y = mean(q_ref) − that run's accuracy (`accuracy_runs`, from `label_runs`)."""
+  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
+  out = []
+  for r in rows:
+    if r["role"] not in (REFERENCE, "calibration"):
+      continue
+    for k, accuracy in enumerate(r.get("accuracy_runs", [r["accuracy"]])):
+      record = {key: r[key] for key in keep if key in r}
+      record.update(accuracy=accuracy, run=k)
+      record[budget.DROP_KEY] = reference_mean - accuracy
+      out.append(record)
+  return out
 
 
 def is_borderline(drop: float, tolerance: float, spread: float) -> bool:
@@ -314,9 +325,10 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
 def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
   """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
 
-  A held-out row whose single-run drop is borderline (`is_borderline` with the reference's sd,
-  or the binomial SE with one reference seed) is trained again with each of
-  `config.borderline_seeds` into DIR/runs/<name>_seed<k>; every other row keeps its one run.
+  A row whose role is in `config.borderline_roles` (default: held-out only) and whose
+  single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
+  with one reference seed) is trained again with each of `config.borderline_seeds` into
+  DIR/runs/<name>_seed<k>; every other row keeps its one run.
 
   Raises:
     ValueError: a borderline seed that repeats one or is the held-out runs' own seed.
@@ -327,10 +339,11 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
       f"config.borderline_seeds={tuple(extra)} must be distinct and exclude the held-out runs' "
       f"seed {config.seeds[0]}"
     )
+  roles = tuple(config.get("borderline_roles", ("held_out",)))
   spread = floor["sd"] or floor["se"]
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
-    if s.role == "held_out" and extra and is_borderline(row[budget.DROP_KEY], tolerance, spread):
+    if s.role in roles and extra and is_borderline(row[budget.DROP_KEY], tolerance, spread):
       for seed in extra:
         again = dataclasses.replace(s, seed=seed)
         log(
@@ -378,12 +391,16 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     rows.append(row)
 
   label_runs(config, settings, rows, tolerance, floor, workdir, log)
-  fitted = budget.fit_budget(budget_records(rows), tolerance)
+  fitted = budget.fit_budget(budget_records(rows, floor["mean"]), tolerance)
   budget_path = os.path.join(workdir, BUDGET_FILE)
   budget_file.save_budget(budget_path, fitted, fingerprint)
+  per_source = bool(config.get("per_source", False))
   for row in rows:
-    verdict = budget.admit(row, fitted)
+    verdict = budget.admit(row, fitted, per_source=per_source)
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
+    row.update(limit=verdict.limit, limit_source=verdict.limit_source)
+    pooled = budget.admit(row, fitted, per_source=False)
+    row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]
 
@@ -405,10 +422,25 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
       "censored": fitted.censored,
       "curve_kl": list(fitted.overall.curve_kl),
       "curve_drop": list(fitted.overall.curve_drop),
+      "sources": {
+        name: {
+          "max_kl": t.max_kl,
+          "interval": list(t.interval),
+          "censored": t.censored,
+          "limit": fitted.source_limit(name),
+          "curve_kl": list(t.curve_kl),
+          "curve_drop": list(t.curve_drop),
+        }
+        for name, t in sorted(fitted.sources.items())
+      },
     },
+    "per_source": per_source,
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "confusion": confusion(held_out, tolerance, LABEL_DROP),
     "confusion_single_run": confusion(held_out, tolerance),
+    "confusion_pooled": confusion(
+      [{**r, "admitted": r["admitted_pooled"]} for r in held_out], tolerance, LABEL_DROP
+    ),
     "check_vs_training": agreement(rows),
     "rows": rows,
     "curves": {s.name: results[s.name].get("curve", []) for s in settings},

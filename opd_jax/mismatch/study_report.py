@@ -3,7 +3,8 @@
 Plots (`plot_all`):
 - `quality_vs_mismatch.png`: quality drop d against the check's mismatch/kl (log axis), one
   marker per source, calibration filled and held-out hollow; the isotonic fit, the budget
-  max_kl with its bootstrap interval, and the tolerance τ;
+  max_kl with its bootstrap interval, each source's own crossing of τ (dotted, in the source's
+  colour) and the tolerance τ;
 - `training_curves.png`: held-out accuracy against step for the reference seeds and the
   worst run of each source;
 - `check_vs_training.png`: the check's mismatch/kl against each run's training-time mean;
@@ -62,6 +63,10 @@ def plot_quality(result: dict, path: str) -> str:
     lw=1,
     label="isotonic fit",
   )
+  for i, source in enumerate(sources):
+    own = b.get("sources", {}).get(source)
+    if own and own["censored"] == "none":
+      ax.axvline(_x(own["max_kl"]), color=f"C{i}", ls=":", lw=1.2, label=f"{source} limit")
   ax.axhline(100 * result["tolerance"], color="gray", ls=":", lw=1, label="tolerance τ")
   if b["max_kl"] > 0:
     ax.axvline(_x(b["max_kl"]), color="r", ls="--", lw=1, label=f"budget {b['max_kl']:.3g}")
@@ -177,8 +182,8 @@ def _g(x: Any) -> str:
 def rows_table(rows: list[dict]) -> list[str]:
   lines = [
     "| setting | role | source | check mismatch/kl | training mean | accuracy % | drop pts |"
-    " drop over runs | verdict | kept |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    " drop over runs | limit (set by) | verdict | pooled verdict | kept |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     runs = r.get("accuracy_runs", [r["accuracy"]])
@@ -186,7 +191,10 @@ def rows_table(rows: list[dict]) -> list[str]:
     lines.append(
       f"| {r['name']} | {r['role']} | {r['source']} | {_g(r['mismatch/kl'])} | "
       f"{_g(r.get('train/mismatch/kl_mean'))} | {_pct(r['accuracy'])} | "
-      f"{_pct(r['quality_drop'])} | {over} | {'admit' if r['admitted'] else 'refuse'} | "
+      f"{_pct(r['quality_drop'])} | {over} | "
+      f"{_g(r.get('limit'))} ({r.get('limit_source') or 'overall'}) | "
+      f"{'admit' if r['admitted'] else 'refuse'} | "
+      f"{'admit' if r.get('admitted_pooled', r['admitted']) else 'refuse'} | "
       f"{'yes' if r['kept_quality'] else 'no'} |"
     )
   return lines
@@ -204,6 +212,17 @@ def findings(result: dict) -> list[str]:
     f"Budget: max_kl = {_g(b['max_kl'])} nats/token, 95 % bootstrap interval "
     f"[{_g(b['interval'][0])}, {_g(b['interval'][1])}], censored: {b['censored']}.",
   ]
+  if b.get("sources"):
+    out.append(
+      "Per-source limits L_s (own crossing of τ, or the larger of the source's largest kept "
+      "mismatch and the pooled max_kl when its records never cross τ): "
+      + ", ".join(
+        f"{name} {_g(t['limit'])} ({'own fit' if t['censored'] == 'none' else t['censored']}"
+        f", interval [{_g(t['interval'][0])}, {_g(t['interval'][1])}])"
+        for name, t in b["sources"].items()
+      )
+      + "."
+    )
   by_source: dict[str, list[dict]] = {}
   for r in result["rows"]:
     if r["role"] == "calibration":
@@ -223,24 +242,35 @@ def findings(result: dict) -> list[str]:
       else "every setting degraded quality"
     )
     out.append(f"{source}: {verdict} ({text}).")
+  rule = "per-source limits" if result.get("per_source") else "the pooled budget"
   out.append(
-    f"Admission check on {conf['n']} held-out settings: agreement {_pct(conf['agreement'])} % "
+    f"Admission check ({rule}) on {conf['n']} held-out settings: agreement "
+    f"{_pct(conf['agreement'])} % "
     f"(admitted & kept {conf['admitted_kept']}, admitted & degraded {conf['admitted_degraded']}, "
     f"refused & kept {conf['refused_kept']}, refused & degraded {conf['refused_degraded']})."
   )
+  pooled = result.get("confusion_pooled")
+  if pooled and result.get("per_source"):
+    out.append(
+      f"The pooled budget alone on the same settings: agreement {_pct(pooled['agreement'])} % "
+      f"(admitted & kept {pooled['admitted_kept']}, admitted & degraded "
+      f"{pooled['admitted_degraded']}, refused & kept {pooled['refused_kept']}, refused & "
+      f"degraded {pooled['refused_degraded']})."
+    )
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]
   if single and result.get("borderline_seeds"):
     out.append(
-      f"{len(rerun)} held-out settings had a single-run drop within one seed-sd of τ and were "
-      f"trained again with seeds {result['borderline_seeds']} (labelled by the mean): "
+      f"{len(rerun)} settings had a single-run drop within one seed-sd of τ and were "
+      f"trained again with seeds {result['borderline_seeds']} (a held-out one labelled by the "
+      "mean, a calibration one giving one record per run): "
       + (
         ", ".join(
           f"{r['name']} {_pct(r['quality_drop'])} -> {_pct(r['label_drop'])}" for r in rerun
         )
         or "none"
       )
-      + f". Judged by single runs, agreement would be {_pct(single['agreement'])} %."
+      + f". Judged by single runs, held-out agreement would be {_pct(single['agreement'])} %."
     )
   a = result["check_vs_training"]
   out.append(
@@ -280,6 +310,11 @@ def markdown(result: dict) -> str:
     "",
     *confusion_table(result["confusion"]),
     "",
+    *(
+      ["The pooled budget alone:", "", *confusion_table(result["confusion_pooled"]), ""]
+      if result.get("per_source") and result.get("confusion_pooled")
+      else []
+    ),
     "## Every run",
     "",
     *rows_table(result["rows"]),

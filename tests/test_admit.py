@@ -162,6 +162,7 @@ def test_exact_candidate_is_admitted_with_margin_max_kl(checked):
   assert exact["max_kl"] == pytest.approx(MAX_KL, abs=1e-15)
   assert exact["margin"] == pytest.approx(MAX_KL, abs=1e-6)
   assert exact["admitted"] and exact["verdict"] == "admitted" and exact["reasons"] == []
+  assert (exact["source"], exact["limit_from"]) == ("reference", "overall")
 
 
 def test_destructive_candidate_is_rejected_with_a_reason(checked):
@@ -171,7 +172,11 @@ def test_destructive_candidate_is_rejected_with_a_reason(checked):
   assert noise["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
   assert not noise["admitted"] and noise["verdict"] == "rejected"
   assert len(noise["reasons"]) == 1
-  assert re.match(r"mismatch/kl \S+ > max_kl 0\.001375 ", noise["reasons"][0])
+  # The records are all "noise", so the noise fit is the overall one and sets the limit.
+  assert (noise["source"], noise["limit_from"]) == ("noise", "noise")
+  assert re.match(
+    r"mismatch/kl \S+ > 0\.001375, the limit of source 'noise', ", noise["reasons"][0]
+  )
 
 
 def test_json_output_matches_the_table(checked):

@@ -12,7 +12,9 @@ parses flags and calls `run_admission`. For each candidate, with no training:
    T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
    trainer's student θ (`measure_candidate`: the procedure the budget's records must be
    measured with, so the study calls it too);
-3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons;
+3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons; the
+   measurement names the candidate's sources (`candidate_source`: "noise", "stale+fp8_kv"),
+   so a budget with per-source fits holds it to the strictest of their limits;
 4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
    appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
 
@@ -137,6 +139,7 @@ _COLUMNS = (
   ("mismatch/kl", "mismatch/kl", ".4g"),
   ("kl_p95", "mismatch/kl_p95", ".4g"),
   ("max_kl", "max_kl", ".4g"),
+  ("limit from", "limit_from", "s"),
   ("margin", "margin", ".4g"),
   ("verdict", "verdict", "s"),
 )
@@ -144,6 +147,17 @@ _COLUMNS = (
 
 # ---------------------------------------------------------------------------------------------
 # Candidates
+
+# Which override makes a candidate belong to which mismatch source (the budget's per-source
+# limits), checked in this order.
+SOURCE_OF_KEY = (
+  ("rollout.noise_sigma", "noise"),
+  ("rollout.stale_k", "stale"),
+  ("rollout.max_lag", "stale"),
+  ("rollout.weights", "fp8_weights"),
+  ("rollout.kv_cache", "fp8_kv"),
+  ("rollout.kernel", "kernel"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +328,21 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts, student, fingerprint
+
+
+def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict) -> str:
+  """The mismatch sources a candidate changes against the config it modifies, "+"-joined in
+  SOURCE_OF_KEY order ("noise+stale"), or "reference" when it changes none of them. An async
+  engine counts as stale by its lag bound, whatever the config's own mode."""
+  found = []
+  for key, source in SOURCE_OF_KEY:
+    section, leaf = key.split(".")
+    changed = candidate.config[section][leaf] != reference[section][leaf]
+    if source == "stale":
+      changed = candidate.lag > 0
+    if changed and source not in found:
+      found.append(source)
+  return "+".join(found) or budget_lib.REFERENCE_SOURCE
 
 
 def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompts: int):
@@ -547,6 +576,7 @@ def candidate_row(
     },
     "engine_id": candidate.engine_id,
     "lag": candidate.lag,
+    "source": measurement.get("source", ""),
   }
   if candidate.lag:
     row["behaviour_step"] = student_step - candidate.lag
@@ -555,6 +585,7 @@ def candidate_row(
   row.update(
     {
       "max_kl": verdict.limit,
+      "limit_from": verdict.limit_source or "overall",
       "margin": verdict.margin,
       "admitted": verdict.admitted,
       "verdict": "admitted" if verdict.admitted else "rejected",
@@ -808,6 +839,7 @@ def run_admission(
     t0 = time.perf_counter()
     measurement = measure_candidate(c, setup, (tokens_bp, lens_b), student_params, behaviour)
     measure_seconds.append(time.perf_counter() - t0)
+    measurement["source"] = candidate_source(c, config)
     verdict = budget_lib.admit(measurement, budget, conservative=conservative)
     row = candidate_row(c, measurement, verdict, student_step)
     if history is not None and trained_with(c, history.run_config):

@@ -57,15 +57,6 @@ MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
 LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
-# Which override makes a setting belong to which source, checked in this order.
-SOURCE_OF_KEY = (
-  ("rollout.noise_sigma", "noise"),
-  ("rollout.stale_k", "stale"),
-  ("rollout.max_lag", "stale"),
-  ("rollout.weights", "fp8_weights"),
-  ("rollout.kv_cache", "fp8_kv"),
-  ("rollout.kernel", "kernel"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +85,7 @@ def setting_name(spec: str) -> str:
   return re.sub(r"[^A-Za-z0-9_.-]", "", name)
 
 
-def source_of(candidate: admission.Candidate, reference: ml_collections.ConfigDict) -> str:
-  """The sources a candidate changes against the reference config, "+"-joined."""
-  found = []
-  for key, source in SOURCE_OF_KEY:
-    section, leaf = key.split(".")
-    changed = candidate.config[section][leaf] != reference[section][leaf]
-    if source == "stale":  # an async engine is stale by its lag bound, whatever the default
-      changed = candidate.lag > 0
-    if changed and source not in found:
-      found.append(source)
-  return "+".join(found) or REFERENCE
+source_of = admission.candidate_source  # the sources a setting perturbs, "+"-joined
 
 
 def study_settings(config: ml_collections.ConfigDict) -> list[Setting]:

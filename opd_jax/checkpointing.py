@@ -22,11 +22,15 @@ one after the other never delete the same directory at once).
 
 A reader (`read_only=True`: the admission check, the sensitivity scan, anything that
 restores another run's checkpoints) deletes nothing and creates nothing: the temporary
-directory it would see may be a live run's step being written.
+directory it would see may be a live run's step being written. Orbax announces every read-only
+manager with a warning ("Given directory is read only"); a reader is the expected case here,
+so that one line is filtered out (`_ReadOnlyNotice`), and every other orbax message still shows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from typing import Any
@@ -49,6 +53,24 @@ def all_finite(tree) -> bool:
   return bool(all(jnp.all(jnp.isfinite(x)) for x in leaves))
 
 
+class _ReadOnlyNotice(logging.Filter):
+  """Drops orbax's "Given directory is read only" warning, and nothing else."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _without_read_only_notice():
+  absl_logger = logging.getLogger("absl")  # where absl.logging (orbax's logger) writes
+  notice = _ReadOnlyNotice()
+  absl_logger.addFilter(notice)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(notice)
+
+
 class Checkpointer:
   """Saves and restores (state, extra) under `directory` with orbax; `read_only` restores only."""
 
@@ -63,7 +85,8 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True
       )
-    self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+    with _without_read_only_notice() if read_only else contextlib.nullcontext():
+      self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

@@ -5,6 +5,7 @@ launch/local_multiprocess.sh (or its environment, when a peer must survive the l
 """
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -114,7 +115,18 @@ def test_a_reader_leaves_a_write_in_progress_alone_and_a_writer_deletes_it_befor
   partial = tmp_path / "9.orbax-checkpoint-tmp"  # what a killed (or a live) write of step 9 is
   partial.mkdir()
   (partial / "shard").write_bytes(bytes(1 << 16))
-  reader = checkpointing.Checkpointer(tmp_path, read_only=True)
+  seen = []
+  absl_logger = logging.getLogger("absl")
+  catch = logging.Handler(logging.DEBUG)
+  catch.emit = lambda record: seen.append(record.getMessage())
+  absl_logger.addHandler(catch)
+  try:
+    reader = checkpointing.Checkpointer(tmp_path, read_only=True)
+    absl_logger.warning("Given directory is read only=%s (not from the reader)", tmp_path)
+  finally:
+    absl_logger.removeHandler(catch)
+  # orbax's notice about the reader is dropped; the filter is gone once the reader is built
+  assert seen == [f"Given directory is read only={tmp_path} (not from the reader)"]
   assert reader.latest_step() is None
   with pytest.raises(ValueError, match="opened read-only"):
     reader.save(9, {"w": np.zeros(2, np.float32)}, {})

@@ -122,6 +122,9 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert len(result["rows"]) == len(config.seeds) + len(config.calibration) + len(config.held_out)
   assert {"reference_seed0", "reference_seed1", "noise_sigma-0.5", "stale_k-1"} <= names
   assert result["confusion"]["n"] == len(config.held_out)
+  assert sorted(result["rule_variants"]) == sorted(study.RULES)
+  assert result["rule_variants"]["per_source"] == result["confusion"]  # the configured rule
+  assert result["rule_variants"]["pooled"] == result["confusion_pooled"]
   for r in result["rows"]:
     assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
   reference_kl = [r["mismatch/kl"] for r in result["rows"] if r["role"] == "reference"]

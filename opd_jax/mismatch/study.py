@@ -303,6 +303,24 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   }
 
 
+RULES = {  # admission rule -> budget.admit keyword arguments
+  "pooled": {"per_source": False},
+  "per_source": {"per_source": True},
+  "pooled_conservative": {"per_source": False, "conservative": True},
+  "per_source_conservative": {"per_source": True, "conservative": True},
+}
+
+
+def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float) -> dict:
+  """The confusion table of every admission rule in RULES on the same (held-out) rows, so the
+  configured rule can be read beside the others; only the configured one is a pre-set test."""
+  out = {}
+  for name, kwargs in RULES.items():
+    verdicts = [{**r, "admitted": budget.admit(r, fitted, **kwargs).admitted} for r in rows]
+    out[name] = confusion(verdicts, tolerance, LABEL_DROP)
+  return out
+
+
 def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
   """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
 
@@ -419,6 +437,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "confusion": confusion(held_out, tolerance, LABEL_DROP),
     "confusion_single_run": confusion(held_out, tolerance),
+    "rule_variants": rule_variants(held_out, fitted, tolerance),
     "confusion_pooled": confusion(
       [{**r, "admitted": r["admitted_pooled"]} for r in held_out], tolerance, LABEL_DROP
     ),

@@ -291,6 +291,28 @@ def confusion_table(conf: dict) -> list[str]:
   ]
 
 
+def rules_table(result: dict) -> list[str]:
+  """Every admission rule's agreement on the held-out settings (`study.rule_variants`)."""
+  variants = result.get("rule_variants")
+  if not variants:
+    return []
+  configured = "per_source" if result.get("per_source") else "pooled"
+  lines = [
+    f"Every admission rule on the same held-out settings (the configured rule, {configured}, "
+    "is the one fixed before they ran; the others are for comparison only):",
+    "",
+    "| rule | agreement | admitted & kept | admitted & degraded | refused & kept | "
+    "refused & degraded |",
+    "|---|---|---|---|---|---|",
+  ]
+  for name, c in variants.items():
+    lines.append(
+      f"| {name} | {_pct(c['agreement'])} % | {c['admitted_kept']} | {c['admitted_degraded']} | "
+      f"{c['refused_kept']} | {c['refused_degraded']} |"
+    )
+  return lines + [""]
+
+
 def markdown(result: dict) -> str:
   """The report: findings, the confusion table, every run, the plots."""
   lines = [
@@ -315,6 +337,7 @@ def markdown(result: dict) -> str:
       if result.get("per_source") and result.get("confusion_pooled")
       else []
     ),
+    *rules_table(result),
     "## Every run",
     "",
     *rows_table(result["rows"]),

@@ -200,6 +200,13 @@ def rows_table(rows: list[dict]) -> list[str]:
   return lines
 
 
+def _drop(r: dict) -> str:
+  """A row's drop as judged: over its runs when it has several ("mean of n")."""
+  n = len(r.get("accuracy_runs", [r["accuracy"]]))
+  drop = _pct(r.get("label_drop", r["quality_drop"]))
+  return drop if n == 1 else f"{drop} (mean of {n})"
+
+
 def findings(result: dict) -> list[str]:
   """One sentence per finding, each with its numbers."""
   floor, b, conf = result["noise_floor"], result["budget"], result["confusion"]
@@ -231,9 +238,7 @@ def findings(result: dict) -> list[str]:
     rs = sorted(rs, key=lambda r: r["mismatch/kl"])
     kept = [r for r in rs if r["kept_quality"]]
     lost = [r for r in rs if not r["kept_quality"]]
-    text = ", ".join(
-      f"{r['name']} kl {_g(r['mismatch/kl'])} drop {_pct(r['quality_drop'])}" for r in rs
-    )
+    text = ", ".join(f"{r['name']} kl {_g(r['mismatch/kl'])} drop {_drop(r)}" for r in rs)
     verdict = (
       "no setting degraded quality"
       if not lost

@@ -587,6 +587,14 @@ def _other_schema(doc):
   doc["schema"] = "something.else"
 
 
+def _unnamed_source(doc):
+  doc["budget"]["sources"][0]["source"] = 3
+
+
+def _sources_not_a_list(doc):
+  doc["budget"]["sources"] = 5
+
+
 @pytest.mark.parametrize(
   "edit, problem",
   [
@@ -595,6 +603,8 @@ def _other_schema(doc):
     (_bad_censoring, "budget.censored: expected one of ('none', 'above', 'below'), got 'maybe'"),
     (_bad_record, "budget.records: record 2 (source 'noise') has quality_drop None, not a number"),
     (_other_schema, "schema: expected 'opd_jax.budget', got 'something.else'"),
+    (_unnamed_source, "budget.sources[0].source: expected a non-empty string, got 3"),
+    (_sources_not_a_list, "budget.sources: expected a list, got 5"),
   ],
 )
 def test_wrong_schema_is_refused_naming_the_file(tmp_path, setup, edit, problem):

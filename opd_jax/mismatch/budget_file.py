@@ -272,6 +272,25 @@ class _Reader:
       self.fail(f"{where}.{key}", f"expected {size}finite numbers, got {value!r}"[:300])
     return tuple(float(v) for v in value)
 
+  def name(self, obj: Mapping, key: str, where: str) -> str:
+    value = self.get(obj, key, where)
+    if not isinstance(value, str) or not value:
+      self.fail(f"{where}.{key}", f"expected a non-empty string, got {value!r}"[:200])
+    return value
+
+  def thresholds(self, entries, key: str, read_id) -> dict:
+    """budget.<key>: a list of thresholds, each keyed by its "layer" (read_id = self.integer)
+    or its "source" (read_id = self.name)."""
+    if not isinstance(entries, list):
+      self.fail(f"budget.{key}", f"expected a list, got {entries!r}"[:200])
+    out = {}
+    for j, entry in enumerate(entries):
+      where = f"budget.{key}[{j}]"
+      if not isinstance(entry, Mapping):
+        self.fail(where, f"expected an object, got {entry!r}"[:200])
+      out[read_id(entry, key.removesuffix("s"), where)] = self.threshold(entry, where)
+    return out
+
   def threshold(self, obj: Mapping, where: str) -> budget_lib.Threshold:
     censored = self.get(obj, "censored", where)
     if censored not in budget_lib.CENSORED:
@@ -313,32 +332,14 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
   body = r.obj(doc, "budget", "top level")
   fp = r.obj(doc, "fingerprint", "top level")
 
-  layers = {}
-  layer_list = r.get(body, "layers", "budget")
-  if not isinstance(layer_list, list):
-    r.fail("budget.layers", f"expected a list, got {layer_list!r}"[:200])
-  for j, entry in enumerate(layer_list):
-    where = f"budget.layers[{j}]"
-    if not isinstance(entry, Mapping):
-      r.fail(where, f"expected an object, got {entry!r}"[:200])
-    layers[r.integer(entry, "layer", where)] = r.threshold(entry, where)
+  layers = r.thresholds(r.get(body, "layers", "budget"), "layers", r.integer)
   unfitted = r.get(body, "unfitted_layers", "budget")
   if not isinstance(unfitted, list) or any(
     isinstance(i, bool) or not isinstance(i, int) for i in unfitted
   ):
     r.fail("budget.unfitted_layers", f"expected a list of integers, got {unfitted!r}"[:200])
-  sources = {}
-  source_list = body.get("sources", [])  # absent in files written before per-source limits
-  if not isinstance(source_list, list):
-    r.fail("budget.sources", f"expected a list, got {source_list!r}"[:200])
-  for j, entry in enumerate(source_list):
-    where = f"budget.sources[{j}]"
-    if not isinstance(entry, Mapping):
-      r.fail(where, f"expected an object, got {entry!r}"[:200])
-    name = r.get(entry, "source", where)
-    if not isinstance(name, str) or not name:
-      r.fail(f"{where}.source", f"expected a source name, got {name!r}"[:200])
-    sources[name] = r.threshold(entry, where)
+  # "sources" is absent in files written before per-source limits
+  sources = r.thresholds(body.get("sources", []), "sources", r.name)
   records = r.get(body, "records", "budget")
   if not isinstance(records, list):
     r.fail("budget.records", f"expected a list, got {records!r}"[:200])

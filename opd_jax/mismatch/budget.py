@@ -62,12 +62,12 @@ resamples hit the "below"/"above" cases, it mixes in their conventions (0, or a 
 
 Per-source limits
 -----------------
-Sources need not share one knee: on the embedded task weight noise degrades quality from a
-check KL of about 0.1 while staleness keeps it up to 0.2. So the same rule is also fitted per
-source. Source s's fit uses the records whose "source" is exactly s (one source, no "+") plus
-the records whose source is REFERENCE_SOURCE ("reference": the unperturbed runs, the curve's
-zero-mismatch anchor); a source with records at fewer than MIN_DISTINCT_KL distinct values is
-not fitted. Combination records ("noise+stale") enter the overall fit only. Source s's limit is
+Sources need not share one knee: on the embedded task weight noise degrades quality from a check KL
+of about 0.07-0.1 while some stale settings keep it up to 0.2 (docs/study). So the same rule is also
+fitted per source. Source s's fit uses the records whose "source" is exactly s (one source, no "+")
+plus the records whose source is REFERENCE_SOURCE ("reference": the unperturbed runs, the curve's
+zero-mismatch anchor); a source with records at fewer than MIN_DISTINCT_KL distinct values is not
+fitted. Combination records ("noise+stale") enter the overall fit only. Source s's limit is
 
   L_s = max_kl_s                     when its fit crosses τ (censored "none"),
   L_s = max(x_m,s, overall max_kl)   when its records never cross τ (censored "above"): they

@@ -83,6 +83,10 @@ def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_
   config.borderline_seeds = (config.seeds[0],)
   with pytest.raises(ValueError, match="exclude the held-out runs' seed"):
     study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
+  config = study_config.get_config("tiny")
+  config.borderline_roles = ("held_out", "calibraton")
+  with pytest.raises(ValueError, match=r"borderline_roles has \['calibraton'\]"):
+    study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
 
 
 def test_probe_must_cover_the_largest_lag(tmp_path):

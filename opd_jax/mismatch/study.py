@@ -330,7 +330,8 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
   DIR/runs/<name>_seed<k>; every other row keeps its one run.
 
   Raises:
-    ValueError: a borderline seed that repeats one or is the held-out runs' own seed.
+    ValueError: a borderline seed that repeats one or is the held-out runs' own seed, or a
+      role in `borderline_roles` other than "calibration" and "held_out".
   """
   extra = [int(x) for x in config.get("borderline_seeds", ())]
   if len(set(extra)) != len(extra) or int(config.seeds[0]) in extra:
@@ -339,6 +340,12 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
       f"seed {config.seeds[0]}"
     )
   roles = tuple(config.get("borderline_roles", ("held_out",)))
+  unknown = [r for r in roles if r not in ("calibration", "held_out")]
+  if unknown:
+    raise ValueError(
+      f"config.borderline_roles has {unknown}; the roles that can be re-run are 'calibration' "
+      "and 'held_out'"
+    )
   spread = floor["sd"] or floor["se"]
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]

@@ -163,6 +163,9 @@ def test_exact_candidate_is_admitted_with_margin_max_kl(checked):
   assert exact["margin"] == pytest.approx(MAX_KL, abs=1e-6)
   assert exact["admitted"] and exact["verdict"] == "admitted" and exact["reasons"] == []
   assert (exact["source"], exact["limit_from"]) == ("reference", "overall")
+  lower, upper = exact["limit_band"]
+  assert lower <= exact["max_kl"] <= upper
+  assert not exact["too_close"] and exact["call"] == "clear"  # 0 is below the whole band
 
 
 def test_destructive_candidate_is_rejected_with_a_reason(checked):
@@ -172,6 +175,7 @@ def test_destructive_candidate_is_rejected_with_a_reason(checked):
   assert noise["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
   assert not noise["admitted"] and noise["verdict"] == "rejected"
   assert len(noise["reasons"]) == 1
+  assert noise["mismatch/kl"] > noise["limit_band"][1] and not noise["too_close"]
   # The records are all "noise", so the noise fit is the overall one and sets the limit.
   assert (noise["source"], noise["limit_from"]) == ("noise", "noise")
   assert re.match(
@@ -207,6 +211,7 @@ def test_log_gets_one_line_per_candidate(checked, fingerprint):
     assert entry["fingerprint"] == fingerprint
     assert entry["measurement"]["mismatch/kl"] == row["mismatch/kl"]
     assert entry["verdict"]["admitted"] == row["admitted"]
+    assert entry["verdict"]["too_close"] == row["too_close"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["time"])
   # A second check appends.
   admission.append_log(str(workdir), [{"time": "t"}])

@@ -5,6 +5,7 @@ pool-adjacent-violators, then the linear crossing max_kl = x_k + (τ − f_k)/(f
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -263,6 +264,32 @@ def test_admit_holds_a_measurement_to_its_strictest_source():
 
 # ---------------------------------------------------------------------------------------------
 # Admission
+
+
+def test_a_verdict_inside_its_limits_band_is_too_close_to_call():
+  b = fit_budget(SOURCED, 0.5)
+  b = dataclasses.replace(
+    b,
+    overall=dataclasses.replace(b.overall, interval=(0.1, 0.25)),
+    sources={**b.sources, "noise": dataclasses.replace(b.sources["noise"], interval=(0.12, 0.19))},
+  )
+  # noise: band (.12, .19) around its point limit .15.
+  inside = admit({"mismatch/kl": 0.13, "source": "noise"}, b)
+  assert inside.limit_band == (0.12, 0.19)
+  assert inside.admitted and inside.too_close
+  assert admit({"mismatch/kl": 0.17, "source": "noise"}, b).too_close  # refused, but close
+  assert not admit({"mismatch/kl": 0.11, "source": "noise"}, b).too_close
+  assert not admit({"mismatch/kl": 0.20, "source": "noise"}, b).too_close
+  assert admit({"mismatch/kl": 0.19, "source": "noise"}, b).too_close  # upper end included
+  assert not admit({"mismatch/kl": 0.12, "source": "noise"}, b).too_close  # lower end admits
+  # stale never crosses τ: max(.3, overall) at both ends, a band of width 0.
+  stale = admit({"mismatch/kl": 0.3, "source": "stale"}, b)
+  assert stale.limit_band == (0.3, 0.3) and not stale.too_close
+  # No source: the overall band; a combination takes the strictest source at each end.
+  assert admit({"mismatch/kl": 0.2}, b).limit_band == (0.1, 0.25)
+  assert admit({"mismatch/kl": 0.2, "source": "noise+kernel"}, b).limit_band == (0.1, 0.19)
+  with pytest.raises(ValueError, match="end='middle'"):
+    b.source_limit("noise", end="middle")
 
 
 def test_admit_margin_and_reasons():

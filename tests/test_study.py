@@ -60,7 +60,14 @@ def test_settings_names_and_sources():
   async_fp8 = next(s for s in by_spec.values() if "mode=async" in s.spec)
   assert async_fp8.source == "stale+fp8_weights+fp8_kv"  # lag 1 is the default max_lag
   assert by_spec["rollout.stale_k=6"].role == "calibration"  # held out in round 1
-  assert by_spec["rollout.stale_k=7"].role == "held_out"
+  assert by_spec["rollout.stale_k=7"].role == "calibration"  # held out in round 2
+  # Round 3's held-out settings are the seeded draw, and none restates a calibration setting.
+  held = [s.spec for s in settings if s.role == "held_out"]
+  assert held == list(study_config.round3_draw(exclude=config.calibration))
+  assert held != list(study_config.round3_draw(seed=1, exclude=config.calibration))
+  seen = {study_config._canonical(spec) for spec in config.calibration}
+  assert not seen & {study_config._canonical(spec) for spec in held}
+  assert study_config._canonical("rollout.kv_cache=fp8,rollout.kv_granularity=token_head") in seen
   assert len({s.name for s in settings}) == len(settings)
 
 
@@ -129,8 +136,13 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert sorted(result["rule_variants"]) == sorted(study.RULES)
   assert result["rule_variants"]["per_source"] == result["confusion"]  # the configured rule
   assert result["rule_variants"]["pooled"] == result["confusion_pooled"]
+  held_rows = [r for r in result["rows"] if r["role"] == "held_out"]
+  called = [r for r in held_rows if not r["too_close"]]
+  assert result["confusion_called"] == study.confusion(called, result["tolerance"], "label_drop")
   for r in result["rows"]:
     assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
+    lower, upper = r["limit_band"]
+    assert r["too_close"] == (lower < r["mismatch/kl"] <= upper)
   reference_kl = [r["mismatch/kl"] for r in result["rows"] if r["role"] == "reference"]
   noisy_kl = [r["mismatch/kl"] for r in result["rows"] if r["name"] == "noise_sigma-0.5"]
   assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0

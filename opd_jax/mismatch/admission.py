@@ -14,7 +14,9 @@ parses flags and calls `run_admission`. For each candidate, with no training:
    measured with, so the study calls it too);
 3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons; the
    measurement names the candidate's sources (`candidate_source`: "noise", "stale+fp8_kv"),
-   so a budget with per-source fits holds it to the strictest of their limits;
+   so a budget with per-source fits holds it to the strictest of their limits; a measurement
+   inside the band of its limit (the limit at the two ends of the bootstrap intervals) is
+   marked "too close" in the "call" column: only a full run can tell there;
 4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
    appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
 
@@ -142,6 +144,7 @@ _COLUMNS = (
   ("limit from", "limit_from", "s"),
   ("margin", "margin", ".4g"),
   ("verdict", "verdict", "s"),
+  ("call", "call", "s"),
 )
 
 
@@ -589,6 +592,9 @@ def candidate_row(
       "margin": verdict.margin,
       "admitted": verdict.admitted,
       "verdict": "admitted" if verdict.admitted else "rejected",
+      "limit_band": list(verdict.limit_band),
+      "too_close": verdict.too_close,
+      "call": "too close" if verdict.too_close else "clear",
       "reasons": list(verdict.reasons),
     }
   )
@@ -854,7 +860,7 @@ def run_admission(
         "engine_id": c.engine_id,
         "sampler": dataclasses.asdict(candidate_sampler_config(c, setup)),
         "measurement": {k: v for k, v in row.items() if k.startswith(("mismatch/", "measure/"))},
-        "verdict": {k: row[k] for k in ("admitted", "max_kl", "margin", "reasons")},
+        "verdict": {k: row[k] for k in ("admitted", "max_kl", "margin", "too_close", "reasons")},
         "num_prompts": num_prompts,
         "student": student,
         "budget_file": os.path.abspath(budget_path),

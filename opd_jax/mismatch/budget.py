@@ -90,6 +90,14 @@ validated against (agreement with full runs); the lower end can sit far below it
 are few or noisy (a resample that hits the "below" case pulls it to 0), rejecting configurations the
 data do not condemn. Choose `conservative=True` when a wrongly admitted configuration (a full
 training run that degrades) costs much more than a wrongly rejected one (a slower but safer engine).
+
+Too close to call
+-----------------
+Every verdict also carries the band of its limit: (lower, upper), the same limit taken at the
+lower and at the upper end of each bootstrap interval involved. A measurement with
+lower < mismatch/kl ≤ upper is `too_close`: the data cannot say on which side of the knee it
+lies, and one full run is the only way to know. The verdict itself is unchanged (point estimate
+or lower end); `too_close` is advice beside it.
 """
 
 from __future__ import annotations
@@ -185,27 +193,39 @@ class Budget:
     """ "none", "above" or "below" (`overall.censored`)."""
     return self.overall.censored
 
-  def source_limit(self, source: str, *, conservative: bool = False) -> float:
-    """L_s, the limit of one source (module docstring); the overall one if s has no fit."""
-    overall = self.overall.interval[0] if conservative else self.overall.max_kl
+  def source_limit(self, source: str, *, end: str = "point") -> float:
+    """L_s, the limit of one source (module docstring); the overall one if s has no fit.
+
+    `end` picks each max_kl involved: "point" (the estimate), "lower" or "upper" (that end of
+    its bootstrap interval)."""
+    overall = _at(self.overall, end)
     threshold = self.sources.get(source)
     if threshold is None:
       return overall
-    own = threshold.interval[0] if conservative else threshold.max_kl
     if threshold.censored == "above":
       return max(threshold.curve_kl[-1], overall)
-    return own
+    return _at(threshold, end)
 
-  def limit_for(
-    self, sources: Sequence[str], *, conservative: bool = False
-  ) -> tuple[float, str | None]:
-    """(min_s L_s over `sources`, the source that sets it); the overall limit and None when
-    there are no sources or no per-source fits."""
+  def limit_for(self, sources: Sequence[str], *, end: str = "point") -> tuple[float, str | None]:
+    """(min_s L_s over `sources`, the source that sets it) at `end` (`source_limit`); the
+    overall limit and None when there are no sources or no per-source fits."""
     named = [s for s in sources if s and s != REFERENCE_SOURCE]
     if not named or not self.sources:
-      return (self.overall.interval[0] if conservative else self.overall.max_kl), None
-    limit, which = min((self.source_limit(s, conservative=conservative), s) for s in named)
+      return _at(self.overall, end), None
+    limit, which = min((self.source_limit(s, end=end), s) for s in named)
     return limit, which
+
+
+ENDS = ("point", "lower", "upper")
+
+
+def _at(threshold: Threshold, end: str) -> float:
+  """A threshold's max_kl at `end` of ENDS."""
+  if end == "point":
+    return threshold.max_kl
+  if end in ENDS:
+    return threshold.interval[ENDS.index(end) - 1]
+  raise ValueError(f"end={end!r}: expected one of {ENDS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +238,8 @@ class Verdict:
     limit: the limit used: budget.max_kl (or its interval's lower end if conservative), or
       the strictest per-source limit of the measurement's sources.
     limit_source: the source whose limit was used, None for the overall one.
+    limit_band: (the limit at the lower end of the bootstrap intervals, at their upper end);
+      `too_close` says whether the measurement falls between them.
     measured_kl: the measurement's mismatch/kl.
     conservative: whether the interval's lower end was used.
     reasons: one line per failed threshold (empty when admitted).
@@ -233,6 +255,17 @@ class Verdict:
   reasons: tuple[str, ...]
   layer_margins: dict[int, float]
   limit_source: str | None = None
+  limit_band: tuple[float, float] | None = None
+
+  @property
+  def too_close(self) -> bool:
+    """Whether the verdict is too close to call: lower < measured_kl ≤ upper for the limit's
+    band, so that the rule at the lower end of the bootstrap intervals refuses and the rule at
+    their upper end admits (layer thresholds aside)."""
+    if self.limit_band is None:
+      return False
+    lower, upper = self.limit_band
+    return lower < self.measured_kl <= upper
 
 
 def _describe(index: int, record: Any) -> str:
@@ -565,9 +598,9 @@ def admit(
   named = measurement.get(SOURCE_KEY) if per_source else None
   if named is not None and not isinstance(named, str):
     raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
-  limit, limit_source = budget.limit_for(
-    named.split("+") if named else (), conservative=conservative
-  )
+  sources = named.split("+") if named else ()
+  limit, limit_source = budget.limit_for(sources, end="lower" if conservative else "point")
+  band = (budget.limit_for(sources, end="lower")[0], budget.limit_for(sources, end="upper")[0])
   margin = limit - kl
   reasons = []
   if margin < 0 and limit_source is None:
@@ -595,4 +628,5 @@ def admit(
     reasons=tuple(reasons),
     layer_margins=layer_margins,
     limit_source=limit_source,
+    limit_band=band,
   )

@@ -27,7 +27,9 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    the check would have given (with its sources named when `per_source`, so the strictest
    per-source limit applies; the pooled budget's verdict is kept beside it); the full run says
    whether quality was kept: d ≤ τ, with d over all its runs. The confusion table and the
-   agreement rate go to the report, beside the single-run and the pooled ones.
+   agreement rate go to the report, beside the single-run and the pooled ones, and so does the
+   table of the verdicts that are not too close to call (`Verdict.too_close`): how many the
+   check calls, and how often it is right when it does.
 6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
    (`study_report`). The check's mismatch is also set beside each run's training-time mean
    `mismatch/kl` (agreement of the two x-axes).
@@ -405,6 +407,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     verdict = budget.admit(row, fitted, per_source=per_source)
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
     row.update(limit=verdict.limit, limit_source=verdict.limit_source)
+    row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
     pooled = budget.admit(row, fitted, per_source=False)
     row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
@@ -444,6 +447,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "confusion": confusion(held_out, tolerance, LABEL_DROP),
     "confusion_single_run": confusion(held_out, tolerance),
+    "confusion_called": confusion(
+      [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
+    ),
     "rule_variants": rule_variants(held_out, fitted, tolerance),
     "confusion_pooled": confusion(
       [{**r, "admitted": r["admitted_pooled"]} for r in held_out], tolerance, LABEL_DROP

@@ -193,7 +193,7 @@ def rows_table(rows: list[dict]) -> list[str]:
       f"{_g(r.get('train/mismatch/kl_mean'))} | {_pct(r['accuracy'])} | "
       f"{_pct(r['quality_drop'])} | {over} | "
       f"{_g(r.get('limit'))} ({r.get('limit_source') or 'overall'}) | "
-      f"{'admit' if r['admitted'] else 'refuse'} | "
+      f"{'admit' if r['admitted'] else 'refuse'}{' (too close)' if r.get('too_close') else ''} | "
       f"{'admit' if r.get('admitted_pooled', r['admitted']) else 'refuse'} | "
       f"{'yes' if r['kept_quality'] else 'no'} |"
     )
@@ -261,6 +261,16 @@ def findings(result: dict) -> list[str]:
       f"(admitted & kept {pooled['admitted_kept']}, admitted & degraded "
       f"{pooled['admitted_degraded']}, refused & kept {pooled['refused_kept']}, refused & "
       f"degraded {pooled['refused_degraded']})."
+    )
+  called = result.get("confusion_called")
+  if called:
+    out.append(
+      f"Too close to call (the measured KL inside the band of its limit, between the two ends "
+      f"of the bootstrap intervals): {conf['n'] - called['n']} of {conf['n']} held-out "
+      f"settings. On the {called['n']} the check calls, agreement "
+      f"{_pct(called['agreement'])} % (admitted & kept {called['admitted_kept']}, admitted & "
+      f"degraded {called['admitted_degraded']}, refused & kept {called['refused_kept']}, "
+      f"refused & degraded {called['refused_degraded']})."
     )
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]

@@ -159,6 +159,7 @@ def get_config(arg=None):
   c.budget.recheck_every = 200  # adaptive: steps between re-measurements of the ladder
   c.budget.prompts = 64  # adaptive: calibration prompts per measurement
   c.budget.conservative = False  # compare with the lower end of the budget's interval
+  c.budget.per_source = True  # hold each rung to its sources' limits (else the pooled budget)
   c.budget.force = False  # run with a stale budget (fingerprint changed) instead of refusing
 
   # Export: a finished run writes its student as a Hugging Face checkpoint (opd_jax/export.py:

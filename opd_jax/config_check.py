@@ -195,6 +195,7 @@ RULES: dict[str, Any] = {
   "budget.recheck_every": POSITIVE,
   "budget.prompts": POSITIVE,
   "budget.conservative": Kind(bool),
+  "budget.per_source": Kind(bool),
   "budget.force": Kind(bool),
 }
 

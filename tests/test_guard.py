@@ -242,6 +242,60 @@ def test_conservative_compares_with_the_lower_end_of_the_interval():
   assert guard.limit <= BUDGET.max_kl
 
 
+# Per-source limits (test_budget.py works the same fit by hand): noise crosses τ = .5 at .15,
+# stale never does (max(.3, overall) = .3), and the pooled fit crosses at .1 + .5/.6 · .1.
+SOURCED = fit_budget(
+  [
+    {"source": source, "mismatch/kl": kl, "quality_drop": drop}
+    for source, kl, drop in (
+      ("reference", 0.0, 0.0),
+      ("reference", 0.0, 0.0),
+      ("noise", 0.1, 0.0),
+      ("noise", 0.2, 1.0),
+      ("stale", 0.1, 0.0),
+      ("stale", 0.3, 0.2),
+    )
+  ],
+  0.5,
+  num_bootstrap=20,
+)
+POOLED = 0.1 + 0.5 / 0.6 * 0.1
+
+
+def full_config():
+  config = base.get_config()
+  config.rollout = FULL
+  return config
+
+
+def test_each_rung_is_named_by_the_sources_its_engine_changes():
+  ladder = guard_lib.fallback_ladder(FULL)
+  assert guard_lib.rung_sources(full_config(), ladder) == (
+    "noise+stale+fp8_weights+fp8_kv",  # as configured
+    "noise+stale+fp8_weights+fp8_kv",  # KV in bf16: still not the trainer's own (f32 here)
+    "stale+fp8_weights+fp8_kv",  # weights in bf16, no noise
+    "fp8_weights+fp8_kv",  # no staleness
+  )
+  exact = base.get_config()
+  assert guard_lib.rung_sources(exact, guard_lib.fallback_ladder(exact.rollout)) == ("reference",)
+
+
+def test_per_source_guard_holds_each_rung_to_its_sources_limits():
+  ladder = guard_lib.fallback_ladder(FULL)
+  sources = guard_lib.rung_sources(full_config(), ladder)
+  guard = guard_lib.Guard(SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  assert [guard.limit_of(i) for i in range(4)] == pytest.approx([0.15, 0.15, POOLED, POOLED])
+  decisions = feed(guard, [0.16] * 6)  # over noise's .15, within the pooled .1833
+  assert [(s, d.rung) for s, d in decisions.items()] == [(2, 1), (4, 2)]
+  assert guard.rung == 2 and guard.margin == pytest.approx(POOLED - 0.16)
+  pooled = guard_lib.Guard(
+    SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources, per_source=False
+  )
+  assert feed(pooled, [0.16] * 6) == {} and pooled.limit == pytest.approx(POOLED)
+  with pytest.raises(ValueError, match="3 rung sources for a ladder of 4 rungs"):
+    guard_lib.Guard(SOURCED, ladder, "warn", 2, sources=sources[:3])
+
+
 def test_bad_arguments_and_missing_metrics_are_named():
   ladder = guard_lib.fallback_ladder(FULL)
   with pytest.raises(ValueError, match="budget.action"):

@@ -334,15 +334,19 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
 
 
 def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict) -> str:
-  """The mismatch sources a candidate changes against the config it modifies, "+"-joined in
-  SOURCE_OF_KEY order ("noise+stale"), or "reference" when it changes none of them. An async
-  engine counts as stale by its lag bound, whatever the config's own mode."""
+  """The mismatch sources a candidate changes against the config it modifies (`config_source`)."""
+  return config_source(candidate.config, reference, candidate.lag)
+
+
+def config_source(config, reference, lag: int) -> str:
+  """The mismatch sources `config` changes against `reference`, "+"-joined in SOURCE_OF_KEY
+  order ("noise+stale"), or "reference" when it changes none of them. Staleness is the lag
+  the engine trains with (`lag` > 0: stale_k, or an async engine's lag bound), whatever the
+  reference's own mode."""
   found = []
   for key, source in SOURCE_OF_KEY:
     section, leaf = key.split(".")
-    changed = candidate.config[section][leaf] != reference[section][leaf]
-    if source == "stale":
-      changed = candidate.lag > 0
+    changed = lag > 0 if source == "stale" else config[section][leaf] != reference[section][leaf]
     if changed and source not in found:
       found.append(source)
   return "+".join(found) or budget_lib.REFERENCE_SOURCE

@@ -16,8 +16,11 @@ draw changes every version), so the guard compares a bias-corrected exponential 
 
   m_n = α m_{n−1} + (1 − α) kl_n,   m_0 = 0,   ema_n = m_n / (1 − α^n)       (α = budget.smoothing)
 
-with the budget's limit (`budget.max_kl`, or its interval's lower end with `budget.conservative`;
-`budget.admit` decides). A step is *over budget* when ema_n > limit; `budget.patience` counts
+with the budget's limit for the rung the run is on (`budget.admit` decides, as the admission check
+does): with `budget.per_source` (the default) the strictest per-source limit of the rung's
+sources (`rung_sources`: what its engine changes against the exact one, named as the check names
+a candidate's), else the pooled max_kl; the interval's lower end of either with
+`budget.conservative`. A step is *over budget* when ema_n > limit; `budget.patience` counts
 consecutive over-budget steps (one step within budget resets it to 0), and the action fires when
 the count reaches patience. α = 0.9 averages over about 10 steps; α = 0 compares the per-step
 value. The bias correction keeps the first steps from being pulled towards 0. The logged
@@ -161,6 +164,23 @@ def rung_lag(config: ml_collections.ConfigDict) -> int:
   return int(r.max_lag) if r.mode == "async" else int(r.stale_k)
 
 
+# The engine with no mismatch source: the trainer's own weights and KV dtype, the reference
+# kernel, no noise (staleness is read from the lag).
+EXACT_ENGINE = {"weights": "trainer", "kv_cache": "auto", "noise_sigma": 0.0, "kernel": "reference"}
+
+
+def rung_sources(config: ml_collections.ConfigDict, ladder: tuple[Rung, ...]) -> tuple[str, ...]:
+  """The mismatch sources of each rung's engine against EXACT_ENGINE, "+"-joined as the
+  admission check names a candidate's (`admission.config_source`): the budget's per-source
+  limits apply to them."""
+  from opd_jax.mismatch import admission  # admission imports the trainer, which imports us
+
+  exact = ml_collections.ConfigDict(config.to_dict())
+  exact.rollout.update(EXACT_ENGINE)
+  configs = [apply_rung(config, rung) for rung in ladder]
+  return tuple(admission.config_source(c, exact, rung_lag(c)) for c in configs)
+
+
 # ---------------------------------------------------------------------------------------------
 # The state machine
 
@@ -200,6 +220,9 @@ class Guard:
     recheck_every: adaptive: steps between periodic re-measurements (>= 1).
     conservative: compare with the lower end of the budget's interval (`budget.admit`).
     rung: the rung the run is on (a resumed run's).
+    sources: the mismatch sources of each rung (`rung_sources`), for per-source limits; None
+      compares every rung with the pooled budget.
+    per_source: hold a rung to its sources' limits (`budget.admit`) when `sources` is given.
   """
 
   def __init__(
@@ -212,6 +235,8 @@ class Guard:
     recheck_every: int = 200,
     conservative: bool = False,
     rung: int = 0,
+    sources: tuple[str, ...] | None = None,
+    per_source: bool = True,
   ):
     if action not in ACTIONS:
       raise ValueError(f"budget.action must be one of {', '.join(ACTIONS)}; got {action!r}")
@@ -223,10 +248,13 @@ class Guard:
       raise ValueError(f"budget.recheck_every must be an int >= 1, got {recheck_every!r}")
     if not ladder or not 0 <= rung < len(ladder):
       raise ValueError(f"rung {rung} is not on the ladder (rungs 0…{len(ladder) - 1})")
+    if sources is not None and len(sources) != len(ladder):
+      raise ValueError(f"{len(sources)} rung sources for a ladder of {len(ladder)} rungs")
     self.budget, self.ladder, self.action = budget, ladder, action
     self.patience, self.smoothing = patience, float(smoothing)
     self.recheck_every, self.conservative = recheck_every, conservative
     self.rung = rung
+    self.sources, self.per_source = sources, per_source
     self.over_steps = 0
     self.margin = math.nan  # limit − the step's mismatch/kl
     self.margin_smoothed = math.nan  # limit − the moving average
@@ -234,15 +262,27 @@ class Guard:
     self._sum, self._count = 0.0, 0
     self._next_recheck: int | None = None
 
+  def verdict(self, kl: float, rung: int) -> budget_lib.Verdict:
+    """`budget.admit` of a mismatch/kl measured on `rung`'s engine."""
+    measurement = {KL_KEY: kl}
+    if self.sources is not None:
+      measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
+    return budget_lib.admit(
+      measurement, self.budget, conservative=self.conservative, per_source=self.per_source
+    )
+
+  def limit_of(self, rung: int) -> float:
+    """The kl the guard admits on `rung` (module docstring)."""
+    return self.verdict(0.0, rung).limit
+
   @property
   def limit(self) -> float:
-    """The kl the guard admits: max_kl, or its interval's lower end when conservative."""
-    return self.budget.interval[0] if self.conservative else self.budget.max_kl
+    """The kl the guard admits on the current rung."""
+    return self.limit_of(self.rung)
 
-  def admits(self, kl: float) -> bool:
-    """Whether a measured mismatch/kl is within budget (`budget.admit`)."""
-    verdict = budget_lib.admit({KL_KEY: kl}, self.budget, conservative=self.conservative)
-    return verdict.admitted
+  def admits(self, kl: float, rung: int | None = None) -> bool:
+    """Whether a mismatch/kl measured on `rung` (default: the current one) is within budget."""
+    return self.verdict(kl, self.rung if rung is None else rung).admitted
 
   def _restart(self) -> None:
     self._sum, self._count, self.over_steps = 0.0, 0, 0
@@ -279,9 +319,7 @@ class Guard:
     self._sum = a * self._sum + (1.0 - a) * kl
     self._count += 1
     self.kl_smoothed = self._sum / (1.0 - a**self._count)
-    verdict = budget_lib.admit(
-      {KL_KEY: self.kl_smoothed}, self.budget, conservative=self.conservative
-    )
+    verdict = self.verdict(self.kl_smoothed, self.rung)
     self.margin = verdict.limit - kl
     self.margin_smoothed = verdict.margin
     self.over_steps = 0 if verdict.admitted else self.over_steps + 1
@@ -332,9 +370,9 @@ class Guard:
     for rung in decision.candidates:
       if rung not in measured:
         break
-      margin = self.limit - measured[rung]
+      margin = self.limit_of(rung) - measured[rung]
       verdicts.append(f"rung {rung}: {measured[rung]:.4g} (margin {margin:.4g})")
-      if self.admits(measured[rung]):
+      if self.admits(measured[rung], rung):
         pick, admitted = rung, True
         break
     if pick == self.rung:
@@ -451,9 +489,14 @@ class LiveGuard:
       recheck_every=b.recheck_every,
       conservative=b.conservative,
       rung=rung,
+      sources=rung_sources(config, ladder),
+      per_source=b.per_source,
     )
     live = cls(config, setup, guard, make_source, prompt_iter, writer, log)
-    rungs = "; ".join(r.describe() for r in ladder)
+    rungs = "; ".join(
+      f"{r.describe()} [{guard.sources[r.index]}: limit {guard.limit_of(r.index):.4g}]"
+      for r in ladder
+    )
     log(
       f"budget guard: {b.file}, limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
       f"interval [{budget.interval[0]:.4g}, {budget.interval[1]:.4g}]), action {b.action}, "

@@ -135,7 +135,11 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert result["confusion"]["n"] == len(config.held_out)
   assert sorted(result["rule_variants"]) == sorted(study.RULES)
   assert result["rule_variants"]["per_source"] == result["confusion"]  # the configured rule
-  assert result["rule_variants"]["pooled"] == result["confusion_pooled"]
+  held_pooled = [{**r, "admitted": r["admitted_pooled"]} for r in result["rows"]]
+  held_pooled = [r for r in held_pooled if r["role"] == "held_out"]
+  assert result["rule_variants"]["pooled"] == study.confusion(
+    held_pooled, result["tolerance"], "label_drop"
+  )
   held_rows = [r for r in result["rows"] if r["role"] == "held_out"]
   called = [r for r in held_rows if not r["too_close"]]
   assert result["confusion_called"] == study.confusion(called, result["tolerance"], "label_drop")

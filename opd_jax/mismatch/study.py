@@ -451,9 +451,6 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
       [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
     ),
     "rule_variants": rule_variants(held_out, fitted, tolerance),
-    "confusion_pooled": confusion(
-      [{**r, "admitted": r["admitted_pooled"]} for r in held_out], tolerance, LABEL_DROP
-    ),
     "check_vs_training": agreement(rows),
     "rows": rows,
     "curves": {s.name: results[s.name].get("curve", []) for s in settings},

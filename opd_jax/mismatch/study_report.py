@@ -254,7 +254,7 @@ def findings(result: dict) -> list[str]:
     f"(admitted & kept {conf['admitted_kept']}, admitted & degraded {conf['admitted_degraded']}, "
     f"refused & kept {conf['refused_kept']}, refused & degraded {conf['refused_degraded']})."
   )
-  pooled = result.get("confusion_pooled")
+  pooled = result.get("rule_variants", {}).get("pooled")
   if pooled and result.get("per_source"):
     out.append(
       f"The pooled budget alone on the same settings: agreement {_pct(pooled['agreement'])} % "
@@ -348,8 +348,8 @@ def markdown(result: dict) -> str:
     *confusion_table(result["confusion"]),
     "",
     *(
-      ["The pooled budget alone:", "", *confusion_table(result["confusion_pooled"]), ""]
-      if result.get("per_source") and result.get("confusion_pooled")
+      ["The pooled budget alone:", "", *confusion_table(result["rule_variants"]["pooled"]), ""]
+      if result.get("per_source") and "pooled" in result.get("rule_variants", {})
       else []
     ),
     *rules_table(result),

@@ -290,6 +290,12 @@ def test_a_verdict_inside_its_limits_band_is_too_close_to_call():
   assert admit({"mismatch/kl": 0.2, "source": "noise+kernel"}, b).limit_band == (0.1, 0.19)
   with pytest.raises(ValueError, match="end='middle'"):
     b.source_limit("noise", end="middle")
+  # A percentile interval that misses its estimate: the band still holds the limit used.
+  off = dataclasses.replace(b.sources["noise"], interval=(0.16, 0.2))
+  b = dataclasses.replace(b, sources={**b.sources, "noise": off})
+  refused = admit({"mismatch/kl": 0.155, "source": "noise"}, b)
+  assert refused.limit_band == (pytest.approx(0.15), 0.2)
+  assert not refused.admitted and refused.too_close
 
 
 def test_admit_margin_and_reasons():

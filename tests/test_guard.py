@@ -272,9 +272,9 @@ def test_each_rung_is_named_by_the_sources_its_engine_changes():
   ladder = guard_lib.fallback_ladder(FULL)
   assert guard_lib.rung_sources(full_config(), ladder) == (
     "noise+stale+fp8_weights+fp8_kv",  # as configured
-    "noise+stale+fp8_weights+fp8_kv",  # KV in bf16: still not the trainer's own (f32 here)
-    "stale+fp8_weights+fp8_kv",  # weights in bf16, no noise
-    "fp8_weights+fp8_kv",  # no staleness
+    "noise+stale+fp8_weights+bf16_kv",  # KV in bf16: not the trainer's own (f32 here), not FP8
+    "stale+bf16_weights+bf16_kv",  # weights in bf16, no noise
+    "bf16_weights+bf16_kv",  # no staleness
   )
   exact = base.get_config()
   assert guard_lib.rung_sources(exact, guard_lib.fallback_ladder(exact.rollout)) == ("reference",)

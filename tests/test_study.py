@@ -48,6 +48,27 @@ def test_spearman_by_hand():
   assert math.isnan(study._spearman([1, 2], [1, 2]))
 
 
+ROUND3_HELD_OUT = (  # configs/study.py's draw as committed in 7de44e6, "rollout." left out
+  "weights=fp8,rollout.weight_block_size=32,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,"
+  "rollout.kernel=bf16_attention",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,"
+  "rollout.kv_granularity=token_head,rollout.kernel=bf16_matmul",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kernel=bf16_matmul,rollout.stale_k=3",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,rollout.stale_k=6,"
+  "rollout.noise_sigma=0.4",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kernel=bf16_attention,rollout.noise_sigma=0.11",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,"
+  "rollout.kv_granularity=token_head,rollout.stale_k=4",
+  "kernel=bf16_attention,rollout.stale_k=4",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kv_cache=fp8,rollout.kv_granularity=tensor",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_matmul,rollout.stale_k=5",
+  "weights=fp8,rollout.stale_k=2,rollout.noise_sigma=0.33",
+  "noise_sigma=0.06",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.kernel=bf16_attention,"
+  "rollout.mode=async,rollout.max_lag=2,rollout.noise_sigma=0.43",
+)
+
+
 def test_settings_names_and_sources():
   config = study_config.get_config()
   settings = study.study_settings(config)
@@ -61,14 +82,30 @@ def test_settings_names_and_sources():
   assert async_fp8.source == "stale+fp8_weights+fp8_kv"  # lag 1 is the default max_lag
   assert by_spec["rollout.stale_k=6"].role == "calibration"  # held out in round 1
   assert by_spec["rollout.stale_k=7"].role == "calibration"  # held out in round 2
-  # Round 3's held-out settings are the seeded draw, and none restates a calibration setting.
+  # Round 3's held-out settings are the seeded draw committed before they trained (pinned
+  # here, so that a change to the draw cannot silently change the held-out set), and none
+  # restates a calibration setting.
   held = [s.spec for s in settings if s.role == "held_out"]
-  assert held == list(study_config.round3_draw(exclude=config.calibration))
+  assert held == [f"rollout.{spec}" for spec in ROUND3_HELD_OUT]
   assert held != list(study_config.round3_draw(seed=1, exclude=config.calibration))
   seen = {study_config._canonical(spec) for spec in config.calibration}
   assert not seen & {study_config._canonical(spec) for spec in held}
-  assert study_config._canonical("rollout.kv_cache=fp8,rollout.kv_granularity=token_head") in seen
+  canonical = study_config._canonical
+  assert canonical("rollout.kv_cache=fp8") == canonical(
+    "rollout.kv_cache=fp8,rollout.kv_granularity=token_head"
+  )
+  assert canonical("rollout.mode=async") == canonical("rollout.mode=async,rollout.max_lag=1")
   assert len({s.name for s in settings}) == len(settings)
+
+
+def test_round3_draw_refuses_a_size_it_cannot_fill(monkeypatch):
+  with pytest.raises(ValueError, match="size must be an int >= 0"):
+    study_config.round3_draw(size=-1)
+  monkeypatch.setattr(study_config, "ROUND3_KNOBS", (((1.0, "rollout.stale_k=1"),),))
+  monkeypatch.setattr(study_config, "ROUND3_NOISE", (0.0, 0.0, 0.0))
+  assert study_config.round3_draw(size=1) == ("rollout.stale_k=1",)
+  with pytest.raises(ValueError, match="1 distinct settings in 2000 draws, not 2"):
+    study_config.round3_draw(size=2)
 
 
 def test_settings_refuse_duplicates_and_bad_specs():

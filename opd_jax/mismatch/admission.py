@@ -161,6 +161,11 @@ SOURCE_OF_KEY = (
   ("rollout.kv_cache", "fp8_kv"),
   ("rollout.kernel", "kernel"),
 )
+# A cast to bf16 is not FP8: it is a source of its own (with no fit, the pooled budget applies).
+CAST_SOURCES = {
+  ("rollout.weights", "bf16"): "bf16_weights",
+  ("rollout.kv_cache", "bf16"): "bf16_kv",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +351,9 @@ def config_source(config, reference, lag: int) -> str:
   found = []
   for key, source in SOURCE_OF_KEY:
     section, leaf = key.split(".")
-    changed = lag > 0 if source == "stale" else config[section][leaf] != reference[section][leaf]
+    value = config[section][leaf]
+    changed = lag > 0 if source == "stale" else value != reference[section][leaf]
+    source = CAST_SOURCES.get((key, value), source)
     if changed and source not in found:
       found.append(source)
   return "+".join(found) or budget_lib.REFERENCE_SOURCE

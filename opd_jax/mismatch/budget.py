@@ -94,7 +94,8 @@ training run that degrades) costs much more than a wrongly rejected one (a slowe
 Too close to call
 -----------------
 Every verdict also carries the band of its limit: (lower, upper), the same limit taken at the
-lower and at the upper end of each bootstrap interval involved. A measurement with
+lower and at the upper end of each bootstrap interval involved (widened to hold the limit the
+verdict used, since a percentile interval need not contain its estimate). A measurement with
 lower < mismatch/kl ≤ upper is `too_close`: the data cannot say on which side of the knee it
 lies, and one full run is the only way to know. The verdict itself is unchanged (point estimate
 or lower end); `too_close` is advice beside it.
@@ -238,8 +239,8 @@ class Verdict:
     limit: the limit used: budget.max_kl (or its interval's lower end if conservative), or
       the strictest per-source limit of the measurement's sources.
     limit_source: the source whose limit was used, None for the overall one.
-    limit_band: (the limit at the lower end of the bootstrap intervals, at their upper end);
-      `too_close` says whether the measurement falls between them.
+    limit_band: (the limit at the lower end of the bootstrap intervals, at their upper end),
+      widened to hold `limit`; `too_close` says whether the measurement falls between them.
     measured_kl: the measurement's mismatch/kl.
     conservative: whether the interval's lower end was used.
     reasons: one line per failed threshold (empty when admitted).
@@ -600,7 +601,11 @@ def admit(
     raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
   sources = named.split("+") if named else ()
   limit, limit_source = budget.limit_for(sources, end="lower" if conservative else "point")
-  band = (budget.limit_for(sources, end="lower")[0], budget.limit_for(sources, end="upper")[0])
+  lower, upper = (
+    budget.limit_for(sources, end="lower")[0],
+    budget.limit_for(sources, end="upper")[0],
+  )
+  band = (min(lower, limit), max(upper, limit))  # a percentile interval may miss the estimate
   margin = limit - kl
   reasons = []
   if margin < 0 and limit_source is None:

@@ -18,8 +18,10 @@ draw changes every version), so the guard compares a bias-corrected exponential 
 
 with the budget's limit for the rung the run is on (`budget.admit` decides, as the admission check
 does): with `budget.per_source` (the default) the strictest per-source limit of the rung's
-sources (`rung_sources`: what its engine changes against the exact one, named as the check names
-a candidate's), else the pooled max_kl; the interval's lower end of either with
+sources (`rung_sources`: what its engine changes against the exact engine, with the check's
+source names; the check itself names what a candidate changes against the run's config, which
+is the same thing when that config is the exact engine, as the study's is), else the pooled
+max_kl; the interval's lower end of either with
 `budget.conservative`. A step is *over budget* when ema_n > limit; `budget.patience` counts
 consecutive over-budget steps (one step within budget resets it to 0), and the action fires when
 the count reaches patience. α = 0.9 averages over about 10 steps; α = 0 compares the per-step
@@ -592,10 +594,11 @@ class LiveGuard:
         candidate, self.setup, self._prompts, state.params, behaviour
       )
       measured[index] = float(measurement[KL_KEY])
-      within = self.guard.admits(measured[index])
+      within = self.guard.admits(measured[index], index)  # held to the rung's own limit
       self._log(
         f"step {step}: budget guard measured {rung.describe()}: mismatch/kl "
-        f"{measured[index]:.4g} ({'within' if within else 'over'} {self.guard.limit:.4g})"
+        f"{measured[index]:.4g} ({'within' if within else 'over'} "
+        f"{self.guard.limit_of(index):.4g})"
       )
       if within:
         break

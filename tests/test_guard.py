@@ -411,6 +411,37 @@ def test_fp8_run_over_budget_falls_back_logs_each_switch_and_finishes(fallback_r
 
 
 @pytest.mark.slow
+def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
+  tiny_setup, teacher_cache, tmp_path
+):
+  """Per-source limits differ between rungs: FP8 KV crosses τ at 1e-7 (records (0, 0) and
+  (1e-6, 1), tolerance 0.1), FP8 weights and BF16 KV never cross it up to 1.0. Rung 0 (FP8
+  weights + FP8 KV) is held to 1e-7 and rung 1 (FP8 weights + BF16 KV) to 1.0, so the initial
+  check stops at rung 1: within its own limit, though over rung 0's."""
+  _, setup, student = tiny_setup
+  records = [
+    {"source": "reference", "mismatch/kl": 0.0, "quality_drop": 0.0},
+    {"source": "fp8_kv", "mismatch/kl": 1e-6, "quality_drop": 1.0},
+    {"source": "fp8_weights", "mismatch/kl": 1.0, "quality_drop": 0.0},
+    {"source": "bf16_kv", "mismatch/kl": 1.0, "quality_drop": 0.0},
+  ]
+  path = tmp_path / "budget.json"
+  fitted = fit_budget(records, 0.1, num_bootstrap=20)
+  budget_file.save_budget(path, fitted, admission.current_fingerprint(setup, student))
+  config = tiny_fp8_config(teacher_cache, path, action="adaptive")
+  lines = []
+  trainer.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
+  text = "\n".join(lines)
+  measured = [line for line in lines if "budget guard measured" in line]
+  assert len(measured) == 2, text  # rung 2 is never measured
+  assert "measured rung 0 (as configured): mismatch/kl" in measured[0]
+  assert measured[0].endswith("(over 1e-07)")
+  assert "measured rung 1 (kv bf16: rollout.kv_cache='bf16'): mismatch/kl" in measured[1]
+  assert measured[1].endswith("(within 1)")
+  assert "step 0: budget guard: switch rung 0 -> rung 1" in text
+
+
+@pytest.mark.slow
 def test_a_resumed_run_keeps_the_switched_rung(fallback_run, teacher_cache, budget_path, tmp_path):
   workdir, _, _ = fallback_run
   shutil.copytree(workdir, tmp_path / "run")

@@ -160,6 +160,7 @@ def get_config(arg=None):
   # runs, and each run of a calibration setting in `borderline_roles` is a budget record.
   c.borderline_seeds = (1, 2)
   c.borderline_roles = ("calibration", "held_out")
+  c.rerun = "borderline"  # "all": every setting of borderline_roles gets borderline_seeds too
   c.per_source = True  # verdicts by per-source limits (docstring above); False: pooled budget
   c.calibration = (
     "rollout.noise_sigma=0.05",

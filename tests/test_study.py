@@ -131,6 +131,10 @@ def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_
   config.borderline_roles = ("held_out", "calibraton")
   with pytest.raises(ValueError, match=r"borderline_roles has \['calibraton'\]"):
     study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
+  config = study_config.get_config("tiny")
+  config.rerun = "every"
+  with pytest.raises(ValueError, match="config.rerun='every'; expected one of borderline, all"):
+    study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
 
 
 def test_probe_must_cover_the_largest_lag(tmp_path):
@@ -220,6 +224,15 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     for seed in config.borderline_seeds:
       assert (workdir / "runs" / f"{settings[i].name}_seed{seed}" / "result.json").exists()
   assert all(len(r["accuracy_runs"]) == 1 for i, r in enumerate(rows) if i not in (held, cal))
+  # rerun="all": a held-out setting far from τ is trained again too (its runs are the ones
+  # above, so nothing trains here), and a calibration one outside borderline_roles is not.
+  config.rerun, config.borderline_roles = "all", ("held_out",)
+  clear = [{**r, budget.DROP_KEY: 0.5} for r in result["rows"]]
+  study.label_runs(config, settings, clear, 0.1, floor, str(workdir), lambda *a: None)
+  assert clear[held]["accuracy_runs"] == rows[held]["accuracy_runs"]
+  assert [len(r["accuracy_runs"]) for r in clear] == [
+    3 if st.role == "held_out" else 1 for st in settings
+  ]
   records = study.budget_records(rows, floor["mean"])
   mine = [r for r in records if r["name"] == settings[cal].name]
   assert [r["run"] for r in mine] == [0, 1, 2]

@@ -275,8 +275,13 @@ def findings(result: dict) -> list[str]:
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]
   if single and result.get("borderline_seeds"):
+    which = (
+      "were all"
+      if result.get("rerun") == "all"
+      else "had a single-run drop within one seed-sd of τ and were"
+    )
     out.append(
-      f"{len(rerun)} settings had a single-run drop within one seed-sd of τ and were "
+      f"{len(rerun)} settings {which} "
       f"trained again with seeds {result['borderline_seeds']} (a held-out one labelled by the "
       "mean, a calibration one giving one record per run): "
       + (

@@ -207,6 +207,14 @@ def _drop(r: dict) -> str:
   return drop if n == 1 else f"{drop} (mean of {n})"
 
 
+def _counts(c: dict) -> str:
+  """A confusion table's four counts as one phrase."""
+  return (
+    f"admitted & kept {c['admitted_kept']}, admitted & degraded {c['admitted_degraded']}, "
+    f"refused & kept {c['refused_kept']}, refused & degraded {c['refused_degraded']}"
+  )
+
+
 def findings(result: dict) -> list[str]:
   """One sentence per finding, each with its numbers."""
   floor, b, conf = result["noise_floor"], result["budget"], result["confusion"]
@@ -250,17 +258,13 @@ def findings(result: dict) -> list[str]:
   rule = "per-source limits" if result.get("per_source") else "the pooled budget"
   out.append(
     f"Admission check ({rule}) on {conf['n']} held-out settings: agreement "
-    f"{_pct(conf['agreement'])} % "
-    f"(admitted & kept {conf['admitted_kept']}, admitted & degraded {conf['admitted_degraded']}, "
-    f"refused & kept {conf['refused_kept']}, refused & degraded {conf['refused_degraded']})."
+    f"{_pct(conf['agreement'])} % ({_counts(conf)})."
   )
   pooled = result.get("rule_variants", {}).get("pooled")
   if pooled and result.get("per_source"):
     out.append(
       f"The pooled budget alone on the same settings: agreement {_pct(pooled['agreement'])} % "
-      f"(admitted & kept {pooled['admitted_kept']}, admitted & degraded "
-      f"{pooled['admitted_degraded']}, refused & kept {pooled['refused_kept']}, refused & "
-      f"degraded {pooled['refused_degraded']})."
+      f"({_counts(pooled)})."
     )
   called = result.get("confusion_called")
   if called:
@@ -268,9 +272,7 @@ def findings(result: dict) -> list[str]:
       f"Too close to call (the measured KL inside the band of its limit, between the two ends "
       f"of the bootstrap intervals): {conf['n'] - called['n']} of {conf['n']} held-out "
       f"settings. On the {called['n']} the check calls, agreement "
-      f"{_pct(called['agreement'])} % (admitted & kept {called['admitted_kept']}, admitted & "
-      f"degraded {called['admitted_degraded']}, refused & kept {called['refused_kept']}, "
-      f"refused & degraded {called['refused_degraded']})."
+      f"{_pct(called['agreement'])} % ({_counts(called)})."
     )
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]

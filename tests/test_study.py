@@ -69,6 +69,24 @@ ROUND3_HELD_OUT = (  # configs/study.py's draw as committed in 7de44e6, "rollout
 )
 
 
+ROUND4_HELD_OUT = (  # configs/study.py's round-4 draw as committed before it trained
+  "weights=fp8,rollout.noise_sigma=0.11",
+  "stale_k=4,rollout.noise_sigma=0.21",
+  "weights=fp8,rollout.noise_sigma=0.24",
+  "weights=fp8,rollout.weight_block_size=64",
+  "stale_k=7,rollout.noise_sigma=0.15",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_attention,"
+  "rollout.noise_sigma=0.18",
+  "weights=fp8,rollout.kernel=bf16_matmul,rollout.stale_k=3",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.stale_k=7",
+  "mode=async,rollout.max_lag=1,rollout.noise_sigma=0.08",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_attention,"
+  "rollout.stale_k=1,rollout.noise_sigma=0.16",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.noise_sigma=0.21",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kernel=bf16_matmul,rollout.stale_k=3",
+)
+
+
 def test_settings_names_and_sources():
   config = study_config.get_config()
   settings = study.study_settings(config)
@@ -82,12 +100,17 @@ def test_settings_names_and_sources():
   assert async_fp8.source == "stale+fp8_weights+fp8_kv"  # lag 1 is the default max_lag
   assert by_spec["rollout.stale_k=6"].role == "calibration"  # held out in round 1
   assert by_spec["rollout.stale_k=7"].role == "calibration"  # held out in round 2
-  # Round 3's held-out settings are the seeded draw committed before they trained (pinned
-  # here, so that a change to the draw cannot silently change the held-out set), and none
-  # restates a calibration setting.
+  # Each round's held-out settings are the seeded draw committed before they trained (pinned
+  # here, so that a change to the draw cannot silently change a held-out set), and none
+  # restates a calibration setting. Round 3's (drawn against the 42 settings before it) are
+  # calibration since round 4.
   held = [s.spec for s in settings if s.role == "held_out"]
-  assert held == [f"rollout.{spec}" for spec in ROUND3_HELD_OUT]
-  assert held != list(study_config.round3_draw(seed=1, exclude=config.calibration))
+  assert held == [f"rollout.{spec}" for spec in ROUND4_HELD_OUT]
+  round3 = [f"rollout.{spec}" for spec in ROUND3_HELD_OUT]
+  assert list(config.calibration[42:]) == round3
+  draw = study_config.draw_held_out
+  assert list(draw(study_config.ROUND3_SEED, exclude=config.calibration[:42])) == round3
+  assert held != list(draw(1, exclude=config.calibration))
   seen = {study_config._canonical(spec) for spec in config.calibration}
   assert not seen & {study_config._canonical(spec) for spec in held}
   canonical = study_config._canonical
@@ -98,14 +121,14 @@ def test_settings_names_and_sources():
   assert len({s.name for s in settings}) == len(settings)
 
 
-def test_round3_draw_refuses_a_size_it_cannot_fill(monkeypatch):
+def test_draw_refuses_a_size_it_cannot_fill(monkeypatch):
   with pytest.raises(ValueError, match="size must be an int >= 0"):
-    study_config.round3_draw(size=-1)
-  monkeypatch.setattr(study_config, "ROUND3_KNOBS", (((1.0, "rollout.stale_k=1"),),))
-  monkeypatch.setattr(study_config, "ROUND3_NOISE", (0.0, 0.0, 0.0))
-  assert study_config.round3_draw(size=1) == ("rollout.stale_k=1",)
+    study_config.draw_held_out(0, size=-1)
+  monkeypatch.setattr(study_config, "KNOBS", (((1.0, "rollout.stale_k=1"),),))
+  monkeypatch.setattr(study_config, "NOISE", (0.0, 0.0, 0.0))
+  assert study_config.draw_held_out(0, size=1) == ("rollout.stale_k=1",)
   with pytest.raises(ValueError, match="1 distinct settings in 2000 draws, not 2"):
-    study_config.round3_draw(size=2)
+    study_config.draw_held_out(0, size=2)
 
 
 def test_settings_refuse_duplicates_and_bad_specs():
@@ -132,8 +155,8 @@ def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_
   with pytest.raises(ValueError, match=r"borderline_roles has \['calibraton'\]"):
     study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
   config = study_config.get_config("tiny")
-  config.rerun = "every"
-  with pytest.raises(ValueError, match="config.rerun='every'; expected one of borderline, all"):
+  config.rerun_all_roles = ("reference",)
+  with pytest.raises(ValueError, match=r"rerun_all_roles has \['reference'\]"):
     study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
 
 
@@ -224,9 +247,9 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     for seed in config.borderline_seeds:
       assert (workdir / "runs" / f"{settings[i].name}_seed{seed}" / "result.json").exists()
   assert all(len(r["accuracy_runs"]) == 1 for i, r in enumerate(rows) if i not in (held, cal))
-  # rerun="all": a held-out setting far from τ is trained again too (its runs are the ones
+  # rerun_all_roles: a held-out setting far from τ is trained again too (its runs are the ones
   # above, so nothing trains here), and a calibration one outside borderline_roles is not.
-  config.rerun, config.borderline_roles = "all", ("held_out",)
+  config.rerun_all_roles, config.borderline_roles = ("held_out",), ()
   clear = [{**r, budget.DROP_KEY: 0.5} for r in result["rows"]]
   study.label_runs(config, settings, clear, 0.1, floor, str(workdir), lambda *a: None)
   assert clear[held]["accuracy_runs"] == rows[held]["accuracy_runs"]

@@ -19,10 +19,10 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    and the held-out binomial standard error, so a drop within the noise is never called a
    degradation. One run cannot label a setting whose drop lies within one seed-sd of τ
    (|d − τ| < sd): such a setting, when its role is in `borderline_roles`, is trained again with
-   each of `borderline_seeds` (with `rerun="all"`, every setting of those roles is, borderline
-   or not: one run's label has a heavy tail, docs/study). `budget.fit_budget(records, τ)` on
-   the reference and calibration runs (one record per run, so a re-run setting counts by its
-   mean) gives the budget, pooled and per source, saved as `DIR/budget.json` with the
+   each of `borderline_seeds`, and so is every setting of a role in `rerun_all_roles`,
+   borderline or not (one run's label has a heavy tail, docs/study). `budget.fit_budget(records,
+   τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
+   its mean) gives the budget, pooled and per source, saved as `DIR/budget.json` with the
    fingerprint of θ_P and the teacher.
 5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
    the check would have given (with its sources named when `per_source`, so the strictest
@@ -324,7 +324,17 @@ def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float)
   return out
 
 
-RERUNS = ("borderline", "all")  # config.rerun: which settings of borderline_roles are re-run
+ROLES = ("calibration", "held_out")  # the roles whose settings can be re-run
+
+
+def _roles(config, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+  roles = tuple(config.get(key, default))
+  unknown = [r for r in roles if r not in ROLES]
+  if unknown:
+    raise ValueError(
+      f"config.{key} has {unknown}; the roles that can be re-run are 'calibration' and 'held_out'"
+    )
+  return roles
 
 
 def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
@@ -332,14 +342,13 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
 
   A row whose role is in `config.borderline_roles` (default: held-out only) and whose
   single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
-  with one reference seed), or any such row when `config.rerun` is "all", is trained again
-  with each of `config.borderline_seeds` into DIR/runs/<name>_seed<k>; every other row keeps
-  its one run.
+  with one reference seed), and every row whose role is in `config.rerun_all_roles` (default:
+  none), is trained again with each of `config.borderline_seeds` into
+  DIR/runs/<name>_seed<k>; every other row keeps its one run.
 
   Raises:
     ValueError: a borderline seed that repeats one or is the held-out runs' own seed, or a
-      role in `borderline_roles` other than "calibration" and "held_out", or a `rerun` other
-      than "borderline" and "all".
+      role in `borderline_roles` or `rerun_all_roles` other than "calibration" and "held_out".
   """
   extra = [int(x) for x in config.get("borderline_seeds", ())]
   if len(set(extra)) != len(extra) or int(config.seeds[0]) in extra:
@@ -347,22 +356,14 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
       f"config.borderline_seeds={tuple(extra)} must be distinct and exclude the held-out runs' "
       f"seed {config.seeds[0]}"
     )
-  roles = tuple(config.get("borderline_roles", ("held_out",)))
-  unknown = [r for r in roles if r not in ("calibration", "held_out")]
-  if unknown:
-    raise ValueError(
-      f"config.borderline_roles has {unknown}; the roles that can be re-run are 'calibration' "
-      "and 'held_out'"
-    )
-  rerun = config.get("rerun", "borderline")
-  if rerun not in RERUNS:
-    raise ValueError(f"config.rerun={rerun!r}; expected one of {', '.join(RERUNS)}")
+  roles = _roles(config, "borderline_roles", ("held_out",))
+  every = _roles(config, "rerun_all_roles", ())
   spread = floor["sd"] or floor["se"]
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
-    if s.role in roles and extra and (borderline or rerun == "all"):
-      why = "borderline" if borderline else "rerun=all"
+    if extra and ((s.role in roles and borderline) or s.role in every):
+      why = "borderline" if borderline and s.role in roles else "rerun_all_roles"
       for seed in extra:
         again = dataclasses.replace(s, seed=seed)
         log(f"{why} {s.name} (drop {row[budget.DROP_KEY]:.3f}, τ {tolerance:.3f}): seed {seed}")
@@ -454,7 +455,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     },
     "per_source": per_source,
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
-    "rerun": config.get("rerun", "borderline"),
+    "rerun_all_roles": list(config.get("rerun_all_roles", ())),
     "confusion": confusion(held_out, tolerance, LABEL_DROP),
     "confusion_single_run": confusion(held_out, tolerance),
     "confusion_called": confusion(

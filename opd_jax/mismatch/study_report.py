@@ -277,10 +277,11 @@ def findings(result: dict) -> list[str]:
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]
   if single and result.get("borderline_seeds"):
+    every = result.get("rerun_all_roles") or []
     which = (
-      "were all"
-      if result.get("rerun") == "all"
-      else "had a single-run drop within one seed-sd of τ and were"
+      "had a single-run drop within one seed-sd of τ"
+      + (f" or a role re-run in full ({', '.join(every)})" if every else "")
+      + ", and were"
     )
     out.append(
       f"{len(rerun)} settings {which} "

@@ -531,6 +531,22 @@ def test_per_source_fits_round_trip_and_older_files_load_without_them(tmp_path, 
   assert v.admitted and v.limit == b.max_kl
 
 
+def test_a_training_axis_fit_round_trips_and_is_absent_by_default(tmp_path, setup):
+  fp = setup[2]
+  on_training = fit_budget(recs([(0.0, 0.0), (0.1, 1.0)], source="noise"), 0.5)
+  b = dataclasses.replace(fit_budget(SOURCED, 0.5), training=on_training)
+  path = tmp_path / "budget.json"
+  budget_file.save_budget(path, b, fp)
+  loaded, _ = budget_file.load_budget(path)
+  assert loaded == b and loaded.training.max_kl == pytest.approx(0.05)
+  doc = json.loads(path.read_text())
+  assert doc["budget"]["training"]["max_kl"] == on_training.max_kl
+  assert "training" not in doc["budget"]["training"]
+  assert (
+    "training" not in json.loads(budget_file.budget_to_json(fit_budget(SOURCED, 0.5), fp))["budget"]
+  )
+
+
 def test_weights_hash_follows_the_documented_recipe_and_tree_order():
   a = np.arange(3, dtype=np.float32)
   c = np.ones((2, 1), np.int8)
@@ -628,6 +644,15 @@ def _sources_not_a_list(doc):
   doc["budget"]["sources"] = 5
 
 
+def _training_without_curve(doc):
+  doc["budget"]["training"] = {k: v for k, v in doc["budget"].items() if k != "curve"}
+
+
+def _nested_training(doc):
+  inner = dict(doc["budget"])
+  doc["budget"]["training"] = {**inner, "training": inner}
+
+
 @pytest.mark.parametrize(
   "edit, problem",
   [
@@ -638,6 +663,8 @@ def _sources_not_a_list(doc):
     (_other_schema, "schema: expected 'opd_jax.budget', got 'something.else'"),
     (_unnamed_source, "budget.sources[0].source: expected a non-empty string, got 3"),
     (_sources_not_a_list, "budget.sources: expected a list, got 5"),
+    (_training_without_curve, "budget.training: missing key 'curve'"),
+    (_nested_training, "budget.training: expected a budget object without its own training fit"),
   ],
 )
 def test_wrong_schema_is_refused_naming_the_file(tmp_path, setup, edit, problem):

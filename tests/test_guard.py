@@ -5,6 +5,7 @@ The budget in the unit tests is fitted on two records, (kl 0, drop 0) and (kl 0.
 tolerance 0.5: the isotonic fit is the two points themselves, so max_kl = 0 + 0.5/1 · 0.2 = 0.1.
 """
 
+import dataclasses
 import math
 import shutil
 import sys
@@ -294,6 +295,40 @@ def test_per_source_guard_holds_each_rung_to_its_sources_limits():
   assert feed(pooled, [0.16] * 6) == {} and pooled.limit == pytest.approx(POOLED)
   with pytest.raises(ValueError, match="3 rung sources for a ladder of 4 rungs"):
     guard_lib.Guard(SOURCED, ladder, "warn", 2, sources=sources[:3])
+
+
+# The two axes: a training-axis fit on the same runs read at half the check's KL, so its
+# max_kl is half the check's 0.1 (the isotonic fit is the two points, crossing τ at 0.05).
+TWO_AXES = dataclasses.replace(
+  BUDGET,
+  training=fit_budget(
+    [
+      {"source": "noise", "mismatch/kl": 0.0, "quality_drop": 0.0},
+      {"source": "noise", "mismatch/kl": 0.1, "quality_drop": 1.0},
+    ],
+    0.5,
+    num_bootstrap=20,
+  ),
+)
+
+
+def test_training_steps_use_the_training_axis_and_measurements_the_checks():
+  guard = guard_lib.Guard(TWO_AXES, guard_lib.fallback_ladder(FULL), "adaptive", 2, smoothing=0.0)
+  assert guard.limit == pytest.approx(0.05) and guard.limit_of(0, "check") == pytest.approx(0.1)
+  # a training step at 0.07 is over the training-axis 0.05 (within the check's 0.1) ...
+  decisions = feed(guard, [0.07, 0.07])
+  assert [d.kind for d in decisions.values()] == ["recheck"] and guard.margin == pytest.approx(
+    -0.02
+  )
+  assert guard.scalars()["budget/max_kl"] == pytest.approx(0.05)
+  # ... while a check measurement of 0.07 on a safer rung is within the check-axis 0.1
+  switch = guard.choose(2, decisions[2], {1: 0.07})
+  assert switch.kind == "switch" and switch.rung == 1
+  # a budget without a training-axis fit compares training steps with the check's axis
+  plain = make_guard()
+  assert plain.on_axis("training") is BUDGET and plain.limit == pytest.approx(0.1)
+  with pytest.raises(ValueError, match="axis='train'"):
+    plain.on_axis("train")
 
 
 def test_bad_arguments_and_missing_metrics_are_named():

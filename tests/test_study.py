@@ -160,6 +160,20 @@ def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_
     study.label_runs(config, [], [], 0.1, {"sd": 0.1, "se": 0.0, "mean": 0.5}, str(tmp_path))
 
 
+def test_training_axis_records_swap_the_x_axis_and_skip_runs_without_one():
+  records = [
+    {"source": "reference", "mismatch/kl": 1e-8, "quality_drop": 0.0, study.TRAIN_KL: -1e-9},
+    {"source": "noise", "mismatch/kl": 0.3, "quality_drop": 0.1, study.TRAIN_KL: 0.12},
+    {"source": "stale", "mismatch/kl": 0.2, "quality_drop": 0.0},  # logged no training KL
+  ]
+  out = study.training_axis_records(records)
+  assert [(r["source"], r["mismatch/kl"], r["check/mismatch/kl"]) for r in out] == [
+    ("reference", 0.0, 1e-8),  # f32 rounding below 0 is clipped
+    ("noise", 0.12, 0.3),
+  ]
+  assert records[1]["mismatch/kl"] == 0.3  # the input is not modified
+
+
 def test_probe_must_cover_the_largest_lag(tmp_path):
   config = study_config.get_config("tiny")
   config.calibration = ("rollout.stale_k=4",)
@@ -216,6 +230,14 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0
   saved, fingerprint = budget_file.load_budget(str(workdir / "budget.json"))
   assert saved.max_kl == pytest.approx(result["budget"]["max_kl"])
+  # the training-axis fit: the same runs at their training-time mean mismatch/kl
+  assert saved.training is not None
+  assert saved.training.max_kl == pytest.approx(result["budget"]["training"]["max_kl"])
+  by_name = {r["name"]: r for r in result["rows"]}
+  for record in saved.training.records:
+    row = by_name[record["name"]]
+    assert record["check/mismatch/kl"] == row["mismatch/kl"]
+    assert record["mismatch/kl"] == max(row["train_kl_runs"][record["run"]], 0.0)
   assert fingerprint["student"]["weights_sha256"]
   # the budget is tied to the probe's student: the admission check finds it fresh there
   assert admission.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps

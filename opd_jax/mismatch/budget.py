@@ -99,6 +99,18 @@ verdict used, since a percentile interval need not contain its estimate). A meas
 lower < mismatch/kl ≤ upper is `too_close`: the data cannot say on which side of the knee it
 lies, and one full run is the only way to know. The verdict itself is unchanged (point estimate
 or lower end); `too_close` is advice beside it.
+
+Two axes
+--------
+The check's mismatch/kl (before training, at one student) is the x-axis a user can measure, so
+it is the budget's. A training run logs another value of the same metric every step, on its
+own batches as the student moves, and the two disagree in scale: on the embedded task the
+check reads a median 1.7× the training-time mean, most for staleness (docs/study). A budget
+compared with training-time values must therefore be fitted on them. `Budget.training`, when
+present, is that second fit: `fit_budget` on the same runs with each record's mismatch/kl
+replaced by the run's training-time mean (the study writes both into one budget file). The
+live guard compares a run's per-step values with `training` and its adaptive measurements,
+which use the check's procedure, with the budget itself.
 """
 
 from __future__ import annotations
@@ -167,6 +179,7 @@ class Budget:
     level: coverage of the bootstrap intervals.
     num_bootstrap: bootstrap resamples per fit.
     seed: the bootstrap seed.
+    training: the same fit on the training-time axis ("Two axes"), or None.
   """
 
   tolerance: float
@@ -178,6 +191,7 @@ class Budget:
   level: float = LEVEL
   num_bootstrap: int = NUM_BOOTSTRAP
   seed: int = SEED
+  training: Budget | None = None
 
   @property
   def max_kl(self) -> float:

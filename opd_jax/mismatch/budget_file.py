@@ -17,14 +17,16 @@ File schema (version 1), one JSON object:
               "unfitted_layers": [i, …],
               "sources": [{"source": "noise", "max_kl": …, "interval": […], "censored": …,
                            "curve": {…}, "num_records": n_s}, …],
-              "records": [{…the calibration records as given…}, …]},
+              "records": [{…the calibration records as given…}, …],
+              "training": {…the same fields, without "training"…}},
    "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…"},
                    "teacher": {"architecture": {…}, "weights_sha256": "…"},
                    "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
                    "jax_version": "…", "jaxlib_version": "…"}}
 
 "sources" (the per-source fits) may be absent: files written before per-source limits load with
-none, and `budget.admit` then uses the overall budget for every measurement.
+none, and `budget.admit` then uses the overall budget for every measurement. "training" (the
+fit on the training-time axis, `budget.Budget.training`) is absent when the budget has none.
 
 Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
 compares equal to the original (numpy scalars in the records come back as Python numbers). A
@@ -209,8 +211,7 @@ def _json_default(value):
   raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
-  """The budget file's text (schema in the module docstring)."""
+def _body(budget: budget_lib.Budget) -> dict[str, Any]:
   body = {
     "tolerance": budget.tolerance,
     "level": budget.level,
@@ -222,7 +223,19 @@ def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
     "sources": [{"source": k, **_threshold_dict(t)} for k, t in sorted(budget.sources.items())],
     "records": [dict(r) for r in budget.records],
   }
-  doc = {"schema": SCHEMA, "version": VERSION, "budget": body, "fingerprint": dict(fingerprint)}
+  if budget.training is not None:
+    body["training"] = _body(budget.training)
+  return body
+
+
+def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
+  """The budget file's text (schema in the module docstring)."""
+  doc = {
+    "schema": SCHEMA,
+    "version": VERSION,
+    "budget": _body(budget),
+    "fingerprint": dict(fingerprint),
+  }
   return json.dumps(doc, indent=1, default=_json_default) + "\n"
 
 
@@ -278,14 +291,14 @@ class _Reader:
       self.fail(f"{where}.{key}", f"expected a non-empty string, got {value!r}"[:200])
     return value
 
-  def thresholds(self, entries, key: str, read_id) -> dict:
-    """budget.<key>: a list of thresholds, each keyed by its "layer" (read_id = self.integer)
+  def thresholds(self, entries, key: str, read_id, at: str = "budget") -> dict:
+    """<at>.<key>: a list of thresholds, each keyed by its "layer" (read_id = self.integer)
     or its "source" (read_id = self.name)."""
     if not isinstance(entries, list):
-      self.fail(f"budget.{key}", f"expected a list, got {entries!r}"[:200])
+      self.fail(f"{at}.{key}", f"expected a list, got {entries!r}"[:200])
     out = {}
     for j, entry in enumerate(entries):
-      where = f"budget.{key}[{j}]"
+      where = f"{at}.{key}[{j}]"
       if not isinstance(entry, Mapping):
         self.fail(where, f"expected an object, got {entry!r}"[:200])
       out[read_id(entry, key.removesuffix("s"), where)] = self.threshold(entry, where)
@@ -305,6 +318,41 @@ class _Reader:
       curve_kl=curve_kl,
       curve_drop=curve_drop,
       num_records=self.integer(obj, "num_records", where),
+    )
+
+  def budget(self, body: Mapping, where: str) -> budget_lib.Budget:
+    """One budget body (the top one at "budget", its training-axis fit at "budget.training")."""
+    layers = self.thresholds(self.get(body, "layers", where), "layers", self.integer, where)
+    unfitted = self.get(body, "unfitted_layers", where)
+    if not isinstance(unfitted, list) or any(
+      isinstance(i, bool) or not isinstance(i, int) for i in unfitted
+    ):
+      self.fail(f"{where}.unfitted_layers", f"expected a list of integers, got {unfitted!r}"[:200])
+    # "sources" is absent in files written before per-source limits
+    sources = self.thresholds(body.get("sources", []), "sources", self.name, where)
+    records = self.get(body, "records", where)
+    if not isinstance(records, list):
+      self.fail(f"{where}.records", f"expected a list, got {records!r}"[:200])
+    try:
+      budget_lib.validate_records(records)
+    except ValueError as e:
+      self.fail(f"{where}.records", str(e).removeprefix("fit_budget: "))
+    training = body.get("training")
+    if training is not None:
+      if not isinstance(training, Mapping) or "training" in training:
+        self.fail(f"{where}.training", "expected a budget object without its own training fit")
+      training = self.budget(training, f"{where}.training")
+    return budget_lib.Budget(
+      tolerance=self.num(body, "tolerance", where),
+      overall=self.threshold(body, where),
+      layers=layers,
+      unfitted_layers=tuple(unfitted),
+      records=tuple(dict(rec) for rec in records),
+      sources=sources,
+      level=self.num(body, "level", where),
+      num_bootstrap=self.integer(body, "num_bootstrap", where),
+      seed=self.integer(body, "seed", where),
+      training=training,
     )
 
 
@@ -331,36 +379,7 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
     r.fail("version", f"expected {VERSION}, got {doc.get('version')!r} (refit the budget)")
   body = r.obj(doc, "budget", "top level")
   fp = r.obj(doc, "fingerprint", "top level")
-
-  layers = r.thresholds(r.get(body, "layers", "budget"), "layers", r.integer)
-  unfitted = r.get(body, "unfitted_layers", "budget")
-  if not isinstance(unfitted, list) or any(
-    isinstance(i, bool) or not isinstance(i, int) for i in unfitted
-  ):
-    r.fail("budget.unfitted_layers", f"expected a list of integers, got {unfitted!r}"[:200])
-  # "sources" is absent in files written before per-source limits
-  sources = r.thresholds(body.get("sources", []), "sources", r.name)
-  records = r.get(body, "records", "budget")
-  if not isinstance(records, list):
-    r.fail("budget.records", f"expected a list, got {records!r}"[:200])
-  try:
-    budget_lib.validate_records(records)
-  except ValueError as e:
-    r.fail("budget.records", str(e).removeprefix("fit_budget: "))
-  seed = r.integer(body, "seed", "budget")
-  num_bootstrap = r.integer(body, "num_bootstrap", "budget")
-  budget = budget_lib.Budget(
-    tolerance=r.num(body, "tolerance", "budget"),
-    overall=r.threshold(body, "budget"),
-    layers=layers,
-    unfitted_layers=tuple(unfitted),
-    records=tuple(dict(rec) for rec in records),
-    sources=sources,
-    level=r.num(body, "level", "budget"),
-    num_bootstrap=num_bootstrap,
-    seed=seed,
-  )
-  return budget, dict(fp)
+  return r.budget(body, "budget"), dict(fp)
 
 
 def save_budget(path, budget: budget_lib.Budget, fingerprint: Mapping) -> None:

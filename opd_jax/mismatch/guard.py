@@ -17,20 +17,21 @@ draw changes every version), so the guard compares a bias-corrected exponential 
   m_n = α m_{n−1} + (1 − α) kl_n,   m_0 = 0,   ema_n = m_n / (1 − α^n)       (α = budget.smoothing)
 
 with the budget's limit for the rung the run is on (`budget.admit` decides, as the admission check
-does): with `budget.per_source` (the default) the strictest per-source limit of the rung's
-sources (`rung_sources`: what its engine changes against the exact engine, with the check's
-source names; the check itself names what a candidate changes against the run's config, which
-is the same thing when that config is the exact engine, as the study's is), else the pooled
-max_kl; the interval's lower end of either with `budget.conservative`. A step is *over budget*
-when ema_n > limit; `budget.patience` counts consecutive over-budget steps (one step within
-budget resets it to 0), and the action fires when the count reaches patience. α = 0.9
-averages over about 10 steps; α = 0 compares the per-step value. The bias correction keeps
-the first steps from being pulled towards 0. The logged `budget/margin` is the per-step
-limit − mismatch/kl (the quantity the issue names); `budget/margin_smoothed` is the one the
-decision uses. After a switch the average and the
-count start again, since the new engine has another mismatch. Only the whole-model threshold
-is checked: training logs no per-layer mismatch, so the budget's per-layer thresholds stay with
-the admission check.
+does), on the training-time axis: the budget's `training` fit when the file has one (the study
+writes it; `budget`, "Two axes"), else the check-axis budget itself, which is lenient, since the
+check reads higher than training. The limit is, with `budget.per_source` (the default), the
+strictest per-source limit of the rung's sources (`rung_sources`: what its engine changes against
+the exact engine, with the check's source names; the check itself names what a candidate changes
+against the run's config, which is the same thing when that config is the exact engine, as the
+study's is), else the pooled max_kl; the interval's lower end of either with `budget.conservative`.
+A step is *over budget* when ema_n > limit; `budget.patience` counts consecutive over-budget steps
+(one step within budget resets it to 0), and the action fires when the count reaches patience.
+α = 0.9 averages over about 10 steps; α = 0 compares the per-step value. The bias correction keeps
+the first steps from being pulled towards 0. The logged `budget/margin` is the per-step limit −
+mismatch/kl (the quantity the issue names); `budget/margin_smoothed` is the one the decision uses.
+After a switch the average and the count start again, since the new engine has another mismatch.
+Only the whole-model threshold is checked: training logs no per-layer mismatch, so the budget's
+per-layer thresholds stay with the admission check.
 
 Actions.
 
@@ -42,8 +43,8 @@ Actions.
   patience, measure the ladder's configurations cheapest first with the admission check's
   measurement (`admission.measure_candidate`: calibration prompts, the current student θ_t,
   behaviour T(θ_{t−k}) for a stale rung) and run on the cheapest one whose measured mismatch is
-  within budget (the safest rung when none is). A periodic re-check may go back to a cheaper
-  rung; an early re-check only looks at rungs safer than the current one, whose own training
+  within the check-axis budget (the safest rung when none is). A periodic re-check may go back to a
+  cheaper rung; an early re-check only looks at rungs safer than the current one, whose own training
   mismatch just went over budget. Measurement stops at the first admitted rung.
 
 The fallback ladder. Rung 0 is the run's own rollout config; every later rung adds the overrides
@@ -94,6 +95,7 @@ from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
 
 ACTIONS = ("warn", "fallback", "adaptive")
+AXES = ("training", "check")  # what a compared mismatch/kl is: a training step's, or the check's
 KL_KEY = budget_lib.KL_KEY
 EXTRA_KEY = "guard"  # the checkpoint extra's entry: {"rung", "name", "overrides", "action"}
 
@@ -264,27 +266,37 @@ class Guard:
     self._sum, self._count = 0.0, 0
     self._next_recheck: int | None = None
 
-  def verdict(self, kl: float, rung: int) -> budget_lib.Verdict:
-    """`budget.admit` of a mismatch/kl measured on `rung`'s engine."""
+  def on_axis(self, axis: str) -> budget_lib.Budget:
+    """The budget a value on `axis` is compared with: "training" (a training step's
+    mismatch/kl) uses the budget's training-axis fit when it has one, "check" (an admission
+    check measurement) the budget itself (`budget`, "Two axes")."""
+    if axis not in AXES:
+      raise ValueError(f"axis={axis!r}: expected one of {AXES}")
+    if axis == "training" and self.budget.training is not None:
+      return self.budget.training
+    return self.budget
+
+  def verdict(self, kl: float, rung: int, axis: str = "training") -> budget_lib.Verdict:
+    """`budget.admit` of a mismatch/kl on `axis` of `rung`'s engine."""
     measurement = {KL_KEY: kl}
     if self.sources is not None:
       measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
     return budget_lib.admit(
-      measurement, self.budget, conservative=self.conservative, per_source=self.per_source
+      measurement, self.on_axis(axis), conservative=self.conservative, per_source=self.per_source
     )
 
-  def limit_of(self, rung: int) -> float:
-    """The kl the guard admits on `rung` (module docstring)."""
-    return self.verdict(0.0, rung).limit
+  def limit_of(self, rung: int, axis: str = "training") -> float:
+    """The kl the guard admits on `rung` for a value on `axis` (module docstring)."""
+    return self.verdict(0.0, rung, axis).limit
 
   @property
   def limit(self) -> float:
-    """The kl the guard admits on the current rung."""
+    """The training-time kl the guard admits on the current rung."""
     return self.limit_of(self.rung)
 
-  def admits(self, kl: float, rung: int | None = None) -> bool:
-    """Whether a mismatch/kl measured on `rung` (default: the current one) is within budget."""
-    return self.verdict(kl, self.rung if rung is None else rung).admitted
+  def admits(self, kl: float, rung: int | None = None, axis: str = "training") -> bool:
+    """Whether a mismatch/kl on `axis` of `rung` (default: the current one) is within budget."""
+    return self.verdict(kl, self.rung if rung is None else rung, axis).admitted
 
   def _restart(self) -> None:
     self._sum, self._count, self.over_steps = 0.0, 0, 0
@@ -356,8 +368,8 @@ class Guard:
   def choose(self, step: int, decision: Decision, measured: Mapping[int, float]) -> Decision | None:
     """Adaptive: settles a recheck given the measured mismatch/kl of rungs in its candidates.
 
-    Picks the first candidate (cheapest first) whose measurement `admit`s, else the last
-    candidate (the safest); returns a switch when that differs from the current rung, else
+    Picks the first candidate (cheapest first) whose measurement `admit`s on the check's axis, else
+    the last candidate (the safest); returns a switch when that differs from the current rung, else
     None. The next periodic re-check is `recheck_every` steps later.
 
     Args:
@@ -372,9 +384,9 @@ class Guard:
     for rung in decision.candidates:
       if rung not in measured:
         break
-      margin = self.limit_of(rung) - measured[rung]
+      margin = self.limit_of(rung, "check") - measured[rung]
       verdicts.append(f"rung {rung}: {measured[rung]:.4g} (margin {margin:.4g})")
-      if self.admits(measured[rung], rung):
+      if self.admits(measured[rung], rung, "check"):
         pick, admitted = rung, True
         break
     if pick == self.rung:
@@ -496,13 +508,22 @@ class LiveGuard:
     )
     live = cls(config, setup, guard, make_source, prompt_iter, writer, log)
     rungs = "; ".join(
-      f"{r.describe()} [{guard.sources[r.index]}: limit {guard.limit_of(r.index):.4g}]"
+      f"{r.describe()} [{guard.sources[r.index]}: limit {guard.limit_of(r.index):.4g}"
+      + (f", check {guard.limit_of(r.index, 'check'):.4g}" if budget.training else "")
+      + "]"
       for r in ladder
+    )
+    axis = (
+      "the budget's training-axis fit"
+      if budget.training
+      else "the check-axis budget: the file has no training-axis fit, and the check reads "
+      "higher than training (docs/study), so this is lenient"
     )
     log(
       f"budget guard: {b.file}, limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
       f"interval [{budget.interval[0]:.4g}, {budget.interval[1]:.4g}]), action {b.action}, "
-      f"patience {b.patience}, smoothing {b.smoothing}; ladder: {rungs}; on rung {rung}"
+      f"patience {b.patience}, smoothing {b.smoothing}; training-time mismatch/kl is compared "
+      f"with {axis}; ladder: {rungs}; on rung {rung}"
     )
     return live
 
@@ -594,11 +615,11 @@ class LiveGuard:
         candidate, self.setup, self._prompts, state.params, behaviour
       )
       measured[index] = float(measurement[KL_KEY])
-      within = self.guard.admits(measured[index], index)  # held to the rung's own limit
+      within = self.guard.admits(measured[index], index, "check")  # the rung's own limit
       self._log(
         f"step {step}: budget guard measured {rung.describe()}: mismatch/kl "
         f"{measured[index]:.4g} ({'within' if within else 'over'} "
-        f"{self.guard.limit_of(index):.4g})"
+        f"{self.guard.limit_of(index, 'check'):.4g})"
       )
       if within:
         break

@@ -23,7 +23,9 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    borderline or not (one run's label has a heavy tail, docs/study). `budget.fit_budget(records,
    τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
    its mean) gives the budget, pooled and per source, saved as `DIR/budget.json` with the
-   fingerprint of θ_P and the teacher.
+   fingerprint of θ_P and the teacher. The same fit on the same runs with each run's
+   training-time mean mismatch/kl as x is the budget's training-axis fit (`budget.Budget.
+   training`, "Two axes"), which the live guard compares a run's per-step values with.
 5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
    the check would have given (with its sources named when `per_source`, so the strictest
    per-source limit applies; the pooled budget's verdict is kept beside it); the full run says
@@ -60,6 +62,7 @@ MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
 LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
+TRAIN_KL = "train/mismatch/kl_mean"  # a run's training-time mean mismatch/kl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,17 +233,35 @@ def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str,
 
 def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
   """The fit's records: one per run of the reference and calibration rows, x = the check's
-  mismatch/kl, y = mean(q_ref) − that run's accuracy (`accuracy_runs`, from `label_runs`)."""
+  mismatch/kl, y = mean(q_ref) − that run's accuracy (`accuracy_runs`, from `label_runs`); each
+  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one."""
   keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
   out = []
   for r in rows:
     if r["role"] not in (REFERENCE, "calibration"):
       continue
+    train_kl = r.get("train_kl_runs", [r.get(TRAIN_KL)])
     for k, accuracy in enumerate(r.get("accuracy_runs", [r["accuracy"]])):
       record = {key: r[key] for key in keep if key in r}
       record.update(accuracy=accuracy, run=k)
+      if k < len(train_kl) and train_kl[k] is not None:
+        record[TRAIN_KL] = train_kl[k]
       record[budget.DROP_KEY] = reference_mean - accuracy
       out.append(record)
+  return out
+
+
+def training_axis_records(records: Sequence[dict]) -> list[dict]:
+  """The records with x = the run's training-time mean mismatch/kl (TRAIN_KL, clipped at 0: an
+  exact engine's reads ±1e-9 from f32 rounding), for the records that carry one; the check's
+  value is kept as "check/mismatch/kl"."""
+  out = []
+  for r in records:
+    if r.get(TRAIN_KL) is None:
+      continue
+    out.append(
+      {**r, "check/" + budget.KL_KEY: r[budget.KL_KEY], budget.KL_KEY: max(r[TRAIN_KL], 0.0)}
+    )
   return out
 
 
@@ -361,6 +382,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
   spread = floor["sd"] or floor["se"]
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
+    row["train_kl_runs"] = [row.get(TRAIN_KL)]
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
     if extra and ((s.role in roles and borderline) or s.role in every):
       why = "borderline" if borderline and s.role in roles else "rerun_all_roles"
@@ -373,6 +395,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
           log,
         )
         row["accuracy_runs"].append(result["student_accuracy_after"])
+        row["train_kl_runs"].append(result.get(TRAIN_KL))
     row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
 
 
@@ -409,7 +432,13 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     rows.append(row)
 
   label_runs(config, settings, rows, tolerance, floor, workdir, log)
-  fitted = budget.fit_budget(budget_records(rows, floor["mean"]), tolerance)
+  records = budget_records(rows, floor["mean"])
+  fitted = budget.fit_budget(records, tolerance)
+  try:
+    on_training = budget.fit_budget(training_axis_records(records), tolerance)
+    fitted = dataclasses.replace(fitted, training=on_training)
+  except ValueError as e:  # e.g. runs that logged no mismatch/kl: the guard then uses the check's
+    log(f"no training-axis budget: {e}")
   budget_path = os.path.join(workdir, BUDGET_FILE)
   budget_file.save_budget(budget_path, fitted, fingerprint)
   per_source = bool(config.get("per_source", False))
@@ -451,6 +480,16 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
           "curve_drop": list(t.curve_drop),
         }
         for name, t in sorted(fitted.sources.items())
+      },
+      "training": None
+      if fitted.training is None
+      else {
+        "max_kl": fitted.training.max_kl,
+        "interval": list(fitted.training.interval),
+        "censored": fitted.training.censored,
+        "limits": {
+          name: fitted.training.source_limit(name) for name in sorted(fitted.training.sources)
+        },
       },
     },
     "per_source": per_source,

@@ -302,6 +302,15 @@ def findings(result: dict) -> list[str]:
     f"{_g(a['ratio_max'])}). The budget's x-axis is the check's value, because it is what a "
     "user can measure before training; the training-time mean is logged beside it."
   )
+  t = b.get("training")
+  if t:
+    out.append(
+      f"The same fit on the training-time axis (what the live guard compares a run's "
+      f"per-step mismatch/kl with): max_kl = {_g(t['max_kl'])} [{_g(t['interval'][0])}, "
+      f"{_g(t['interval'][1])}], censored: {t['censored']}; per source "
+      + (", ".join(f"{name} {_g(v)}" for name, v in t["limits"].items()) or "none")
+      + "."
+    )
   return out
 
 

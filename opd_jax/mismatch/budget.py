@@ -615,10 +615,8 @@ def admit(
     raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
   sources = named.split("+") if named else ()
   limit, limit_source = budget.limit_for(sources, end="lower" if conservative else "point")
-  lower, upper = (
-    budget.limit_for(sources, end="lower")[0],
-    budget.limit_for(sources, end="upper")[0],
-  )
+  lower = limit if conservative else budget.limit_for(sources, end="lower")[0]
+  upper = budget.limit_for(sources, end="upper")[0]
   band = (min(lower, limit), max(upper, limit))  # a percentile interval may miss the estimate
   margin = limit - kl
   reasons = []

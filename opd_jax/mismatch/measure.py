@@ -29,7 +29,6 @@ decode differs from the uncached forward.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -177,23 +176,14 @@ def measure(
   if trainer_params is None:
     trainer_params = student_params
   start = time.perf_counter()
-
-  def rollout_of(params):
-    return engine_rollout(params, student_cfg, engine_cfg, prompts, rng, sampler_cfg)
-
-  # The scorer's inputs are known before the sampler has compiled: its shapes come from
-  # tracing the rollout (which the sampler's own call then reuses). So it is compiled on a
-  # thread while the sampler compiles and decodes, rather than after. engine_id is a static
-  # field: scoring without it compiles once for every engine.
-  shape = jax.eval_shape(rollout_of, student_params).replace(engine_id="")
-  temperature = sampler_cfg.temperature
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    scorer = pool.submit(
-      lambda: score_rollout.lower(trainer_params, shape, student_cfg, temperature).compile()
-    )
-    rollout = rollout_of(student_params)
-    dispatched = time.perf_counter()  # the sampler compiled and launched, not finished
-    metrics, kl_bc = scorer.result()(trainer_params, rollout.replace(engine_id=""))
+  rollout = engine_rollout(student_params, student_cfg, engine_cfg, prompts, rng, sampler_cfg)
+  dispatched = time.perf_counter()  # the sampler compiled and launched, not finished
+  # Scoring is dispatched before the samples are waited for, so that its compilation (on a
+  # first call) runs while the sampler decodes. engine_id is a static field: scoring without
+  # it compiles once for every engine.
+  metrics, kl_bc = score_rollout(
+    trainer_params, rollout.replace(engine_id=""), student_cfg, sampler_cfg.temperature
+  )
   mask_bc = np.asarray(rollout.completion_mask)
   metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
   scored = time.perf_counter()

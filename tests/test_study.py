@@ -230,6 +230,11 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0
   saved, fingerprint = budget_file.load_budget(str(workdir / "budget.json"))
   assert saved.max_kl == pytest.approx(result["budget"]["max_kl"])
+  # every run's wall time counts, the re-runs' too
+  assert result["num_runs"] == sum(len(r["accuracy_runs"]) for r in result["rows"])
+  assert result["train_seconds"] == pytest.approx(
+    sum(sum(r["wall_seconds_runs"]) for r in result["rows"])
+  )
   # the training-axis fit: the same runs at their training-time mean mismatch/kl
   assert saved.training is not None
   assert saved.training.max_kl == pytest.approx(result["budget"]["training"]["max_kl"])

@@ -383,6 +383,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
     row["train_kl_runs"] = [row.get(TRAIN_KL)]
+    row["wall_seconds_runs"] = [row["wall_seconds"]]
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
     if extra and ((s.role in roles and borderline) or s.role in every):
       why = "borderline" if borderline and s.role in roles else "rerun_all_roles"
@@ -396,6 +397,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
         )
         row["accuracy_runs"].append(result["student_accuracy_after"])
         row["train_kl_runs"].append(result.get(TRAIN_KL))
+        row["wall_seconds_runs"].append(result["wall_seconds"])
     row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
 
 
@@ -519,7 +521,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     result["sensitivity"] = _read_json(sens_json, None)
   result["plots"] = study_report.plot_all(result, workdir)
   result["seconds"] = time.time() - start
-  result["train_seconds"] = sum(r["wall_seconds"] for r in rows)
+  result["num_runs"] = sum(len(r["accuracy_runs"]) for r in rows)
+  result["train_seconds"] = sum(sum(r["wall_seconds_runs"]) for r in rows)  # every run
   _write_json(os.path.join(workdir, STUDY_FILE), result)
   report = study_report.markdown(result)
   with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:

@@ -350,7 +350,8 @@ def markdown(result: dict) -> str:
   lines = [
     "# Mismatch study",
     "",
-    f"{len(result['rows'])} OPD runs of {result['run_steps']} steps, quality = held-out "
+    f"{result.get('num_runs', len(result['rows']))} OPD runs ({len(result['rows'])} settings) "
+    f"of {result['run_steps']} steps, quality = held-out "
     f"accuracy on {result['num_eval']} prompts; the check measured each setting on "
     f"{result['num_prompts']} calibration prompts at the probe's student (step "
     f"{result['probe']['steps']}). Training took {result['train_seconds'] / 60:.1f} min of "

@@ -291,7 +291,7 @@ class _Reader:
       self.fail(f"{where}.{key}", f"expected a non-empty string, got {value!r}"[:200])
     return value
 
-  def thresholds(self, entries, key: str, read_id, at: str = "budget") -> dict:
+  def thresholds(self, entries, key: str, read_id, at: str) -> dict:
     """<at>.<key>: a list of thresholds, each keyed by its "layer" (read_id = self.integer)
     or its "source" (read_id = self.name)."""
     if not isinstance(entries, list):

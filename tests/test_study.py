@@ -88,7 +88,7 @@ ROUND4_HELD_OUT = (  # configs/study.py's round-4 draw as committed before it tr
 
 
 def test_settings_names_and_sources():
-  config = study_config.get_config()
+  config = study_config.get_config("rounds")
   settings = study.study_settings(config)
   by_spec = {s.spec: s for s in settings if s.role != "reference"}
   assert [s.seed for s in settings if s.role == "reference"] == list(config.seeds)
@@ -119,6 +119,43 @@ def test_settings_names_and_sources():
   )
   assert canonical("rollout.mode=async") == canonical("rollout.mode=async,rollout.max_lag=1")
   assert len({s.name for s in settings}) == len(settings)
+
+
+ROUND5_HELD_OUT = (  # configs/study.py's round-5 draw (the default) as committed before it trained
+  "weights=fp8,rollout.weight_block_size=64,rollout.noise_sigma=0.41",
+  "mode=async,rollout.max_lag=1",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,rollout.stale_k=2",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,rollout.stale_k=7,"
+  "rollout.noise_sigma=0.45",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_matmul,rollout.noise_sigma=0.22",
+  "noise_sigma=0.34",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kernel=bf16_matmul",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,"
+  "rollout.stale_k=1,rollout.noise_sigma=0.07",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.kernel=bf16_attention",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.stale_k=3",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_matmul,rollout.noise_sigma=0.19",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_attention",
+)
+
+
+def test_default_is_one_round_on_the_grid():
+  """The default study calibrates on the grid alone and holds out round 5's draw, which no
+  earlier round used; its run count is what the 90-minute budget is sized for."""
+  config, rounds = study_config.get_config(), study_config.get_config("rounds")
+  assert config.calibration == study_config.GRID == rounds.calibration[:15]
+  assert list(config.held_out) == [f"rollout.{spec}" for spec in ROUND5_HELD_OUT]
+  canonical = study_config._canonical
+  earlier = {canonical(spec) for spec in (*rounds.calibration, *rounds.held_out)}
+  assert not earlier & {canonical(spec) for spec in config.held_out}
+  assert len(set(config.held_out)) == 12
+  seeds = len(config.borderline_seeds)
+  assert config.rerun_all_roles == ("held_out",) and config.borderline_roles == ("held_out",)
+  assert len(config.seeds) + len(config.calibration) + (1 + seeds) * len(config.held_out) == 44
+  # The grid's runs are the same runs in both studies (same spec, name and training config).
+  one_round = {s.name: s for s in study.study_settings(config)}
+  shared = [s for s in study.study_settings(rounds) if s.name in one_round]
+  assert len(shared) == 5 + 15 and all(one_round[s.name] == s for s in shared)
 
 
 def test_draw_refuses_a_size_it_cannot_fill(monkeypatch):

@@ -88,6 +88,20 @@ STALE_POLICIES = ("drop", "correct")
 QUEUE_SLOTS = 2  # the double buffer
 
 
+def host_key(seed: int) -> jax.Array:
+  """`jax.random.key(seed)`, built on the host when the default PRNG is threefry.
+
+  threefry's seed key is the pair (seed >> 32, seed mod 2^32); wrapping that pair is the same
+  key without the two small programs `jax.random.key` compiles on first use, which a one-off
+  process (the admission check) would pay for. Other PRNGs, and seeds outside [0, 2^31), go
+  through `jax.random.key`.
+  """
+  impl = jax.config.jax_default_prng_impl
+  if impl != "threefry2x32" or not 0 <= seed < 2**31:
+    return jax.random.key(seed)
+  return jax.random.wrap_key_data(np.array([0, seed], np.uint32), impl=impl)
+
+
 def named_stream(key, name: str):
   """An independent key stream for `name`: fold_in(key, crc32(name)).
 

@@ -646,14 +646,16 @@ def sample(
   topk_ids = out.get("topk_ids")
   if "topk_lp" in out and topk_ids is None:  # full distribution, vocabulary order
     topk_ids = _vocab_ids(out["topk_lp"].shape, mesh)
+  # Host values are transferred (`device_put`), not converted: `jnp.asarray` of a host array
+  # compiles a small program per shape, which a one-off call (the admission check) pays for.
   return Rollout(
-    prompt_tokens=rows(jnp.asarray(tokens)),
-    prompt_lens=rows(jnp.asarray(lens)),
+    prompt_tokens=rows(jax.device_put(tokens)),
+    prompt_lens=rows(jax.device_put(lens)),
     completion_tokens=rows(out["tokens"]),
     completion_mask=rows(out["mask"]),
     behaviour_logprobs=rows(out["behaviour_lp"]),
     model_logprobs=rows(out["model_lp"]),
-    weight_version=jnp.asarray(weight_version, jnp.int32),
+    weight_version=jax.device_put(np.asarray(weight_version, np.int32)),
     topk_logprobs=None if "topk_lp" not in out else rows(out["topk_lp"]),
     topk_ids=None if topk_ids is None else rows(topk_ids),
     tail_logprob=None if "tail_lp" not in out else rows(out["tail_lp"]),
@@ -666,7 +668,7 @@ def sample(
 def _vocab_ids(shape, mesh):
   """int32 [B, C, V] holding 0..V-1 along the last axis (batch-split with a mesh)."""
   if mesh is None:
-    return jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
+    return jax.device_put(np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape))
   layout = sharding.batch_sharding(mesh, len(shape))
   build = jax.jit(
     lambda: jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape), out_shardings=layout

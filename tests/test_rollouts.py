@@ -20,7 +20,7 @@ import pytest
 
 from opd_jax import data, engine, model, sampler, sharding, task, tokenizer
 from opd_jax.model_config import ModelConfig
-from opd_jax.rollouts import AsyncRollouts, ProducerError, RolloutEngine, SyncRollouts
+from opd_jax.rollouts import AsyncRollouts, ProducerError, RolloutEngine, SyncRollouts, host_key
 
 TASK = task.TaskConfig(num_operands=2, max_operand=99)
 TOK = tokenizer.CharTokenizer()
@@ -308,3 +308,15 @@ def test_engine_on_separate_devices_gives_the_same_rollouts():
   assert all(step - 1 <= v <= step for step, v in enumerate(result["ahead_versions"])), result[
     "ahead_versions"
   ]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, 2**31 - 1, -3, 2**31])
+def test_host_key_is_jax_random_key(seed):
+  """The host-built key is `jax.random.key(seed)`: the same key data, and the same draws."""
+  key, reference = host_key(seed), jax.random.key(seed)
+  np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(reference))
+  assert jax.random.key_impl(key) == jax.random.key_impl(reference)
+  np.testing.assert_array_equal(
+    jax.random.uniform(jax.random.fold_in(key, 7), (4,)),
+    jax.random.uniform(jax.random.fold_in(reference, 7), (4,)),
+  )

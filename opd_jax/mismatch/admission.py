@@ -100,6 +100,7 @@ from opd_jax import (
   data,
   engine,
   metrics_writer,
+  rollouts,
   sampler,
   sharding,
   task,
@@ -380,7 +381,7 @@ def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompt
 
 def measurement_key(config):
   """The key every candidate is measured with (and the study's records): key(config.seed)."""
-  return jax.random.key(config.seed)
+  return rollouts.host_key(config.seed)
 
 
 def current_fingerprint(setup: trainer.Setup, student_params) -> dict:

@@ -44,8 +44,10 @@ from opd_jax.rollouts import named_stream
 PER_TOKEN_KEY = "per_token/kl"  # the optional per-token KL array in `measure`'s result
 
 
+@jax.jit
 def engine_keys(rng) -> tuple[jax.Array, jax.Array]:
-  """(sample key, noise key) for one measurement, named as the trainer names them."""
+  """(sample key, noise key) for one measurement, named as the trainer names them (one
+  program: eager fold_ins would compile one each on first use)."""
   sample_key = jax.random.fold_in(named_stream(rng, "rollout/sample"), 0)
   noise_key = jax.random.fold_in(named_stream(rng, "rollout/noise"), 0)
   return sample_key, noise_key

@@ -270,7 +270,7 @@ def get_config(arg=None):
   run.train.eval_every = 100
   run.train.checkpoint_every = 100
   run.data.eval_size = 512
-  if arg == "rounds":
+  if arg in ("rounds", "tiny"):  # borderline calibration settings are re-run too (rounds 2-4)
     c.borderline_roles = ("calibration", "held_out")
     c.borderline_seeds = (1, 2)
   if arg == "tiny":

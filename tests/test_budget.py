@@ -594,6 +594,31 @@ def test_stale_reasons_say_what_changed(setup):
   ]
 
 
+def test_a_guarded_run_compares_its_start_with_the_runs_start_student(tmp_path, setup):
+  """A study's budget records two students: the measured one (the admission check's) and the
+  one its runs started from (a guarded run's). Each comparison uses its own; a file without
+  the run-start student falls back to the measured one."""
+  student, teacher, fp = setup
+  start = jax.tree.map(np.copy, student)
+  start["embed_vd"][0, 0] -= 1e-3  # the probe trained away from the start
+  at_start = budget_file.fingerprint(CFG, start, TEACHER_CFG, teacher, "fp8/channel")
+  saved = budget_file.with_run_start(fp, start)
+  assert saved["student"][budget_file.RUN_START_KEY] == at_start["student"]["weights_sha256"]
+  assert budget_file.stale_reasons(saved, fp) == []  # the check, at the measured student
+  assert budget_file.stale_reasons(saved, at_start, at_run_start=True) == []  # a fresh run
+  measured, begun = fp["student"]["weights_sha256"], at_start["student"]["weights_sha256"]
+  assert budget_file.stale_reasons(saved, fp, at_run_start=True) == [
+    f"student weights hash changed: {begun[:12]}… -> {measured[:12]}…"
+  ]
+  assert budget_file.stale_reasons(saved, at_start) == [
+    f"student weights hash changed: {measured[:12]}… -> {begun[:12]}…"
+  ]
+  assert budget_file.stale_reasons(fp, fp, at_run_start=True) == []  # no run start recorded
+  path = tmp_path / "budget.json"
+  budget_file.save_budget(path, fit_budget(STEP, 0.5), saved)
+  assert budget_file.load_budget(path)[1] == saved
+
+
 def test_a_model_field_newer_than_the_budget_is_no_change_at_its_default(setup):
   """A budget saved before ModelConfig had `logical_vocab_size` (0: every row is real) still
   matches an unpadded model, and is stale for a padded one."""

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -489,6 +490,25 @@ def test_a_resumed_run_keeps_the_switched_rung(fallback_run, teacher_cache, budg
   assert "on rung 2" in text
   assert "rollouts: sync, stale_k=0, engine w=bf16" in text  # not FP8 again
   assert "switch" not in text  # already on the last rung: nothing to switch
+
+
+@pytest.mark.slow
+def test_a_study_budget_is_fresh_for_a_run_from_its_runs_start(tiny_setup, budget_path, tmp_path):
+  """A study's budget is measured at a probe student but records the student its runs started
+  from: a run from that student takes it without `budget.force`, and the admission check,
+  at that student, finds it stale (its measured student is another)."""
+  config, setup, student = tiny_setup
+  budget, fp = budget_file.load_budget(budget_path)
+  probe = jax.tree.map(lambda x: x + 1e-3, student)
+  measured_at_probe = admission.current_fingerprint(setup, probe)
+  path = tmp_path / "study_budget.json"
+  budget_file.save_budget(path, budget, budget_file.with_run_start(measured_at_probe, student))
+  config = tiny_fp8_config(config.teacher.cache_dir, path)
+  lines = []
+  live = guard_lib.LiveGuard.create(config, setup, student, {}, None, None, None, lines.append)
+  assert live.guard.rung == 0 and not any("stale" in line for line in lines)
+  saved = budget_file.load_budget(path)[1]
+  assert budget_file.stale_reasons(saved, fp)[0].startswith("student weights hash changed")
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from opd_jax import trainer
 from opd_jax.mismatch import admission, budget, budget_file, study
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,6 +282,14 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     assert record["check/mismatch/kl"] == row["mismatch/kl"]
     assert record["mismatch/kl"] == max(row["train_kl_runs"][record["run"]], 0.0)
   assert fingerprint["student"]["weights_sha256"]
+  # ... and records the student every run started from, which a guarded run compares with
+  run_cfg = study.run_config(config, study.study_settings(config)[0], str(workdir))
+  setup = trainer.prepare_models(run_cfg, str(tmp_path / "fp"), lambda *a: None)
+  start = admission.initial_student(run_cfg, setup, lambda *a: None, setup.cache_dir)
+  assert fingerprint["student"][budget_file.RUN_START_KEY] == budget_file.weights_sha256(start)
+  assert (
+    fingerprint["student"][budget_file.RUN_START_KEY] != fingerprint["student"]["weights_sha256"]
+  )
   # the budget is tied to the probe's student: the admission check finds it fresh there
   assert admission.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps
 

@@ -19,7 +19,8 @@ File schema (version 1), one JSON object:
                            "curve": {…}, "num_records": n_s}, …],
               "records": [{…the calibration records as given…}, …],
               "training": {…the same fields, without "training"…}},
-   "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…"},
+   "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…",
+                               "run_start_weights_sha256": "…"},
                    "teacher": {"architecture": {…}, "weights_sha256": "…"},
                    "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
                    "jax_version": "…", "jaxlib_version": "…"}}
@@ -27,6 +28,13 @@ File schema (version 1), one JSON object:
 "sources" (the per-source fits) may be absent: files written before per-source limits load with
 none, and `budget.admit` then uses the overall budget for every measurement. "training" (the
 fit on the training-time axis, `budget.Budget.training`) is absent when the budget has none.
+
+Two students. "weights_sha256" is the student the admission check measured at (the study's
+probe, θ_P); "run_start_weights_sha256", when present, is the student the calibration runs
+started from (`with_run_start`). The admission check compares the first with the student it
+measures at; a fresh training run guarded by the budget compares the second with the student
+it starts from (`stale_reasons(..., at_run_start=True)`), since its student is the runs' start,
+not the probe's.
 
 Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
 compares equal to the original (numpy scalars in the records come back as Python numbers). A
@@ -54,6 +62,7 @@ from opd_jax.model_config import ModelConfig
 SCHEMA = "opd_jax.budget"
 VERSION = 1
 _HASH_SHOWN = 12  # hex digits of a weights hash shown in a stale reason
+RUN_START_KEY = "run_start_weights_sha256"  # fingerprint["student"]: the runs' start student
 
 
 def weights_sha256(params) -> str:
@@ -130,6 +139,14 @@ def fingerprint(
   return json.loads(json.dumps(fp))
 
 
+def with_run_start(fp: Mapping, run_start_params) -> dict:
+  """`fp` with the hash of the student the calibration runs started from, as
+  fingerprint["student"][RUN_START_KEY] (module docstring, "Two students")."""
+  out = json.loads(json.dumps(fp))
+  out["student"][RUN_START_KEY] = weights_sha256(run_start_params)
+  return out
+
+
 _LABELS = {
   "quant_format": "quantization format",
   "backend": "backend",
@@ -181,7 +198,7 @@ def _diff(saved, current, path: tuple[str, ...], out: list[str]):
     out.append(f"{_label(path)} changed: {saved!r} -> {current!r}")
 
 
-def stale_reasons(saved_fp: Mapping, current_fp: Mapping) -> list[str]:
+def stale_reasons(saved_fp: Mapping, current_fp: Mapping, *, at_run_start=False) -> list[str]:
   """What differs between a saved fingerprint and the current one; empty when the budget holds.
 
   One line per differing leaf, e.g. "student weights hash changed: 3f2a… -> 9b1c…",
@@ -189,9 +206,19 @@ def stale_reasons(saved_fp: Mapping, current_fp: Mapping) -> list[str]:
   "quantization format fp8/channel -> fp8/block128". A ModelConfig field that the saved
   fingerprint predates is no change while it holds its default (a budget saved before
   `logical_vocab_size` existed still matches an unpadded model).
+
+  `at_run_start`: `current_fp` is of a training run's starting student, so the saved student
+  is the one the calibration runs started from (RUN_START_KEY) where the file records it, and
+  the measured one otherwise. The saved RUN_START_KEY is never itself a difference.
   """
+  saved = json.loads(json.dumps(saved_fp))
+  student = saved.get("student")
+  if isinstance(student, dict) and RUN_START_KEY in student:
+    run_start = student.pop(RUN_START_KEY)
+    if at_run_start:
+      student["weights_sha256"] = run_start
   out: list[str] = []
-  _diff(saved_fp, current_fp, (), out)
+  _diff(saved, current_fp, (), out)
   return out
 
 

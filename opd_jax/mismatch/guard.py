@@ -61,7 +61,9 @@ Rungs are cumulative (rung i holds the overrides of rungs 1…i), ordered from t
 to the safest. `rollout.kernel`, `bf16_layers` and the sampling settings are left as they are.
 
 Stale budget. A fresh run fingerprints the student it starts from and the teacher
-(`budget_file.fingerprint`); a budget calibrated on another setup is refused with what changed,
+(`budget_file.fingerprint`), and compares its student with the one the budget's calibration runs
+started from where the file records it (a study's budget does; `budget_file`, "Two students");
+a budget calibrated on another setup is refused with what changed,
 as the admission check refuses it, unless `budget.force` (then the reasons are logged and the
 run goes on). A guard fed a wrong budget acts on wrong numbers for a whole run, which is worth
 an error before the first step. A resumed run takes its rung from the checkpoint and does not
@@ -485,7 +487,7 @@ class LiveGuard:
       current = budget_file.fingerprint(
         m.student_cfg, params, m.teacher_cfg, m.teacher_params, admission.QUANT_FORMAT
       )
-      stale = budget_file.stale_reasons(saved_fp, current)
+      stale = budget_file.stale_reasons(saved_fp, current, at_run_start=True)
       if stale and not b.force:
         lines = "\n  ".join(stale)
         raise ValueError(

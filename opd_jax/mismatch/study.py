@@ -188,9 +188,10 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   """The admission check's measurement of every setting at the probe's student.
 
   Returns:
-    (spec -> measurement dict, the budget fingerprint of the measured student and teacher).
-    Measurements are cached in DIR/measurements.json together with the fingerprint, and
-    reused when the fingerprint still matches.
+    (spec -> measurement dict, the budget fingerprint of the measured student and teacher,
+    with the student the runs start from as its run-start student: `budget_file.
+    with_run_start`). Measurements are cached in DIR/measurements.json together with the
+    fingerprint of the measured setup, and reused when it still matches.
   """
   path = os.path.join(workdir, MEASUREMENTS_FILE)
   cached = _read_json(path, {"fingerprint": None, "measurements": {}})
@@ -214,7 +215,8 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     measured[s.spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
     log(f"measured {s.spec}: mismatch/kl {measured[s.spec][budget.KL_KEY]:.4g}")
     _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
-  return measured, fingerprint
+  run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
+  return measured, budget_file.with_run_start(fingerprint, run_start)
 
 
 def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str, float]:

@@ -821,6 +821,7 @@ def run_admission(
     _refuse_unmeasurable(candidates, None)
 
   config = ml_collections.ConfigDict(config.to_dict())
+  config.train.eval_every = 0  # the check evaluates nothing: no held-out set to build
   if not config.teacher.cache_dir and params_from:
     run_cache = os.path.join(params_from, "teacher_cache")
     if os.path.isdir(run_cache):

@@ -77,6 +77,7 @@ class Checkpointer:
   def __init__(self, directory: str | os.PathLike, max_to_keep: int = 2, *, read_only=False):
     self.directory = absolute(directory)
     self.read_only = read_only
+    self._kind: str | None = None  # "state" or "params" once used (`_bind`)
     if read_only:
       options = ocp.CheckpointManagerOptions(
         read_only=True, create=False, max_to_keep=None, save_interval_steps=0
@@ -87,6 +88,18 @@ class Checkpointer:
       )
     with _without_read_only_notice() if read_only else contextlib.nullcontext():
       self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+
+  def _bind(self, kind: str) -> None:
+    """Whole states ("state") or params alone ("params"): one kind per Checkpointer."""
+    if self._kind not in (None, kind):
+      raise ValueError(
+        f"this Checkpointer of {self.directory} has handled whole states; restore the params "
+        "alone with another Checkpointer on the directory"
+        if kind == "params"
+        else f"this Checkpointer of {self.directory} has restored params alone; save or restore "
+        "whole states with another Checkpointer on the directory"
+      )
+    self._kind = kind
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -100,17 +113,41 @@ class Checkpointer:
         f"refusing to checkpoint step {step}: the state has non-finite values; "
         f"the last good checkpoint ({self.latest_step()}) is kept"
       )
+    self._bind("state")
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
     self._manager.save(step, args=args)
     self._manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state) -> tuple[Any, dict[str, Any]]:
     """Restores step `step` into the shapes/shardings of `abstract_state`."""
+    self._bind("state")
     args = ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()
     )
     restored = self._manager.restore(step, args=args)
     return restored["state"], restored["extra"]
+
+  def restore_params(self, step: int, abstract_params) -> tuple[Any, dict[str, Any]]:
+    """Restores only the student params of step `step`, into the shapes and shardings of
+    `abstract_params`, and the extra: a reader that needs the student alone (the admission
+    check, an export) skips the optimizer state, two thirds of the state's arrays, and needs
+    no optimizer to describe it.
+
+    Raises:
+      ValueError: this Checkpointer has saved or restored a whole state (orbax binds an item
+        to the handler it first used; open another Checkpointer on the directory).
+    """
+    self._bind("params")
+    target = {"params": abstract_params}  # the `TrainState.params` subtree of `state`
+    state = ocp.args.PyTreeRestore(
+      item=target,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+      partial_restore=True,
+    )
+    restored = self._manager.restore(
+      step, args=ocp.args.Composite(state=state, extra=ocp.args.JsonRestore())
+    )
+    return restored["state"]["params"], restored["extra"]
 
   def close(self) -> None:
     """Waits for outstanding writes and closes the manager; skipped in a multi-process run that

@@ -646,11 +646,16 @@ def sample(
   topk_ids = out.get("topk_ids")
   if "topk_lp" in out and topk_ids is None:  # full distribution, vocabulary order
     topk_ids = _vocab_ids(out["topk_lp"].shape, mesh)
+
   # Host values are transferred (`device_put`), not converted: `jnp.asarray` of a host array
   # compiles a small program per shape, which a one-off call (the admission check) pays for.
+  # With a mesh the prompts are already placed (global arrays) and kept as they are.
+  def on_device(x):
+    return x if isinstance(x, jax.Array) else jax.device_put(x)
+
   return Rollout(
-    prompt_tokens=rows(jax.device_put(tokens)),
-    prompt_lens=rows(jax.device_put(lens)),
+    prompt_tokens=rows(on_device(tokens)),
+    prompt_lens=rows(on_device(lens)),
     completion_tokens=rows(out["tokens"]),
     completion_mask=rows(out["mask"]),
     behaviour_logprobs=rows(out["behaviour_lp"]),

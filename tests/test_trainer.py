@@ -163,6 +163,27 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(teacher_cache, tmp
   )
 
 
+def test_a_reader_restores_the_params_alone(tiny_run):
+  """`restore_params` gives the saved student params exactly, and the extra, without the
+  optimizer state."""
+  workdir, _ = tiny_run
+  directory = os.path.join(workdir, "checkpoints")
+  saved = _restore(checkpointing.Checkpointer(directory, read_only=True), 6)
+  ckpt = checkpointing.Checkpointer(directory, read_only=True)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), saved["state"]["params"]
+  )
+  params, extra = ckpt.restore_params(6, abstract)
+  assert jax.tree.structure(params) == jax.tree.structure(saved["state"]["params"])
+  jax.tree.map(np.testing.assert_array_equal, params, saved["state"]["params"])
+  assert all(x.sharding == device for x in jax.tree.leaves(params))
+  assert extra == saved["extra"]
+  # orbax binds an item to the handler it first used: one kind of restore per Checkpointer
+  with pytest.raises(ValueError, match="has restored params alone; save or restore whole"):
+    ckpt.restore(6, saved["state"])
+
+
 def _restore(ckpt, step):
   """The raw saved items, without an abstract target."""
   import orbax.checkpoint as ocp

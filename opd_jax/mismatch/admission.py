@@ -104,7 +104,6 @@ from opd_jax import (
   sampler,
   sharding,
   task,
-  train_step,
   trainer,
 )
 from opd_jax.mismatch import budget as budget_lib
@@ -420,11 +419,12 @@ def _check_run_config(saved: dict[str, str], config, run_dir: str) -> None:
 
 
 class RunHistory:
-  """The student at a run's checkpointed steps, restored as the trainer restores it.
+  """The student at a run's checkpointed steps, restored into the trainer's layout (the
+  params alone: `checkpointing.Checkpointer.restore_params`).
 
   Args:
-    config: the check's config (its optimizer settings give the TrainState structure).
-    setup: from `trainer.prepare_models`.
+    config: the check's config (the run's config is checked against it).
+    setup: from `trainer.prepare_models` (the student's structure and mesh).
     run_dir: the run's workdir (read only).
   """
 
@@ -434,9 +434,8 @@ class RunHistory:
     self._config, self._setup = config, setup
     self._cache: dict[int, Any] = {}
     self.run_config: dict[str, str] = {}  # the run's config fingerprint (repr per key)
-    t, m = config.train, setup.models
-    tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
-    abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
+    m = setup.models
+    abstract = jax.eval_shape(lambda p: p, m.student_params)
     shardings = sharding.tree_shardings(abstract, m.mesh)
     self._target = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
@@ -453,12 +452,12 @@ class RunHistory:
         raise ValueError(f"{self.run_dir} has no checkpoint at step {step} (has {self.steps})")
       ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"), read_only=True)
       try:
-        state, extra = ckpt.restore(step, self._target)
+        params, extra = ckpt.restore_params(step, self._target)
       finally:
         ckpt.close()
       self.run_config = extra.get("config", {})
       _check_run_config(self.run_config, self._config, self.run_dir)
-      self._cache[step] = state.params
+      self._cache[step] = params
     return self._cache[step]
 
 

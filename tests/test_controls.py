@@ -19,6 +19,7 @@ PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3], [1, 2, 2], [1, 8], [1, 6, 5,
 # engine's mismatch/* are f32 noise of ~1e-7) need the atol.
 RTOL = 1e-5
 ATOL = 1e-5
+ADAM_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,11 @@ def test_microbatches_with_adamw_match_the_full_batch(setup):
       state, metrics = fn(state, teacher, rollout)
     out.append((state, metrics))
   (a, ma), (b, mb) = out
+  # Adam divides each coordinate by its own gradient scale, so where a gradient is near zero a
+  # summation-order difference (~1e-7) can move that coordinate's update by a visible fraction
+  # of one step (lr = 1e-2). ADAM_ATOL is 1 % of one step: a wrong gradient moves whole steps.
   for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=RTOL, atol=ADAM_ATOL)
   np.testing.assert_allclose(float(mb["loss/total"]), float(ma["loss/total"]), rtol=RTOL)
 
 

@@ -262,6 +262,35 @@ def test_admit_holds_a_measurement_to_its_strictest_source():
     admit({"mismatch/kl": 0.2, "source": 3}, b)
 
 
+def test_a_source_crossing_on_fewer_than_c_records_is_unconfirmed_and_takes_the_overall():
+  # noise crosses τ = .5 on one record, (0.2, 1): with c = 2 that is one short, so its limit
+  # is the overall max_kl (.18333, SOURCED above) and not its own .15. Fit and interval stay.
+  one = fit_budget(SOURCED, 0.5)
+  two = fit_budget(SOURCED, 0.5, min_crossing_records=2)
+  assert two.min_crossing_records == 2 and one.min_crossing_records == 1
+  assert two.sources["noise"].censored == "unconfirmed"
+  assert dataclasses.replace(two.sources["noise"], censored="none") == one.sources["noise"]
+  assert two.source_limit("noise") == two.max_kl == pytest.approx(OVERALL, abs=1e-15)
+  assert two.source_limit("noise", end="lower") == two.interval[0]
+  assert two.sources["stale"] == one.sources["stale"]  # never crosses: the rule does not apply
+  v = admit({"mismatch/kl": 0.19, "source": "noise"}, two)
+  assert not v.admitted and v.limit_source == "noise"
+  assert v.reasons == (
+    f"mismatch/kl 0.19 > {OVERALL:.4g}, the limit of source 'noise', whose own fit crosses τ "
+    f"on fewer than 2 of its records (unconfirmed), so the overall max_kl {OVERALL:.4g} "
+    f"applies: margin {OVERALL - 0.19:.4g}",
+  )
+  assert admit({"mismatch/kl": 0.16, "source": "noise"}, two).admitted  # over .15, under .183
+  # A second noise record over τ confirms the crossing: (.2, 1), (.2, 0.8) pool to .9 at .2,
+  # so x (0, .1, .2), f (0, 0, .9) crosses at .1 + .5/.9 · .1.
+  confirmed = fit_budget([*SOURCED, *recs([(0.2, 0.8)])], 0.5, min_crossing_records=2)
+  assert confirmed.sources["noise"].censored == "none"
+  assert confirmed.source_limit("noise") == pytest.approx(0.1 + 0.5 / 0.9 * 0.1, abs=1e-15)
+  # Records of the source under τ do not count: (.1, 0) twice more leaves one over τ.
+  extra = fit_budget([*SOURCED, *recs([(0.1, 0.0)] * 2)], 0.5, min_crossing_records=2)
+  assert extra.sources["noise"].censored == "unconfirmed"
+
+
 # ---------------------------------------------------------------------------------------------
 # Admission
 
@@ -444,6 +473,10 @@ def test_bad_records_are_refused_by_name(records, message):
       "fit_budget: num_bootstrap must be an int >= 1, got 0",
     ),
     ({"tolerance": 0.1, "seed": -1}, "fit_budget: seed must be an int >= 0, got -1"),
+    (
+      {"tolerance": 0.1, "min_crossing_records": 0},
+      "fit_budget: min_crossing_records must be an int >= 1, got 0",
+    ),
   ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
@@ -529,6 +562,22 @@ def test_per_source_fits_round_trip_and_older_files_load_without_them(tmp_path, 
   assert older.sources == {}
   v = admit({"mismatch/kl": 0.16, "source": "noise"}, older)
   assert v.admitted and v.limit == b.max_kl
+
+
+def test_min_crossing_records_round_trips_and_older_files_load_with_one(tmp_path, setup):
+  fp = setup[2]
+  b = fit_budget(SOURCED, 0.5, min_crossing_records=2)
+  text = budget_file.budget_to_json(b, fp)
+  assert budget_api.budget_from_json(text) == (b, fp)
+  doc = json.loads(text)
+  assert doc["budget"]["min_crossing_records"] == 2
+  assert doc["budget"]["sources"][1]["censored"] == "unconfirmed"  # kernel, noise, stale
+  del doc["budget"]["min_crossing_records"]  # as written before the rule existed
+  older, _ = budget_api.budget_from_json(json.dumps(doc))
+  assert older.min_crossing_records == 1
+  doc["budget"]["min_crossing_records"] = 0
+  with pytest.raises(ValueError, match=r"budget.min_crossing_records: expected an integer >= 1"):
+    budget_api.budget_from_json(json.dumps(doc))
 
 
 def test_a_training_axis_fit_round_trips_and_is_absent_by_default(tmp_path, setup):
@@ -683,7 +732,10 @@ def _nested_training(doc):
   [
     (_drop_max_kl, "budget: missing key 'max_kl'"),
     (_short_interval, "budget.interval: expected 2 finite numbers, got [0.1]"),
-    (_bad_censoring, "budget.censored: expected one of ('none', 'above', 'below'), got 'maybe'"),
+    (
+      _bad_censoring,
+      "budget.censored: expected one of ('none', 'above', 'below', 'unconfirmed'), got 'maybe'",
+    ),
     (_bad_record, "budget.records: record 2 (source 'noise') has quality_drop None, not a number"),
     (_other_schema, "schema: expected 'opd_jax.budget', got 'something.else'"),
     (_unnamed_source, "budget.sources[0].source: expected a non-empty string, got 3"),

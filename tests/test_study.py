@@ -140,14 +140,39 @@ ROUND5_HELD_OUT = (  # configs/study.py's round-5 draw (the default) as committe
 )
 
 
+ROUND6_HELD_OUT = (  # configs/study.py's round-6 draw (the default) as committed before it trained
+  "weights=fp8,rollout.weight_block_size=32,rollout.stale_k=7,rollout.noise_sigma=0.26",
+  "weights=fp8,rollout.noise_sigma=0.3",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,"
+  "rollout.stale_k=5,rollout.noise_sigma=0.05",
+  "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,"
+  "rollout.stale_k=3,rollout.noise_sigma=0.29",
+  "weights=fp8,rollout.weight_block_size=64,rollout.stale_k=7,rollout.noise_sigma=0.15",
+  "mode=async,rollout.max_lag=1,rollout.noise_sigma=0.35",
+  "weights=fp8,rollout.weight_block_size=32,rollout.stale_k=8,rollout.noise_sigma=0.43",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.mode=async,rollout.max_lag=1",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,"
+  "rollout.kernel=bf16_attention",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kv_cache=fp8,"
+  "rollout.kv_granularity=token_head,rollout.noise_sigma=0.14",
+  "noise_sigma=0.37",
+  "noise_sigma=0.43",
+)
+
+
 def test_default_is_one_round_on_the_grid():
-  """The default study calibrates on the grid alone and holds out round 5's draw, which no
-  earlier round used; its run count is what the 90-minute budget is sized for."""
+  """The default study (round 6) calibrates on the grid alone and holds out a draw that no
+  earlier round used; its run count is what the 90-minute budget is sized for. `:round5` is
+  round 5 as it ran: the same grid, its own draw, one crossing record per source limit."""
   config, rounds = study_config.get_config(), study_config.get_config("rounds")
-  assert config.calibration == study_config.GRID == rounds.calibration[:15]
-  assert list(config.held_out) == [f"rollout.{spec}" for spec in ROUND5_HELD_OUT]
+  round5 = study_config.get_config("round5")
+  assert config.calibration == round5.calibration == study_config.GRID == rounds.calibration[:15]
+  assert list(config.held_out) == [f"rollout.{spec}" for spec in ROUND6_HELD_OUT]
+  assert list(round5.held_out) == [f"rollout.{spec}" for spec in ROUND5_HELD_OUT]
+  assert (config.min_crossing_records, round5.min_crossing_records) == (2, 1)
+  assert rounds.min_crossing_records == 1
   canonical = study_config._canonical
-  earlier = {canonical(spec) for spec in (*rounds.calibration, *rounds.held_out)}
+  earlier = {canonical(spec) for spec in (*rounds.calibration, *rounds.held_out, *round5.held_out)}
   assert not earlier & {canonical(spec) for spec in config.held_out}
   assert len(set(config.held_out)) == 12
   seeds = len(config.borderline_seeds)
@@ -249,7 +274,8 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert len(result["rows"]) == len(config.seeds) + len(config.calibration) + len(config.held_out)
   assert {"reference_seed0", "reference_seed1", "noise_sigma-0.5", "stale_k-1"} <= names
   assert result["confusion"]["n"] == len(config.held_out)
-  assert sorted(result["rule_variants"]) == sorted(study.RULES)
+  assert config.min_crossing_records == result["min_crossing_records"] == 2
+  assert sorted(result["rule_variants"]) == sorted([*study.RULES, "per_source_min_crossing_1"])
   assert result["rule_variants"]["per_source"] == result["confusion"]  # the configured rule
   held_pooled = [{**r, "admitted": r["admitted_pooled"]} for r in result["rows"]]
   held_pooled = [r for r in held_pooled if r["role"] == "held_out"]

@@ -75,7 +75,13 @@ fitted. Combination records ("noise+stale") enter the overall fit only. Source s
                                      there, but never below what s's own records vouch for,
   L_s = 0                            when even its smallest mismatch is over τ ("below"),
 
-(with `conservative=True`, each max_kl is its interval's lower end). A measurement that names
+(with `conservative=True`, each max_kl is its interval's lower end). A crossing can also be
+required to rest on more than one run: with `min_crossing_records` = c > 1, a source whose fit
+crosses τ ("none" or "below") on fewer than c of its own records (those at the kl values where
+its fit is over τ) is censored "unconfirmed" and takes the overall limit, L_s = max_kl. One
+500-step run's drop has a seed sd of 2-4 points on the embedded task against τ of 4-7, so about
+one harmless setting in twelve crosses τ on one run; the study's round 5 set the FP8 limits at
+two such runs (docs/study/round5). A measurement that names
 its sources ("source": "noise+stale", as the study's settings do) is held to the strictest of
 them, min_s L_s, with the overall max_kl for a source that has no fit of its own.
 
@@ -133,7 +139,8 @@ LAYER_KEY = "layer"
 SOURCE_KEY = "source"
 REFERENCE_SOURCE = "reference"  # records of unperturbed runs: every per-source fit's anchor
 LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_KL_PREFIX}{i}"
-CENSORED = ("none", "above", "below")
+CENSORED = ("none", "above", "below", "unconfirmed")  # "unconfirmed": per-source fits only
+MIN_CROSSING_RECORDS = 1  # default: one record over τ is enough for a source's own limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +151,9 @@ class Threshold:
     max_kl: sup{x in [x_1, x_m] : g(x) <= tolerance}, nats per token; see the module docstring
       for the "above" (= x_m, a lower bound) and "below" (= 0) cases.
     interval: (low, high) bootstrap percentile interval of max_kl at the budget's level.
-    censored: "none", "above" (the budget is at least max_kl) or "below" (below x_1).
+    censored: "none", "above" (the budget is at least max_kl) or "below" (below x_1); a
+      per-source fit may also be "unconfirmed" (it crosses τ on too few records, so the source
+      takes the overall limit; "Per-source limits" in the module docstring).
     curve_kl: [m] the distinct mismatch/kl values x_1 < … < x_m.
     curve_drop: [m] the isotonic fit f_1 <= … <= f_m at those values.
     num_records: how many records the fit used.
@@ -180,6 +189,8 @@ class Budget:
     num_bootstrap: bootstrap resamples per fit.
     seed: the bootstrap seed.
     training: the same fit on the training-time axis ("Two axes"), or None.
+    min_crossing_records: c, how many of a source's own records a crossing needs before the
+      source gets its own limit ("Per-source limits").
   """
 
   tolerance: float
@@ -192,6 +203,7 @@ class Budget:
   num_bootstrap: int = NUM_BOOTSTRAP
   seed: int = SEED
   training: Budget | None = None
+  min_crossing_records: int = MIN_CROSSING_RECORDS
 
   @property
   def max_kl(self) -> float:
@@ -215,7 +227,7 @@ class Budget:
     its bootstrap interval)."""
     overall = _at(self.overall, end)
     threshold = self.sources.get(source)
-    if threshold is None:
+    if threshold is None or threshold.censored == "unconfirmed":
       return overall
     if threshold.censored == "above":
       return max(threshold.curve_kl[-1], overall)
@@ -424,6 +436,7 @@ def fit_budget(
   level: float = LEVEL,
   num_bootstrap: int = NUM_BOOTSTRAP,
   seed: int = SEED,
+  min_crossing_records: int = MIN_CROSSING_RECORDS,
 ) -> Budget:
   """Fits the mismatch budget: the largest mismatch/kl whose predicted quality drop <= tolerance.
 
@@ -439,6 +452,8 @@ def fit_budget(
     level: coverage of the bootstrap interval, in (0, 1).
     num_bootstrap: B >= 1 resamples per fit.
     seed: seed of the bootstrap Generator (per-layer fits use the seed sequence (seed, 1 + i)).
+    min_crossing_records: c >= 1; a source whose fit crosses τ on fewer than c of its own
+      records is "unconfirmed" and takes the overall limit ("Per-source limits").
 
   Returns:
     A Budget with the overall Threshold (from the records without "layer"), one Threshold per
@@ -449,8 +464,8 @@ def fit_budget(
   Raises:
     ValueError: empty records, a record that is not a mapping, a missing key, a non-numeric or
       non-finite value, a bad "layer", overall records at fewer than 2 distinct mismatch/kl
-      values, or a bad tolerance/level/num_bootstrap/seed; the message names the record (index and
-      source) where there is one.
+      values, or a bad tolerance/level/num_bootstrap/seed/min_crossing_records; the message
+      names the record (index and source) where there is one.
   """
   if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
     raise ValueError(f"fit_budget: tolerance must be a number, got {tolerance!r}")
@@ -463,6 +478,14 @@ def fit_budget(
     raise ValueError(f"fit_budget: num_bootstrap must be an int >= 1, got {num_bootstrap!r}")
   if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
     raise ValueError(f"fit_budget: seed must be an int >= 0, got {seed!r}")
+  if (
+    isinstance(min_crossing_records, bool)
+    or not isinstance(min_crossing_records, int)
+    or min_crossing_records < 1
+  ):
+    raise ValueError(
+      f"fit_budget: min_crossing_records must be an int >= 1, got {min_crossing_records!r}"
+    )
   kl, drop, layer = validate_records(records)
 
   overall_idx = np.nonzero(layer < 0)[0]
@@ -494,9 +517,12 @@ def fit_budget(
   for j, name in enumerate(singles):
     idx = np.nonzero(((layer < 0) & (source == name)) | anchor)[0]
     if np.unique(kl[idx]).size >= MIN_DISTINCT_KL:
-      sources[name] = _fit_one(
-        kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 0, 1 + j]
-      )
+      fitted = _fit_one(kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 0, 1 + j])
+      own = np.nonzero((layer < 0) & (source == name))[0]
+      crosses = fitted.censored in ("none", "below")
+      if crosses and _crossing_records(fitted, kl[own], tolerance) < min_crossing_records:
+        fitted = dataclasses.replace(fitted, censored="unconfirmed")
+      sources[name] = fitted
 
   return Budget(
     tolerance=tolerance,
@@ -508,7 +534,15 @@ def fit_budget(
     level=float(level),
     num_bootstrap=num_bootstrap,
     seed=seed,
+    min_crossing_records=min_crossing_records,
   )
+
+
+def _crossing_records(threshold: Threshold, kl: np.ndarray, tolerance: float) -> int:
+  """How many of `kl` (a source's own records) sit where the fit is over τ."""
+  x, f = np.asarray(threshold.curve_kl), np.asarray(threshold.curve_drop)
+  over = x[f > tolerance]
+  return int(np.isin(kl, over).sum())
 
 
 def _measured(measurement: Mapping, key: str) -> float:
@@ -558,6 +592,11 @@ def _over_source(kl: float, budget: Budget, source: str, limit: float) -> str:
     why = "which has no fit of its own, so the overall budget applies"
   elif threshold.censored == "none":
     why = f"where its own fit predicts the tolerance {budget.tolerance:.4g}"
+  elif threshold.censored == "unconfirmed":
+    why = (
+      f"whose own fit crosses τ on fewer than {budget.min_crossing_records} of its records "
+      f"(unconfirmed), so the overall max_kl {budget.overall.max_kl:.4g} applies"
+    )
   elif threshold.censored == "below":
     why = f"whose smallest calibrated mismatch, {threshold.curve_kl[0]:.4g}, is already over τ"
   else:

@@ -9,13 +9,15 @@ File schema (version 1), one JSON object:
 
   {"schema": "opd_jax.budget", "version": 1,
    "budget": {"tolerance": τ, "level": 0.95, "num_bootstrap": B, "seed": s,
+              "min_crossing_records": c,
               "max_kl": …, "interval": [low, high], "censored": "none" | "above" | "below",
               "curve": {"mismatch/kl": [x_1, …, x_m], "quality_drop": [f_1, …, f_m]},
               "num_records": n,
               "layers": [{"layer": i, "max_kl": …, "interval": […], "censored": …,
                           "curve": {…}, "num_records": n_i}, …],
               "unfitted_layers": [i, …],
-              "sources": [{"source": "noise", "max_kl": …, "interval": […], "censored": …,
+              "sources": [{"source": "noise", "max_kl": …, "interval": […],
+                           "censored": … | "unconfirmed",
                            "curve": {…}, "num_records": n_s}, …],
               "records": [{…the calibration records as given…}, …],
               "training": {…the same fields, without "training"…}},
@@ -26,7 +28,9 @@ File schema (version 1), one JSON object:
                    "jax_version": "…", "jaxlib_version": "…"}}
 
 "sources" (the per-source fits) may be absent: files written before per-source limits load with
-none, and `budget.admit` then uses the overall budget for every measurement. "training" (the
+none, and `budget.admit` then uses the overall budget for every measurement;
+"min_crossing_records" is absent in files written before it existed, which load with 1 (the rule
+they were fitted by). "training" (the
 fit on the training-time axis, `budget.Budget.training`) is absent when the budget has none.
 
 Two students. "weights_sha256" is the student the admission check measured at (the study's
@@ -244,6 +248,7 @@ def _body(budget: budget_lib.Budget) -> dict[str, Any]:
     "level": budget.level,
     "num_bootstrap": budget.num_bootstrap,
     "seed": budget.seed,
+    "min_crossing_records": budget.min_crossing_records,
     **_threshold_dict(budget.overall),
     "layers": [{"layer": i, **_threshold_dict(t)} for i, t in sorted(budget.layers.items())],
     "unfitted_layers": list(budget.unfitted_layers),
@@ -347,6 +352,15 @@ class _Reader:
       num_records=self.integer(obj, "num_records", where),
     )
 
+  def min_crossing_records(self, body: Mapping, where: str) -> int:
+    """The body's "min_crossing_records", 1 when absent (files written before it)."""
+    if "min_crossing_records" not in body:
+      return 1
+    value = self.integer(body, "min_crossing_records", where)
+    if value < 1:
+      self.fail(f"{where}.min_crossing_records", f"expected an integer >= 1, got {value}")
+    return value
+
   def budget(self, body: Mapping, where: str) -> budget_lib.Budget:
     """One budget body (the top one at "budget", its training-axis fit at "budget.training")."""
     layers = self.thresholds(self.get(body, "layers", where), "layers", self.integer, where)
@@ -380,6 +394,7 @@ class _Reader:
       num_bootstrap=self.integer(body, "num_bootstrap", where),
       seed=self.integer(body, "seed", where),
       training=training,
+      min_crossing_records=self.min_crossing_records(body, where),
     )
 
 

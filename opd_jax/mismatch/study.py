@@ -337,13 +337,32 @@ RULES = {  # admission rule -> budget.admit keyword arguments
 }
 
 
+CROSSING_VARIANTS = (1, 2)  # min_crossing_records of the per-source variants refitted beside
+
+
 def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float) -> dict:
   """The confusion table of every admission rule in RULES on the same (held-out) rows, so the
-  configured rule can be read beside the others; only the configured one is a pre-set test."""
+  configured rule can be read beside the others; only the configured one is a pre-set test.
+
+  Also "per_source_min_crossing_<c>" for each c of CROSSING_VARIANTS other than the budget's
+  own: the per-source rule on the same records refitted with min_crossing_records = c."""
   out = {}
   for name, kwargs in RULES.items():
     verdicts = [{**r, "admitted": budget.admit(r, fitted, **kwargs).admitted} for r in rows]
     out[name] = confusion(verdicts, tolerance, LABEL_DROP)
+  for c in CROSSING_VARIANTS:
+    if c == fitted.min_crossing_records:
+      continue
+    refit = budget.fit_budget(
+      fitted.records,
+      tolerance,
+      level=fitted.level,
+      num_bootstrap=fitted.num_bootstrap,
+      seed=fitted.seed,
+      min_crossing_records=c,
+    )
+    verdicts = [{**r, "admitted": budget.admit(r, refit, per_source=True).admitted} for r in rows]
+    out[f"per_source_min_crossing_{c}"] = confusion(verdicts, tolerance, LABEL_DROP)
   return out
 
 
@@ -437,9 +456,12 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
 
   label_runs(config, settings, rows, tolerance, floor, workdir, log)
   records = budget_records(rows, floor["mean"])
-  fitted = budget.fit_budget(records, tolerance)
+  min_crossing = int(config.get("min_crossing_records", budget.MIN_CROSSING_RECORDS))
+  fitted = budget.fit_budget(records, tolerance, min_crossing_records=min_crossing)
   try:
-    on_training = budget.fit_budget(training_axis_records(records), tolerance)
+    on_training = budget.fit_budget(
+      training_axis_records(records), tolerance, min_crossing_records=min_crossing
+    )
     fitted = dataclasses.replace(fitted, training=on_training)
   except ValueError as e:  # e.g. runs that logged no mismatch/kl: the guard then uses the check's
     log(f"no training-axis budget: {e}")
@@ -497,6 +519,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
       },
     },
     "per_source": per_source,
+    "min_crossing_records": min_crossing,
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "rerun_all_roles": list(config.get("rerun_all_roles", ())),
     "confusion": confusion(held_out, tolerance, LABEL_DROP),

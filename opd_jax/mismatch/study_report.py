@@ -230,7 +230,13 @@ def findings(result: dict) -> list[str]:
   if b.get("sources"):
     out.append(
       "Per-source limits L_s (own crossing of τ, or the larger of the source's largest kept "
-      "mismatch and the pooled max_kl when its records never cross τ): "
+      "mismatch and the pooled max_kl when its records never cross τ"
+      + (
+        f", or the pooled max_kl when fewer than {c} of its records are over τ (unconfirmed)"
+        if (c := result.get("min_crossing_records", 1)) > 1
+        else ""
+      )
+      + "): "
       + ", ".join(
         f"{name} {_g(t['limit'])} ({'own fit' if t['censored'] == 'none' else t['censored']}"
         f", interval [{_g(t['interval'][0])}, {_g(t['interval'][1])}])"

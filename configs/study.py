@@ -24,7 +24,12 @@ one 500-step run over τ is as likely seed noise as a real knee (a single run's 
 about 3 points against τ = 4.3 there). Its primary result is the agreement of that rule on the
 twelve new two-run labels; secondary, also fixed now: round 5's rule (one crossing record) on
 the same settings, the pooled budget, and the verdicts outside the too-close band. It reuses
-every grid and reference run of round 5 (the same settings and training configs).
+every grid and reference run of round 5 (the same settings and training configs). Result
+(`docs/study/round6/report.md`, same machine as round 5): 8/12 = 66.7 % for the pre-set rule
+(FP8 weights and KV now "unconfirmed", so at the pooled 0.233), 5/12 for round 5's rule on the
+same settings, 8/12 pooled, 5/6 outside the too-close band. The four misses are refused
+combinations of weight noise with staleness at a check KL of 0.20-0.34 that kept quality: held
+to noise's limit (0.047) although most of their KL is the staleness part.
 
 `:round5`, the default before round 6 (fixed before any of its runs trained). Its rule
 is round 4's (per-source limits, point estimates), its primary result the agreement on the

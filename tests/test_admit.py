@@ -119,6 +119,32 @@ def test_spec_parses_values_as_ml_collections_does(config):
   assert config.rollout.weights == "trainer" and config.rollout.noise_sigma == 0.0
 
 
+def test_a_combination_splits_into_one_part_per_source(config):
+  def parts(spec):
+    return admission.source_parts(admission.parse_candidate(spec, config), config)
+
+  assert parts(
+    "rollout.weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,"
+    "rollout.kv_granularity=tensor,rollout.stale_k=5,rollout.noise_sigma=0.05"
+  ) == {  # in the candidate's source order (noise, stale, fp8 weights, fp8 KV)
+    "noise": "rollout.noise_sigma=0.05",
+    "stale": "rollout.stale_k=5",
+    "fp8_weights": "rollout.weights=fp8,rollout.weight_block_size=64",
+    "fp8_kv": "rollout.kv_cache=fp8,rollout.kv_granularity=tensor",
+  }
+  # An async lag is the stale part; bf16_layers goes with the weights; a key no source owns
+  # (the KV's BF16 layers) goes with every part.
+  assert parts(
+    "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.mode=async,rollout.max_lag=1,"
+    "rollout.kv_bf16_layers=(1,)"
+  ) == {
+    "stale": "rollout.mode=async,rollout.max_lag=1,rollout.kv_bf16_layers=(1,)",
+    "fp8_weights": "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.kv_bf16_layers=(1,)",
+  }
+  assert parts("rollout.noise_sigma=0.3") == {}  # one source: no parts
+  assert parts("rollout.kv_cache=fp8,rollout.kv_granularity=tensor") == {}
+
+
 def test_misspelt_key_gets_the_nearest_valid_key(config):
   with pytest.raises(ValueError, match=r"unknown config key 'rollout\.weigts'.*'rollout\.weights'"):
     admission.parse_candidate("rollout.weigts=fp8", config)

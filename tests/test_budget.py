@@ -291,6 +291,38 @@ def test_a_source_crossing_on_fewer_than_c_records_is_unconfirmed_and_takes_the_
   assert extra.sources["noise"].censored == "unconfirmed"
 
 
+def test_per_part_holds_each_source_of_a_combination_to_its_own_limit():
+  # SOURCED: noise L = .15 (its crossing), stale L = .3 (above, its own records). The whole
+  # combination at .25 is over min(.15, .3); its parts alone, stale .2 and noise .1, are within
+  # their own limits: margins .1 and .05, so noise binds.
+  b = fit_budget(SOURCED, 0.5)
+  combo = {
+    "mismatch/kl": 0.25,
+    "source": "stale+noise",
+    "mismatch/kl/part/stale": 0.2,
+    "mismatch/kl/part/noise": 0.1,
+  }
+  assert not admit(combo, b).admitted  # the whole KL against the strictest source
+  v = admit(combo, b, per_part=True)
+  assert v.admitted and v.reasons == ()
+  assert (v.limit_source, v.limit, v.measured_kl) == ("noise", b.source_limit("noise"), 0.1)
+  assert v.margin == pytest.approx(0.05, abs=1e-15)
+  over = admit({**combo, "mismatch/kl/part/noise": 0.16}, b, per_part=True)
+  assert not over.admitted and over.margin == pytest.approx(-0.01, abs=1e-15)
+  assert over.reasons == (
+    "its noise part alone: mismatch/kl 0.16 > 0.15, the limit of source 'noise', where its own "
+    "fit predicts the tolerance 0.5: margin -0.01",
+  )
+  # A part over its limit fails even when the other has room: stale .35 > .3.
+  assert not admit({**combo, "mismatch/kl/part/stale": 0.35}, b, per_part=True).admitted
+  # One source: the rule is the per-source one; per_source=False: the pooled one.
+  single = {"mismatch/kl": 0.16, "source": "noise"}
+  assert admit(single, b, per_part=True) == admit(single, b)
+  assert admit(combo, b, per_source=False, per_part=True) == admit(combo, b, per_source=False)
+  with pytest.raises(ValueError, match=r"has no 'mismatch/kl/part/noise'"):
+    admit({k: v for k, v in combo.items() if k != "mismatch/kl/part/noise"}, b, per_part=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Admission
 

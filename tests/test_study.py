@@ -284,11 +284,22 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   )
   held_rows = [r for r in result["rows"] if r["role"] == "held_out"]
   called = [r for r in held_rows if not r["too_close"]]
-  assert result["confusion_called"] == study.confusion(called, result["tolerance"], "label_drop")
+  expected = study.confusion(called, result["tolerance"], "label_drop")
+  assert json.dumps(result["confusion_called"], sort_keys=True) == json.dumps(  # NaN == NaN
+    expected, sort_keys=True
+  )
   for r in result["rows"]:
     assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
     lower, upper = r["limit_band"]
     assert r["too_close"] == (lower < r["mismatch/kl"] <= upper)
+  # a combination's parts are measured alone, as the per-part rule reads them
+  measurements = json.loads((workdir / "measurements.json").read_text())["measurements"]
+  (combo,) = held_rows
+  assert combo["source"] == "noise+stale"
+  for source, spec in (("noise", "rollout.noise_sigma=0.2"), ("stale", "rollout.stale_k=1")):
+    assert combo[f"mismatch/kl/part/{source}"] == measurements[spec]["mismatch/kl"]
+  (stale,) = [r for r in result["rows"] if r["name"] == "stale_k-1"]  # measured once
+  assert combo["mismatch/kl/part/stale"] == stale["mismatch/kl"]
   reference_kl = [r["mismatch/kl"] for r in result["rows"] if r["role"] == "reference"]
   noisy_kl = [r["mismatch/kl"] for r in result["rows"] if r["name"] == "noise_sigma-0.5"]
   assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0

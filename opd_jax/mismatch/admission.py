@@ -343,6 +343,57 @@ def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict)
   return config_source(candidate.config, reference, candidate.lag)
 
 
+# Which source a candidate key belongs to when a combination is split into its parts
+# (`source_parts`); a key not listed here goes with every part.
+PART_OF_KEY = {
+  "rollout.noise_sigma": "noise",
+  "rollout.stale_k": "stale",
+  "rollout.mode": "stale",
+  "rollout.max_lag": "stale",
+  "rollout.weights": "weights",
+  "rollout.weight_block_size": "weights",
+  "rollout.bf16_layers": "weights",
+  "rollout.kv_cache": "kv",
+  "rollout.kv_granularity": "kv",
+  "rollout.kernel": "kernel",
+}
+
+
+def source_parts(candidate: Candidate, reference: ml_collections.ConfigDict) -> dict[str, str]:
+  """A combination's parts: source -> the candidate spec of that source's overrides alone
+  (with the overrides no source owns), in the candidate's source order; {} when the candidate
+  changes fewer than two sources. What `budget.admit(..., per_part=True)` holds each source's
+  limit against, measured as "mismatch/kl/part/<source>".
+
+  Raises:
+    ValueError: a part that is not one source of the candidate's own (a key PART_OF_KEY puts
+      with the wrong group).
+  """
+  sources = candidate_source(candidate, reference).split("+")
+  if len(sources) < 2:
+    return {}
+  groups: dict[str, list[str]] = {}
+  shared = []
+  for item in split_spec(candidate.spec):
+    key = item.partition("=")[0].strip().removeprefix("config.")
+    owner = PART_OF_KEY.get(key)
+    if owner is None:
+      shared.append(item.strip())
+    else:
+      groups.setdefault(owner, []).append(item.strip())
+  parts = {}
+  for items in groups.values():
+    spec = ",".join(items + shared)
+    source = candidate_source(parse_candidate(spec, reference), reference)
+    if source not in sources:
+      raise ValueError(
+        f"candidate {candidate.spec!r}: its part {spec!r} changes {source!r}, not one of "
+        f"its sources {sources}"
+      )
+    parts[source] = spec
+  return {s: parts[s] for s in sources if s in parts}
+
+
 def config_source(config, reference, lag: int) -> str:
   """The mismatch sources `config` changes against `reference`, "+"-joined in SOURCE_OF_KEY
   order ("noise+stale"), or "reference" when it changes none of them. Staleness is the lag

@@ -139,6 +139,7 @@ LAYER_KEY = "layer"
 SOURCE_KEY = "source"
 REFERENCE_SOURCE = "reference"  # records of unperturbed runs: every per-source fit's anchor
 LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_KL_PREFIX}{i}"
+PART_KL_PREFIX = "mismatch/kl/part/"  # a combination's source s measured alone: f"{…}{s}"
 CENSORED = ("none", "above", "below", "unconfirmed")  # "unconfirmed": per-source fits only
 MIN_CROSSING_RECORDS = 1  # default: one record over τ is enough for a source's own limit
 
@@ -267,7 +268,7 @@ class Verdict:
     limit_source: the source whose limit was used, None for the overall one.
     limit_band: (the limit at the lower end of the bootstrap intervals, at their upper end),
       widened to hold `limit`; `too_close` says whether the measurement falls between them.
-    measured_kl: the measurement's mismatch/kl.
+    measured_kl: the measurement's mismatch/kl (with `per_part`, the binding part's).
     conservative: whether the interval's lower end was used.
     reasons: one line per failed threshold (empty when admitted).
     layer_margins: layer -> its limit minus the measured "mismatch/kl/layer_<i>", for the layers
@@ -607,12 +608,22 @@ def _over_source(kl: float, budget: Budget, source: str, limit: float) -> str:
   return f"{head}, {why}: margin {limit - kl:.4g}"
 
 
+def _limits(budget: Budget, sources: Sequence[str], conservative: bool):
+  """((limit, its source), band) for a measurement naming `sources` (`Budget.limit_for`)."""
+  limit, limit_source = budget.limit_for(sources, end="lower" if conservative else "point")
+  lower = limit if conservative else budget.limit_for(sources, end="lower")[0]
+  upper = budget.limit_for(sources, end="upper")[0]
+  band = (min(lower, limit), max(upper, limit))  # a percentile interval may miss the estimate
+  return (limit, limit_source), band
+
+
 def admit(
   measurement: Mapping[str, Any],
   budget: Budget,
   *,
   conservative: bool = False,
   per_source: bool = True,
+  per_part: bool = False,
 ) -> Verdict:
   """Screens one measured rollout configuration against a budget.
 
@@ -627,18 +638,34 @@ def admit(
 
   Layers measured but not in the budget, and budget layers not measured, are not checked.
 
+  Per part (`per_part`, for a combination of sources): each source s of the measurement's
+  "source" is held to its own limit with the mismatch of its part alone, kl_s =
+  measurement["mismatch/kl/part/<s>"] (the check run on the combination's overrides of that
+  source only), instead of min_s L_s on the whole combination's mismatch/kl:
+
+    margin = min_s (L_s − kl_s),   admitted ⇔ margin >= 0 (and the layers, as above).
+
+  A combination's mismatch is not the sum of its parts', but a source with a generous limit
+  (staleness) can contribute most of it, and holding that to the strictest source's limit
+  refuses what that source's own records allow (docs/study/round6). The verdict's limit,
+  limit_source, limit_band and measured_kl are then the binding part's (least margin). A
+  single-source measurement is checked as without `per_part`.
+
   Args:
     measurement: mapping with "mismatch/kl" (finite) and optionally "mismatch/kl/layer_<i>"
       and "source" (str).
     budget: from fit_budget (or load_budget).
     conservative: use the lower end of each bootstrap interval instead of the point estimate.
     per_source: use the measurement's per-source limits when it names its sources.
+    per_part: hold each part of a combination to its own source's limit (above); needs
+      `per_source` and a "mismatch/kl/part/<s>" for every source s the measurement names.
 
   Returns:
     A Verdict; `reasons` names each threshold that failed.
 
   Raises:
-    ValueError: "mismatch/kl" missing, or a checked value non-numeric or non-finite.
+    ValueError: "mismatch/kl" missing, a part missing for `per_part`, or a checked value
+      non-numeric or non-finite.
   """
   if not isinstance(measurement, Mapping):
     raise ValueError(f"admit: measurement must be a mapping, got {type(measurement).__name__}")
@@ -653,16 +680,28 @@ def admit(
   if named is not None and not isinstance(named, str):
     raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
   sources = named.split("+") if named else ()
-  limit, limit_source = budget.limit_for(sources, end="lower" if conservative else "point")
-  lower = limit if conservative else budget.limit_for(sources, end="lower")[0]
-  upper = budget.limit_for(sources, end="upper")[0]
-  band = (min(lower, limit), max(upper, limit))  # a percentile interval may miss the estimate
+  parts, part = [s for s in sources if s != REFERENCE_SOURCE], None
+  if per_part and per_source and len(parts) > 1:
+    missing = [s for s in parts if f"{PART_KL_PREFIX}{s}" not in measurement]
+    if missing:
+      raise ValueError(
+        f"admit: per_part needs each source's part measured alone; measurement of {named!r} "
+        f"has no {', '.join(repr(PART_KL_PREFIX + s) for s in missing)}"
+      )
+    by_margin = []
+    for s in parts:
+      part_kl = _measured(measurement, f"{PART_KL_PREFIX}{s}")
+      by_margin.append((_limits(budget, [s], conservative)[0][0] - part_kl, s, part_kl))
+    _, part, kl = min(by_margin)
+    sources = (part,)
+  (limit, limit_source), band = _limits(budget, sources, conservative)
   margin = limit - kl
   reasons = []
   if margin < 0 and limit_source is None:
     reasons.append(_over(KL_KEY, kl, budget.overall, limit, conservative, budget.tolerance))
   elif margin < 0:
-    reasons.append(_over_source(kl, budget, limit_source, limit))
+    line = _over_source(kl, budget, limit_source, limit)
+    reasons.append(line if part is None else f"its {part} part alone: {line}")
   layer_margins = {}
   for i in sorted(budget.layers):
     key = f"{LAYER_KL_PREFIX}{i}"

@@ -185,7 +185,8 @@ def _write_json(path: str, value) -> None:
 
 
 def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callable = print):
-  """The admission check's measurement of every setting at the probe's student.
+  """The admission check's measurement of every setting at the probe's student, and of each
+  part of a combination alone (`admission.source_parts`: what the per-part rule reads).
 
   Returns:
     (spec -> measurement dict, the budget fingerprint of the measured student and teacher,
@@ -203,17 +204,21 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}
   m = setup.models
   prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
+  specs = []
   for s in settings:
-    if s.spec in measured:
-      continue
     candidate = admission.parse_candidate(s.spec, run_cfg)
+    specs += [s.spec, *admission.source_parts(candidate, run_cfg).values()]
+  for spec in dict.fromkeys(specs):  # in order, once each
+    if spec in measured:
+      continue
+    candidate = admission.parse_candidate(spec, run_cfg)
     problem = admission.stale_lag_problem(candidate, history)
     if problem:
       raise ValueError(problem)
     behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
     result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
-    measured[s.spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
-    log(f"measured {s.spec}: mismatch/kl {measured[s.spec][budget.KL_KEY]:.4g}")
+    measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
+    log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
     _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
   run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
   return measured, budget_file.with_run_start(fingerprint, run_start)
@@ -332,6 +337,7 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
 RULES = {  # admission rule -> budget.admit keyword arguments
   "pooled": {"per_source": False},
   "per_source": {"per_source": True},
+  "per_part": {"per_source": True, "per_part": True},
   "pooled_conservative": {"per_source": False, "conservative": True},
   "per_source_conservative": {"per_source": True, "conservative": True},
 }
@@ -447,6 +453,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   for s in settings:
     res, meas = results[s.name], measured[s.spec]
     row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
+    parts = admission.source_parts(admission.parse_candidate(s.spec, config.run), config.run)
+    for source, spec in parts.items():
+      row[f"{budget.PART_KL_PREFIX}{source}"] = measured[spec][budget.KL_KEY]
     row["accuracy"] = res["student_accuracy_after"]
     row["student_teacher_kl"] = res["student_teacher_kl_after"]
     row[budget.DROP_KEY] = floor["mean"] - row["accuracy"]
@@ -468,8 +477,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   budget_path = os.path.join(workdir, BUDGET_FILE)
   budget_file.save_budget(budget_path, fitted, fingerprint)
   per_source = bool(config.get("per_source", False))
+  per_part = bool(config.get("per_part", False))
   for row in rows:
-    verdict = budget.admit(row, fitted, per_source=per_source)
+    verdict = budget.admit(row, fitted, per_source=per_source, per_part=per_part)
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
     row.update(limit=verdict.limit, limit_source=verdict.limit_source)
     row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
@@ -520,6 +530,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     },
     "per_source": per_source,
     "min_crossing_records": min_crossing,
+    "per_part": per_part,
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "rerun_all_roles": list(config.get("rerun_all_roles", ())),
     "confusion": confusion(held_out, tolerance, LABEL_DROP),

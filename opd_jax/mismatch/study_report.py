@@ -261,7 +261,13 @@ def findings(result: dict) -> list[str]:
       else "every setting degraded quality"
     )
     out.append(f"{source}: {verdict} ({text}).")
-  rule = "per-source limits" if result.get("per_source") else "the pooled budget"
+  rule = (
+    "per-part limits"
+    if result.get("per_part")
+    else "per-source limits"
+    if result.get("per_source")
+    else "the pooled budget"
+  )
   out.append(
     f"Admission check ({rule}) on {conf['n']} held-out settings: agreement "
     f"{_pct(conf['agreement'])} % ({_counts(conf)})."
@@ -334,7 +340,9 @@ def rules_table(result: dict) -> list[str]:
   variants = result.get("rule_variants")
   if not variants:
     return []
-  configured = "per_source" if result.get("per_source") else "pooled"
+  configured = (
+    "per_part" if result.get("per_part") else "per_source" if result.get("per_source") else "pooled"
+  )
   lines = [
     f"Every admission rule on the same held-out settings (the configured rule, {configured}, "
     "is the one fixed before they ran; the others are for comparison only):",

@@ -189,10 +189,11 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   part of a combination alone (`admission.source_parts`: what the per-part rule reads).
 
   Returns:
-    (spec -> measurement dict, the budget fingerprint of the measured student and teacher,
-    with the student the runs start from as its run-start student: `budget_file.
-    with_run_start`). Measurements are cached in DIR/measurements.json together with the
-    fingerprint of the measured setup, and reused when it still matches.
+    (setting spec -> its measurement dict, with "mismatch/kl/part/<source>" for each part of a
+    combination; the budget fingerprint of the measured student and teacher, with the student
+    the runs start from as its run-start student: `budget_file.with_run_start`). Measurements
+    (parts too) are cached in DIR/measurements.json together with the fingerprint of the
+    measured setup, and reused when it still matches.
   """
   path = os.path.join(workdir, MEASUREMENTS_FILE)
   cached = _read_json(path, {"fingerprint": None, "measurements": {}})
@@ -204,10 +205,11 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}
   m = setup.models
   prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
-  specs = []
-  for s in settings:
-    candidate = admission.parse_candidate(s.spec, run_cfg)
-    specs += [s.spec, *admission.source_parts(candidate, run_cfg).values()]
+  parts = {
+    s.spec: admission.source_parts(admission.parse_candidate(s.spec, run_cfg), run_cfg)
+    for s in settings
+  }
+  specs = [spec for s in settings for spec in (s.spec, *parts[s.spec].values())]
   for spec in dict.fromkeys(specs):  # in order, once each
     if spec in measured:
       continue
@@ -221,7 +223,14 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
     _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
   run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
-  return measured, budget_file.with_run_start(fingerprint, run_start)
+  by_setting = {
+    spec: {
+      **measured[spec],
+      **{f"{budget.PART_KL_PREFIX}{src}": measured[p][budget.KL_KEY] for src, p in own.items()},
+    }
+    for spec, own in parts.items()
+  }
+  return by_setting, budget_file.with_run_start(fingerprint, run_start)
 
 
 def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str, float]:
@@ -453,9 +462,6 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   for s in settings:
     res, meas = results[s.name], measured[s.spec]
     row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
-    parts = admission.source_parts(admission.parse_candidate(s.spec, config.run), config.run)
-    for source, spec in parts.items():
-      row[f"{budget.PART_KL_PREFIX}{source}"] = measured[spec][budget.KL_KEY]
     row["accuracy"] = res["student_accuracy_after"]
     row["student_teacher_kl"] = res["student_teacher_kl_after"]
     row[budget.DROP_KEY] = floor["mean"] - row["accuracy"]

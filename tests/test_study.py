@@ -140,7 +140,7 @@ ROUND5_HELD_OUT = (  # configs/study.py's round-5 draw (the default) as committe
 )
 
 
-ROUND6_HELD_OUT = (  # configs/study.py's round-6 draw (the default) as committed before it trained
+ROUND6_HELD_OUT = (  # configs/study.py's round-6 draw (`:round6`) as committed before it trained
   "weights=fp8,rollout.weight_block_size=32,rollout.stale_k=7,rollout.noise_sigma=0.26",
   "weights=fp8,rollout.noise_sigma=0.3",
   "weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,"
@@ -160,19 +160,46 @@ ROUND6_HELD_OUT = (  # configs/study.py's round-6 draw (the default) as committe
 )
 
 
+ROUND7_HELD_OUT = (  # configs/study.py's round-7 draw (the default) as committed before it trained
+  "stale_k=4,rollout.noise_sigma=0.42",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.kernel=bf16_matmul,rollout.stale_k=4,"
+  "rollout.noise_sigma=0.3",
+  "mode=async,rollout.max_lag=2",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kv_cache=fp8,rollout.kv_granularity=token_head,"
+  "rollout.kernel=bf16_matmul",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor",
+  "weights=fp8,rollout.kernel=bf16_attention,rollout.stale_k=3",
+  "weights=fp8,rollout.weight_block_size=32,rollout.noise_sigma=0.13",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_matmul,rollout.mode=async,"
+  "rollout.max_lag=1",
+  "kernel=bf16_attention,rollout.stale_k=8,rollout.noise_sigma=0.39",
+  "weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor,rollout.kernel=bf16_matmul,"
+  "rollout.noise_sigma=0.37",
+  "weights=fp8,rollout.kernel=bf16_matmul",
+  "weights=fp8,rollout.weight_block_size=32,rollout.kv_cache=fp8,"
+  "rollout.kv_granularity=token_head,rollout.noise_sigma=0.31",
+)
+
+
 def test_default_is_one_round_on_the_grid():
-  """The default study (round 6) calibrates on the grid alone and holds out a draw that no
-  earlier round used; its run count is what the 90-minute budget is sized for. `:round5` is
-  round 5 as it ran: the same grid, its own draw, one crossing record per source limit."""
+  """The default study (round 7) calibrates on the grid alone and holds out a draw that no
+  earlier round used; its run count is what the 90-minute budget is sized for. `:round6` and
+  `:round5` are those rounds as they ran: the same grid, each its own draw and rule (round 6:
+  two crossing records per source limit, whole-combination KL; round 5: one crossing record)."""
   config, rounds = study_config.get_config(), study_config.get_config("rounds")
-  round5 = study_config.get_config("round5")
+  round5, round6 = study_config.get_config("round5"), study_config.get_config("round6")
   assert config.calibration == round5.calibration == study_config.GRID == rounds.calibration[:15]
-  assert list(config.held_out) == [f"rollout.{spec}" for spec in ROUND6_HELD_OUT]
+  assert round6.calibration == study_config.GRID
+  assert list(config.held_out) == [f"rollout.{spec}" for spec in ROUND7_HELD_OUT]
+  assert list(round6.held_out) == [f"rollout.{spec}" for spec in ROUND6_HELD_OUT]
   assert list(round5.held_out) == [f"rollout.{spec}" for spec in ROUND5_HELD_OUT]
-  assert (config.min_crossing_records, round5.min_crossing_records) == (2, 1)
-  assert rounds.min_crossing_records == 1
+  assert [c.min_crossing_records for c in (config, round6, round5, rounds)] == [2, 2, 1, 1]
+  assert [c.per_part for c in (config, round6, round5, rounds)] == [True, False, False, False]
   canonical = study_config._canonical
-  earlier = {canonical(spec) for spec in (*rounds.calibration, *rounds.held_out, *round5.held_out)}
+  earlier = {
+    canonical(spec)
+    for spec in (*rounds.calibration, *rounds.held_out, *round5.held_out, *round6.held_out)
+  }
   assert not earlier & {canonical(spec) for spec in config.held_out}
   assert len(set(config.held_out)) == 12
   seeds = len(config.borderline_seeds)

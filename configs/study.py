@@ -28,7 +28,13 @@ most of their KL was the staleness part. Its primary result is the agreement of 
 the twelve new two-run labels; secondary, also fixed now: round 6's rule (per-source, the whole
 combination's KL) on the same settings, the pooled budget, and the verdicts outside the
 too-close band. It reuses every grid and reference run of rounds 5 and 6 (the same settings and
-training configs).
+training configs). Result (`docs/study/round7/report.md`, same machine): 11/12 = 91.7 % for
+the pre-set rule, 11/12 for round 6's rule (the same verdicts: every refused combination's
+noise part alone is over the noise limit, so this draw does not separate the two rules), 12/12
+pooled, 10/10 outside the too-close band. Its one miss is FP8 weights + FP8 KV + σ 0.31,
+refused and too close, which kept quality. Its async `max_lag=2` setting trained bit for bit
+like the calibration setting `stale_k=2` (the producer stays the full bound ahead on CPU), so
+a next draw should treat an async lag as its stale twin.
 
 `:round6`, the default before round 7 (fixed before any of its runs trained): round 5 with a
 source's own limit only when its fit crosses τ on at least two of its records

@@ -1,6 +1,7 @@
 """The study: calibrate the mismatch budget and validate the admission check on the embedded task.
 
     python -m opd_jax.study --config=configs/study.py --workdir=/tmp/study         # one round
+    python -m opd_jax.study --config=configs/study.py:round8 --workdir=/tmp/study   # round 8
     python -m opd_jax.study --config=configs/study.py:round6 --workdir=/tmp/study   # round 6
     python -m opd_jax.study --config=configs/study.py:round5 --workdir=/tmp/study   # round 5
     python -m opd_jax.study --config=configs/study.py:rounds --workdir=/tmp/rounds  # four rounds
@@ -35,6 +36,14 @@ pooled, 10/10 outside the too-close band. Its one miss is FP8 weights + FP8 KV +
 refused and too close, which kept quality. Its async `max_lag=2` setting trained bit for bit
 like the calibration setting `stale_k=2` (the producer stays the full bound ahead on CPU), so
 a next draw should treat an async lag as its stale twin.
+
+`:round8`, a targeted round fixed before any of its runs trained, because round 7's draw did
+not separate its rule from round 6's: six combinations of weight noise (σ 0.05-0.16) with sync
+staleness (k 2-8), half with an FP8 recipe (`draw_per_part_test` with ROUND8_SEED, excluding
+every earlier round), each labelled by two runs, on round 7's calibration and rule. On round
+6's budget each one's parts are within their limits and the whole is over the noise limit, so
+the per-part rule admits what the whole-combination rule refuses. Pre-set primary: the
+per-part rule's agreement on the six; secondary: round 6's rule and the pooled budget on them.
 
 `:round6`, the default before round 7 (fixed before any of its runs trained): round 5 with a
 source's own limit only when its fit crosses τ on at least two of its records
@@ -132,7 +141,7 @@ import random
 import bf16_sync
 import ml_collections
 
-VARIANTS = ("tiny", "rounds", "round5", "round6")
+VARIANTS = ("tiny", "rounds", "round5", "round6", "round8")
 
 # The calibration grid the issue asks for: a noise σ grid from harmless to destructive, stale
 # k ∈ {1, 2, 4, 8} (k = 0 is the reference), FP8 weight recipes, FP8 KV at each granularity and
@@ -199,6 +208,7 @@ ROUND4_SEED = 20261202
 ROUND5_SEED = 20261203  # the one-round study `:round5`, committed before any of it ran
 ROUND6_SEED = 20261204  # the one-round study `:round6`, committed before any of it ran
 ROUND7_SEED = 20261205  # the one-round study (the default), committed before any of it ran
+ROUND8_SEED = 20261206  # `:round8`, the targeted round, committed before any of it ran
 DRAW_SIZE = 12
 KNOBS = (  # (weight, overrides) per knob
   (
@@ -260,6 +270,50 @@ def draw_held_out(seed, size=DRAW_SIZE, exclude=()):
   return tuple(out)
 
 
+ROUND8_SIZE = 6
+ROUND8_SIGMA = (0.05, 0.16)  # the noise part alone under the noise limit (σ 0.15 read 0.033)
+ROUND8_STALE_K = tuple(range(2, 9))  # the whole over it (stale k = 2 alone read 0.098)
+
+
+def draw_per_part_test(seed, size=ROUND8_SIZE, exclude=()):
+  """`size` combinations of weight noise with staleness, and with probability 1/2 one FP8
+  weight or KV recipe of KNOBS, drawn with `random.Random(seed)`: σ ~ U(ROUND8_SIGMA) rounded
+  to 0.01 and k uniform on ROUND8_STALE_K. On round 6's budget these are where the per-part
+  rule and the whole-combination rule disagree: each part alone is within its source's limit
+  (the per-part rule admits), the whole combination's KL is over the noise limit (the
+  whole-combination rule refuses). Sync staleness only: an async lag trains like its stale
+  twin on CPU (round 7).
+
+  Raises:
+    ValueError: `size` not an int >= 0, or `exclude` leaving fewer than `size` settings.
+  """
+  if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    raise ValueError(f"draw_per_part_test: size must be an int >= 0, got {size!r}")
+  rng = random.Random(seed)
+  fp8 = [value for _, value in (*KNOBS[0], *KNOBS[1]) if value]
+  out = []
+  for _ in range(1000 * size):
+    if len(out) == size:
+      break
+    parts = []
+    if rng.random() < 0.5:
+      parts.append(fp8[min(int(rng.random() * len(fp8)), len(fp8) - 1)])
+    k = ROUND8_STALE_K[min(int(rng.random() * len(ROUND8_STALE_K)), len(ROUND8_STALE_K) - 1)]
+    lo, hi = ROUND8_SIGMA
+    parts += [
+      f"rollout.stale_k={k}",
+      f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}",
+    ]
+    spec = ",".join(parts)
+    if _canonical(spec) not in {_canonical(x) for x in (*exclude, *out)}:
+      out.append(spec)
+  if len(out) < size:
+    raise ValueError(
+      f"draw_per_part_test: {len(out)} distinct settings in {1000 * size} draws, not {size}"
+    )
+  return tuple(out)
+
+
 def _canonical(spec):
   """The overrides of a spec as a set, without those that restate a default (so that
   "kv_cache=fp8" and "kv_cache=fp8,kv_granularity=token_head" are one setting)."""
@@ -287,7 +341,12 @@ def _calibration_and_held_out(arg):
   round6 = draw_held_out(ROUND6_SEED, exclude=seen + round3 + round4 + round5)
   if arg == "round6":
     return GRID, round6
-  return GRID, draw_held_out(ROUND7_SEED, exclude=seen + round3 + round4 + round5 + round6)
+  round7 = draw_held_out(ROUND7_SEED, exclude=seen + round3 + round4 + round5 + round6)
+  if arg == "round8":
+    return GRID, draw_per_part_test(
+      ROUND8_SEED, exclude=seen + round3 + round4 + round5 + round6 + round7
+    )
+  return GRID, round7
 
 
 def get_config(arg=None):

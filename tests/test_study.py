@@ -211,6 +211,33 @@ def test_default_is_one_round_on_the_grid():
   assert len(shared) == 5 + 15 and all(one_round[s.name] == s for s in shared)
 
 
+ROUND8_HELD_OUT = (  # configs/study.py's round-8 draw (`:round8`) as committed before it trained
+  "stale_k=2,rollout.noise_sigma=0.13",
+  "stale_k=4,rollout.noise_sigma=0.14",
+  "stale_k=4,rollout.noise_sigma=0.08",
+  "kv_cache=fp8,rollout.kv_granularity=tensor,rollout.stale_k=2,rollout.noise_sigma=0.1",
+  "kv_cache=fp8,rollout.kv_granularity=token_head,rollout.stale_k=3,rollout.noise_sigma=0.09",
+  "stale_k=8,rollout.noise_sigma=0.13",
+)
+
+
+def test_round8_is_the_per_part_rule_where_it_disagrees_with_the_whole_combination():
+  """`:round8` holds out six new noise-plus-staleness combinations (pinned), with round 7's
+  calibration and rule; every one has a stale part of k >= 2 and a noise part of σ <= 0.16."""
+  config, round8 = study_config.get_config(), study_config.get_config("round8")
+  assert list(round8.held_out) == [f"rollout.{spec}" for spec in ROUND8_HELD_OUT]
+  assert round8.calibration == config.calibration and round8.per_part and config.per_part
+  assert round8.min_crossing_records == config.min_crossing_records == 2
+  earlier = {study_config._canonical(s) for s in (*config.calibration, *config.held_out)}
+  assert not earlier & {study_config._canonical(s) for s in round8.held_out}
+  for spec in round8.held_out:
+    overrides = dict(kv.split("=") for kv in spec.split(","))
+    assert int(overrides["rollout.stale_k"]) >= 2
+    assert 0.05 <= float(overrides["rollout.noise_sigma"]) <= 0.16
+  with pytest.raises(ValueError, match="size must be an int >= 0"):
+    study_config.draw_per_part_test(0, size=-1)
+
+
 def test_draw_refuses_a_size_it_cannot_fill(monkeypatch):
   with pytest.raises(ValueError, match="size must be an int >= 0"):
     study_config.draw_held_out(0, size=-1)

@@ -44,6 +44,9 @@ every earlier round), each labelled by two runs, on round 7's calibration and ru
 6's budget each one's parts are within their limits and the whole is over the noise limit, so
 the per-part rule admits what the whole-combination rule refuses. Pre-set primary: the
 per-part rule's agreement on the six; secondary: round 6's rule and the pooled budget on them.
+Result (`docs/study/round8/report.md`, same machine): 6/6 for the pre-set rule (all admitted,
+all kept: mean drops -5.7 to 2.6 points), 0/6 for round 6's rule (all refused), 6/6 pooled;
+5/6 by single-run labels.
 
 `:round6`, the default before round 7 (fixed before any of its runs trained): round 5 with a
 source's own limit only when its fit crosses τ on at least two of its records

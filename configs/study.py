@@ -236,6 +236,29 @@ KNOBS = (  # (weight, overrides) per knob
 NOISE = (0.5, 0.05, 0.45)  # P(noise), then sigma ~ U(lo, hi) rounded to 0.01
 
 
+def _draw_distinct(name, seed, size, exclude, draw_spec):
+  """Up to `size` specs `draw_spec(rng)` with `rng = random.Random(seed)`, skipping an empty
+  spec and any that restates one of `exclude` or an earlier draw (`_canonical`), within
+  1000 · `size` draws.
+
+  Raises:
+    ValueError: `size` not an int >= 0, or `exclude` leaving fewer than `size` settings to draw.
+  """
+  if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    raise ValueError(f"{name}: size must be an int >= 0, got {size!r}")
+  rng = random.Random(seed)
+  out = []
+  for _ in range(1000 * size):
+    if len(out) == size:
+      break
+    spec = draw_spec(rng)
+    if spec and _canonical(spec) not in {_canonical(x) for x in (*exclude, *out)}:
+      out.append(spec)
+  if len(out) < size:
+    raise ValueError(f"{name}: {len(out)} distinct settings in {1000 * size} draws, not {size}")
+  return tuple(out)
+
+
 def draw_held_out(seed, size=DRAW_SIZE, exclude=()):
   """`size` candidate specs drawn from KNOBS and NOISE with `random.Random(seed)`
   (only `random()`, whose sequence Python keeps stable across versions).
@@ -243,34 +266,23 @@ def draw_held_out(seed, size=DRAW_SIZE, exclude=()):
   Raises:
     ValueError: `size` not an int >= 0, or `exclude` leaving fewer than `size` settings to draw.
   """
-  if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-    raise ValueError(f"draw_held_out: size must be an int >= 0, got {size!r}")
-  rng = random.Random(seed)
 
-  def pick(options):
-    u, acc = rng.random(), 0.0
-    for weight, value in options:
-      acc += weight
-      if u < acc:
-        return value
-    return options[-1][1]
+  def draw_spec(rng):
+    def pick(options):
+      u, acc = rng.random(), 0.0
+      for weight, value in options:
+        acc += weight
+        if u < acc:
+          return value
+      return options[-1][1]
 
-  out = []
-  for _ in range(1000 * size):
-    if len(out) == size:
-      break
     parts = [pick(knob) for knob in KNOBS]
     p_noise, lo, hi = NOISE
     if rng.random() < p_noise:
       parts.append(f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}")
-    spec = ",".join(p for p in parts if p)
-    if spec and _canonical(spec) not in {_canonical(x) for x in (*exclude, *out)}:
-      out.append(spec)
-  if len(out) < size:
-    raise ValueError(
-      f"draw_held_out: {len(out)} distinct settings in {1000 * size} draws, not {size}"
-    )
-  return tuple(out)
+    return ",".join(p for p in parts if p)
+
+  return _draw_distinct("draw_held_out", seed, size, exclude, draw_spec)
 
 
 ROUND8_SIZE = 6
@@ -290,31 +302,19 @@ def draw_per_part_test(seed, size=ROUND8_SIZE, exclude=()):
   Raises:
     ValueError: `size` not an int >= 0, or `exclude` leaving fewer than `size` settings.
   """
-  if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-    raise ValueError(f"draw_per_part_test: size must be an int >= 0, got {size!r}")
-  rng = random.Random(seed)
   fp8 = [value for _, value in (*KNOBS[0], *KNOBS[1]) if value]
-  out = []
-  for _ in range(1000 * size):
-    if len(out) == size:
-      break
-    parts = []
-    if rng.random() < 0.5:
-      parts.append(fp8[min(int(rng.random() * len(fp8)), len(fp8) - 1)])
-    k = ROUND8_STALE_K[min(int(rng.random() * len(ROUND8_STALE_K)), len(ROUND8_STALE_K) - 1)]
+
+  def uniform_choice(rng, options):
+    return options[min(int(rng.random() * len(options)), len(options) - 1)]
+
+  def draw_spec(rng):
+    parts = [uniform_choice(rng, fp8)] if rng.random() < 0.5 else []
     lo, hi = ROUND8_SIGMA
-    parts += [
-      f"rollout.stale_k={k}",
-      f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}",
-    ]
-    spec = ",".join(parts)
-    if _canonical(spec) not in {_canonical(x) for x in (*exclude, *out)}:
-      out.append(spec)
-  if len(out) < size:
-    raise ValueError(
-      f"draw_per_part_test: {len(out)} distinct settings in {1000 * size} draws, not {size}"
-    )
-  return tuple(out)
+    parts.append(f"rollout.stale_k={uniform_choice(rng, ROUND8_STALE_K)}")
+    parts.append(f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}")
+    return ",".join(parts)
+
+  return _draw_distinct("draw_per_part_test", seed, size, exclude, draw_spec)
 
 
 def _canonical(spec):

@@ -344,18 +344,14 @@ def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict)
 
 
 # Which source a candidate key belongs to when a combination is split into its parts
-# (`source_parts`); a key not listed here goes with every part.
+# (`source_parts`): each source's own key (SOURCE_OF_KEY) and the keys that only qualify it; a
+# key not listed here goes with every part.
 PART_OF_KEY = {
-  "rollout.noise_sigma": "noise",
-  "rollout.stale_k": "stale",
+  **dict(SOURCE_OF_KEY),
   "rollout.mode": "stale",
-  "rollout.max_lag": "stale",
-  "rollout.weights": "weights",
-  "rollout.weight_block_size": "weights",
-  "rollout.bf16_layers": "weights",
-  "rollout.kv_cache": "kv",
-  "rollout.kv_granularity": "kv",
-  "rollout.kernel": "kernel",
+  "rollout.weight_block_size": "fp8_weights",
+  "rollout.bf16_layers": "fp8_weights",
+  "rollout.kv_granularity": "fp8_kv",
 }
 
 

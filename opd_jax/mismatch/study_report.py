@@ -215,6 +215,20 @@ def _counts(c: dict) -> str:
   )
 
 
+RULE_TEXT = {
+  "per_part": "per-part limits",
+  "per_source": "per-source limits",
+  "pooled": "the pooled budget",
+}
+
+
+def configured_rule(result: dict) -> str:
+  """The study's configured admission rule: "per_part", "per_source" or "pooled"."""
+  if result.get("per_part"):
+    return "per_part"
+  return "per_source" if result.get("per_source") else "pooled"
+
+
 def findings(result: dict) -> list[str]:
   """One sentence per finding, each with its numbers."""
   floor, b, conf = result["noise_floor"], result["budget"], result["confusion"]
@@ -261,13 +275,7 @@ def findings(result: dict) -> list[str]:
       else "every setting degraded quality"
     )
     out.append(f"{source}: {verdict} ({text}).")
-  rule = (
-    "per-part limits"
-    if result.get("per_part")
-    else "per-source limits"
-    if result.get("per_source")
-    else "the pooled budget"
-  )
+  rule = RULE_TEXT[configured_rule(result)]
   out.append(
     f"Admission check ({rule}) on {conf['n']} held-out settings: agreement "
     f"{_pct(conf['agreement'])} % ({_counts(conf)})."
@@ -340,9 +348,7 @@ def rules_table(result: dict) -> list[str]:
   variants = result.get("rule_variants")
   if not variants:
     return []
-  configured = (
-    "per_part" if result.get("per_part") else "per_source" if result.get("per_source") else "pooled"
-  )
+  configured = configured_rule(result)
   lines = [
     f"Every admission rule on the same held-out settings (the configured rule, {configured}, "
     "is the one fixed before they ran; the others are for comparison only):",

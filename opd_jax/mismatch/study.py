@@ -12,8 +12,9 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    `admission.measure_candidate` on `num_prompts` calibration prompts with the check's key,
    no training (`DIR/measurements.json`). This value is the x-axis of the budget.
 3. **Train.** Each setting is trained with `runs.run_once` (`DIR/runs/<name>/result.json`):
-   the reference over `seeds` (`train.seed`), the others once (seed 0). Quality q is the final
-   held-out accuracy; the quality drop of a run is d = mean(q_ref) − q.
+   the reference over `seeds` (`train.seed`), the others once (seed 0), `workers` runs side by
+   side (`runs.run_many`: each in a process of its own; the numbers do not change). Quality q
+   is the final held-out accuracy; the quality drop of a run is d = mean(q_ref) − q.
 4. **Fit.** The tolerance τ is `tolerance`, or automatically
    τ = max(2·sd(q_ref), 2·sqrt(q̄(1 − q̄)/n_eval)): twice the larger of the seed-to-seed spread
    and the held-out binomial standard error, so a drop within the noise is never called a
@@ -394,14 +395,8 @@ def _roles(config, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
   return roles
 
 
-def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
-  """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
-
-  A row whose role is in `config.borderline_roles` (default: held-out only) and whose
-  single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
-  with one reference seed), and every row whose role is in `config.rerun_all_roles` (default:
-  none), is trained again with each of `config.borderline_seeds` into
-  DIR/runs/<name>_seed<k>; every other row keeps its one run.
+def rerun_plan(config) -> tuple[list[int], tuple[str, ...], tuple[str, ...]]:
+  """(borderline seeds, `borderline_roles`, `rerun_all_roles`) of the config, checked.
 
   Raises:
     ValueError: a borderline seed that repeats one or is the held-out runs' own seed, or a
@@ -413,9 +408,36 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
       f"config.borderline_seeds={tuple(extra)} must be distinct and exclude the held-out runs' "
       f"seed {config.seeds[0]}"
     )
-  roles = _roles(config, "borderline_roles", ("held_out",))
-  every = _roles(config, "rerun_all_roles", ())
+  return (
+    extra,
+    _roles(config, "borderline_roles", ("held_out",)),
+    _roles(config, "rerun_all_roles", ()),
+  )
+
+
+def rerun_job(config, setting: Setting, seed: int, workdir: str):
+  """(training config, run directory) of `setting` trained again with `seed`."""
+  again = dataclasses.replace(setting, seed=seed)
+  return run_config(config, again, workdir), os.path.join(
+    workdir, "runs", f"{setting.name}_seed{seed}"
+  )
+
+
+def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
+  """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
+
+  A row whose role is in `config.borderline_roles` (default: held-out only) and whose
+  single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
+  with one reference seed), and every row whose role is in `config.rerun_all_roles` (default:
+  none), is trained again with each of `config.borderline_seeds` into
+  DIR/runs/<name>_seed<k> (`config.workers` at a time); every other row keeps its one run.
+
+  Raises:
+    ValueError: as `rerun_plan`.
+  """
+  extra, roles, every = rerun_plan(config)
   spread = floor["sd"] or floor["se"]
+  planned = []  # (setting, its row, seed)
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
     row["train_kl_runs"] = [row.get(TRAIN_KL)]
@@ -423,18 +445,19 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
     if extra and ((s.role in roles and borderline) or s.role in every):
       why = "borderline" if borderline and s.role in roles else "rerun_all_roles"
-      for seed in extra:
-        again = dataclasses.replace(s, seed=seed)
-        log(f"{why} {s.name} (drop {row[budget.DROP_KEY]:.3f}, τ {tolerance:.3f}): seed {seed}")
-        result = runs.run_once(
-          run_config(config, again, workdir),
-          os.path.join(workdir, "runs", f"{s.name}_seed{seed}"),
-          log,
-        )
-        row["accuracy_runs"].append(result["student_accuracy_after"])
-        row["train_kl_runs"].append(result.get(TRAIN_KL))
-        row["wall_seconds_runs"].append(result["wall_seconds"])
+      log(f"{why} {s.name} (drop {row[budget.DROP_KEY]:.3f}, τ {tolerance:.3f}): seeds {extra}")
+      planned += [(s, row, seed) for seed in extra]
+  jobs = [rerun_job(config, s, seed, workdir) for s, _, seed in planned]
+  for (_, row, _), result in zip(planned, runs.run_many(jobs, _workers(config), log), strict=True):
+    row["accuracy_runs"].append(result["student_accuracy_after"])
+    row["train_kl_runs"].append(result.get(TRAIN_KL))
+    row["wall_seconds_runs"].append(result["wall_seconds"])
+  for row in rows:
     row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
+
+
+def _workers(config) -> int:
+  return int(config.get("workers", 1))
 
 
 def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
@@ -445,15 +468,21 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   os.makedirs(workdir, exist_ok=True)
   config_check.validate(config.run)
   settings = study_settings(config)
+  extra, _, every = rerun_plan(config)  # checked before anything trains
   probe_dir = run_probe(config, settings, workdir, log)
   measured, fingerprint = measure_settings(config, settings, probe_dir, workdir, log)
 
-  results = {}
+  # Every run known before any finishes trains now, `workers` side by side: each setting, and
+  # the re-runs of the roles in `rerun_all_roles` (label_runs reads them; it trains only the
+  # borderline re-runs, which need these results first).
+  jobs = [(run_config(config, s, workdir), os.path.join(workdir, "runs", s.name)) for s in settings]
+  jobs += [
+    rerun_job(config, s, seed, workdir) for s in settings if s.role in every for seed in extra
+  ]
   for i, s in enumerate(settings):
-    log(f"[{i + 1}/{len(settings)}] {s.role} {s.name}: {s.spec}")
-    results[s.name] = runs.run_once(
-      run_config(config, s, workdir), os.path.join(workdir, "runs", s.name), log
-    )
+    log(f"setting {i + 1}/{len(settings)}: {s.role} {s.name}: {s.spec}")
+  trained = runs.run_many(jobs, _workers(config), log)
+  results = {s.name: r for s, r in zip(settings, trained[: len(settings)], strict=True)}
   reference = [results[s.name]["student_accuracy_after"] for s in settings if s.role == REFERENCE]
   floor = noise_floor(reference, config.run.data.eval_size)
   tolerance = config.tolerance or floor["tolerance"]

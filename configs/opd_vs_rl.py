@@ -42,6 +42,7 @@ def get_config(arg=None):
   c.is_clip = 2.0  # truncation C of the rl_is method
   c.methods = ("opd", "rl", "rl_is")  # which methods to train
   c.seeds = (0,)  # train.seed of every cell's runs; more give each cell a mean and an sd
+  c.workers = 2  # runs trained side by side, each in a process (runs.run_many); same numbers
   c.settings = (  # mismatch settings besides the reference engine, largest mismatch first
     "rollout.noise_sigma=0.4",
     "rollout.stale_k=4",
@@ -53,6 +54,7 @@ def get_config(arg=None):
   run.train.checkpoint_every = 200
   run.train.log_every = 5
   if arg == "tiny":
+    c.workers = 1  # its runs are mostly compilation, which a fresh process pays again
     c.settings = ("rollout.noise_sigma=0.5",)
     run.train.steps = 4
     run.train.eval_every = 4

@@ -18,7 +18,8 @@ With several `seeds`, each (setting, method) cell is also summarised over its se
 sample sd of the accuracy, and the drop of the mean against the mean of the method's reference.
 The report (markdown table, JSON with every number, PNG of accuracy and drop against
 mismatch/kl) is rewritten after every finished run, so a comparison stopped early still
-reports what it has.
+reports what it has. With `workers` > 1 the runs train that many side by side first
+(`runs.run_many`, the same numbers), and the report is written once they have.
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ def plan(
 def run_comparison(
   config: ml_collections.ConfigDict, workdir: str, log: Callable = print
 ) -> dict[str, Any]:
-  """Trains every (setting, method) run once and writes the report after each.
+  """Trains every (setting, method) run once and writes the report after each (with
+  `config.workers` > 1, after all of them have trained, that many side by side).
 
   When `run.teacher.cache_dir` is empty, every run shares <workdir>/teacher_cache (one teacher
   bootstrap and one warm start for the whole comparison).
@@ -331,6 +333,11 @@ def run_comparison(
     config.run.teacher.cache_dir = os.path.join(workdir, "teacher_cache")
   todo = plan(config)
   os.makedirs(workdir, exist_ok=True)
+  run_dirs = [os.path.join(workdir, "runs", run_name(m, s, seed)) for m, s, _, seed, _ in todo]
+  workers = int(config.get("workers", 1))
+  if workers > 1:  # train side by side first; the loop below reads each recorded result
+    runs.fill_teacher_cache(todo[0][4], workdir, log)
+    runs.run_many([(t[4], d) for t, d in zip(todo, run_dirs, strict=True)], workers, log)
   meta = {
     "steps": config.run.train.steps,
     "eval_size": config.run.data.eval_size,
@@ -349,8 +356,9 @@ def run_comparison(
   }
   rows: list[dict] = []
   report: dict[str, Any] = {}
-  for i, (method, name, spec, seed, run_config) in enumerate(todo):
-    run_dir = os.path.join(workdir, "runs", run_name(method, name, seed))
+  for i, ((method, name, spec, seed, run_config), run_dir) in enumerate(
+    zip(todo, run_dirs, strict=True)
+  ):
     log(f"[{i + 1}/{len(todo)}] {method} on {name}, seed {seed} -> {run_dir}")
     result = runs.run_once(run_config, run_dir, log)
     rows.append(run_row(method, name, spec, run_dir, result, seed))

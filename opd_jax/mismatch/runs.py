@@ -8,9 +8,10 @@ so a study restarted on its workdir recomputes nothing it finished; a run that w
 midway resumes from its last checkpoint (the trainer's own resume). A result written for a
 different configuration is refused rather than reused.
 
-`run_many(jobs, workers)` trains several runs, `workers` at a time in processes of their own:
-one run of the embedded task keeps about one CPU core busy, so a sweep on a 2-core machine
-finishes sooner with two side by side (`opd_jax.bench.parallel_runs`).
+`run_many(jobs, workers)` trains several runs, `workers` at a time in processes of their own,
+with the same numbers. One run of the study's config keeps 1.6 of 2 CPU cores busy, so on 2
+cores two side by side finish a sweep 1.18x sooner (`python -m opd_jax.bench.parallel_runs`);
+on more cores, more workers gain more.
 """
 
 from __future__ import annotations
@@ -132,6 +133,14 @@ def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = pr
   return result
 
 
+def fill_teacher_cache(config: ml_collections.ConfigDict, workdir: str, log: Callable = print):
+  """Makes the teacher and the warm-started student that `config`'s runs load from its
+  `teacher.cache_dir`, unless they are there: before runs start side by side, each of which
+  would otherwise make them at once (safely, the first copy wins, but each paying for it)."""
+  setup = trainer.prepare_models(config, workdir, log)
+  trainer.warm_started_student(config, setup, log, setup.cache_dir or None)
+
+
 def _train_in_child(config_dict: dict, run_dir: str) -> dict:
   """`run_once` in a worker process, its log in `run_dir/TRAIN_LOG`."""
   os.makedirs(run_dir, exist_ok=True)
@@ -157,9 +166,10 @@ def run_many(
   (`opd_jax.bench.parallel_runs` checks this beside the time it saves).
 
   Raises:
-    ValueError: `workers` < 1, two jobs sharing a run directory, or a job's own error (the
-      first, raised after the runs already started have finished or stopped; every finished
-      run keeps its result, so a restart resumes from there).
+    ValueError: `workers` < 1 or two jobs sharing a run directory, before anything trains.
+    Any exception a job raises (`run_once`'s ValueError, a missing file, ...): the first one,
+      once the runs already started have finished (the queued ones do not start); every
+      finished run keeps its result, so a restart resumes from there.
   """
   if not isinstance(workers, int) or workers < 1:
     raise ValueError(f"workers={workers!r} must be an int >= 1")
@@ -197,6 +207,8 @@ def _run_in_processes(jobs, workers: int, log: Callable) -> list[dict]:
     for future in concurrent.futures.as_completed(futures):
       i = futures[future]
       run_dir = jobs[i][1]
+      if future.cancelled():  # queued behind a failed job
+        continue
       try:
         out[i] = future.result()
       except BaseException as e:  # noqa: BLE001 - re-raised below, after the running ones end

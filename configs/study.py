@@ -390,6 +390,7 @@ def get_config(arg=None):
     c.borderline_roles = ("calibration", "held_out")
     c.borderline_seeds = (1, 2)
   if arg == "tiny":
+    c.workers = 1  # its runs are mostly compilation, which a fresh process pays again
     c.seeds = (0, 1)
     c.probe_steps = 3
     c.num_prompts = 8

@@ -142,3 +142,11 @@ def test_tiny_comparison_end_to_end(tmp_path):
   assert "teacher loaded from cache" in done.stderr  # runs after the first share the cache
   again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0 and json.loads(again.stdout)["rows"] == printed["rows"]
+
+
+def test_bad_workers_are_refused_before_anything_trains(tmp_path):
+  config = opd_vs_rl_config.get_config("tiny")
+  config.workers = -1
+  with pytest.raises(ValueError, match="workers=-1 must be an int >= 1"):
+    opd_vs_rl.run_comparison(config, str(tmp_path / "cmp"), lambda *a: None)
+  assert not (tmp_path / "cmp" / "runs").exists()

@@ -428,3 +428,11 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   )
   assert not any(r["name"] == settings[held].name for r in records)  # held out: never fitted
   assert len(records) == len(config.seeds) + len(config.calibration) + 2
+
+
+def test_bad_workers_are_refused_before_anything_trains(tmp_path):
+  config = study_config.get_config("tiny")
+  config.workers = 0
+  with pytest.raises(ValueError, match="workers=0 must be an int >= 1"):
+    study.run_study(config, str(tmp_path / "study"), lambda *a: None)
+  assert not (tmp_path / "study" / "runs").exists()  # not even the probe

@@ -33,9 +33,12 @@ import time
 RESULT_KEYS = ("student_accuracy_after", "student_teacher_kl_after", "train/mismatch/kl_mean")
 
 
+CONFIGS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
+
+
 def _run_config(steps: int, seed: int, teacher_cache: str):
-  configs = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-  sys.path.insert(0, os.path.abspath(configs))
+  if CONFIGS not in sys.path:
+    sys.path.insert(0, CONFIGS)
   import study as study_config  # configs/study.py
 
   from opd_jax.mismatch import runs

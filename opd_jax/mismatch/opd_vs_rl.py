@@ -19,7 +19,8 @@ sample sd of the accuracy, and the drop of the mean against the mean of the meth
 The report (markdown table, JSON with every number, PNG of accuracy and drop against
 mismatch/kl) is rewritten after every finished run, so a comparison stopped early still
 reports what it has. With `workers` > 1 the runs train that many side by side first
-(`runs.run_many`, the same numbers), and the report is written once they have.
+(`runs.run_many`, the same numbers), and the report is written once they have, or, when one
+fails, over the ones that finished before the error is raised.
 """
 
 from __future__ import annotations
@@ -334,10 +335,15 @@ def run_comparison(
   todo = plan(config)
   os.makedirs(workdir, exist_ok=True)
   run_dirs = [os.path.join(workdir, "runs", run_name(m, s, seed)) for m, s, _, seed, _ in todo]
-  workers = int(config.get("workers", 1))
-  if workers > 1:  # train side by side first; the loop below reads each recorded result
+  workers = runs.check_workers(config.get("workers", 1))
+  failed = None  # a side-by-side run's error: raised after the report of the finished ones
+  if workers > 1 and any(runs.read_result(d) is None for d in run_dirs):
+    # train side by side first; the loop below reads each recorded result
     runs.fill_teacher_cache(todo[0][4], workdir, log)
-    runs.run_many([(t[4], d) for t, d in zip(todo, run_dirs, strict=True)], workers, log)
+    try:
+      runs.run_many([(t[4], d) for t, d in zip(todo, run_dirs, strict=True)], workers, log)
+    except Exception as e:  # noqa: BLE001 - re-raised below, once the report is written
+      failed = e
   meta = {
     "steps": config.run.train.steps,
     "eval_size": config.run.data.eval_size,
@@ -359,6 +365,8 @@ def run_comparison(
   for i, ((method, name, spec, seed, run_config), run_dir) in enumerate(
     zip(todo, run_dirs, strict=True)
   ):
+    if failed is not None and runs.read_result(run_dir) is None:
+      continue  # not trained: reported as missing by its absence
     log(f"[{i + 1}/{len(todo)}] {method} on {name}, seed {seed} -> {run_dir}")
     result = runs.run_once(run_config, run_dir, log)
     rows.append(run_row(method, name, spec, run_dir, result, seed))
@@ -370,6 +378,8 @@ def run_comparison(
       f"mismatch/kl {r['mismatch_kl_mean']:.2e}, grad-norm mean {r['grad_norm_mean']:.3g} "
       f"max {r['grad_norm_max']:.3g}"
     )
+  if failed is not None:
+    raise failed
   cells = report["cells"]
   log(summary_table(cells) if any(len(c["seeds"]) > 1 for c in cells) else report["table_markdown"])
   log(f"wrote {os.path.join(workdir, REPORT_NAME)}.{{md,json,png}}")

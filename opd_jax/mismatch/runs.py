@@ -141,8 +141,14 @@ def fill_teacher_cache(config: ml_collections.ConfigDict, workdir: str, log: Cal
   trainer.warm_started_student(config, setup, log, setup.cache_dir or None)
 
 
-def _train_in_child(config_dict: dict, run_dir: str) -> dict:
-  """`run_once` in a worker process, its log in `run_dir/TRAIN_LOG`."""
+def _train_in_child(config_dict: dict, run_dir: str, compilation_cache: str | None) -> dict:
+  """`run_once` in a worker process, its log in `run_dir/TRAIN_LOG`, with the parent's
+  persistent compilation cache (a `jax.config` setting, which a spawned process does not
+  inherit)."""
+  if compilation_cache:
+    from opd_jax.mismatch import admission
+
+    admission.enable_compilation_cache(compilation_cache)
   os.makedirs(run_dir, exist_ok=True)
   with open(os.path.join(run_dir, TRAIN_LOG), "a", encoding="utf-8") as f:
 
@@ -150,6 +156,17 @@ def _train_in_child(config_dict: dict, run_dir: str) -> dict:
       print(*args, **kwargs, file=f, flush=True)
 
     return run_once(ml_collections.ConfigDict(config_dict), run_dir, log)
+
+
+def check_workers(workers) -> int:
+  """`workers` when it is an int >= 1 (not a bool).
+
+  Raises:
+    ValueError: anything else, named.
+  """
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise ValueError(f"workers={workers!r} must be an int >= 1")
+  return workers
 
 
 def run_many(
@@ -160,19 +177,22 @@ def run_many(
 
   With one worker every job trains in this process, in order. With more, each job whose result
   is not recorded yet trains in a spawned process of its own (a fresh JAX runtime: no device
-  state is shared or forked), logging to `run_dir/train.log`; a recorded one is read here. A
-  run's numbers do not depend on `workers`: its programs, data and seeds are the same, and on
-  CPU two runs side by side end at the accuracy one run alone reaches, to every digit
-  (`opd_jax.bench.parallel_runs` checks this beside the time it saves).
+  state is shared or forked; this process's persistent compilation cache, if set, is passed
+  on), logging to `run_dir/train.log`; a recorded one is read here. A run's numbers do not
+  depend on `workers`: its programs, data and seeds are the same, and on CPU two runs side by
+  side end at the accuracy one run alone reaches, to every digit (`opd_jax.bench.
+  parallel_runs` checks this beside the time it saves).
 
   Raises:
-    ValueError: `workers` < 1 or two jobs sharing a run directory, before anything trains.
+    ValueError: `workers` not an int >= 1 or two jobs sharing a run directory, before anything
+      trains.
     Any exception a job raises (`run_once`'s ValueError, a missing file, ...): the first one,
-      once the runs already started have finished (the queued ones do not start); every
-      finished run keeps its result, so a restart resumes from there.
+      once the runs already started have finished; no further job starts after it. Every
+      finished run keeps its result, so a restart resumes from there. (A worker process that
+      dies, e.g. out of memory, breaks the pool: the runs beside it stop too, and resume on
+      a restart from their last checkpoints.)
   """
-  if not isinstance(workers, int) or workers < 1:
-    raise ValueError(f"workers={workers!r} must be an int >= 1")
+  check_workers(workers)
   dirs = [os.path.abspath(d) for _, d in jobs]
   if len(set(dirs)) != len(dirs):
     twice = sorted({d for d in dirs if dirs.count(d) > 1})
@@ -181,6 +201,8 @@ def run_many(
   todo = []
   for i, (config, run_dir) in enumerate(jobs):
     if workers == 1 or read_result(run_dir) is not None:
+      if workers == 1:
+        log(f"[{i + 1}/{len(jobs)}] {run_dir}")
       results[i] = run_once(config, run_dir, log)  # trains here, or checks and reads the record
     else:
       todo.append(i)
@@ -192,37 +214,41 @@ def run_many(
 
 
 def _run_in_processes(jobs, workers: int, log: Callable) -> list[dict]:
-  """Each job in a spawned process, `workers` at a time (run_many)."""
+  """Each job in a spawned process, `workers` at a time (run_many): a job is submitted only
+  when a worker is free, so none starts after a failure."""
+  import jax  # the parent's compilation cache setting
+
+  cache = jax.config.jax_compilation_cache_dir
   context = multiprocessing.get_context("spawn")
   out: list[dict | None] = [None] * len(jobs)
   error: BaseException | None = None
-  start = time.time()
+  start, width = time.time(), min(workers, len(jobs))
+  queue = list(range(len(jobs)))
+  log(f"{len(jobs)} runs, {width} at a time (each logs to <run>/{TRAIN_LOG})")
   with concurrent.futures.ProcessPoolExecutor(
-    max_workers=min(workers, len(jobs)), mp_context=context, max_tasks_per_child=1
+    max_workers=width, mp_context=context, max_tasks_per_child=1
   ) as pool:
-    futures = {}
-    for i, (config, run_dir) in enumerate(jobs):
-      futures[pool.submit(_train_in_child, config.to_dict(), run_dir)] = i
-    log(f"{len(jobs)} runs, {min(workers, len(jobs))} at a time (each logs to <run>/{TRAIN_LOG})")
-    for future in concurrent.futures.as_completed(futures):
-      i = futures[future]
-      run_dir = jobs[i][1]
-      if future.cancelled():  # queued behind a failed job
-        continue
-      try:
-        out[i] = future.result()
-      except BaseException as e:  # noqa: BLE001 - re-raised below, after the running ones end
-        if error is None:
-          error = e
-          for other in futures:
-            other.cancel()  # the queued ones; the running ones finish
-        log(f"{run_dir}: failed: {e!r}")
-        continue
-      done = sum(r is not None for r in out)
-      log(
-        f"[{done}/{len(jobs)}] {run_dir}: accuracy {out[i]['student_accuracy_after']:.3f} "
-        f"({out[i]['wall_seconds']:.0f} s; {time.time() - start:.0f} s since the first started)"
-      )
+    running: dict[concurrent.futures.Future, int] = {}
+    while running or (queue and error is None):
+      while queue and error is None and len(running) < width:
+        i = queue.pop(0)
+        config, run_dir = jobs[i]
+        running[pool.submit(_train_in_child, config.to_dict(), run_dir, cache)] = i
+      finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in finished:
+        i = running.pop(future)
+        run_dir = jobs[i][1]
+        try:
+          out[i] = future.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the running ones end
+          error = error or e
+          log(f"{run_dir}: failed: {e!r}")
+          continue
+        done = sum(r is not None for r in out)
+        log(
+          f"[{done}/{len(jobs)}] {run_dir}: accuracy {out[i]['student_accuracy_after']:.3f} "
+          f"({out[i]['wall_seconds']:.0f} s; {time.time() - start:.0f} s since the first started)"
+        )
   if error is not None:
     raise error
   return out

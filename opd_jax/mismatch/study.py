@@ -457,7 +457,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
 
 
 def _workers(config) -> int:
-  return int(config.get("workers", 1))
+  return runs.check_workers(config.get("workers", 1))
 
 
 def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
@@ -469,6 +469,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   config_check.validate(config.run)
   settings = study_settings(config)
   extra, _, every = rerun_plan(config)  # checked before anything trains
+  workers = _workers(config)
   probe_dir = run_probe(config, settings, workdir, log)
   measured, fingerprint = measure_settings(config, settings, probe_dir, workdir, log)
 
@@ -481,7 +482,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   ]
   for i, s in enumerate(settings):
     log(f"setting {i + 1}/{len(settings)}: {s.role} {s.name}: {s.spec}")
-  trained = runs.run_many(jobs, _workers(config), log)
+  trained = runs.run_many(jobs, workers, log)
   results = {s.name: r for s, r in zip(settings, trained[: len(settings)], strict=True)}
   reference = [results[s.name]["student_accuracy_after"] for s in settings if s.role == REFERENCE]
   floor = noise_floor(reference, config.run.data.eval_size)

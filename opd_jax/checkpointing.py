@@ -47,10 +47,17 @@ def absolute(path: str | os.PathLike) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
+@jax.jit
+def _leaves_finite(leaves) -> jax.Array:
+  """∧_leaf ∧_i isfinite(leaf_i): one program for the whole state, not two dispatches and a
+  host round trip per leaf (0.75 s a save for the study's 146-leaf state on 2 CPU cores)."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
 def all_finite(tree) -> bool:
   """True when every floating leaf of `tree` is finite."""
   leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-  return bool(all(jnp.all(jnp.isfinite(x)) for x in leaves))
+  return bool(_leaves_finite(leaves)) if leaves else True
 
 
 class _ReadOnlyNotice(logging.Filter):

@@ -152,7 +152,7 @@ def _to_mesh(tree, mesh):
   if all(getattr(x, "sharding", None) is not None for x in leaves) and all(
     x.sharding.device_set <= mesh_devices for x in leaves
   ):
-    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+    return sharding.relayout(tree, shardings)
   return jax.device_put(tree, shardings)
 
 
@@ -186,8 +186,8 @@ def sparse_teacher(params, rollout: Rollout, cfg: ModelConfig, mesh, top_k: int,
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
   """Lays the rollout out for the train step: batch over (data, fsdp), scalars replicated.
 
-  On the trainer's own devices this is a jitted reshard; from an engine on other
-  devices it is a transfer (`device_put`).
+  On the trainer's own devices this is a jitted reshard (`sharding.relayout`, compiled once);
+  from an engine on other devices it is a transfer (`device_put`).
   """
   shardings = jax.tree.map(
     lambda x: sharding.batch_sharding(mesh, x.ndim) if x.ndim else sharding.replicated(mesh),
@@ -195,7 +195,7 @@ def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
   )
   mesh_devices = set(mesh.devices.flat)
   if all(x.sharding.device_set <= mesh_devices for x in jax.tree.leaves(rollout)):
-    return jax.jit(lambda r: r, out_shardings=shardings)(rollout)
+    return sharding.relayout(rollout, shardings)
   return jax.device_put(rollout, shardings)
 
 

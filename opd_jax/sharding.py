@@ -29,6 +29,7 @@ model shape gets a valid (if less split) layout.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -378,6 +379,23 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
 def replicated(mesh) -> NamedSharding:
   """Sharding that keeps a full copy on every device (RNG keys, scalars)."""
   return NamedSharding(mesh, P())
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_jit(treedef, leaf_shardings: tuple):
+  return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, leaf_shardings))
+
+
+def relayout(tree, shardings):
+  """`tree` laid out as `shardings` (a matching pytree of `Sharding`s) by a jitted identity,
+  for arrays already on the shardings' devices.
+
+  The identity program is built once per layout and compiled once per input shape, so a
+  loop that relayouts every step (each rollout onto the train mesh) compiles it once,
+  not once per call.
+  """
+  leaves, treedef = jax.tree.flatten(shardings)
+  return _identity_jit(treedef, tuple(leaves))(tree)
 
 
 def tree_shardings(abstract_tree, mesh, rules: Rules = DEFAULT_RULES):

@@ -1,14 +1,16 @@
 """Entry point: the mismatch study.
 
     python -m opd_jax.study --config=configs/study.py[:tiny] [--config.<key>=<value> ...]
-        [--workdir=DIR]
+        [--workdir=DIR] [--compilation-cache=DIR]
 
 Calibrates the mismatch budget on the embedded task (a probe run, the admission check's
 measurement of every setting, one OPD run per setting, the isotonic fit at a tolerance above
 the seed-to-seed noise floor), validates the admission check on held-out settings (confusion
 table), and writes `study.json`, `report.md`, `budget.json` and PNG plots into the workdir. A
-restarted study reuses every finished run and measurement. The logic is
-`opd_jax.mismatch.study.run_study`.
+restarted study reuses every finished run and measurement. The runs and measurements keep their
+compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the first
+of its kind loads the sampler, train step and evaluation instead of compiling them (the same
+programs, so the same numbers). The logic is `opd_jax.mismatch.study.run_study`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from absl import app, flags, logging
 
 from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
 
+_COMPILATION_CACHE = flags.DEFINE_string(
+  "compilation-cache", None, "Persistent XLA compilation cache; default <workdir>/jax_cache."
+)
+
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  from opd_jax.mismatch import study
+  from opd_jax.mismatch import admission, study
 
+  admission.compilation_cache_flag(_COMPILATION_CACHE.value, main_cli._WORKDIR.value)
   try:
     study.run_study(main_cli._CONFIG.value, main_cli._WORKDIR.value, print)
   except (ValueError, FileNotFoundError) as e:

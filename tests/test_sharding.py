@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from _sharded_forward_check import CFG  # the model the subprocess check uses
@@ -270,3 +271,31 @@ def test_the_params_alone_shard_as_the_train_states_params():
   state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
   for mesh in (abstract_mesh(1, 8, 1), abstract_mesh(2, 2, 2)):
     assert specs(params, mesh) == specs(state, mesh).params
+
+
+def test_relayout_compiles_once_per_layout():
+  """A loop that relayouts every step (each rollout onto the train mesh) with fresh but equal
+  shardings compiles the identity once, not once per call."""
+  compiles = []
+
+  def listen(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  def step(i):
+    mesh = sharding.make_mesh((1, -1, 1))
+    tree = {"tokens_bt": jax.device_put(np.full((4, 3), i, np.int32)), "n": jnp.int32(i)}
+    layout = {"tokens_bt": sharding.batch_sharding(mesh, 2), "n": sharding.replicated(mesh)}
+    return sharding.relayout(tree, layout), layout
+
+  step(0)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    outs = [step(i) for i in range(1, 4)]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  for i, (out, layout) in enumerate(outs, start=1):
+    assert out["tokens_bt"].sharding == layout["tokens_bt"]
+    np.testing.assert_array_equal(np.asarray(out["tokens_bt"]), np.full((4, 3), i))
+    assert int(out["n"]) == i

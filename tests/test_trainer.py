@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -421,3 +422,20 @@ def test_sigterm_stops_an_async_run_with_a_checkpoint_that_resumes(teacher_cache
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {stopped}" in resumed.stdout
   assert max(metrics_writer.read_jsonl(workdir)) == 60
+
+
+def test_all_finite_finds_one_bad_entry_in_any_floating_leaf():
+  """The checkpoint guard's check: every floating leaf (f32, bf16, fp8), integer leaves skipped."""
+  import ml_dtypes
+
+  tree = {
+    "w": jnp.ones((4, 3)),
+    "b": jnp.ones((3,), jnp.bfloat16),
+    "q": jnp.ones((2, 2), ml_dtypes.float8_e4m3fn),
+    "count": jnp.int32(7),
+  }
+  assert checkpointing.all_finite(tree)
+  assert checkpointing.all_finite({"count": jnp.int32(7)})
+  assert not checkpointing.all_finite({**tree, "w": tree["w"].at[2, 1].set(jnp.nan)})
+  assert not checkpointing.all_finite({**tree, "b": tree["b"].at[0].set(-jnp.inf)})
+  assert not checkpointing.all_finite({**tree, "q": tree["q"].at[1, 0].set(jnp.nan)})

@@ -126,9 +126,10 @@ before any of its runs trained:
   everything would also have scored 11/12. Over the four rounds: 40/51 = 78.4 %.
 
 Cost and resolution. A run is `run.train.steps` = 500 OPD steps (half the default budget, with the
-learning-rate schedule compressed to it) and 512 held-out prompts: 70-130 s each on 2 CPU cores. The
-default's 44 runs take about 90 minutes (two-run labels rather than round 4's three keep it there: a
-third run of each held-out setting would add about 25 minutes). `:rounds`' 71 settings (5 reference,
+learning-rate schedule compressed to it) and 512 held-out prompts: 110-130 s each on 2 CPU cores
+alone, 216-259 s for two side by side. The default from scratch, with the cached teacher and two
+workers, took 91.3 minutes end to end (two-run labels rather than round 4's three keep it there:
+a third run of each held-out setting would add about 25 minutes). `:rounds`' 71 settings (5 reference,
 54 calibration, 12 held-out) and their 54 re-runs (2 for each held-out setting and for 15
 calibration settings whose drop was within one seed-sd of τ) took 258 min of run wall time;
 `borderline_seeds=()` skips the re-runs. Halving the step budget means that a source which only
@@ -367,6 +368,7 @@ def get_config(arg=None):
   c.sensitivity = True  # also run the layer-sensitivity scan at the probe's student
   # Runs trained side by side, each in a process of its own (`runs.run_many`), with the same
   # numbers as one at a time: 1.18x sooner on 2 cores (one run keeps 1.6 busy); more on more.
+  # Their compiled programs come from <workdir>/jax_cache after the first run of each kind.
   c.workers = 2
   # A run whose drop is within one seed-sd of τ is trained again with these seeds (one run
   # cannot tell kept from degraded there): a held-out setting is labelled by the mean of its

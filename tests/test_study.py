@@ -322,6 +322,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     "check_vs_training.png",
   ):
     assert (workdir / name).exists(), name
+  assert any((workdir / "jax_cache").iterdir())  # compiled programs kept for the runs after
   result = json.loads((workdir / "study.json").read_text())
   config = study_config.get_config("tiny")
   names = {r["name"] for r in result["rows"]}

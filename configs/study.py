@@ -129,8 +129,8 @@ Cost and resolution. A run is `run.train.steps` = 500 OPD steps (half the defaul
 learning-rate schedule compressed to it) and 512 held-out prompts: 110-130 s each on 2 CPU cores
 alone, 216-259 s for two side by side. The default from scratch, with the cached teacher and two
 workers, took 91.3 minutes end to end (two-run labels rather than round 4's three keep it there:
-a third run of each held-out setting would add about 25 minutes). `:rounds`' 71 settings (5 reference,
-54 calibration, 12 held-out) and their 54 re-runs (2 for each held-out setting and for 15
+a third run of each held-out setting would add about 25 minutes). `:rounds`' 71 settings (5
+reference, 54 calibration, 12 held-out) and their 54 re-runs (2 for each held-out setting and for 15
 calibration settings whose drop was within one seed-sd of τ) took 258 min of run wall time;
 `borderline_seeds=()` skips the re-runs. Halving the step budget means that a source which only
 slows training shows up as a quality drop here but might catch up in 1,000 steps; 512 held-out

@@ -146,14 +146,7 @@ def rollout_mesh(config, train_mesh):
 
 def _to_mesh(tree, mesh):
   """`tree` laid out on `mesh` with the training rules (a no-op when it already is)."""
-  shardings = sharding.tree_shardings(tree, mesh)
-  leaves = jax.tree.leaves(tree)
-  mesh_devices = set(mesh.devices.flat)
-  if all(getattr(x, "sharding", None) is not None for x in leaves) and all(
-    x.sharding.device_set <= mesh_devices for x in leaves
-  ):
-    return sharding.relayout(tree, shardings)
-  return jax.device_put(tree, shardings)
+  return sharding.relayout(tree, sharding.tree_shardings(tree, mesh))
 
 
 def _rewards(rollout: Rollout, tokenizer) -> jax.Array:
@@ -186,17 +179,14 @@ def sparse_teacher(params, rollout: Rollout, cfg: ModelConfig, mesh, top_k: int,
 def _shard_rollout(rollout: Rollout, mesh) -> Rollout:
   """Lays the rollout out for the train step: batch over (data, fsdp), scalars replicated.
 
-  On the trainer's own devices this is a jitted reshard (`sharding.relayout`, compiled once);
-  from an engine on other devices it is a transfer (`device_put`).
+  On the trainer's own devices this is a jitted reshard, compiled once; from an engine on
+  other devices it is a transfer (`sharding.relayout`).
   """
   shardings = jax.tree.map(
     lambda x: sharding.batch_sharding(mesh, x.ndim) if x.ndim else sharding.replicated(mesh),
     rollout,
   )
-  mesh_devices = set(mesh.devices.flat)
-  if all(x.sharding.device_set <= mesh_devices for x in jax.tree.leaves(rollout)):
-    return sharding.relayout(rollout, shardings)
-  return jax.device_put(rollout, shardings)
+  return sharding.relayout(rollout, shardings)
 
 
 class RolloutEngine:

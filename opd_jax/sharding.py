@@ -387,15 +387,21 @@ def _identity_jit(treedef, leaf_shardings: tuple):
 
 
 def relayout(tree, shardings):
-  """`tree` laid out as `shardings` (a matching pytree of `Sharding`s) by a jitted identity,
-  for arrays already on the shardings' devices.
+  """`tree` laid out as `shardings` (a matching pytree of `Sharding`s).
 
-  The identity program is built once per layout and compiled once per input shape, so a
-  loop that relayouts every step (each rollout onto the train mesh) compiles it once,
-  not once per call.
+  Arrays already on the shardings' devices go through a jitted identity, built once per layout
+  and compiled once per input shape, so a loop that relayouts every step (each rollout onto
+  the train mesh) compiles it once, not once per call. Anything else (host arrays, arrays on
+  other devices) is a transfer (`jax.device_put`).
   """
   leaves, treedef = jax.tree.flatten(shardings)
-  return _identity_jit(treedef, tuple(leaves))(tree)
+  devices = set().union(*(s.device_set for s in leaves))
+  if all(
+    getattr(x, "sharding", None) is not None and x.sharding.device_set <= devices
+    for x in jax.tree.leaves(tree)
+  ):
+    return _identity_jit(treedef, tuple(leaves))(tree)
+  return jax.device_put(tree, shardings)
 
 
 def tree_shardings(abstract_tree, mesh, rules: Rules = DEFAULT_RULES):

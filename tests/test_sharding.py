@@ -299,3 +299,8 @@ def test_relayout_compiles_once_per_layout():
     assert out["tokens_bt"].sharding == layout["tokens_bt"]
     np.testing.assert_array_equal(np.asarray(out["tokens_bt"]), np.full((4, 3), i))
     assert int(out["n"]) == i
+  mesh = sharding.make_mesh((1, -1, 1))
+  on_host = {"x_b": sharding.batch_sharding(mesh, 1)}
+  host = sharding.relayout({"x_b": np.arange(4)}, on_host)  # a host array: transferred
+  assert host["x_b"].sharding == on_host["x_b"]
+  np.testing.assert_array_equal(np.asarray(host["x_b"]), np.arange(4))

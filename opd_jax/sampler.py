@@ -552,8 +552,34 @@ def engine_label(params, cfg: SamplerConfig) -> str:
   )
 
 
-def _prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh):
-  """Validates, pads and places the inputs; returns (core args, core kwargs, B)."""
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """The static half of a prepared sampling call (`prepare`): hashable, a jit static argument.
+
+  Attributes:
+    cfg: the sampler settings, with the KV spec filled in (the params' dtype when None).
+    model_cfg: the model config.
+    cache_len: S, the KV-cache slots per sequence.
+    batch: B, the caller's rows; the arrays may hold more (padding rows that start finished).
+    mesh: the mesh the batch is split over, or None.
+  """
+
+  cfg: SamplerConfig
+  model_cfg: ModelConfig
+  cache_len: int
+  batch: int
+  mesh: jax.sharding.Mesh | None = None
+
+
+def prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh=None):
+  """Validates, pads and places the prompts on the host, as `sample` does before decoding.
+  Of `params` (arrays or `jax.ShapeDtypeStruct`s) only the compute dtype is read.
+
+  Returns:
+    ((tokens [B', P'], lens [B'], live [B']), Prepared): B' ≥ B is the padded batch (the next
+    power of two, or a multiple of data·fsdp with a mesh), P' the prompt bucket. Pass both to
+    `sample_prepared`, which can run inside a caller's jit.
+  """
   if not isinstance(cfg, SamplerConfig):
     raise ValueError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
   dtype = jnp.dtype(model.compute_dtype(params)).name
@@ -588,15 +614,20 @@ def _prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh):
   inputs = [tokens, lens, live]
   if mesh is not None:  # each device gets only its rows
     inputs = [sharding.place_rows(x, mesh) for x in inputs]
-  static = {"cfg": cfg, "model_cfg": model_cfg, "cache_len": cache_len, "mesh": mesh}
-  return inputs, static, batch
+  return tuple(inputs), Prepared(cfg, model_cfg, cache_len, batch, mesh)
+
+
+def _core_static(prepared: Prepared) -> dict:
+  """`_sample_core`'s static arguments."""
+  p = prepared
+  return {"cfg": p.cfg, "model_cfg": p.model_cfg, "cache_len": p.cache_len, "mesh": p.mesh}
 
 
 def sample_program(params, prompts, rng, cfg: SamplerConfig, model_cfg: ModelConfig, mesh=None):
   """The jitted sampler core lowered for these inputs (`.compile().as_text()` is its HLO),
   exactly as `sample` would run it."""
-  (tokens, lens, live), static, _ = _prepare(params, prompts, cfg, model_cfg, mesh)
-  return _sample_core.lower(params, tokens, lens, live, rng, **static)
+  (tokens, lens, live), prepared = prepare(params, prompts, cfg, model_cfg, mesh)
+  return _sample_core.lower(params, tokens, lens, live, rng, **_core_static(prepared))
 
 
 def sample(
@@ -634,11 +665,40 @@ def sample(
     to a multiple of data·fsdp (the extra rows have lens 1 and mask 0) and every [B, ...]
     array is split over the batch axes.
   """
-  (tokens, lens, live), static, batch = _prepare(params, prompts, cfg, model_cfg, mesh)
+  inputs, prepared = prepare(params, prompts, cfg, model_cfg, mesh)
   if engine_id is None:
     engine_id = engine_label(params, cfg)
-  out = _sample_core(params, tokens, lens, live, rng, **static)
-  padded_batch = tokens.shape[0]
+  return sample_prepared(params, *inputs, rng, prepared, weight_version, engine_id)
+
+
+def sample_prepared(
+  params,
+  tokens_bp,
+  lens_b,
+  live_b,
+  rng,
+  prepared: Prepared,
+  weight_version: int = 0,
+  engine_id: str = "",
+) -> Rollout:
+  """`sample` on inputs from `prepare`. Traceable: a caller can jit all of it, the decode and
+  the rollout's assembly, and compile it from shapes before any weights exist
+  (`mismatch.measure.start_compiling`).
+
+  Args:
+    params: as `sample`'s.
+    tokens_bp, lens_b, live_b: the arrays `prepare` returned (or tracers of them).
+    rng: a PRNG key; step i uses fold_in(rng, i).
+    prepared: the `Prepared` that came with them.
+    weight_version: the version tag of `params`, stored in the rollout.
+    engine_id: stored in the rollout.
+
+  Returns:
+    The `Rollout` `sample` returns.
+  """
+  mesh, batch = prepared.mesh, prepared.batch
+  out = _sample_core(params, tokens_bp, lens_b, live_b, rng, **_core_static(prepared))
+  padded_batch = tokens_bp.shape[0]
 
   def rows(x):
     return x if padded_batch == batch or mesh is not None else x[:batch]
@@ -654,8 +714,8 @@ def sample(
     return x if isinstance(x, jax.Array) else jax.device_put(x)
 
   return Rollout(
-    prompt_tokens=rows(on_device(tokens)),
-    prompt_lens=rows(on_device(lens)),
+    prompt_tokens=rows(on_device(tokens_bp)),
+    prompt_lens=rows(on_device(lens_b)),
     completion_tokens=rows(out["tokens"]),
     completion_mask=rows(out["mask"]),
     behaviour_logprobs=rows(out["behaviour_lp"]),

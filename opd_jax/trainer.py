@@ -41,7 +41,6 @@ from jax.experimental import multihost_utils
 
 from opd_jax import (
   build,
-  checkpointing,
   config_check,
   data,
   engine,
@@ -524,6 +523,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
   abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
   state_shardings = sharding.tree_shardings(abstract, m.mesh)
+  # orbax is imported by the loop that saves: the admission check and the export import this
+  # module for its setup and load it only when they restore, so that a check can import it
+  # while it compiles (`admission.run_admission`).
+  from opd_jax import checkpointing
+
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
   writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
   try:

@@ -9,6 +9,7 @@ reads (f32 rounding, < 1e-6) and far below what weight noise σ = 1 reads on the
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import re
@@ -343,3 +344,16 @@ def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path)
   assert proc.returncode == 1
   assert "error: candidate 'rollout.wieghts=fp8'" in proc.stderr
   assert "did you mean 'rollout.weights'?" in proc.stderr
+
+
+def test_importing_the_check_leaves_orbax_for_the_restore():
+  """orbax (with tensorstore, most of a second) is imported by `RunHistory.params`, where a
+  check restores while its programs compile; importing the check must not load it first."""
+  code = "import sys, opd_jax.admit; print(sorted({m.split('.')[0] for m in sys.modules}))"
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr
+  loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
+  assert "jax" in loaded
+  assert not loaded & {"orbax", "tensorstore"}

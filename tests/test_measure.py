@@ -26,7 +26,7 @@ EXACT = engine.EngineConfig(kv=F32_KV)
 FP8 = engine.EngineConfig(weights="fp8", kv=F32_KV)
 NOISE = engine.EngineConfig(noise_sigma=0.1, kv=F32_KV)
 SCFG = SamplerConfig(max_new_tokens=12)
-TIMING_KEYS = ("measure/sample_seconds", "measure/score_seconds", "measure/seconds")
+TIMING_KEYS = ("measure/compile_seconds", "measure/run_seconds", "measure/seconds")
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,51 @@ def test_per_token_kl_matches_the_mean_and_tail(params):
 def test_stale_trainer_params_read_above_zero(params):
   newer = jax.tree.map(lambda w: w * 1.05, params)
   assert _measure(params, EXACT, trainer_params=newer)["mismatch/kl"] > 1e-4
+
+
+@pytest.mark.parametrize("engine_cfg", [FP8, NOISE], ids=["fp8", "noise"])
+def test_measure_equals_the_rollout_scored_separately(params, engine_cfg):
+  """`measure`'s three compiled programs give what the plain path gives: the engine's rollout
+  from `sampler.sample` (`engine_rollout`), scored by `score_rollout`."""
+  rng = jax.random.key(3)
+  m = measure_lib.measure(params, CFG, engine_cfg, PROMPTS, rng, SCFG, return_per_token=True)
+  rollout = measure_lib.engine_rollout(params, CFG, engine_cfg, PROMPTS, rng, SCFG)
+  metrics, kl_bc = measure_lib.score_rollout(
+    params, rollout.replace(engine_id=""), CFG, SCFG.temperature
+  )
+  mask_bc = np.asarray(rollout.completion_mask) > 0
+  assert m["measure/tokens"] == mask_bc.sum()
+  for name, value in metrics.items():
+    np.testing.assert_allclose(m[name], float(value), rtol=1e-6, atol=1e-9, err_msg=name)
+  np.testing.assert_allclose(m[measure_lib.PER_TOKEN_KEY], np.asarray(kl_bc)[mask_bc], rtol=1e-6)
+
+
+def test_programs_compiled_from_shapes_serve_the_measurement(params):
+  """`start_compiling` on the params' shapes compiles everything `measure` then runs on the
+  arrays: the measurement itself compiles nothing, and its result is the usual one."""
+  scfg = SamplerConfig(max_new_tokens=7)  # programs no other test compiles
+  shapes = jax.eval_shape(lambda p: p, params)
+  stale = jax.tree.map(lambda w: w * 1.01, params)
+  programs, inputs = measure_lib.start_compiling(
+    shapes, CFG, FP8, PROMPTS, jax.random.key(5), scfg, trainer_params=shapes
+  ).result()
+  assert len(programs) == 3 and all(isinstance(p, jax.stages.Compiled) for p in programs)
+  assert inputs[0].shape == (4, 16)  # 4 prompts, padded to the smallest prompt bucket
+  compiles = []
+
+  def listen(event, seconds, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(kw.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    m = measure_lib.measure(
+      params, CFG, FP8, PROMPTS, jax.random.key(5), scfg, trainer_params=stale
+    )
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  assert m["measure/tokens"] == 4 * 7 and m["mismatch/kl"] > 1e-5
 
 
 def test_bad_arguments_are_named(params):

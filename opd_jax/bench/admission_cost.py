@@ -19,10 +19,11 @@ two states:
         `<workdir>/student_cache`; what every later check of that config costs (the study's
         records, re-checks, other candidates of the same KV format).
 
-The check's own JSON splits the time into setup (models, cached teacher, the student; imports
-excluded) and the measurement. The student is `--student`: "run" restores the run's latest
-checkpoint (`--params-from`), "initial" warm-starts the built-in student as a run does (250
-supervised steps on the default config). The budget is a placeholder fitted on hand-made
+The check's own JSON splits the time into setup (models, cached teacher, the student and, with
+--params-from, the compiles that run beside its restore; imports excluded) and the measurement.
+The student is `--student`: "run" restores the run's latest checkpoint (`--params-from`),
+"initial" warm-starts the built-in student as a run does (250 supervised steps on the default
+config). The budget is a placeholder fitted on hand-made
 records with an empty fingerprint and checked with `--force`: the verdict does not change the
 cost.
 

@@ -61,10 +61,13 @@ along training, which the ratio shows.
 
 Cost. A check is mostly XLA compilation. The command compiles without backend optimisation
 (`fast_compilation`: a third of the optimised compile time, the same KLs to ~1e-6 relative),
-compiles the scorer while the sampler decodes (`measure.measure`), and keeps its compiled
-programs in `<workdir>/jax_cache` (`enable_compilation_cache`), so only the first check of a
-config on a machine compiles. `python -m opd_jax.bench.admission_cost` reports both, as
-fractions of a training run of the same config.
+and keeps its compiled programs in `<workdir>/jax_cache` (`enable_compilation_cache`), so only
+the first check of a config on a machine compiles. The compiles run beside the Python work:
+each candidate's three programs are traced from the student's shapes and compiled on worker
+threads (`measure.start_compiling`) while this thread traces the next one and then reads the
+--params-from checkpoint (orbax is imported only then, `RunHistory.params`); XLA holds no
+Python lock while it compiles. `python -m opd_jax.bench.admission_cost` reports the cost of a
+first and a later check as fractions of a training run of the same config.
 
 Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
 (the params the check scores with), the teacher, the quantization format, the backend and the
@@ -95,7 +98,6 @@ from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
 from opd_jax import (
-  checkpointing,
   config_check,
   data,
   engine,
@@ -484,7 +486,8 @@ class RunHistory:
     m = setup.models
     abstract = jax.eval_shape(lambda p: p, m.student_params)
     shardings = sharding.tree_shardings(abstract, m.mesh)
-    self._target = jax.tree.map(
+    # The shapes, dtypes and shardings every restored step has.
+    self.abstract_params = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
 
@@ -497,9 +500,11 @@ class RunHistory:
     if step not in self._cache:
       if step not in self.steps:
         raise ValueError(f"{self.run_dir} has no checkpoint at step {step} (has {self.steps})")
+      from opd_jax import checkpointing  # orbax: imported when a check restores (run_admission)
+
       ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"), read_only=True)
       try:
-        params, extra = ckpt.restore_params(step, self._target)
+        params, extra = ckpt.restore_params(step, self.abstract_params)
       finally:
         ckpt.close()
       self.run_config = extra.get("config", {})
@@ -538,15 +543,33 @@ def measure_candidate(
   Returns:
     `measure.measure`'s dict: the mismatch/* floats, measure/* timings, engine_id.
   """
-  m = setup.models
   return measure_lib.measure(
+    *_measure_args(candidate, setup, prompts, student_params, behaviour_params),
+    trainer_params=student_params,
+  )
+
+
+def start_compiling(
+  candidate: Candidate, setup: trainer.Setup, prompts, student_params
+) -> measure_lib.Compiling:
+  """Starts compiling what `measure_candidate` runs for `candidate`
+  (`measure.start_compiling`), from the student's params or their shapes (a stale candidate's
+  behaviour params have the same shapes): `measure_candidate` then finds the programs in
+  memory."""
+  return measure_lib.start_compiling(
+    *_measure_args(candidate, setup, prompts, student_params), trainer_params=student_params
+  )
+
+
+def _measure_args(candidate, setup, prompts, student_params, behaviour_params=None) -> tuple:
+  """`measure.measure`'s positional arguments for a candidate."""
+  return (
     student_params if behaviour_params is None else behaviour_params,
-    m.student_cfg,
+    setup.models.student_cfg,
     candidate.engine_cfg,
     prompts,
     measurement_key(candidate.config),
     candidate_sampler_config(candidate, setup),
-    trainer_params=student_params,
   )
 
 
@@ -850,8 +873,9 @@ def run_admission(
 
   Returns:
     {"rows": [one `candidate_row` per candidate], "budget": {...}, "student": {...},
-     "num_prompts": N, "stale_budget_reasons": [...], "forced": bool, "seconds": {...},
-     "log_file": path}.
+     "num_prompts": N, "stale_budget_reasons": [...], "forced": bool, "seconds": {"setup":
+     models and student (with `params_from`, the candidates' compiles too: they run beside the
+     restore), "measure": one per candidate, "total"}, "log_file": path}.
 
   Raises:
     ValueError: a bad spec, a stale budget without `force`, a stale candidate without the
@@ -875,8 +899,17 @@ def run_admission(
   setup = trainer.prepare_models(config, workdir, log)
   history = RunHistory(config, setup, params_from) if params_from else None
   _refuse_unmeasurable(candidates, history)
+  m = setup.models
+  texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)
   if history is not None:
+    # The candidates' programs are traced from the student's shapes and compiled in the
+    # background while this thread reads the checkpoint (imports orbax, restores): Python and
+    # I/O beside XLA's compiles instead of before them.
+    prompts = (tokens_bp, lens_b)
+    compiling = [start_compiling(c, setup, prompts, history.abstract_params) for c in candidates]
     student_params, student_step = history.params(history.latest), history.latest
+    for job in compiling:
+      job.result()
     student = {"source": f"{params_from} checkpoint {student_step}", "step": student_step}
   else:
     cache = os.path.join(workdir, STUDENT_CACHE)
@@ -896,8 +929,6 @@ def run_admission(
   if stale:
     log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
 
-  m = setup.models
-  texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)
   rows, entries, measure_seconds = [], [], []
   for c in candidates:
     behaviour = history.params(student_step - c.lag) if c.lag else None

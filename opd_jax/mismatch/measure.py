@@ -25,10 +25,17 @@ and the same ε draws the noise of every σ.
 An engine identical to the trainer (weights="trainer", the trainer's KV dtype, the
 reference kernel) reads 0 on every metric up to the f32 rounding by which the cached
 decode differs from the uncached forward.
+
+Programs. `measure` runs three compiled programs, the engine transform with its keys
+(`engine_inputs`), the sampler (`sample_prepared`) and the scorer (`score_rollout`), which
+`start_compiling` traces one after the other and compiles on worker threads: a one-off check
+is mostly compilation, and this way XLA compiles beside the Python work instead of after it.
+`engine_rollout` is step 1 alone, through `sampler.sample`, for callers that want the rollout.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -57,6 +64,14 @@ def engine_keys(rng) -> tuple[jax.Array, jax.Array]:
 def engine_params(params, engine_cfg: engine.EngineConfig, rng):
   """`engine.engine_params` under jit (one compilation per engine configuration)."""
   return engine.engine_params(params, engine_cfg, rng)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def engine_inputs(params, engine_cfg: engine.EngineConfig, rng):
+  """(params_r = T(θ) drawn with the noise key, the sampling key): `engine_keys` and
+  `engine_params` as one program, one compilation per engine configuration."""
+  sample_key, noise_key = engine_keys(rng)
+  return engine.engine_params(params, engine_cfg, noise_key), sample_key
 
 
 def engine_sampler_config(
@@ -89,8 +104,7 @@ def engine_rollout(
   Returns:
     The Rollout, with the behaviour distribution and `engine_id = engine_cfg.engine_id`.
   """
-  sample_key, noise_key = engine_keys(rng)
-  params_r = engine_params(student_params, engine_cfg, noise_key)
+  params_r, sample_key = engine_inputs(student_params, engine_cfg, rng)
   cfg = engine_sampler_config(engine_cfg, sampler_cfg, student_cfg.real_vocab_size)
   return sampler.sample(
     params_r, prompts, sample_key, cfg, student_cfg, engine_id=engine_cfg.engine_id
@@ -131,6 +145,87 @@ def score_rollout(params, rollout: Rollout, cfg: ModelConfig, temperature: float
   return metrics, kl_bc
 
 
+# The sampler as one program from prepared inputs (`sampler.prepare`): the decode loop and the
+# rollout's assembly, so that its output shapes (the scorer's input) are known once it is traced.
+sample_prepared = jax.jit(
+  sampler.sample_prepared, static_argnames=("prepared", "weight_version", "engine_id")
+)
+
+
+# XLA compiles here, beside the Python work of the caller's thread (`start_compiling`).
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiling:
+  """The three programs of one measurement on their way (`start_compiling`).
+
+  Attributes:
+    engine, sampler, scorer: futures of `jax.stages.Compiled` programs, called with their array
+      arguments only: engine(student_params, rng) -> (params_r, sample_key),
+      sampler(params_r, *inputs, sample_key) -> Rollout, scorer(trainer_params, rollout) ->
+      (metrics, kl_bc).
+    inputs: the prepared prompt arrays (tokens [B', P'], lens [B'], live [B']).
+  """
+
+  engine: concurrent.futures.Future
+  sampler: concurrent.futures.Future
+  scorer: concurrent.futures.Future
+  inputs: tuple
+
+  def result(self) -> tuple:
+    """Waits for the compiles: ((engine, sampler, scorer), inputs)."""
+    return (self.engine.result(), self.sampler.result(), self.scorer.result()), self.inputs
+
+
+def start_compiling(
+  student_params,
+  student_cfg: ModelConfig,
+  engine_cfg: engine.EngineConfig,
+  prompts,
+  rng,
+  sampler_cfg: sampler.SamplerConfig,
+  *,
+  trainer_params=None,
+) -> Compiling:
+  """Starts compiling the three programs `measure` runs: the engine transform
+  (`engine_inputs`), the sampler (`sample_prepared`, on the prompts as `sampler.prepare` pads
+  them) and the scorer (`score_rollout`).
+
+  Each is traced and lowered on this thread (Python, under the GIL) from the shapes the one
+  before it returns, and compiled on a worker thread as soon as it is lowered. XLA compiles
+  without the GIL: the sampler compiles while the scorer is traced, and whatever the caller
+  does next (load its weights, trace the next candidate) runs beside the compiles instead of
+  taking turns with them. On a first check this is most of its time; once the programs are
+  cached (in memory, or in the persistent compilation cache) each step is a lookup.
+
+  The params may be arrays or their shapes (`jax.ShapeDtypeStruct`s with the arrays'
+  shardings), so a caller can compile before its weights are loaded; `measure` then finds the
+  programs in memory.
+
+  Args:
+    student_params, student_cfg, engine_cfg, prompts, rng, sampler_cfg, trainer_params: as
+      `measure`'s.
+
+  Returns:
+    A `Compiling`; its `result()` waits for the programs.
+  """
+  if trainer_params is None:
+    trainer_params = student_params
+  sampler_cfg = engine_sampler_config(engine_cfg, sampler_cfg, student_cfg.real_vocab_size)
+  engine_low = engine_inputs.trace(student_params, engine_cfg, rng).lower()
+  engine_prog = _COMPILER.submit(engine_low.compile)
+  params_r, sample_key = engine_low.out_info
+  inputs, prepared = sampler.prepare(params_r, prompts, sampler_cfg, student_cfg)
+  sample_low = sample_prepared.trace(params_r, *inputs, sample_key, prepared).lower()
+  sample_prog = _COMPILER.submit(sample_low.compile)
+  score_low = score_rollout.trace(
+    trainer_params, sample_low.out_info, student_cfg, sampler_cfg.temperature
+  ).lower()
+  score_prog = _COMPILER.submit(score_low.compile)
+  return Compiling(engine_prog, sample_prog, score_prog, inputs)
+
+
 def measure(
   student_params,
   student_cfg: ModelConfig,
@@ -167,9 +262,9 @@ def measure(
 
   Returns:
     A dict of Python floats: every `mismatch/*` metric, "measure/tokens" (N),
-    "measure/sample_seconds" (until the sampler is launched: its compilation on a first call),
-    "measure/score_seconds" (the rest: decoding, and the scorer's compilation beside it, then
-    scoring), "measure/seconds" (wall time), and "engine_id" (a str).
+    "measure/compile_seconds" (`start_compiling`: next to nothing once the programs are
+    cached), "measure/run_seconds" (the engine transform, decoding and scoring),
+    "measure/seconds" (wall time), and "engine_id" (a str).
   """
   if not isinstance(engine_cfg, engine.EngineConfig):
     raise ValueError(f"engine_cfg must be an engine.EngineConfig, got {type(engine_cfg).__name__}")
@@ -178,22 +273,27 @@ def measure(
   if trainer_params is None:
     trainer_params = student_params
   start = time.perf_counter()
-  rollout = engine_rollout(student_params, student_cfg, engine_cfg, prompts, rng, sampler_cfg)
-  dispatched = time.perf_counter()  # the sampler compiled and launched, not finished
-  # Scoring is dispatched before the samples are waited for, so that its compilation (on a
-  # first call) runs while the sampler decodes. engine_id is a static field: scoring without
-  # it compiles once for every engine.
-  metrics, kl_bc = score_rollout(
-    trainer_params, rollout.replace(engine_id=""), student_cfg, sampler_cfg.temperature
-  )
+  (engine_prog, sample_prog, score_prog), inputs = start_compiling(
+    student_params,
+    student_cfg,
+    engine_cfg,
+    prompts,
+    rng,
+    sampler_cfg,
+    trainer_params=trainer_params,
+  ).result()
+  compiled = time.perf_counter()
+  params_r, sample_key = engine_prog(student_params, rng)
+  rollout = sample_prog(params_r, *inputs, sample_key)
+  metrics, kl_bc = score_prog(trainer_params, rollout)
   mask_bc = np.asarray(rollout.completion_mask)
   metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
-  scored = time.perf_counter()
+  done = time.perf_counter()
   result = dict(metrics)
   result["measure/tokens"] = float(mask_bc.sum())
-  result["measure/sample_seconds"] = dispatched - start
-  result["measure/score_seconds"] = scored - dispatched
-  result["measure/seconds"] = scored - start
+  result["measure/compile_seconds"] = compiled - start
+  result["measure/run_seconds"] = done - compiled
+  result["measure/seconds"] = done - start
   result["engine_id"] = engine_cfg.engine_id
   if return_per_token:
     result[PER_TOKEN_KEY] = np.asarray(kl_bc)[mask_bc > 0]

@@ -37,11 +37,8 @@ _PARAMS_FROM = flags.DEFINE_string(
   "stale candidates). Default: the student a run starts from.",
 )
 _FORCE = flags.DEFINE_bool("force", False, "Check against a stale budget (reasons still shown).")
-_COMPILATION_CACHE = flags.DEFINE_string(
-  "compilation-cache",
-  None,
-  "Persistent XLA compilation cache (default <workdir>/jax_cache; empty = off): later checks "
-  "load the compiled programs instead of compiling them.",
+_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+  "later checks load the compiled programs instead of compiling them."
 )
 _FAST_COMPILE = flags.DEFINE_bool(
   "fast-compile",
@@ -62,8 +59,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   if _FAST_COMPILE.value:
     admission.fast_compilation()
-  admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
   try:
+    admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
     admission.run_admission(
       flags.FLAGS.config,
       _BUDGET.value,

@@ -102,6 +102,17 @@ def exit_multiprocess_error(error: Exception) -> None:
   os._exit(1)
 
 
+def define_compilation_cache_flag(what: str) -> flags.FlagHolder:
+  """Defines --compilation-cache for an entry point whose programs recur between invocations:
+  the directory of jax's persistent XLA compilation cache, default <workdir>/jax_cache, "" for
+  none (`admission.compilation_cache_flag` applies it). `what` says what the cache saves."""
+  return flags.DEFINE_string(
+    "compilation-cache",
+    None,
+    f"Persistent XLA compilation cache (default <workdir>/jax_cache; empty = off): {what}",
+  )
+
+
 def freeze_heap_for_exit() -> None:
   """Takes every live object out of the cyclic collector's reach; called when a command's work
   is done and its outputs are closed.

@@ -25,8 +25,8 @@ from opd_jax import main as main_cli  # defines --config (with overrides) and --
 from opd_jax.mismatch import admission, opd_vs_rl
 
 _JSON = flags.DEFINE_bool("json", False, "Also print the report JSON to stdout.")
-_COMPILATION_CACHE = flags.DEFINE_string(
-  "compilation-cache", None, "Persistent XLA compilation cache; default <workdir>/jax_cache."
+_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+  "every run after the first of its kind loads its programs instead of compiling them."
 )
 
 
@@ -35,9 +35,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
   log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if _JSON.value else print
   try:
+    admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
     report = opd_vs_rl.run_comparison(flags.FLAGS.config, flags.FLAGS.workdir, log=log)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")

@@ -21,8 +21,8 @@ from absl import app, flags, logging
 
 from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
 
-_COMPILATION_CACHE = flags.DEFINE_string(
-  "compilation-cache", None, "Persistent XLA compilation cache; default <workdir>/jax_cache."
+_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+  "every run and measurement after the first of its kind loads its programs."
 )
 
 
@@ -33,8 +33,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   from opd_jax.mismatch import admission, study
 
-  admission.compilation_cache_flag(_COMPILATION_CACHE.value, main_cli._WORKDIR.value)
   try:
+    admission.compilation_cache_flag(_COMPILATION_CACHE.value, main_cli._WORKDIR.value)
     study.run_study(main_cli._CONFIG.value, main_cli._WORKDIR.value, print)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")

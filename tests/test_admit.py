@@ -357,3 +357,27 @@ def test_importing_the_check_leaves_orbax_for_the_restore():
   loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
   assert "jax" in loaded
   assert not loaded & {"orbax", "tensorstore"}
+
+
+def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(ValueError, match=r"--compilation-cache '.*a_file/cache': cannot create it"):
+    admission.enable_compilation_cache(str(blocker / "cache"))
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "opd_jax.admit",
+      "--config=configs/bf16_sync.py:tiny",
+      f"--budget={budget_path}",
+      "--candidate=rollout.weights=fp8",
+      f"--compilation-cache={blocker / 'cache'}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 1
+  assert "error: --compilation-cache" in proc.stderr and "a_file/cache" in proc.stderr

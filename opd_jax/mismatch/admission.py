@@ -820,8 +820,23 @@ def enable_compilation_cache(directory: str) -> None:
   reference config took 60 s with an empty cache and 7 s with a filled one
   (`python -m opd_jax.bench.admission_cost` gives the cold and warm figures). Entries are keyed
   by the program, the jax version and the backend, so a stale entry is never used.
+
+  Raises:
+    ValueError: `directory` cannot be created or written (it names the directory and why).
   """
-  os.makedirs(directory, exist_ok=True)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    reason = e.strerror or str(e)
+    raise ValueError(
+      f"--compilation-cache {directory!r}: cannot create it ({reason}); pass a writable "
+      "directory, or --compilation-cache= (empty) to compile without a cache"
+    ) from e
+  if not os.access(directory, os.W_OK):
+    raise ValueError(
+      f"--compilation-cache {directory!r} is not writable; pass a writable directory, or "
+      "--compilation-cache= (empty) to compile without a cache"
+    )
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -346,9 +346,10 @@ def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path)
   assert "did you mean 'rollout.weights'?" in proc.stderr
 
 
-def test_importing_the_check_leaves_orbax_for_the_restore():
+def test_importing_the_check_leaves_out_what_it_does_not_run_first():
   """orbax (with tensorstore, most of a second) is imported by `RunHistory.params`, where a
-  check restores while its programs compile; importing the check must not load it first."""
+  check restores while its programs compile, and optax (0.3 s) only by a training step, which
+  a check never takes: importing the check must load neither."""
   code = "import sys, opd_jax.admit; print(sorted({m.split('.')[0] for m in sys.modules}))"
   proc = subprocess.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -356,7 +357,7 @@ def test_importing_the_check_leaves_orbax_for_the_restore():
   assert proc.returncode == 0, proc.stderr
   loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
   assert "jax" in loaded
-  assert not loaded & {"orbax", "tensorstore"}
+  assert not loaded & {"orbax", "tensorstore", "optax"}
 
 
 def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_path):

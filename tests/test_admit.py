@@ -326,21 +326,16 @@ def test_trained_with_compares_every_rollout_key_the_run_saved(config):
   assert admission.trained_with(admission.parse_candidate("rollout.top_p=0.9", config), run_config)
 
 
-def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "opd_jax.admit",
-      "--config=configs/bf16_sync.py:tiny",
-      f"--budget={budget_path}",
-      "--candidate=rollout.wieghts=fp8",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
+def _admit_command(budget_path, *args: str) -> subprocess.CompletedProcess:
+  """`python -m opd_jax.admit` on the tiny config with `args`."""
+  command = ["-m", "opd_jax.admit", "--config=configs/bf16_sync.py:tiny", f"--budget={budget_path}"]
+  return subprocess.run(
+    [sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
   )
+
+
+def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path):
+  proc = _admit_command(budget_path, "--candidate=rollout.wieghts=fp8")
   assert proc.returncode == 1
   assert "error: candidate 'rollout.wieghts=fp8'" in proc.stderr
   assert "did you mean 'rollout.weights'?" in proc.stderr
@@ -365,20 +360,8 @@ def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_pat
   blocker.write_text("")
   with pytest.raises(ValueError, match=r"--compilation-cache '.*a_file/cache': cannot create it"):
     admission.enable_compilation_cache(str(blocker / "cache"))
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "opd_jax.admit",
-      "--config=configs/bf16_sync.py:tiny",
-      f"--budget={budget_path}",
-      "--candidate=rollout.weights=fp8",
-      f"--compilation-cache={blocker / 'cache'}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
+  proc = _admit_command(
+    budget_path, "--candidate=rollout.weights=fp8", f"--compilation-cache={blocker / 'cache'}"
   )
   assert proc.returncode == 1
   assert "error: --compilation-cache" in proc.stderr and "a_file/cache" in proc.stderr

@@ -85,7 +85,7 @@ def test_teacher_forced_engine_reproduces_its_own_decode(params, granularity):
   kv = kvcache.KVCacheSpec("float8_e4m3fn", granularity)
   ecfg = engine.EngineConfig(weights="fp8", kv=kv)
   rollout = measure_lib.engine_rollout(params, CFG, ecfg, PROMPTS, jax.random.key(0), SCFG)
-  params_r = measure_lib.engine_params(params, ecfg, measure_lib.engine_keys(jax.random.key(0))[1])
+  params_r, _ = measure_lib.engine_inputs(params, ecfg, jax.random.key(0))
   logits = prefix_shift.engine_logits(params_r, rollout.replace(engine_id=""), CFG, kv, 1.0)
   lp = np.asarray(jax.nn.log_softmax(logits), np.float64)
   behaviour = np.asarray(rollout.topk_logprobs, np.float64)

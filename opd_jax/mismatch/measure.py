@@ -61,15 +61,9 @@ def engine_keys(rng) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def engine_params(params, engine_cfg: engine.EngineConfig, rng):
-  """`engine.engine_params` under jit (one compilation per engine configuration)."""
-  return engine.engine_params(params, engine_cfg, rng)
-
-
-@functools.partial(jax.jit, static_argnums=1)
 def engine_inputs(params, engine_cfg: engine.EngineConfig, rng):
   """(params_r = T(θ) drawn with the noise key, the sampling key): `engine_keys` and
-  `engine_params` as one program, one compilation per engine configuration."""
+  `engine.engine_params` as one program, one compilation per engine configuration."""
   sample_key, noise_key = engine_keys(rng)
   return engine.engine_params(params, engine_cfg, noise_key), sample_key
 

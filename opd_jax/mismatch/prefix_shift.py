@@ -190,8 +190,7 @@ def prefix_shift(
   own, own_kl_bc = measure_lib.score_rollout(
     student_params, perturbed.replace(engine_id=""), cfg, temperature
   )
-  _, noise_key = measure_lib.engine_keys(rng)
-  params_r = measure_lib.engine_params(student_params, engine_cfg, noise_key)
+  params_r, _ = measure_lib.engine_inputs(student_params, engine_cfg, rng)  # the engine's weights
   tf = _teacher_forced(
     student_params, params_r, reference.replace(engine_id=""), cfg, engine_cfg.kv, temperature
   )

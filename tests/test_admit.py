@@ -343,16 +343,22 @@ def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path)
 
 def test_importing_the_check_leaves_out_what_it_does_not_run_first():
   """orbax (with tensorstore, most of a second) is imported by `RunHistory.params`, where a
-  check restores while its programs compile, and optax (0.3 s) only by a training step, which
-  a check never takes: importing the check must load neither."""
-  code = "import sys, opd_jax.admit; print(sorted({m.split('.')[0] for m in sys.modules}))"
+  check restores while its programs compile; optax (0.3 s) only by a training step, and
+  TensorBoard's writer and reader (0.2 s, its TensorFlow stub) only by a metrics writer or
+  reader, neither of which a check uses: importing the check must load none of them."""
+  code = "import sys, opd_jax.admit; print(sorted(sys.modules))"
   proc = subprocess.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
   )
   assert proc.returncode == 0, proc.stderr
-  loaded = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
-  assert "jax" in loaded
-  assert not loaded & {"orbax", "tensorstore", "optax"}
+  modules = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
+  assert {"jax", "opd_jax.metrics_writer"} <= modules
+  assert not {m.split(".")[0] for m in modules} & {"orbax", "tensorstore", "optax"}
+  assert not {m for m in modules if m.startswith("tensorboard.")} & {
+    "tensorboard.backend.event_processing.event_accumulator",
+    "tensorboard.compat.tensorflow_stub",
+    "tensorboard.summary.writer.event_file_writer",
+  }
 
 
 def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_path):

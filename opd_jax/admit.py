@@ -75,7 +75,7 @@ def main(argv):
     )
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
-  main_cli.freeze_heap_for_exit()
+  main_cli.exit_at_once()  # the table is printed; the JSON and the log are closed
 
 
 if __name__ == "__main__":

@@ -124,6 +124,21 @@ def freeze_heap_for_exit() -> None:
   gc.freeze()
 
 
+def exit_at_once() -> None:
+  """Ends a short command whose work is done and whose outputs are written and closed,
+  without the interpreter's teardown.
+
+  The teardown (the compile threads joined, the XLA client destroyed, every module freed) does
+  nothing such a command needs and takes ~0.15 s on 2 CPU cores, 3 % of an admission check,
+  against ~0.04 s here. atexit handlers do not run: only stdout, stderr and the log handlers
+  are flushed, so every file the command writes must be closed before this call.
+  """
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")

@@ -5,8 +5,9 @@
 writes `out` with `trainer.export_student`, as a finished run exports itself: model.safetensors,
 config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer (the run's
 Hugging Face tokenizer files copied, or the built-in character tokenizer as a `transformers`
-fast tokenizer; `hf.export_student`). `out` loads with `AutoModelForCausalLM.from_pretrained`
-and `AutoTokenizer.from_pretrained`.
+fast tokenizer; `hf.export_student`), and `trainer.EXPORT_RECORD`, the step and the run's
+config it holds. `out` loads with `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained`.
 
 A padded student (an embedding table with more rows than its tokenizer has ids; the run
 trained it with logits cut to the tokenizer's V_real, `ModelConfig.logical_vocab_size`) is
@@ -188,5 +189,5 @@ def export_run(
   setup = student_setup(config)
   params = admission.RunHistory(config, setup, workdir).params(step)
   log(f"restored the student of {workdir} step {step} (config from {source})")
-  files = trainer.export_student(config, setup.models, params, out, log)
+  files = trainer.export_student(config, setup.models, params, out, log, step=step)
   return {"out": os.path.abspath(out), "step": step, "config": source, "files": files}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -422,10 +423,22 @@ def export_dir(config, workdir: str) -> str | None:
   return d or os.path.join(workdir, "export")
 
 
-def export_student(config, models: build.Models, params, out: str, log=print) -> list[str]:
+# In an export of a run's checkpoint: {"step": the checkpoint's step, "config": the run's
+# `run_fingerprint`}, which lets `admission.RunHistory` read that step's student from the
+# export's safetensors instead of the orbax checkpoint.
+EXPORT_RECORD = "opd_jax_run.json"
+
+
+def export_student(
+  config, models: build.Models, params, out: str, log=print, step: int | None = None
+) -> list[str]:
   """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
   the files of the run's tokenizer (`build.tokenizer_path`; the built-in character tokenizer
   when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
+
+  With `step`, the params are those of the run's checkpoint `step` and `out` also gets the
+  `EXPORT_RECORD` of that step and the run's config; without, an earlier export's record is
+  removed. The record is written last, after the weights.
 
   Every process must call it (params are gathered across processes); process 0 writes.
   Returns the names of the files in `out` (on other processes: []).
@@ -443,6 +456,14 @@ def export_student(config, models: build.Models, params, out: str, log=print) ->
     tokenizer_dir=None if tokenizer_path == "char" else tokenizer_path,
     source_dir=config.student.checkpoint or None,
   )
+  record = os.path.join(out, EXPORT_RECORD)
+  if step is None:
+    if os.path.exists(record):
+      os.remove(record)
+  else:
+    with open(record, "w", encoding="utf-8") as f:
+      json.dump({"step": step, "config": run_fingerprint(config)}, f, indent=1, sort_keys=True)
+    files = sorted({*files, EXPORT_RECORD})
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files
 
@@ -815,7 +836,7 @@ def _train(
   }
   out = export_dir(config, writer.workdir)
   if stopped_by is None and out is not None:  # a finished run exports its student
-    export_student(config, m, state.params, out, log)
+    export_student(config, m, state.params, out, log, step=step)
     result["export_dir"] = out
   log(f"done: {result}")
   return result

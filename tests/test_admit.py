@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import os
 import re
 import subprocess
 import sys
@@ -273,10 +274,73 @@ def test_stale_budget_is_refused_naming_what_changed_and_accepted_with_force(
 # Staleness from a run's checkpoints
 
 
+@pytest.fixture(scope="module")
+def trained_run(config, tmp_path_factory):
+  """A finished tiny run: 6 steps, checkpoints at 3 and 6, its student exported at 6."""
+  run = tmp_path_factory.mktemp("run")
+  trainer.run(config, str(run), log=quiet)
+  return run
+
+
 @pytest.mark.slow
-def test_stale_candidates_are_measured_from_a_runs_checkpoints(config, budget_path, tmp_path):
+def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run, tmp_path):
+  from opd_jax import checkpointing
+
+  run = str(trained_run)
+  assert admission.exported_run_record(run, 6)["step"] == 6
+  assert admission.exported_run_record(run, 3) is None  # the export holds step 6 only
+  setup = trainer.prepare_models(config, str(tmp_path / "w"), quiet)
+  history = admission.RunHistory(config, setup, run)
+  exported = history.params(6)
+  assert history.run_config == trainer.run_fingerprint(config)
+  ckpt = checkpointing.Checkpointer(trained_run / "checkpoints", read_only=True)
+  restored, extra = ckpt.restore_params(6, history.abstract_params)
+  ckpt.close()
+  assert extra["config"] == history.run_config
+  assert admission.current_fingerprint(setup, exported) == admission.current_fingerprint(
+    setup, restored
+  )
+  # Reading the export leaves orbax out (the point of it); a step the export does not hold
+  # restores from the checkpoint.
+  code = (
+    "import sys; sys.path.insert(0, 'configs'); import bf16_sync\n"
+    "from opd_jax import trainer; from opd_jax.mismatch import admission\n"
+    f"c = bf16_sync.get_config('tiny'); c.teacher.cache_dir = {config.teacher.cache_dir!r}\n"
+    f"h = admission.RunHistory(c, trainer.prepare_models(c, {str(tmp_path / 'w2')!r}, print), "
+    f"{run!r})\n"
+    "h.params(6); print('orbax' in sys.modules)\n"
+    "h.params(3); print('orbax' in sys.modules)\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split()[-2:] == ["False", "True"]
+
+
+def test_an_export_counts_only_when_it_holds_that_checkpoint(tmp_path):
   run = tmp_path / "run"
-  trainer.run(config, str(run), log=quiet)  # tiny: 6 steps, checkpoints at 3 and 6
+  (run / "checkpoints" / "6").mkdir(parents=True)
+  (run / "export").mkdir()
+  record = run / "export" / trainer.EXPORT_RECORD
+  assert admission.exported_run_record(str(run), 6) is None  # no record: an older export
+  record.write_text(json.dumps({"step": 6, "config": {}}))
+  assert admission.exported_run_record(str(run), 6) == {"step": 6, "config": {}}
+  assert admission.exported_run_record(str(run), 5) is None
+  newer = record.stat().st_mtime + 10  # the checkpoint re-written after the export
+  os.utime(run / "checkpoints" / "6", (newer, newer))
+  assert admission.exported_run_record(str(run), 6) is None
+  os.utime(record, (newer + 1, newer + 1))
+  assert admission.exported_run_record(str(run), 6) is not None
+  record.write_text("{not json")
+  assert admission.exported_run_record(str(run), 6) is None
+
+
+@pytest.mark.slow
+def test_stale_candidates_are_measured_from_a_runs_checkpoints(
+  config, budget_path, trained_run, tmp_path
+):
+  run = trained_run
   assert admission.checkpoint_steps(str(run)) == [3, 6]
   kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), params_from=str(run), log=quiet)
   # The budget was fitted on the warm-started student: stale for the run's trained student.

@@ -92,9 +92,13 @@ def test_finished_run_exports_a_student_transformers_loads(char_run):
     "config.json",
     "generation_config.json",
     "model.safetensors",
+    trainer.EXPORT_RECORD,
     "tokenizer.json",
     "tokenizer_config.json",
   ]
+  # The record of the checkpoint it holds: `RunHistory` reads that step from the export.
+  record = _json(os.path.join(out, trainer.EXPORT_RECORD))
+  assert record == {"step": 2, "config": exporting.saved_fingerprint(workdir, 2)}
   char = tokenizer.CharTokenizer()
   ids = {"bos_token_id": char.bos_id, "eos_token_id": char.eos_id, "pad_token_id": char.pad_id}
   assert ids == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -263,8 +267,9 @@ def test_hf_student_export_copies_its_tokenizer(hf_run, tmp_path):
   copied = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
   assert set(copied) <= set(os.listdir(student))
   assert summary["files"] == sorted(
-    ["config.json", "generation_config.json", "model.safetensors", *copied]
+    ["config.json", "generation_config.json", "model.safetensors", trainer.EXPORT_RECORD, *copied]
   )
+  assert _json(out / trainer.EXPORT_RECORD)["step"] == 1
   for name in copied:
     assert (out / name).read_bytes() == (student / name).read_bytes(), name
   # Ids from the run's tokenizer; the source's sampling defaults and eos list survive.

@@ -21,7 +21,8 @@ two states:
 
 The check's own JSON splits the time into setup (models, cached teacher, the student and, with
 --params-from, the compiles that run beside its restore; imports excluded) and the measurement.
-The student is `--student`: "run" restores the run's latest checkpoint (`--params-from`),
+The student is `--student`: "run" reads the run's latest checkpoint (`--params-from`; from the
+run's export when it holds that step, as a finished run's does, else with orbax),
 "initial" warm-starts the built-in student as a run does (250 supervised steps on the default
 config). The budget is a placeholder fitted on hand-made
 records with an empty fingerprint and checked with `--force`: the verdict does not change the

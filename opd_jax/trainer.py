@@ -430,15 +430,14 @@ EXPORT_RECORD = "opd_jax_run.json"
 
 
 def export_student(
-  config, models: build.Models, params, out: str, log=print, step: int | None = None
+  config, models: build.Models, params, out: str, log=print, *, step: int
 ) -> list[str]:
   """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
   the files of the run's tokenizer (`build.tokenizer_path`; the built-in character tokenizer
   when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
 
-  With `step`, the params are those of the run's checkpoint `step` and `out` also gets the
-  `EXPORT_RECORD` of that step and the run's config; without, an earlier export's record is
-  removed. The record is written last, after the weights.
+  `params` are those of the run's checkpoint `step`: `out` also gets the `EXPORT_RECORD` of
+  that step and the run's config, written last, after the weights.
 
   Every process must call it (params are gathered across processes); process 0 writes.
   Returns the names of the files in `out` (on other processes: []).
@@ -456,14 +455,9 @@ def export_student(
     tokenizer_dir=None if tokenizer_path == "char" else tokenizer_path,
     source_dir=config.student.checkpoint or None,
   )
-  record = os.path.join(out, EXPORT_RECORD)
-  if step is None:
-    if os.path.exists(record):
-      os.remove(record)
-  else:
-    with open(record, "w", encoding="utf-8") as f:
-      json.dump({"step": step, "config": run_fingerprint(config)}, f, indent=1, sort_keys=True)
-    files = sorted({*files, EXPORT_RECORD})
+  with open(os.path.join(out, EXPORT_RECORD), "w", encoding="utf-8") as f:
+    json.dump({"step": step, "config": run_fingerprint(config)}, f, indent=1, sort_keys=True)
+  files = sorted({*files, EXPORT_RECORD})
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files
 

@@ -19,7 +19,8 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.cli import flags as cli_flags
+from opd_jax.io import compile_cache
 from opd_jax.mismatch import admission
 
 _BUDGET = flags.DEFINE_string("budget", None, "Budget file (opd_jax.budget.save_budget).")
@@ -37,7 +38,7 @@ _PARAMS_FROM = flags.DEFINE_string(
   "stale candidates). Default: the student a run starts from.",
 )
 _FORCE = flags.DEFINE_bool("force", False, "Check against a stale budget (reasons still shown).")
-_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+_COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "later checks load the compiled programs instead of compiling them."
 )
 _FAST_COMPILE = flags.DEFINE_bool(
@@ -45,7 +46,7 @@ _FAST_COMPILE = flags.DEFINE_bool(
   True,
   "Compile the check's programs without XLA backend optimisation (and, on CPU, without the "
   "fusion emitters): a fifth to a half of the compile time, the same KLs to ~1e-6 relative "
-  "(admission.fast_compilation).",
+  "(compile_cache.fast_compilation).",
 )
 _CONSERVATIVE = flags.DEFINE_bool(
   "conservative", False, "Admit against the lower end of the budget's interval."
@@ -58,9 +59,9 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   if _FAST_COMPILE.value:
-    admission.fast_compilation()
+    compile_cache.fast_compilation()
   try:
-    admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
+    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
     admission.run_admission(
       flags.FLAGS.config,
       _BUDGET.value,
@@ -75,10 +76,10 @@ def main(argv):
     )
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
-  main_cli.exit_at_once()  # the table is printed; the JSON and the log are closed
+  cli_flags.exit_at_once()  # the table is printed; the JSON and the log are closed
 
 
 if __name__ == "__main__":
   for name in ("config", "budget", "candidate"):
     flags.mark_flag_as_required(name)
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

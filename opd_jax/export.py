@@ -16,8 +16,8 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import exporting
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.cli import flags as cli_flags
+from opd_jax.train import export as exporting
 
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the latest.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint to.")
@@ -38,4 +38,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("out")
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

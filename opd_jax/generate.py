@@ -36,8 +36,11 @@ import sys
 import jax
 import numpy as np
 
-from opd_jax import build, engine, hf, kvcache, sampler, tokenizer
-from opd_jax.build import DTYPES
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.io import build, hf
+from opd_jax.io.build import DTYPES
+from opd_jax.model import kvcache, tokenizer
 
 WEIGHTS = ("trainer", "bf16", "fp8")  # rollout.weights
 KV_CACHES = ("auto", "bf16", "fp8")  # rollout.kv_cache

@@ -21,11 +21,12 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
-from opd_jax.mismatch import admission, opd_vs_rl
+from opd_jax.cli import flags as cli_flags
+from opd_jax.experiments import opd_vs_rl
+from opd_jax.io import compile_cache
 
 _JSON = flags.DEFINE_bool("json", False, "Also print the report JSON to stdout.")
-_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+_COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "every run after the first of its kind loads its programs instead of compiling them."
 )
 
@@ -37,7 +38,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if _JSON.value else print
   try:
-    admission.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
+    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
     report = opd_vs_rl.run_comparison(flags.FLAGS.config, flags.FLAGS.workdir, log=log)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
@@ -47,4 +48,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

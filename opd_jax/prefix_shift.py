@@ -22,7 +22,7 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.cli import flags as cli_flags
 from opd_jax.mismatch import admission, prefix_shift
 
 _SOURCES = flags.DEFINE_multi_string("source", None, "A perturbed engine; repeat for several.")
@@ -55,4 +55,4 @@ def main(argv):
 if __name__ == "__main__":
   for name in ("config", "source"):
     flags.mark_flag_as_required(name)
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

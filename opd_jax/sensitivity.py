@@ -23,7 +23,7 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.cli import flags as cli_flags
 from opd_jax.mismatch import admission, sensitivity
 
 _PROMPTS = flags.DEFINE_integer("prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts.")
@@ -94,4 +94,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

@@ -19,9 +19,9 @@ import sys
 
 from absl import app, flags, logging
 
-from opd_jax import main as main_cli  # defines --config (with overrides) and --workdir
+from opd_jax.cli import flags as cli_flags
 
-_COMPILATION_CACHE = main_cli.define_compilation_cache_flag(
+_COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "every run and measurement after the first of its kind loads its programs."
 )
 
@@ -31,15 +31,16 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  from opd_jax.mismatch import admission, study
+  from opd_jax.experiments import study
+  from opd_jax.io import compile_cache
 
   try:
-    admission.compilation_cache_flag(_COMPILATION_CACHE.value, main_cli._WORKDIR.value)
-    study.run_study(main_cli._CONFIG.value, main_cli._WORKDIR.value, print)
+    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
+    study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, print)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main, argv=main_cli.resolve_config_arg(sys.argv), flags_parser=main_cli.parse_flags)
+  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

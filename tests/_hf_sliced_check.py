@@ -19,7 +19,9 @@ import jax
 import numpy as np
 import safetensors
 
-from opd_jax import hf, model, sharding
+from opd_jax.io import hf
+from opd_jax.model import sharding
+from opd_jax.model import transformer as model
 
 
 def main(path, process_id, port):

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_rollouts as t  # noqa: E402
 
-from opd_jax.rollouts import AsyncRollouts  # noqa: E402
+from opd_jax.rollout.sources import AsyncRollouts
 
 
 def run(engine_shardings, max_lag):

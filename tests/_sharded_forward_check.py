@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from opd_jax import model, sharding
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import sharding
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
 
 MESH_SHAPES = ((8, 1, 1), (2, 2, 2), (1, 2, 4))
 CFG = ModelConfig(

@@ -16,9 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import data, engine, evaluate, model, sampler, sharding, task, tokenizer
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollouts import RolloutEngine
+from opd_jax.data import pipeline as data
+from opd_jax.data import task
+from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import transform as engine
+from opd_jax.model import sharding, tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout.sources import RolloutEngine
+from opd_jax.train import evaluate
 
 MESH_SHAPES = ((2, 2, 2), (8, 1, 1))
 BATCH = 16  # per-shard batch 4 (2x2x2) or 2 (8x1x1); no other split dimension has those
@@ -93,7 +99,7 @@ def sampler_checks(mesh, student, teacher, prompts, refs) -> dict:
   s, t = place(student, mesh), place(teacher, mesh)
   greedy = sampler.sample(s, prompts, key, GREEDY, CFG, mesh=mesh)
   sampled = sampler.sample(s, prompts, key, SAMPLED, CFG, mesh=mesh)
-  logits, _ = evaluate.completion_logits(t, greedy, CFG, mesh)
+  logits, _ = teacher_forcing.sharded_completion_logits(t, greedy, CFG, mesh)
   return {
     "rows_per_device": rows_per_device(greedy.completion_tokens),
     "greedy_same": same_tokens(greedy, refs["greedy"], BATCH),
@@ -109,7 +115,9 @@ def sampler_checks(mesh, student, teacher, prompts, refs) -> dict:
     "sampled_hlo": inspect(
       sampler.sample_program(s, prompts, key, SAMPLED, CFG, mesh), local_batch
     ),
-    "teacher_hlo": inspect(evaluate.completion_logits.lower(t, greedy, CFG, mesh), local_batch),
+    "teacher_hlo": inspect(
+      teacher_forcing.sharded_completion_logits.lower(t, greedy, CFG, mesh), local_batch
+    ),
     # The evaluation's KL at the rollout's sampling transform, on the split logits.
     "eval_kl_hlo": inspect(
       evaluate._masked_kl_transformed.lower(logits, logits, greedy.completion_mask, SAMPLED, mesh),
@@ -181,7 +189,7 @@ def main():
   refs = {
     "greedy": greedy,
     "sampled": sampler.sample(student, prompts, key, SAMPLED, CFG),
-    "teacher_logits": evaluate.completion_logits(teacher, greedy, CFG)[0],
+    "teacher_logits": teacher_forcing.sharded_completion_logits(teacher, greedy, CFG)[0],
   }
   result = {"devices": jax.device_count(), "meshes": {}}
   for shape in MESH_SHAPES:

@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT / "configs"))
 
 import bf16_sync  # noqa: E402
 
-from opd_jax import metrics_writer, trainer  # noqa: E402
+from opd_jax.io import metrics_writer  # noqa: E402
+from opd_jax.train import trainer  # noqa: E402
 
 
 def main(workdir, teacher_cache, data, fsdp, tensor):

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from opd_jax.model_config import ModelConfig
+from opd_jax.model.config import ModelConfig
 
 # Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
 # several RoPE frequencies, and two layers.

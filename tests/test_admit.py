@@ -20,9 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax import trainer
 from opd_jax.budget import fit_budget, save_budget
+from opd_jax.io import compile_cache, run_history
 from opd_jax.mismatch import admission
+from opd_jax.mismatch import candidates as candidates_lib
+from opd_jax.train import setup as setup_lib
+from opd_jax.train import trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -53,12 +56,12 @@ def config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fingerprint(config, tmp_path_factory):
   """The fingerprint of the tiny setup, built the way the check builds it."""
-  setup = trainer.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
+  setup = setup_lib.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
   return admission.current_fingerprint(setup, admission.initial_student(config, setup, quiet))
 
 
 def test_the_warm_started_student_is_cached_bit_identical(config, fingerprint, tmp_path):
-  setup = trainer.prepare_models(config, str(tmp_path / "w"), quiet)
+  setup = setup_lib.prepare_models(config, str(tmp_path / "w"), quiet)
   lines = []
   trained = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
   loaded = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
@@ -97,7 +100,7 @@ def checked(config, budget_path, tmp_path_factory):
 
 
 def test_spec_parses_values_as_ml_collections_does(config):
-  c = admission.parse_candidate(
+  c = candidates_lib.parse_candidate(
     "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor", config
   )
   assert c.overrides == {
@@ -108,22 +111,22 @@ def test_spec_parses_values_as_ml_collections_does(config):
   assert c.engine_id == "w=fp8/ch,kv=fp8/tensor,noise=0"
   assert c.lag == 0
   # A tuple with its commas inside the brackets, an int given to a float field.
-  c = admission.parse_candidate("rollout.bf16_layers=(0,),rollout.noise_sigma=1", config)
+  c = candidates_lib.parse_candidate("rollout.bf16_layers=(0,),rollout.noise_sigma=1", config)
   assert c.overrides == {"rollout.bf16_layers": (0,), "rollout.noise_sigma": 1.0}
   assert isinstance(c.overrides["rollout.noise_sigma"], float)
   assert c.engine_cfg.bf16_layers == (0,) and c.engine_cfg.noise_sigma == 1.0
-  assert admission.parse_candidate("rollout.kv_bf16_layers=(0, 1)", config).engine_cfg.kv == (
-    admission.parse_candidate("rollout.kv_bf16_layers=(0,1)", config).engine_cfg.kv
+  assert candidates_lib.parse_candidate("rollout.kv_bf16_layers=(0, 1)", config).engine_cfg.kv == (
+    candidates_lib.parse_candidate("rollout.kv_bf16_layers=(0,1)", config).engine_cfg.kv
   )
-  assert admission.parse_candidate("rollout.stale_k=2", config).lag == 2
-  assert admission.parse_candidate("rollout.mode=async,rollout.max_lag=3", config).lag == 3
+  assert candidates_lib.parse_candidate("rollout.stale_k=2", config).lag == 2
+  assert candidates_lib.parse_candidate("rollout.mode=async,rollout.max_lag=3", config).lag == 3
   # The run config itself is untouched.
   assert config.rollout.weights == "trainer" and config.rollout.noise_sigma == 0.0
 
 
 def test_a_combination_splits_into_one_part_per_source(config):
   def parts(spec):
-    return admission.source_parts(admission.parse_candidate(spec, config), config)
+    return candidates_lib.source_parts(candidates_lib.parse_candidate(spec, config), config)
 
   assert parts(
     "rollout.weights=fp8,rollout.weight_block_size=64,rollout.kv_cache=fp8,"
@@ -149,27 +152,27 @@ def test_a_combination_splits_into_one_part_per_source(config):
 
 def test_misspelt_key_gets_the_nearest_valid_key(config):
   with pytest.raises(ValueError, match=r"unknown config key 'rollout\.weigts'.*'rollout\.weights'"):
-    admission.parse_candidate("rollout.weigts=fp8", config)
+    candidates_lib.parse_candidate("rollout.weigts=fp8", config)
   with pytest.raises(ValueError, match=r"did you mean 'rollout\.kv_cache'"):
-    admission.parse_candidate("rollout.weights=fp8,rolout.kv_cache=fp8", config)
+    candidates_lib.parse_candidate("rollout.weights=fp8,rolout.kv_cache=fp8", config)
 
 
 def test_bad_values_are_refused_naming_what_is_allowed(config):
   with pytest.raises(ValueError, match=r"rollout\.weights must be one of trainer, bf16, fp8"):
-    admission.parse_candidate("rollout.weights=fp9", config)
+    candidates_lib.parse_candidate("rollout.weights=fp9", config)
   with pytest.raises(ValueError, match=r"rollout\.noise_sigma"):
-    admission.parse_candidate("rollout.noise_sigma=loud", config)
+    candidates_lib.parse_candidate("rollout.noise_sigma=loud", config)
   with pytest.raises(ValueError, match="set twice"):
-    admission.parse_candidate("rollout.weights=fp8,rollout.weights=bf16", config)
+    candidates_lib.parse_candidate("rollout.weights=fp8,rollout.weights=bf16", config)
   with pytest.raises(ValueError, match="not <key>=<value>"):
-    admission.parse_candidate("rollout.weights", config)
+    candidates_lib.parse_candidate("rollout.weights", config)
 
 
 def test_a_non_rollout_key_is_refused(config):
   with pytest.raises(ValueError, match=r"'train\.lr' is not a rollout setting"):
-    admission.parse_candidate("rollout.weights=fp8,train.lr=0.1", config)
+    candidates_lib.parse_candidate("rollout.weights=fp8,train.lr=0.1", config)
   with pytest.raises(ValueError, match=r"'student\.dtype' is not a rollout setting"):
-    admission.parse_candidate("student.dtype=bfloat16", config)
+    candidates_lib.parse_candidate("student.dtype=bfloat16", config)
 
 
 def test_a_stale_candidate_without_a_run_history_is_refused_before_building(config, budget_path):
@@ -284,15 +287,15 @@ def trained_run(config, tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run, tmp_path):
-  from opd_jax import checkpointing
+  from opd_jax.io import checkpointing
 
   run = str(trained_run)
-  assert admission.exported_run_record(run, 6)["step"] == 6
-  assert admission.exported_run_record(run, 3) is None  # the export holds step 6 only
-  setup = trainer.prepare_models(config, str(tmp_path / "w"), quiet)
-  history = admission.RunHistory(config, setup, run)
+  assert run_history.exported_run_record(run, 6)["step"] == 6
+  assert run_history.exported_run_record(run, 3) is None  # the export holds step 6 only
+  setup = setup_lib.prepare_models(config, str(tmp_path / "w"), quiet)
+  history = run_history.RunHistory(config, setup, run)
   exported = history.params(6)
-  assert history.run_config == trainer.run_fingerprint(config)
+  assert history.run_config == run_history.run_fingerprint(config)
   ckpt = checkpointing.Checkpointer(trained_run / "checkpoints", read_only=True)
   restored, extra = ckpt.restore_params(6, history.abstract_params)
   ckpt.close()
@@ -306,7 +309,7 @@ def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run
     "import sys; sys.path.insert(0, 'configs'); import bf16_sync\n"
     "from opd_jax import trainer; from opd_jax.mismatch import admission\n"
     f"c = bf16_sync.get_config('tiny'); c.teacher.cache_dir = {config.teacher.cache_dir!r}\n"
-    f"h = admission.RunHistory(c, trainer.prepare_models(c, {str(tmp_path / 'w2')!r}, print), "
+    f"h = run_history.RunHistory(c, setup_lib.prepare_models(c, {str(tmp_path / 'w2')!r}, print), "
     f"{run!r})\n"
     "h.params(6); print('orbax' in sys.modules)\n"
     "h.params(3); print('orbax' in sys.modules)\n"
@@ -322,18 +325,18 @@ def test_an_export_counts_only_when_it_holds_that_checkpoint(tmp_path):
   run = tmp_path / "run"
   (run / "checkpoints" / "6").mkdir(parents=True)
   (run / "export").mkdir()
-  record = run / "export" / trainer.EXPORT_RECORD
-  assert admission.exported_run_record(str(run), 6) is None  # no record: an older export
+  record = run / "export" / run_history.EXPORT_RECORD
+  assert run_history.exported_run_record(str(run), 6) is None  # no record: an older export
   record.write_text(json.dumps({"step": 6, "config": {}}))
-  assert admission.exported_run_record(str(run), 6) == {"step": 6, "config": {}}
-  assert admission.exported_run_record(str(run), 5) is None
+  assert run_history.exported_run_record(str(run), 6) == {"step": 6, "config": {}}
+  assert run_history.exported_run_record(str(run), 5) is None
   newer = record.stat().st_mtime + 10  # the checkpoint re-written after the export
   os.utime(run / "checkpoints" / "6", (newer, newer))
-  assert admission.exported_run_record(str(run), 6) is None
+  assert run_history.exported_run_record(str(run), 6) is None
   os.utime(record, (newer + 1, newer + 1))
-  assert admission.exported_run_record(str(run), 6) is not None
+  assert run_history.exported_run_record(str(run), 6) is not None
   record.write_text("{not json")
-  assert admission.exported_run_record(str(run), 6) is None
+  assert run_history.exported_run_record(str(run), 6) is None
 
 
 @pytest.mark.slow
@@ -341,7 +344,7 @@ def test_stale_candidates_are_measured_from_a_runs_checkpoints(
   config, budget_path, trained_run, tmp_path
 ):
   run = trained_run
-  assert admission.checkpoint_steps(str(run)) == [3, 6]
+  assert run_history.checkpoint_steps(str(run)) == [3, 6]
   kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), params_from=str(run), log=quiet)
   # The budget was fitted on the warm-started student: stale for the run's trained student.
   with pytest.raises(ValueError, match="student weights hash changed(.|\n)*--params-from"):
@@ -369,25 +372,27 @@ def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
   lines.insert(3, {"step": 35, "quality/student_accuracy": 0.5})
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
   # 10 logged values; the last 10% is the last one.
-  plain = admission.training_time_kl(str(tmp_path), lag=0)
+  plain = run_history.training_time_kl(str(tmp_path), lag=0)
   assert plain["train/key"] == "mismatch/kl" and plain["train/logged_steps"] == 10
   assert plain["train/mismatch_kl_mean"] == pytest.approx(0.55)
   assert plain["train/mismatch_kl_last"] == pytest.approx(1.0)
-  lagged = admission.training_time_kl(str(tmp_path), lag=1)
+  lagged = run_history.training_time_kl(str(tmp_path), lag=1)
   assert lagged["train/key"] == "mismatch/kl/lag_1"
   assert lagged["train/mismatch_kl_mean"] == pytest.approx(1.1)
-  assert admission.training_time_kl(str(tmp_path / "none"), lag=0) is None
+  assert run_history.training_time_kl(str(tmp_path / "none"), lag=0) is None
 
 
 def test_trained_with_compares_every_rollout_key_the_run_saved(config):
-  run_config = trainer.run_fingerprint(config)
-  assert admission.trained_with(admission.parse_candidate(EXACT, config), run_config)
-  assert not admission.trained_with(admission.parse_candidate(NOISE, config), run_config)
-  fp8 = admission.parse_candidate("rollout.weights=fp8", config)
+  run_config = run_history.run_fingerprint(config)
+  assert admission.trained_with(candidates_lib.parse_candidate(EXACT, config), run_config)
+  assert not admission.trained_with(candidates_lib.parse_candidate(NOISE, config), run_config)
+  fp8 = candidates_lib.parse_candidate("rollout.weights=fp8", config)
   assert admission.trained_with(fp8, {**run_config, "rollout.weights": "'fp8'"})
   # A key the run did not save (an older run) is not compared.
   del run_config["rollout.top_p"]
-  assert admission.trained_with(admission.parse_candidate("rollout.top_p=0.9", config), run_config)
+  assert admission.trained_with(
+    candidates_lib.parse_candidate("rollout.top_p=0.9", config), run_config
+  )
 
 
 def _admit_command(budget_path, *args: str) -> subprocess.CompletedProcess:
@@ -429,7 +434,7 @@ def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_pat
   blocker = tmp_path / "a_file"
   blocker.write_text("")
   with pytest.raises(ValueError, match=r"--compilation-cache '.*a_file/cache': cannot create it"):
-    admission.enable_compilation_cache(str(blocker / "cache"))
+    compile_cache.enable_compilation_cache(str(blocker / "cache"))
   proc = _admit_command(
     budget_path, "--candidate=rollout.weights=fp8", f"--compilation-cache={blocker / 'cache'}"
   )

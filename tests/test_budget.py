@@ -20,9 +20,9 @@ from opd_jax import budget as budget_api
 from opd_jax.budget import admit, fit_budget
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
-from opd_jax.model import init_params
-from opd_jax.model_config import ModelConfig
-from opd_jax.quant import QuantRecipe, quantize_params
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import QuantRecipe, quantize_params
+from opd_jax.model.transformer import init_params
 
 
 def recs(points, source="noise", **extra):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from opd_jax import build
+from opd_jax.io import build
 
 
 def test_built_in_models_stay_abstract_until_materialized(tmp_path):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax import config_check
-from opd_jax.main import resolve_config_arg
+from opd_jax.cli.flags import resolve_config_arg
+from opd_jax.config import check as config_check
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))

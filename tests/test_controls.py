@@ -8,8 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from opd_jax import engine, losses, model, rollouts, sampler, sharding, tokenizer, train_step
-from opd_jax.model_config import ModelConfig
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.model import sharding, tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout import sources as rollouts
+from opd_jax.train import losses, train_step
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3], [1, 2, 2], [1, 8], [1, 6, 5, 4], [1, 7]]

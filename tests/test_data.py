@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from opd_jax import data
-from opd_jax.task import TaskConfig, TaskSource, encode_example
-from opd_jax.tokenizer import CharTokenizer
+from opd_jax.data import pipeline as data
+from opd_jax.data.task import TaskConfig, TaskSource, encode_example
+from opd_jax.model.tokenizer import CharTokenizer
 
 
 def _numbered(n):

@@ -10,8 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import config_check, engine, kvcache, model, quant, sampler, trainer
-from opd_jax.sampler import SamplerConfig
+from opd_jax.config import check as config_check
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.inference.sampler import SamplerConfig
+from opd_jax.model import kvcache, quant
+from opd_jax.model import transformer as model
+from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -193,7 +198,7 @@ def test_rollout_config_keys_reach_the_engine():
   config.rollout.noise_modules = ("attention", "embed")
   config.rollout.kernel = "bf16_matmul"
   config_check.validate(config)
-  ecfg = trainer.engine_config(config, "float32")
+  ecfg = setup_lib.engine_config(config, "float32")
   assert (ecfg.noise_layers, ecfg.noise_modules, ecfg.kernel) == (
     (1,),
     ("attention", "embed"),

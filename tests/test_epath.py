@@ -22,9 +22,12 @@ from etils import epath
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from opd_jax import build, checkpointing, metrics_writer, model, preflight, pretrain, trainer
 from opd_jax.budget import fit_budget
+from opd_jax.io import build, checkpointing, metrics_writer
 from opd_jax.mismatch import budget_file
+from opd_jax.model import transformer as model
+from opd_jax.train import preflight, pretrain
+from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -209,7 +212,9 @@ def _warm_start_setup():
   config = bf16_sync.get_config("tiny")
   config.student.warmup_steps = 2
   config.student.warmup_batch_size = 2
-  return config, trainer.Setup(build.build_models(config), trainer.task_config(config), {}, None)
+  return config, setup_lib.Setup(
+    build.build_models(config), setup_lib.task_config(config), {}, None
+  )
 
 
 def _assert_same_params(a, b):
@@ -222,10 +227,10 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
   config, setup = _warm_start_setup()
   cache = f"{bucket}/cache"
   lines = []
-  trained = trainer.warm_started_student(config, setup, lines.append, cache)
+  trained = setup_lib.warm_started_student(config, setup, lines.append, cache)
   (entry,) = epath.Path(cache).iterdir()
   assert entry.name.startswith("student-") and pretrain.is_cached(os.fspath(entry))
-  loaded = trainer.warm_started_student(config, setup, lines.append, cache)
+  loaded = setup_lib.warm_started_student(config, setup, lines.append, cache)
   assert lines[0] == "warm-starting the student (2 supervised steps)"
   assert lines[-1] == f"warm-started student loaded from cache {entry}"
   _assert_same_params(trained, loaded)
@@ -241,7 +246,7 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
     if line.startswith("  sft step 2/2"):
       pretrain.save_cached(other, setup.models.student_cfg, untrained)
 
-  again = trainer.warm_started_student(config, setup, log, str(tmp_path / "cache"))
+  again = setup_lib.warm_started_student(config, setup, log, str(tmp_path / "cache"))
   _assert_same_params(trained, again)
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]  # no .tmp left
   _assert_same_params(untrained, pretrain.load_cached(other, jax.numpy.float32, None))

@@ -20,7 +20,11 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import apply_overrides
 
-from opd_jax import exporting, hf, model, tokenizer, trainer
+from opd_jax.io import hf, run_history
+from opd_jax.model import tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.train import export as exporting
+from opd_jax.train import trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -92,12 +96,12 @@ def test_finished_run_exports_a_student_transformers_loads(char_run):
     "config.json",
     "generation_config.json",
     "model.safetensors",
-    trainer.EXPORT_RECORD,
+    run_history.EXPORT_RECORD,
     "tokenizer.json",
     "tokenizer_config.json",
   ]
   # The record of the checkpoint it holds: `RunHistory` reads that step from the export.
-  record = _json(os.path.join(out, trainer.EXPORT_RECORD))
+  record = _json(os.path.join(out, run_history.EXPORT_RECORD))
   assert record == {"step": 2, "config": exporting.saved_fingerprint(workdir, 2)}
   char = tokenizer.CharTokenizer()
   ids = {"bos_token_id": char.bos_id, "eos_token_id": char.eos_id, "pad_token_id": char.pad_id}
@@ -189,8 +193,8 @@ def test_command_exits_with_the_error(tmp_path):
 def test_config_from_fingerprint_inverts_run_fingerprint():
   config = _config("/tmp/cache", **{"rollout.bf16_layers": (0,), "student.dtype": "bfloat16"})
   config.data.prompt_file = "/data/it's.jsonl"
-  rebuilt = exporting.config_from_fingerprint(trainer.run_fingerprint(config))
-  assert trainer.run_fingerprint(rebuilt) == trainer.run_fingerprint(config)
+  rebuilt = exporting.config_from_fingerprint(run_history.run_fingerprint(config))
+  assert run_history.run_fingerprint(rebuilt) == run_history.run_fingerprint(config)
   assert rebuilt.rollout.bf16_layers == (0,) and rebuilt.data.prompt_file == "/data/it's.jsonl"
   with pytest.raises(ValueError, match=r"keys that configs/base.py lacks \(student.color\)"):
     exporting.config_from_fingerprint({"student.color": "'red'"})
@@ -201,12 +205,12 @@ def test_config_from_fingerprint_inverts_run_fingerprint():
 def test_export_dir_semantics(tmp_path):
   config = base.get_config("tiny")
   assert config.export.dir == ""
-  assert trainer.export_dir(config, "/runs/a") == "/runs/a/export"
+  assert run_history.export_dir(config, "/runs/a") == "/runs/a/export"
   config.export.dir = "none"
-  assert trainer.export_dir(config, "/runs/a") is None
+  assert run_history.export_dir(config, "/runs/a") is None
   config.export.dir = str(tmp_path / "students" / "a")
-  assert trainer.export_dir(config, "/runs/a") == str(tmp_path / "students" / "a")
-  assert "export.dir" in trainer.RESUMABLE_KEYS  # a resumed run may export elsewhere
+  assert run_history.export_dir(config, "/runs/a") == str(tmp_path / "students" / "a")
+  assert "export.dir" in run_history.RESUMABLE_KEYS  # a resumed run may export elsewhere
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,9 +271,15 @@ def test_hf_student_export_copies_its_tokenizer(hf_run, tmp_path):
   copied = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
   assert set(copied) <= set(os.listdir(student))
   assert summary["files"] == sorted(
-    ["config.json", "generation_config.json", "model.safetensors", trainer.EXPORT_RECORD, *copied]
+    [
+      "config.json",
+      "generation_config.json",
+      "model.safetensors",
+      run_history.EXPORT_RECORD,
+      *copied,
+    ]
   )
-  assert _json(out / trainer.EXPORT_RECORD)["step"] == 1
+  assert _json(out / run_history.EXPORT_RECORD)["step"] == 1
   for name in copied:
     assert (out / name).read_bytes() == (student / name).read_bytes(), name
   # Ids from the run's tokenizer; the source's sampling defaults and eos list survive.

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opd_jax import checkpointing, metrics_writer, preflight, trainer
+from opd_jax.io import checkpointing, metrics_writer
+from opd_jax.train import preflight, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -63,7 +64,7 @@ def test_a_metrics_line_cut_off_by_a_kill_is_dropped_when_the_run_resumes(tmp_pa
 
 _SLOW_SAVE = """
 import sys, numpy as np
-from opd_jax import checkpointing
+from opd_jax.io import checkpointing
 state = {"w": np.random.default_rng(0).standard_normal((48, 1024, 1024), dtype=np.float32)}
 print("saving", flush=True)
 checkpointing.Checkpointer(sys.argv[1], max_to_keep=10).save(int(sys.argv[2]), state, {})

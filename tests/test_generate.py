@@ -13,7 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import config_check, generate, hf, sampler, trainer
+from opd_jax import generate
+from opd_jax.config import check as config_check
+from opd_jax.inference import sampler
+from opd_jax.io import hf
+from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -110,7 +114,7 @@ def test_options_and_defaults_are_the_trainers():
     generate.WEIGHTS, generate.KV_CACHES, generate.DTYPES
   ):
     config.rollout.weights, config.rollout.kv_cache = weights, kv
-    ref = trainer.engine_config(config, dtype)
+    ref = setup_lib.engine_config(config, dtype)
     assert generate.engine_numerics(weights, kv, dtype) == (ref.weights, ref.kv.dtype)
 
 

@@ -15,10 +15,12 @@ import jax
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from opd_jax import metrics_writer, trainer
+from opd_jax.io import metrics_writer
 from opd_jax.mismatch import admission, budget_file
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.budget import fit_budget
+from opd_jax.train import setup as setup_lib
+from opd_jax.train import trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -387,10 +389,10 @@ def teacher_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_setup(teacher_cache, tmp_path_factory):
-  """(config, trainer.Setup, the warm-started student) of the tiny reference config."""
+  """(config, setup_lib.Setup, the warm-started student) of the tiny reference config."""
   config = bf16_sync.get_config("tiny")
   config.teacher.cache_dir = teacher_cache
-  setup = trainer.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
+  setup = setup_lib.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
   return config, setup, admission.initial_student(config, setup, quiet)
 
 
@@ -415,7 +417,7 @@ def fallback_run(teacher_cache, budget_path, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("guarded")
   lines = []
   config = tiny_fp8_config(teacher_cache, budget_path)
-  result = trainer.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
+  result = guard_lib.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
   return workdir, result, lines
 
 
@@ -466,7 +468,7 @@ def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
   budget_file.save_budget(path, fitted, admission.current_fingerprint(setup, student))
   config = tiny_fp8_config(teacher_cache, path, action="adaptive")
   lines = []
-  trainer.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
+  guard_lib.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
   text = "\n".join(lines)
   measured = [line for line in lines if "budget guard measured" in line]
   assert len(measured) == 2, text  # rung 2 is never measured
@@ -484,7 +486,7 @@ def test_a_resumed_run_keeps_the_switched_rung(fallback_run, teacher_cache, budg
   lines = []
   config = tiny_fp8_config(teacher_cache, budget_path)
   config.train.steps = 8
-  result = trainer.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(str(a[0])))
+  result = guard_lib.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(str(a[0])))
   assert (result["start_step"], result["end_step"]) == (6, 8)
   text = "\n".join(lines)
   assert "on rung 2" in text

@@ -16,10 +16,11 @@ import transformers
 from conftest import tiny_model_cfg
 from safetensors.numpy import load_file, save_file
 
-from opd_jax import hf, model
-from opd_jax import tokenizer as tokenizer_lib
-from opd_jax.model_config import ModelConfig
-from opd_jax.quant import QArray
+from opd_jax.io import hf
+from opd_jax.model import tokenizer as tokenizer_lib
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import QArray
 
 LLAMA3_ROPE = {
   "rope_type": "llama3",

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import safetensors
 
-from opd_jax import hf, sharding
+from opd_jax.io import hf
+from opd_jax.model import sharding
 
 
 def _specs_and_tensors(ckpt):

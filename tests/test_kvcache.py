@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import kvcache
 from opd_jax.bench import kv_capacity
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import kvcache
+from opd_jax.model.config import ModelConfig
 
 # L=3, K=2, H=16.
 CFG = ModelConfig(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax import main
+from opd_jax.cli import flags as cli_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.is_file()) + [ROOT / ".ci" / "run"]
@@ -135,7 +135,7 @@ def test_gpu_multihost_dry_run_passes_the_coordinator_and_process_id():
     "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
   }
   assert argv == [sys.executable, "-m", "opd_jax.main", "--distributed", *MAIN_ARGS]
-  assert main.distributed_args(shown_env) == {"num_processes": 2, "process_id": 1}
+  assert cli_flags.distributed_args(shown_env) == {"num_processes": 2, "process_id": 1}
 
 
 def test_gpu_multihost_needs_the_process_id_with_a_coordinator():
@@ -183,7 +183,7 @@ def test_slurm_dry_run_resolves_every_process_of_a_two_node_allocation(port_env,
       "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9",
     }
     assert argv == [sys.executable, "-m", "opd_jax.main", "--distributed", *MAIN_ARGS]
-    assert main.distributed_args(shown_env) == {"num_processes": 8, "process_id": task}
+    assert cli_flags.distributed_args(shown_env) == {"num_processes": 8, "process_id": task}
 
 
 # -- local processes -------------------------------------------------------------

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import losses
+from opd_jax.train import losses
 
 # Two sequences of three positions over V = 4; the last position of row 1 is masked.
 S = np.array(

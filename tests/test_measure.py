@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax import engine, kvcache, model
-from opd_jax.mismatch import admission
+from opd_jax.inference import transform as engine
+from opd_jax.inference.sampler import SamplerConfig
+from opd_jax.io import compile_cache
 from opd_jax.mismatch import measure as measure_lib
-from opd_jax.sampler import SamplerConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
 
 CFG = tiny_model_cfg(vocab_size=64)
 PROMPTS = [[3, 17, 9, 4, 10], list(range(20, 31)), [7], [5] * 9]
@@ -144,19 +146,21 @@ def test_bad_arguments_are_named(params):
 FAST_COMPILE_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, {tests!r})
-from opd_jax.mismatch import admission
-took = admission.fast_compilation() if sys.argv[1] == "fast" else False
+from opd_jax.io import compile_cache, run_history
+from opd_jax.mismatch import admission, candidates as candidates_lib
+took = compile_cache.fast_compilation() if sys.argv[1] == "fast" else False
 import jax
 from conftest import tiny_model_cfg
-from opd_jax import engine, kvcache, model
+from opd_jax.inference import transform as engine
+from opd_jax.model import kvcache, transformer as model
 from opd_jax.mismatch import measure
-from opd_jax.sampler import SamplerConfig
+from opd_jax.inference.sampler import SamplerConfig
 cfg = tiny_model_cfg(vocab_size=64)
 params = model.init_params(jax.random.key(0), cfg, scale=0.3)
 fp8 = engine.EngineConfig(weights="fp8", kv=kvcache.KVCacheSpec(dtype="float8_e4m3fn"))
 sampling = SamplerConfig(max_new_tokens=12)
 m = measure.measure(params, cfg, fp8, {prompts!r}, jax.random.key(0), sampling)
-print(json.dumps({{"took": took, "again": admission.fast_compilation(),
+print(json.dumps({{"took": took, "again": compile_cache.fast_compilation(),
                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "kl": m["mismatch/kl"]}}))
 """
 
@@ -178,7 +182,7 @@ def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
   fast, optimised = runs["fast"], runs["optimised"]
   assert fast["took"] and not fast["again"]  # set once, before the backend started
   assert "--xla_backend_optimization_level=0" in fast["xla_flags"]
-  for flag in admission.FAST_COMPILE_CPU_XLA_FLAGS:  # this jaxlib has them all
+  for flag in compile_cache.FAST_COMPILE_CPU_XLA_FLAGS:  # this jaxlib has them all
     assert flag in fast["xla_flags"]
   assert "xla_backend_optimization_level" not in optimised["xla_flags"]
   assert optimised["kl"] > 1e-5  # FP8 weights and KV read a real mismatch
@@ -187,14 +191,14 @@ def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
 
 def test_only_flags_this_xla_defines_are_added():
   """XLA aborts the process on an unknown XLA_FLAGS entry, so each CPU flag is looked up first."""
-  assert admission.xla_knows_flag("--xla_backend_optimization_level=0")
-  assert admission.xla_knows_flag("--xla_cpu_use_fusion_emitters=false")
-  assert not admission.xla_knows_flag("--xla_cpu_no_such_flag_in_any_release=true")
+  assert compile_cache.xla_knows_flag("--xla_backend_optimization_level=0")
+  assert compile_cache.xla_knows_flag("--xla_cpu_use_fusion_emitters=false")
+  assert not compile_cache.xla_knows_flag("--xla_cpu_no_such_flag_in_any_release=true")
 
 
 def test_fast_compilation_leaves_a_started_backend_alone(params, monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-  assert not admission.fast_compilation()  # the suite's backend is up: too late to take effect
+  assert not compile_cache.fast_compilation()  # the suite's backend is up: too late to take effect
   assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true"
 
 

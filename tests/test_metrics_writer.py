@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
-from opd_jax import metrics_writer as mw
+from opd_jax.io import metrics_writer as mw
 
 
 def _accumulator(workdir):

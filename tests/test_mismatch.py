@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import mismatch
-from opd_jax.rollout import Rollout
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.train import mismatch_metrics as mismatch
 
 LN2 = np.log(2.0)
 NEG = -np.inf

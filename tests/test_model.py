@@ -10,8 +10,9 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from opd_jax import kvcache, model
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
 
 # Qwen3 numerics plus every optional tensor: GQA, head_dim != D / N, q/k norms, biases.
 CFG = ModelConfig(

@@ -14,25 +14,25 @@ import numpy as np
 import optax
 import pytest
 
-from opd_jax import (
-  config_check,
-  data,
-  engine,
-  metrics_writer,
-  mismatch,
-  model,
-  off_policy,
+from opd_jax.config import check as config_check
+from opd_jax.data import pipeline as data
+from opd_jax.data import prompts, task
+from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import transform as engine
+from opd_jax.io import metrics_writer
+from opd_jax.model import sharding, tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout import off_policy
+from opd_jax.rollout.sources import AsyncRollouts, RolloutEngine, SyncRollouts
+from opd_jax.train import (
+  mismatch_metrics as mismatch,
+)
+from opd_jax.train import (
   preflight,
-  prompts,
-  sampler,
-  sharding,
-  task,
-  tokenizer,
   train_step,
   trainer,
 )
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollouts import AsyncRollouts, RolloutEngine, SyncRollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -226,7 +226,7 @@ def test_mismatch_counts_sampled_rows_only_and_references_escape_the_kept_set(me
   for key in ("mismatch/kl", "mismatch/k1", "mismatch/abs_logp_diff_max"):
     assert abs(float(metrics[key])) < 1e-4, (key, float(metrics[key]))
   # The same metrics over every row (references included) are far from 0.
-  logits_bcv, _, _ = train_step.completion_logits(student, rollout, CFG, 1.0)
+  logits_bcv, _, _ = teacher_forcing.completion_logits(student, rollout, CFG, 1.0)
   policy_bcv = train_step.student_policy_logits(logits_bcv, rollout)
   polluted = mismatch.mismatch_metrics(policy_bcv, rollout)
   assert float(polluted["mismatch/k1"]) > 0.5

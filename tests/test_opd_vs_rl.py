@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax.mismatch import opd_vs_rl
+from opd_jax.experiments import opd_vs_rl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "configs"))

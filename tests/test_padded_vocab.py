@@ -27,9 +27,20 @@ import numpy as np
 import pytest
 from test_prompts import user_config
 
-from opd_jax import build, exporting, hf, model, preflight, sampler, sharding, train_step, trainer
-from opd_jax import tokenizer as tokenizer_lib
-from opd_jax.model_config import ModelConfig
+from opd_jax.inference import sampler
+from opd_jax.io import build, hf
+from opd_jax.model import sharding
+from opd_jax.model import tokenizer as tokenizer_lib
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.train import (
+  export as exporting,
+)
+from opd_jax.train import (
+  preflight,
+  train_step,
+  trainer,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -222,7 +233,7 @@ def test_logits_equal_transformers_over_the_real_vocabulary(pair, models):
     assert params["embed_vd"].shape[0] == cfg.vocab_size
   # The cached path (the sampler's) cuts the same way.
   cfg, params = models.student_cfg, models.student_params
-  from opd_jax import kvcache
+  from opd_jax.model import kvcache
 
   cache = kvcache.init_cache(cfg, 2, 16, kvcache.KVCacheSpec("float32"))
   start_b = jnp.zeros((2,), jnp.int32)

@@ -10,10 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from opd_jax import engine, kvcache, model
+from opd_jax.inference import transform as engine
+from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch import prefix_shift
-from opd_jax.sampler import SamplerConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import bf16_sync  # noqa: E402

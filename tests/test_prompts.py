@@ -12,20 +12,14 @@ import jax
 import pytest
 from conftest import apply_overrides
 
-from opd_jax import (
-  build,
-  data,
-  hf,
-  model,
-  preflight,
-  prompts,
-  sampler,
-  task,
-  toy_checkpoints,
-  trainer,
-)
-from opd_jax import tokenizer as tokenizer_lib
-from opd_jax.toy_checkpoints import CHARS, CHAT_TEMPLATE
+from opd_jax.data import padding, prompts, task, toy_checkpoints
+from opd_jax.data import pipeline as data
+from opd_jax.data.toy_checkpoints import CHARS, CHAT_TEMPLATE
+from opd_jax.inference import sampler
+from opd_jax.io import build, hf, run_history
+from opd_jax.model import tokenizer as tokenizer_lib
+from opd_jax.model import transformer as model
+from opd_jax.train import preflight, trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -83,7 +77,9 @@ def test_default_tokenizer_is_the_student_checkpoints(ckpts, tmp_path):
   assert build.tokenizer_path(user_config(student, teacher, tokenizer="char")) == "char"
   # "" and "char" are the same run for a built-in student (old checkpoints resume).
   builtin.tokenizer = "char"
-  assert trainer.run_fingerprint(builtin) == trainer.run_fingerprint(base.get_config("tiny"))
+  assert run_history.run_fingerprint(builtin) == run_history.run_fingerprint(
+    base.get_config("tiny")
+  )
   # A student directory without a tokenizer says what to set.
   with pytest.raises(ValueError, match=r"holds no tokenizer .*set config.tokenizer"):
     build.plan_models(user_config(teacher, teacher))
@@ -196,7 +192,7 @@ def test_batches_are_padded_to_their_own_bucket(tmp_path):
   for batch in data.prompt_batches(prepared, 2, seed=0, num_epochs=1):
     tokens_bp, lens_b = task.encode_prompts(list(batch["prompt"]), tok, prepared.width)
     longest = int(lens_b.max())
-    assert tokens_bp.shape[1] <= min(prepared.width, sampler.prompt_bucket(longest))
+    assert tokens_bp.shape[1] <= min(prepared.width, padding.prompt_bucket(longest))
     assert tokens_bp.shape[1] >= longest
     for row, n, ids in zip(tokens_bp, lens_b, batch["prompt"], strict=True):
       assert row[:n].tolist() == list(ids) and (row[n:] == tok.pad_id).all()

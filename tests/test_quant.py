@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import kvcache, model, quant
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import kvcache, quant
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
 
 TINY = np.float32(np.finfo(np.float32).tiny)
 

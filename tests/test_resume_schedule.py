@@ -10,7 +10,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from opd_jax import metrics_writer, trainer
+from opd_jax.io import metrics_writer, run_history
+from opd_jax.train import setup as setup_lib
+from opd_jax.train import trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -73,30 +75,30 @@ def _resumed_config(resume_schedule, stored=4):
 def test_schedule_length_decisions():
   lines = []
   config, extra = _resumed_config("keep")
-  assert trainer.schedule_length(config, {}, lines.append) == 6  # a fresh run
+  assert setup_lib.schedule_length(config, {}, lines.append) == 6  # a fresh run
   assert lines == []
-  assert trainer.schedule_length(config, extra, lines.append) == 4
+  assert setup_lib.schedule_length(config, extra, lines.append) == 4
   assert lines == [
     "train.steps changed from 4 to 6 on resume: keeping the checkpoint's 4-step learning-rate "
     "schedule (train.resume_schedule='keep'); the run stops at step 6"
   ]
   config, extra = _resumed_config("rebuild")
-  assert trainer.schedule_length(config, extra, lines.append) == 6
+  assert setup_lib.schedule_length(config, extra, lines.append) == 6
   assert "rebuilding the learning-rate schedule over 6 steps" in lines[-1]
   config, extra = _resumed_config("error")
   with pytest.raises(ValueError, match=r"train.steps changed from 4 to 6 on resume, but the"):
-    trainer.schedule_length(config, extra, lines.append)
+    setup_lib.schedule_length(config, extra, lines.append)
   config, extra = _resumed_config("error", stored=6)
-  assert trainer.schedule_length(config, extra, lines.append) == 6  # unchanged: no decision
+  assert setup_lib.schedule_length(config, extra, lines.append) == 6  # unchanged: no decision
   del extra["schedule_steps"]  # a checkpoint from before the length was stored
-  assert trainer.schedule_length(config, extra, lines.append) == 6
+  assert setup_lib.schedule_length(config, extra, lines.append) == 6
   assert lines[-1] == "the checkpoint does not record its schedule length: using train.steps=6"
 
 
 def test_resume_schedule_is_a_resumable_key_with_a_checked_value():
-  from opd_jax import config_check
+  from opd_jax.config import check as config_check
 
-  assert "train.resume_schedule" in trainer.RESUMABLE_KEYS
+  assert "train.resume_schedule" in run_history.RESUMABLE_KEYS
   config = base.get_config("tiny")
   config.train.resume_schedule = "extend"
   with pytest.raises(ValueError, match="train.resume_schedule"):

@@ -9,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import config_check, model, rl, tokenizer, train_step
-from opd_jax.rollout import Rollout
+from opd_jax.config import check as config_check
+from opd_jax.data import rewards
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import teacher_forcing
+from opd_jax.model import tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.train import rl, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -152,15 +157,15 @@ def test_reward_from_decoded_text():
     "10+10=20;20+10=30>30>30",  # malformed: two answer markers
     "wrong steps>30",  # only the answer counts
   ]
-  np.testing.assert_array_equal(rl.sequence_rewards(prompts, completions), [1, 0, 0, 1])
+  np.testing.assert_array_equal(rewards.sequence_rewards(prompts, completions), [1, 0, 0, 1])
   engine_texts = [*completions[:2], "10+10=20;20+10=30>30", "10+10=20;20+10=30>31"]
   rollout, tok = _text_rollout(prompts, engine_texts, junk_after_mask=True)
   # The tokens past the mask (a junk '9' after eos) are not part of the completion.
-  np.testing.assert_array_equal(rl.rollout_rewards(rollout, tok), [1, 0, 1, 0])
+  np.testing.assert_array_equal(rewards.rollout_rewards(rollout, tok), [1, 0, 1, 0])
   with pytest.raises(ValueError, match="not a task prompt"):
-    rl.sequence_rewards(["hello"], ["1"])
+    rewards.sequence_rewards(["hello"], ["1"])
   with pytest.raises(ValueError, match="2 prompts but 1"):
-    rl.sequence_rewards(["1+1=", "1+2="], ["2"])
+    rewards.sequence_rewards(["1+1=", "1+2="], ["2"])
 
 
 def test_train_step_dispatches_reinforce_without_the_teacher():
@@ -171,7 +176,7 @@ def test_train_step_dispatches_reinforce_without_the_teacher():
   rollout = rollout.replace(reward_b=jnp.asarray([1.0, 0.0]))
   loss_cfg = train_step.LossConfig(name="reinforce", is_clip=None)
   loss, metrics = train_step.opd_loss(params, None, rollout, cfg, None, loss_cfg)
-  logits, tokens, mask = train_step.completion_logits(params, rollout, cfg)
+  logits, tokens, mask = teacher_forcing.completion_logits(params, rollout, cfg)
   want, _ = rl.reinforce(logits, tokens, mask, rollout.reward_b, rollout.behaviour_logprobs)
   np.testing.assert_allclose(loss, want, rtol=1e-6)
   assert "mismatch/k3" in metrics and "rl/reward_mean" in metrics

@@ -18,9 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import data, engine, model, sampler, sharding, task, tokenizer
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollouts import AsyncRollouts, ProducerError, RolloutEngine, SyncRollouts, host_key
+from opd_jax.data import pipeline as data
+from opd_jax.data import task
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.model import sharding, tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout.sources import (
+  AsyncRollouts,
+  ProducerError,
+  RolloutEngine,
+  SyncRollouts,
+  host_key,
+)
 
 TASK = task.TaskConfig(num_operands=2, max_operand=99)
 TOK = tokenizer.CharTokenizer()

@@ -8,7 +8,7 @@ import re
 import pytest
 from conftest import tiny_config
 
-from opd_jax.mismatch import runs
+from opd_jax.experiments import runs
 
 QUIET = lambda *a, **k: None  # noqa: E731
 

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax import kvcache, model, sampler
-from opd_jax.sampler import SamplerConfig
+from opd_jax.inference import sampler
+from opd_jax.inference.sampler import SamplerConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
 
 CFG = tiny_model_cfg()
 # Lengths 5, 11, 1 and 14 (all in the 16-wide bucket); B=3 is padded to 4 rows.
@@ -89,7 +91,7 @@ def test_greedy_matches_uncached_argmax(params):
 def test_greedy_matches_transformers_generate(make_hf_checkpoint, model_type):
   import torch
 
-  from opd_jax import hf
+  from opd_jax.io import hf
 
   ckpt = make_hf_checkpoint(model_type)
   model_cfg, hf_params = hf.load_checkpoint(ckpt.path, jnp.float32)
@@ -288,7 +290,7 @@ def test_rollout_crosses_jit(params):
 
 @pytest.mark.parametrize("granularity", ["token_head", "tensor"])
 def test_fp8_weights_and_kv_cache_close_to_bf16(params, granularity):
-  from opd_jax import quant
+  from opd_jax.model import quant
 
   cfg = SamplerConfig(max_new_tokens=6, temperature=1.0, return_topk=-1)
   bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from opd_jax import engine, kvcache, model
-from opd_jax.bench import kv_capacity
+from opd_jax.inference import transform as engine
+from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch import sensitivity
-from opd_jax.model_config import ModelConfig
-from opd_jax.sampler import SamplerConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
 
 CFG = ModelConfig(
   model_type="qwen3",
@@ -98,8 +99,8 @@ def test_suggested_recipe_meets_its_target_when_remeasured(params, scanned):
   assert again[KL] == recipe[KL] <= target
   # Capacity: the bench's own accounting of the recipe's cache against BF16.
   spec = kvcache.KVCacheSpec("float8_e4m3fn", "token_head", tuple(recipe["bf16_layers"]))
-  bf16 = kv_capacity.measure_bytes_per_token(CFG, kvcache.KVCacheSpec("bfloat16"), 64, True)
-  fp8 = kv_capacity.measure_bytes_per_token(CFG, spec, 64, True)
+  bf16 = kvcache.measure_bytes_per_token(CFG, kvcache.KVCacheSpec("bfloat16"), 64, True)
+  fp8 = kvcache.measure_bytes_per_token(CFG, spec, 64, True)
   assert recipe["capacity_ratio"] == pytest.approx(bf16 / fp8)
   assert 1.0 <= recipe["capacity_ratio"] < 2.0
 

@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax import config_check, model, rollouts, sampler, sharding
+from opd_jax.config import check as config_check
+from opd_jax.inference import sampler
+from opd_jax.model import sharding
+from opd_jax.model import transformer as model
+from opd_jax.rollout import sources as rollouts
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "configs"))
 import base  # noqa: E402

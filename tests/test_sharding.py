@@ -16,9 +16,10 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, SequenceKey
 
-from opd_jax import model, sharding
-from opd_jax.model_config import ModelConfig
-from opd_jax.quant import QArray
+from opd_jax.model import sharding
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import QArray
 
 
 def abstract_mesh(data, fsdp, tensor):
@@ -264,7 +265,7 @@ def test_sharded_forward_matches_unsharded_on_8_devices():
 def test_the_params_alone_shard_as_the_train_states_params():
   """A reader restores the params subtree alone (`Checkpointer.restore_params`) into
   `tree_shardings(params)`: the layout the trainer gives `TrainState.params`."""
-  from opd_jax import train_step
+  from opd_jax.train import train_step
 
   params = abstract_params()
   tx = train_step.make_optimizer(1e-3, 10, 2, 0.0, 1.0)

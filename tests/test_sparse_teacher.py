@@ -17,22 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax import (
-  config_check,
-  data,
-  engine,
-  losses,
-  model,
-  sampler,
-  sharding,
-  task,
-  teacher_topk,
-  tokenizer,
-  train_step,
-)
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollout import Rollout
-from opd_jax.rollouts import RolloutEngine
+from opd_jax.config import check as config_check
+from opd_jax.data import pipeline as data
+from opd_jax.data import task
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import transform as engine
+from opd_jax.model import sharding, teacher_topk, tokenizer
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout.sources import RolloutEngine
+from opd_jax.train import losses, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -325,7 +320,7 @@ def test_teacher_temperature_in_the_train_step(tiny_run):
   tau = 1.7
   rollout = _sample(make_engine, student)  # the full path: raw teacher logits
   raw_bcv = rollout.teacher_logits
-  student_bcv, tokens, mask = train_step.completion_logits(student, rollout, CFG)
+  student_bcv, tokens, mask = teacher_forcing.completion_logits(student, rollout, CFG)
   expected, _ = losses.forward_kl(student_bcv, raw_bcv / tau, mask)
   cfg = train_step.LossConfig("forward_kl", teacher_temperature=tau)
   for r in (rollout, rollout.replace(teacher_logits=None)):
@@ -413,13 +408,13 @@ def test_sparse_versus_full_on_a_32k_vocabulary():
     model_logprobs=jnp.zeros((b, c)),
     weight_version=jnp.zeros((), jnp.int32),
   )
-  teacher_bcv, _, mask = train_step.completion_logits(teacher, rollout, CFG_32K)
+  teacher_bcv, _, mask = teacher_forcing.completion_logits(teacher, rollout, CFG_32K)
   ks = (64, 256)
   sparse = [teacher_topk.from_logits(teacher_bcv, k) for k in ks]
   names = ("forward", "reverse", "jsd_0.3")
 
   def all_losses(params, rollout, teacher_bcv, sparse):
-    student_bcv, _, mask = train_step.completion_logits(params, rollout, CFG_32K)
+    student_bcv, _, mask = teacher_forcing.completion_logits(params, rollout, CFG_32K)
     out = []
     for name in names:
       full_fn, topk_fn = FULL_AND_TOPK[name]

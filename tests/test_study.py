@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from opd_jax import trainer
-from opd_jax.mismatch import admission, budget, budget_file, study
+from opd_jax.experiments import study
+from opd_jax.io import run_history
+from opd_jax.mismatch import admission, budget, budget_file
+from opd_jax.train import setup as setup_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -376,14 +378,14 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert fingerprint["student"]["weights_sha256"]
   # ... and records the student every run started from, which a guarded run compares with
   run_cfg = study.run_config(config, study.study_settings(config)[0], str(workdir))
-  setup = trainer.prepare_models(run_cfg, str(tmp_path / "fp"), lambda *a: None)
+  setup = setup_lib.prepare_models(run_cfg, str(tmp_path / "fp"), lambda *a: None)
   start = admission.initial_student(run_cfg, setup, lambda *a: None, setup.cache_dir)
   assert fingerprint["student"][budget_file.RUN_START_KEY] == budget_file.weights_sha256(start)
   assert (
     fingerprint["student"][budget_file.RUN_START_KEY] != fingerprint["student"]["weights_sha256"]
   )
   # the budget is tied to the probe's student: the admission check finds it fresh there
-  assert admission.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps
+  assert run_history.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps
 
   mtimes = {p: p.stat().st_mtime for p in (workdir / "runs").glob("*/result.json")}
   second = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)

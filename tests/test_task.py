@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from opd_jax import task
-from opd_jax.tokenizer import CharTokenizer
+from opd_jax.data import task
+from opd_jax.model.tokenizer import CharTokenizer
 
 
 def test_solve_hand_example():
@@ -155,8 +155,8 @@ def test_tiny_transformer_learns_the_task():
   import jax.numpy as jnp
   import optax
 
-  from opd_jax import model
-  from opd_jax.model_config import ModelConfig
+  from opd_jax.model import transformer as model
+  from opd_jax.model.config import ModelConfig
 
   tok, tc = CharTokenizer(), task.TaskConfig()
   cfg = ModelConfig(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from opd_jax import tokenizer as tk
+from opd_jax.model import tokenizer as tk
 
 
 def test_char_round_trip_and_special_ids():

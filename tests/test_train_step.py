@@ -9,8 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from opd_jax import engine, evaluate, model, sampler, sharding, train_step
-from opd_jax.model_config import ModelConfig
+from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import transform as engine
+from opd_jax.model import sharding
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.train import evaluate, train_step
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]
@@ -95,7 +99,7 @@ def test_steps_reduce_kl_to_teacher_on_fixed_rollout(setup):
 def test_completion_logits_align_with_sampler_logprobs(setup):
   """Teacher-forced logits at logit_index reproduce the sampler's model log-probs."""
   student, _, rollout, _, _ = setup
-  logits_bcv, tokens_bc, mask_bc = train_step.completion_logits(student, rollout, CFG)
+  logits_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(student, rollout, CFG)
   lp = jnp.take_along_axis(jax.nn.log_softmax(logits_bcv), tokens_bc[..., None], -1)[..., 0]
   np.testing.assert_allclose(
     np.asarray(lp * mask_bc), np.asarray(rollout.model_logprobs * mask_bc), atol=1e-5
@@ -203,8 +207,8 @@ def test_quality_kl_at_the_rollout_transform(setup):
   scfg = sampler.SamplerConfig(8, 0.7, top_k=5)
   got = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout, scfg)
   at_t1 = evaluate.student_teacher_kl(student, CFG, teacher, CFG, rollout)
-  s_bcv = np.asarray(train_step.completion_logits(student, rollout, CFG)[0], np.float64) / 0.7
-  t_bcv = np.asarray(train_step.completion_logits(teacher, rollout, CFG)[0], np.float64)
+  s_bcv = np.asarray(teacher_forcing.completion_logits(student, rollout, CFG)[0], np.float64) / 0.7
+  t_bcv = np.asarray(teacher_forcing.completion_logits(teacher, rollout, CFG)[0], np.float64)
   kth = np.sort(s_bcv, axis=-1)[..., -5:-4]
   s_lp = _np_log_softmax(np.where(s_bcv >= kth, s_bcv, -np.inf))
   t_lp = _np_log_softmax(t_bcv)

@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 from conftest import apply_overrides
 
-from opd_jax import build, evaluate, hf, metrics_writer, preflight, scoring, trainer
+from opd_jax.data import scoring
+from opd_jax.io import build, hf, metrics_writer
+from opd_jax.train import evaluate, preflight, trainer
+from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -210,7 +213,7 @@ def test_the_held_out_slice_is_excluded_from_training(corrupt, tmp_path):
   other = preflight.check(user_config(student, teacher, file, seed=1), str(tmp_path / "w"), quiet)
   assert texts(other.eval_prompts) != held
   # The training batches the run draws come from the training records only, over epochs.
-  batches = iter(trainer.process_prompt_batches(checked.train_prompts, 4, seed=0))
+  batches = iter(setup_lib.process_prompt_batches(checked.train_prompts, 4, seed=0))
   seen = {t for _ in range(12) for t in next(batches)["text"]}
   assert seen == set(train)
 
@@ -263,7 +266,8 @@ def loaded(models):
 
 
 def _eval_prompts(tmp_path, tok, records):
-  from opd_jax import data, prompts
+  from opd_jax.data import pipeline as data
+  from opd_jax.data import prompts
 
   return prompts.prepare(data.JsonlSource(write_jsonl(tmp_path / "e.jsonl", records)), tok)
 
@@ -481,8 +485,10 @@ def test_eval_every_0_runs_and_writes_no_quality_metrics(models, tmp_path):
 SHARDED_CHECK = """
 import json
 import jax, jax.numpy as jnp
-from opd_jax import evaluate, model, prompts, sharding, tokenizer
-from opd_jax.model_config import ModelConfig
+from opd_jax.train import evaluate
+from opd_jax.model import transformer as model, sharding, tokenizer
+from opd_jax.data import prompts
+from opd_jax.model.config import ModelConfig
 
 tok = tokenizer.CharTokenizer()
 cfg = ModelConfig("qwen3", tok.vocab_size, 32, 64, 2, 4, 2, 8, qk_norm=True)

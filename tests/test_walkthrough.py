@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from opd_jax import toy_checkpoints
+from opd_jax.data import toy_checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -50,8 +50,8 @@ import sys
 import tempfile
 import time
 
-from opd_jax import metrics_writer
 from opd_jax.budget import fit_budget, save_budget
+from opd_jax.io import metrics_writer
 
 DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
 TARGET = 0.02

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 
-from opd_jax import metrics_writer
+from opd_jax.io import metrics_writer
 
 RUNS = {
   "sync_bf16": {"rollout.mode": "sync"},

@@ -32,8 +32,8 @@ import argparse
 import json
 import sys
 
-from opd_jax import kvcache
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import kvcache
+from opd_jax.model.config import ModelConfig
 
 # The tiny CPU model: small enough to allocate, 4 layers so that fp8_paper keeps 1 of 4.
 TINY_CONFIG = ModelConfig(
@@ -103,25 +103,6 @@ def recipe_specs() -> list[tuple[str, str | None, kvcache.KVCacheSpec]]:
   return out
 
 
-def measure_bytes_per_token(cfg: ModelConfig, spec, seq_len: int, allocate: bool) -> float:
-  """Bytes per cached token of a batch-1, `seq_len`-slot cache built by `init_cache`.
-
-  Args:
-    cfg: the model shape.
-    spec: the cache numerics.
-    seq_len: S, the slots per-sequence scales are amortised over.
-    allocate: allocate the cache for real, or trace it with `jax.eval_shape`.
-
-  Returns:
-    `kvcache.bytes_per_token` of that cache (scales included).
-  """
-  if allocate:
-    cache = kvcache.init_cache(cfg, 1, seq_len, spec)
-  else:
-    cache = kvcache.abstract_cache(cfg, 1, seq_len, spec)
-  return kvcache.bytes_per_token(cache)
-
-
 def capacity_rows(budget_bytes: int, seq_len: int = 4096) -> list[dict]:
   """One row per model × recipe × granularity.
 
@@ -145,7 +126,7 @@ def capacity_rows(budget_bytes: int, seq_len: int = 4096) -> list[dict]:
   for model, (cfg, allocate) in MODELS.items():
     baseline = None
     for recipe, granularity, spec in recipe_specs():
-      per_token = measure_bytes_per_token(cfg, spec, seq_len, allocate)
+      per_token = kvcache.measure_bytes_per_token(cfg, spec, seq_len, allocate)
       baseline = per_token if baseline is None else baseline
       rows.append(
         {

@@ -41,7 +41,7 @@ def _run_config(steps: int, seed: int, teacher_cache: str):
     sys.path.insert(0, CONFIGS)
   import study as study_config  # configs/study.py
 
-  from opd_jax.mismatch import runs
+  from opd_jax.experiments import runs
 
   run = study_config.get_config().run
   overrides = {"train.seed": seed, "teacher.cache_dir": teacher_cache}
@@ -62,7 +62,7 @@ def _cpu_seconds() -> float:
 
 def sweep(root: str, args, workers: int, log) -> dict:
   """Trains `args.runs` runs under `root` with `workers`; their wall time and results."""
-  from opd_jax.mismatch import runs
+  from opd_jax.experiments import runs
 
   jobs = [
     (_run_config(args.steps, seed, args.teacher_cache), os.path.join(root, f"seed{seed}"))
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
   # The teacher and the warm-started student go into the cache before either sweep (workers
   # would otherwise race to make them), and the parallel sweep runs first: its workers start
   # from nothing either way, while the serial sweep's process keeps what it compiles.
-  from opd_jax.mismatch import runs
+  from opd_jax.experiments import runs
 
   runs.fill_teacher_cache(_run_config(args.steps, 0, args.teacher_cache), root, log)
   parallel = sweep(os.path.join(root, "parallel"), args, args.workers, log)

@@ -34,9 +34,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from opd_jax import model, train_step
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollout import Rollout
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.train import train_step
 
 # Small but not tiny: 8 layers, so that what each layer keeps for the backward pass counts.
 BENCH_CONFIG = ModelConfig(

@@ -67,8 +67,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import engine, hf, kvcache, model, quant, sampler
-from opd_jax.model_config import ModelConfig
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.io import hf
+from opd_jax.model import kvcache, quant
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
 
 MODELS = {
   "tiny": ModelConfig(

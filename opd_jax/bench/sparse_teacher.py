@@ -13,7 +13,7 @@ AdamW, state donated) twice, with the full teacher (k = 0) and with the top-k te
 * `step`: the step runs the teacher's forward pass itself (`rollout.score_teacher` off);
 * `engine`: the rollout engine scored the teacher (`rollout.score_teacher`): the step
   receives [B, C, V] logits (full) or the [B, C, k] top-k plus tail (sparse) as input.
-  The engine's own scoring program (`evaluate.completion_logits` versus
+  The engine's own scoring program (`teacher_forcing.sharded_completion_logits` versus
   `rollouts.sparse_teacher`) is timed as its own row, `engine_scoring`, since the top-k
   moves there.
 
@@ -56,9 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax import evaluate, model, rollouts, teacher_topk, train_step
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollout import Rollout
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import teacher_forcing
+from opd_jax.model import teacher_topk
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout import sources as rollouts
+from opd_jax.train import train_step
 
 VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
 TOP_K = 64
@@ -140,7 +144,7 @@ def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
   if top_k:
     fn = jax.jit(lambda t, r: rollouts.sparse_teacher(t, r, cfg, None, top_k, 1.0))
   else:
-    fn = jax.jit(lambda t, r: evaluate.completion_logits(t, r, cfg)[0])
+    fn = jax.jit(lambda t, r: teacher_forcing.sharded_completion_logits(t, r, cfg)[0])
   row = _memory(fn.lower(teacher, rollout).compile())
   row["seconds"] = _timed(fn, (teacher, rollout), repeats, feed_state=False)
   out = fn(teacher, rollout)
@@ -155,7 +159,7 @@ def run(vocabs=VOCABS, top_k: int = TOP_K, loss: str = "forward_kl", repeats: in
     student = model.init_params(jax.random.key(1), cfg, jnp.float32, scale=0.5)
     teacher = model.init_params(jax.random.key(2), cfg, jnp.float32, scale=0.8)
     rollout = make_rollout(vocab)
-    full_logits = evaluate.completion_logits(teacher, rollout, cfg)[0]
+    full_logits = teacher_forcing.sharded_completion_logits(teacher, rollout, cfg)[0]
     sparse = teacher_topk.from_logits(full_logits, top_k)
     sources = {
       "step": (rollout, rollout),

@@ -22,7 +22,7 @@ study that calibrates them and the live guard:
 - `guard`: the budget as a live guard in training (`budget.*` config).
 """
 
-from opd_jax.mismatch.metrics import (
+from opd_jax.train.mismatch_metrics import (
   default_return_topk,
   masked_max,
   masked_quantile,

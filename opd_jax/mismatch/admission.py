@@ -1,91 +1,9 @@
-"""The admission check: screen candidate rollout configurations against a calibrated budget.
-
-    python -m opd_jax.admit --config=... --budget=FILE --candidate=SPEC [--candidate=SPEC ...]
-
-This module owns the check's logic (DESIGN.md, "Budget and admission"); `opd_jax.admit` only
-parses flags and calls `run_admission`. For each candidate, with no training:
-
-1. the candidate is a rollout configuration in the config's own terms, a comma-separated list
-   of `rollout.<key>=<value>` overrides applied to a copy of the run config and validated by
-   `config_check.validate` (so a misspelt key gets the same "did you mean" as `main`);
-2. `measure.measure` samples the N calibration prompts with the candidate's engine
-   T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
-   trainer's student θ (`measure_candidate`: the procedure the budget's records must be
-   measured with, so the study calls it too);
-3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons; the
-   measurement names the candidate's sources (`candidate_source`: "noise", "stale+fp8_kv"),
-   so a budget with per-source fits holds it to the strictest of their limits; a measurement
-   inside the band of its limit (the limit at the two ends of the bootstrap intervals) is
-   marked "too close" in the "call" column: only a full run can tell there;
-4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
-   appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
-
-The student is the one the trainer trains. `--params-from=RUN` restores the student of RUN's
-latest checkpoint (`RUN/checkpoints/<step>`, the trainer's orbax layout); without it the
-student is the one a run starts from: the HF checkpoint, or for the built-in task the
-warm-started student (`config.student.warmup_steps` supervised steps, seed + 7, as
-`trainer.initial_state` does it; cached under `<workdir>/student_cache` by the first check, so
-later checks load it instead of training). The teacher is built as the trainer builds it
-(`trainer.prepare_models`, its cache included) because the budget's fingerprint names it.
-
-Calibration prompts. The first N prompts of the built-in task's held-out split (disjoint from
-every training prompt by the task's prompt hash) drawn with seed `config.seed + 2`, a stream
-of its own (the trainer's evaluation uses `seed + 1`): fixed for a config, the same for every
-candidate and for the study that calibrates the budget (`calibration_prompts`). With
-`data.prompt_file` they are the file's first N prompts, which the training also visits: the
-check trains on nothing, so this does not bias the measurement, but they are not held out.
-Every candidate is measured with the same key (`measurement_key`), so candidates share their
-sampling uniforms and noise draws: differences between rows come from the configurations.
-
-Staleness. A stale engine samples with θ_{t−k} while the trainer scores with θ_t; its mismatch
-is set by what k training steps changed, which no single set of weights holds. The check
-measures it only from a training history: with `--params-from=RUN` whose checkpoints hold the
-latest step t and step t − k, the candidate's engine T(θ_{t−k}) samples and θ_t scores
-(`measure(..., trainer_params=θ_t)`). The lag k is `rollout.stale_k` (sync) or
-`rollout.max_lag` (async, the largest lag the bound lets through: the async loop trains on lags
-0…max_lag, so this measures its worst batches, not their average). Without such a pair the
-candidate is refused with a message naming the steps that are there and the settings that keep
-the needed checkpoints (`train.checkpoint_every=1`, `train.keep_checkpoints` ≥ k + 1). The
-mismatch of a stale engine depends on where in training it is measured (the update size shrinks
-with the learning-rate schedule and as the loss falls): a budget calibrated at one point says
-little about staleness at another.
-
-Agreement with training. With `--params-from=RUN`, a candidate whose rollout settings are the
-run's own (every rollout.* key equal) also gets the run's training-time `mismatch/kl` beside the
-check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` at the candidate's lag k,
-else `mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and
-their ratio `check_over_training` (left out when the training value is below 1e-6, f32
-rounding). The check measures at one set of weights on N held-out prompts; training averages
-over the weights and prompts of many steps: the two agree when the mismatch changes little
-along training, which the ratio shows.
-
-Cost. A check is mostly XLA compilation. The command compiles without backend optimisation
-(`fast_compilation`: a third of the optimised compile time, the same KLs to ~1e-6 relative),
-and keeps its compiled programs in `<workdir>/jax_cache` (`enable_compilation_cache`), so only
-the first check of a config on a machine compiles. The compiles run beside the Python work:
-each candidate's three programs are traced from the student's shapes and compiled on worker
-threads (`measure.start_compiling`) while this thread traces the next one and then reads the
---params-from student (`RunHistory.params`: a finished run's last step from its export's
-safetensors, other steps from their orbax checkpoints, orbax being imported only then); XLA
-holds no Python lock while it compiles. The command ends without the interpreter's teardown
-(`main.exit_at_once`) once its outputs are closed. `python -m opd_jax.bench.admission_cost`
-reports the cost of a first and a later check as fractions of a training run of the same
-config.
-
-Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
-(the params the check scores with), the teacher, the quantization format, the backend and the
-jax versions. A mismatch refuses the check with one line per change (`budget_file.
-stale_reasons`) unless `force=True`, which still reports them. A budget calibrated on the
-warm-started student is stale for a `--params-from` student: its mismatch was measured at
-other weights.
-"""
+"""TODO docstring."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import datetime
-import difflib
 import json
 import math
 import os
@@ -94,53 +12,47 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections
-from absl import flags as absl_flags
-from ml_collections.config_flags import tuple_parser
 
-from opd_jax import (
-  build,
-  config_check,
-  data,
-  engine,
-  hf,
-  metrics_writer,
-  rollouts,
-  sampler,
-  sharding,
-  task,
-  trainer,
-)
+from opd_jax.config import check as config_check
+from opd_jax.data import pipeline as data
+from opd_jax.data import task
+from opd_jax.inference import sampler
+from opd_jax.io import metrics_writer
+from opd_jax.io.run_history import RunHistory
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
 from opd_jax.mismatch import measure as measure_lib
+from opd_jax.mismatch.candidates import (
+  CANDIDATE_PREFIX,
+  Candidate,
+  candidate_source,
+  parse_candidate,
+)
+from opd_jax.rollout import sources as rollouts
+from opd_jax.train import setup as setup_lib
 
-CANDIDATE_PREFIX = "rollout."
 # The FP8 numerics this codebase quantizes with (quant.py: e4m3fn values, f32 scales); a budget
 # fingerprints it so that a change of format makes the budget stale.
 QUANT_FORMAT = "fp8_e4m3fn"
+
+
 CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
+
+
 DEFAULT_NUM_PROMPTS = 64
+
+
 LOG_FILE = "admission_log.jsonl"
-COMPILATION_CACHE = "jax_cache"  # <workdir>/jax_cache: compiled programs kept between checks
+
+
 STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started student, once
-TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
+
+
 # Below this (nats/token) a mismatch/kl is f32 rounding (an exact engine reads ~1e-9): no ratio.
 ROUNDING_KL = 1e-6
-# Run-config keys that may differ between a --params-from run and the check's config: what the
-# candidate changes, how the run trained, and where its teacher is cached.
-# Keys a --params-from run may differ in: none changes the student's engine or the mismatch
-# between engine and trainer (the teacher's temperature only shapes the loss's target).
-_RUN_KEYS_FREE = (
-  "rollout.",
-  "train.",
-  "budget.",
-  "export.",
-  "teacher.cache_dir",
-  "teacher.temperature",
-)
+
+
 # Table columns: (header, row key, format).
 _COLUMNS = (
   ("candidate", "candidate", "s"),
@@ -153,264 +65,6 @@ _COLUMNS = (
   ("verdict", "verdict", "s"),
   ("call", "call", "s"),
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# Candidates
-
-# Which override makes a candidate belong to which mismatch source (the budget's per-source
-# limits), checked in this order.
-SOURCE_OF_KEY = (
-  ("rollout.noise_sigma", "noise"),
-  ("rollout.stale_k", "stale"),
-  ("rollout.max_lag", "stale"),
-  ("rollout.weights", "fp8_weights"),
-  ("rollout.kv_cache", "fp8_kv"),
-  ("rollout.kernel", "kernel"),
-)
-# A cast to bf16 is not FP8: it is a source of its own (with no fit, the pooled budget applies).
-CAST_SOURCES = {
-  ("rollout.weights", "bf16"): "bf16_weights",
-  ("rollout.kv_cache", "bf16"): "bf16_kv",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-  """One parsed candidate.
-
-  Attributes:
-    spec: the text as given.
-    overrides: dotted key -> parsed value, in the order given.
-    config: a copy of the run config with the overrides applied, validated.
-    engine_cfg: the engine the trainer would build from `config` (`trainer.engine_config`).
-    lag: k, the weight-version lag it samples with: rollout.stale_k (sync) or rollout.max_lag
-      (async).
-  """
-
-  spec: str
-  overrides: dict[str, Any]
-  config: ml_collections.ConfigDict
-  engine_cfg: engine.EngineConfig
-  lag: int
-
-  @property
-  def engine_id(self) -> str:
-    return self.engine_cfg.engine_id
-
-
-def split_spec(spec: str) -> list[str]:
-  """Splits "a=1,b=(0,1),c=x" at the commas outside brackets: ["a=1", "b=(0,1)", "c=x"]."""
-  parts, depth, current = [], 0, []
-  for ch in spec:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-      if depth < 0:
-        raise ValueError(f"candidate {spec!r}: unbalanced {ch!r}")
-    if ch == "," and depth == 0:
-      parts.append("".join(current))
-      current = []
-    else:
-      current.append(ch)
-  if depth:
-    raise ValueError(f"candidate {spec!r}: unbalanced brackets")
-  parts.append("".join(current))
-  return [p.strip() for p in parts]
-
-
-def _literal(raw: str):
-  """A value of unknown type, as ml_collections parses one: a Python literal, else the text."""
-  if raw in ("true", "false"):
-    raw = raw.capitalize()
-  try:
-    return ast.literal_eval(raw)
-  except (SyntaxError, ValueError):
-    return raw
-
-
-def parse_value(raw: str, current):
-  """Parses `raw` as ml_collections' `--config.key=raw` would for a field now holding `current`.
-
-  int, float and bool fields use absl's parsers ("1" becomes 1.0 for a float field), tuple
-  fields `ast.literal_eval` with a single value wrapped ("0" -> (0,), "(0,1)" -> (0, 1)), str
-  fields keep the text; a field of another type (or an unknown key) takes a Python literal,
-  else the text.
-
-  Raises:
-    ValueError: the text does not parse as the field's type.
-  """
-  parsers = (
-    (bool, absl_flags.BooleanParser()),
-    (int, absl_flags.IntegerParser()),
-    (float, absl_flags.FloatParser()),
-    (tuple, tuple_parser.TupleParser()),
-  )
-  for kind, parser in parsers:
-    if isinstance(current, kind):
-      return parser.parse(raw)
-  if isinstance(current, str):
-    return raw
-  return _literal(raw)
-
-
-def _refuse_non_rollout(spec: str, key: str) -> None:
-  rollout_keys = [k for k in config_check.RULES if k.startswith(CANDIDATE_PREFIX)]
-  near = difflib.get_close_matches(key, rollout_keys, n=1, cutoff=0.8)
-  if near:
-    raise ValueError(f"candidate {spec!r}: unknown key {key!r}; did you mean {near[0]!r}?")
-  raise ValueError(
-    f"candidate {spec!r}: {key!r} is not a rollout setting; a candidate is a rollout "
-    f"configuration, so only rollout.* keys may be set (allowed: {', '.join(rollout_keys)}). "
-    "Other settings change the student, the teacher or the training, which the budget is "
-    "calibrated for: pass them to --config instead"
-  )
-
-
-def candidate_lag(config: ml_collections.ConfigDict) -> int:
-  """k: rollout.stale_k in sync mode, rollout.max_lag in async mode (its worst batches)."""
-  r = config.rollout
-  return int(r.max_lag) if r.mode == "async" else int(r.stale_k)
-
-
-def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
-  """Parses one candidate against the run config.
-
-  Args:
-    spec: comma-separated `rollout.<key>=<value>` overrides, e.g.
-      "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor" or
-      "rollout.bf16_layers=(0,),rollout.weights=fp8". Values parse as ml_collections parses
-      `--config.<key>=<value>` (`parse_value`).
-    config: the run config (not modified).
-
-  Returns:
-    A Candidate.
-
-  Raises:
-    ValueError: an empty or malformed spec, a key set twice, a non-rollout key, an unknown key
-      (with the nearest valid one), or a value `config_check.validate` refuses (naming the key
-      and what is allowed).
-  """
-  if not spec or not spec.strip():
-    raise ValueError("empty candidate; give rollout.<key>=<value>[,rollout.<key>=<value> ...]")
-  overrides: dict[str, Any] = {}
-  raw_items = []
-  for item in split_spec(spec):
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-      raise ValueError(
-        f"candidate {spec!r}: {item!r} is not <key>=<value> (a tuple value keeps its commas "
-        "inside brackets: rollout.bf16_layers=(0,1))"
-      )
-    if key.startswith("config."):
-      key = key[len("config.") :]
-    if key in [k for k, _ in raw_items]:
-      raise ValueError(f"candidate {spec!r}: {key!r} is set twice")
-    if not key.startswith(CANDIDATE_PREFIX):
-      _refuse_non_rollout(spec, key)
-    raw_items.append((key, raw.strip()))
-
-  candidate_config = ml_collections.ConfigDict(config.to_dict())  # unlocked deep copy
-  for key, raw in raw_items:
-    leaf = key[len(CANDIDATE_PREFIX) :]
-    if "." in leaf:
-      raise ValueError(f"candidate {spec!r}: {key!r} is not a rollout setting (nested key)")
-    current = candidate_config.rollout.get(leaf)
-    try:
-      value = parse_value(raw, current)
-    except ValueError as e:
-      raise ValueError(f"candidate {spec!r}: {key}={raw!r}: {e}") from e
-    try:
-      candidate_config.rollout[leaf] = value
-    except TypeError as e:  # ConfigDict refuses a value of another type than the field's
-      raise ValueError(f"candidate {spec!r}: {key}={raw!r}: {e}") from e
-    overrides[key] = candidate_config.rollout[leaf]
-  try:
-    config_check.validate(candidate_config)
-  except ValueError as e:
-    raise ValueError(f"candidate {spec!r}: {e}") from e
-  compute_dtype = jnp.dtype(config.student.dtype).name
-  return Candidate(
-    spec=spec,
-    overrides=overrides,
-    config=candidate_config,
-    engine_cfg=trainer.engine_config(candidate_config, compute_dtype),
-    lag=candidate_lag(candidate_config),
-  )
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts, student, fingerprint
-
-
-def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict) -> str:
-  """The mismatch sources a candidate changes against the config it modifies (`config_source`)."""
-  return config_source(candidate.config, reference, candidate.lag)
-
-
-# Which source a candidate key belongs to when a combination is split into its parts
-# (`source_parts`): each source's own key (SOURCE_OF_KEY) and the keys that only qualify it; a
-# key not listed here goes with every part.
-PART_OF_KEY = {
-  **dict(SOURCE_OF_KEY),
-  "rollout.mode": "stale",
-  "rollout.weight_block_size": "fp8_weights",
-  "rollout.bf16_layers": "fp8_weights",
-  "rollout.kv_granularity": "fp8_kv",
-}
-
-
-def source_parts(candidate: Candidate, reference: ml_collections.ConfigDict) -> dict[str, str]:
-  """A combination's parts: source -> the candidate spec of that source's overrides alone
-  (with the overrides no source owns), in the candidate's source order; {} when the candidate
-  changes fewer than two sources. What `budget.admit(..., per_part=True)` holds each source's
-  limit against, measured as "mismatch/kl/part/<source>".
-
-  Raises:
-    ValueError: a part that is not one source of the candidate's own (a key PART_OF_KEY puts
-      with the wrong group).
-  """
-  sources = candidate_source(candidate, reference).split("+")
-  if len(sources) < 2:
-    return {}
-  groups: dict[str, list[str]] = {}
-  shared = []
-  for item in split_spec(candidate.spec):
-    key = item.partition("=")[0].strip().removeprefix("config.")
-    owner = PART_OF_KEY.get(key)
-    if owner is None:
-      shared.append(item.strip())
-    else:
-      groups.setdefault(owner, []).append(item.strip())
-  parts = {}
-  for items in groups.values():
-    spec = ",".join(items + shared)
-    source = candidate_source(parse_candidate(spec, reference), reference)
-    if source not in sources:
-      raise ValueError(
-        f"candidate {candidate.spec!r}: its part {spec!r} changes {source!r}, not one of "
-        f"its sources {sources}"
-      )
-    parts[source] = spec
-  return {s: parts[s] for s in sources if s in parts}
-
-
-def config_source(config, reference, lag: int) -> str:
-  """The mismatch sources `config` changes against `reference`, "+"-joined in SOURCE_OF_KEY
-  order ("noise+stale"), or "reference" when it changes none of them. Staleness is the lag
-  the engine trains with (`lag` > 0: stale_k, or an async engine's lag bound), whatever the
-  reference's own mode."""
-  found = []
-  for key, source in SOURCE_OF_KEY:
-    section, leaf = key.split(".")
-    value = config[section][leaf]
-    changed = lag > 0 if source == "stale" else value != reference[section][leaf]
-    source = CAST_SOURCES.get((key, value), source)
-    if changed and source not in found:
-      found.append(source)
-  return "+".join(found) or budget_lib.REFERENCE_SOURCE
 
 
 def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompts: int):
@@ -426,7 +80,7 @@ def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompt
   else:
     seed = config.seed + CALIBRATION_SEED_OFFSET
     source = task.TaskSource("heldout", num_prompts, seed, task_cfg)
-  width = trainer.prompt_width(source, tokenizer, task_cfg, bool(config.data.prompt_file))
+  width = setup_lib.prompt_width(source, tokenizer, task_cfg, bool(config.data.prompt_file))
   texts = [source[i]["prompt"] for i in range(num_prompts)]
   tokens_bp, lens_b = task.encode_prompts(texts, tokenizer, width)
   return texts, tokens_bp, lens_b
@@ -437,7 +91,7 @@ def measurement_key(config):
   return rollouts.host_key(config.seed)
 
 
-def current_fingerprint(setup: trainer.Setup, student_params) -> dict:
+def current_fingerprint(setup: setup_lib.Setup, student_params) -> dict:
   """`budget_file.fingerprint` of the check's setup: the student it scores with, the teacher."""
   m = setup.models
   return budget_file.fingerprint(
@@ -445,134 +99,24 @@ def current_fingerprint(setup: trainer.Setup, student_params) -> dict:
   )
 
 
-def checkpoint_steps(run_dir: str) -> list[int]:
-  """The steps of the trainer checkpoints under `run_dir/checkpoints`, ascending."""
-  directory = os.path.join(run_dir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise ValueError(f"--params-from {run_dir}: no checkpoints directory {directory}")
-  steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-  if not steps:
-    raise ValueError(f"--params-from {run_dir}: {directory} holds no finished checkpoint")
-  return steps
-
-
-def _check_run_config(saved: dict[str, str], config, run_dir: str) -> None:
-  """Refuses a run whose student/teacher/task settings differ from the check's config."""
-  current = trainer.run_fingerprint(config)
-  changed = sorted(
-    k
-    for k in set(saved) & set(current)
-    if not k.startswith(_RUN_KEYS_FREE) and saved[k] != current[k]
-  )
-  if changed:
-    details = ", ".join(f"{k}: {saved[k]} (run) vs {current[k]} (--config)" for k in changed[:5])
-    raise ValueError(
-      f"--params-from {run_dir} was trained with another student, teacher or task than "
-      f"--config describes ({details}); pass the run's config"
-    )
-
-
-def exported_run_record(run_dir: str, step: int) -> dict | None:
-  """The `trainer.EXPORT_RECORD` of `run_dir/export` when that export holds the student of
-  checkpoint `step`, else None.
-
-  A finished run exports the student of its last checkpoint with a record of the step and the
-  run's config (`trainer.export_student`), after the checkpoint is written. An export whose
-  record names another step, or that is older than the checkpoint (a run re-trained to the same
-  step in that workdir and not finished), does not count, nor does an export without a record.
-  """
-  file = os.path.join(run_dir, "export", trainer.EXPORT_RECORD)
-  checkpoint = os.path.join(run_dir, "checkpoints", str(step))
-  try:
-    if os.path.getmtime(file) < os.path.getmtime(checkpoint):
-      return None
-    with open(file, encoding="utf-8") as f:
-      record = json.load(f)
-  except (OSError, ValueError):
-    return None
-  if not isinstance(record, dict) or record.get("step") != step:
-    return None
-  return record
-
-
-class RunHistory:
-  """The student at a run's checkpointed steps, in the trainer's layout.
-
-  A step is read from the run's export (`exported_run_record`: safetensors, `hf.
-  load_checkpoint`) when the export holds it, which is the last step of a finished run; every
-  other step is restored from its orbax checkpoint (the params alone: `checkpointing.
-  Checkpointer.restore_params`). Both give the same params, bit for bit: the export is written
-  in the params' own dtype. Reading the export leaves out orbax, whose import alone is ~0.5 s of
-  CPU, a tenth of a first check.
-
-  Args:
-    config: the check's config (the run's config is checked against it).
-    setup: from `trainer.prepare_models` (the student's structure and mesh).
-    run_dir: the run's workdir (read only).
-  """
-
-  def __init__(self, config, setup: trainer.Setup, run_dir: str):
-    self.run_dir = run_dir
-    self.steps = checkpoint_steps(run_dir)
-    self._config, self._setup = config, setup
-    self._cache: dict[int, Any] = {}
-    self.run_config: dict[str, str] = {}  # the run's config fingerprint (repr per key)
-    m = setup.models
-    abstract = jax.eval_shape(lambda p: p, m.student_params)
-    shardings = sharding.tree_shardings(abstract, m.mesh)
-    # The shapes, dtypes and shardings every restored step has.
-    self.abstract_params = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-
-  @property
-  def latest(self) -> int:
-    return self.steps[-1]
-
-  def params(self, step: int):
-    """The student params of checkpoint `step` (restored once, then kept)."""
-    if step not in self._cache:
-      if step not in self.steps:
-        raise ValueError(f"{self.run_dir} has no checkpoint at step {step} (has {self.steps})")
-      record = exported_run_record(self.run_dir, step)
-      if record is not None:
-        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
-        dtype = build.DTYPES[self._config.student.dtype]
-        export = os.path.join(self.run_dir, "export")
-        params = hf.load_checkpoint(export, dtype, shardings=shardings)[1]
-        self.run_config = record.get("config", {})
-      else:
-        from opd_jax import checkpointing  # orbax: imported when a check restores
-
-        ckpt = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"), read_only=True)
-        try:
-          params, extra = ckpt.restore_params(step, self.abstract_params)
-        finally:
-          ckpt.close()
-        self.run_config = extra.get("config", {})
-      _check_run_config(self.run_config, self._config, self.run_dir)
-      self._cache[step] = params
-    return self._cache[step]
-
-
-def initial_student(config, setup: trainer.Setup, log=print, cache_dir: str | None = None):
+def initial_student(config, setup: setup_lib.Setup, log=print, cache_dir: str | None = None):
   """The student a run starts from: the HF checkpoint's params, or the warm-started built-in
   student, loaded from `cache_dir` when a run or an earlier check saved it there
-  (`trainer.warm_started_student`, the same function and cache the trainer uses)."""
-  return trainer.warm_started_student(config, setup, log, cache_dir)
+  (`setup_lib.warm_started_student`, the same function and cache the trainer uses)."""
+  return setup_lib.warm_started_student(config, setup, log, cache_dir)
 
 
-def candidate_sampler_config(candidate: Candidate, setup: trainer.Setup) -> sampler.SamplerConfig:
+def candidate_sampler_config(candidate: Candidate, setup: setup_lib.Setup) -> sampler.SamplerConfig:
   """The sampler settings the trainer would use with the candidate's config."""
   m = setup.models
   kv = candidate.engine_cfg.kv
-  return trainer.sampler_config(
+  return setup_lib.sampler_config(
     candidate.config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size
   )
 
 
 def measure_candidate(
-  candidate: Candidate, setup: trainer.Setup, prompts, student_params, behaviour_params=None
+  candidate: Candidate, setup: setup_lib.Setup, prompts, student_params, behaviour_params=None
 ) -> dict:
   """The check's measurement of one candidate: what a budget record's x-axis must be.
 
@@ -592,7 +136,7 @@ def measure_candidate(
 
 
 def start_compiling(
-  candidate: Candidate, setup: trainer.Setup, prompts, student_params
+  candidate: Candidate, setup: setup_lib.Setup, prompts, student_params
 ) -> measure_lib.Compiling:
   """Starts compiling what `measure_candidate` runs for `candidate`
   (`measure.start_compiling`), from the student's params or their shapes (a stale candidate's
@@ -650,45 +194,10 @@ def trained_with(candidate: Candidate, run_config: dict[str, str]) -> bool:
   return bool(keys) and all(run_config[k] == mine[k] for k in keys)
 
 
-def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_FRACTION):
-  """The run's training-time `mismatch/kl` (item 2 of the budget issue: does the check's
-  pre-training measurement agree with what training logged for the same configuration?).
-
-  Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` (the trainer
-  logs it for every lag its batches had in a log window), else `mismatch/kl` (older runs).
-  The whole-run mean mixes early steps, whose updates (hence stale mismatch) are larger, with
-  late ones; the mean over the last `last_fraction` of the logged steps is the one to set beside
-  a check at the latest checkpoint.
-
-  Returns:
-    {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps"}, or
-    None when the run logged neither key.
-  """
-  path = os.path.join(run_dir, metrics_writer.JSONL_NAME)
-  if not os.path.exists(path):
-    return None
-  rows = metrics_writer.read_jsonl(run_dir)
-  for key in (f"{budget_lib.KL_KEY}/lag_{lag}", budget_lib.KL_KEY):
-    values = [r[key] for _, r in sorted(rows.items()) if key in r]
-    if values:
-      tail = values[-max(1, math.ceil(last_fraction * len(values))) :]
-      return {
-        "train/key": key,
-        "train/mismatch_kl_mean": sum(values) / len(values),
-        "train/mismatch_kl_last": sum(tail) / len(tail),
-        "train/logged_steps": len(values),
-      }
-  return None
-
-
 def _refuse_unmeasurable(candidates: Sequence[Candidate], history: RunHistory | None) -> None:
   problems = [p for p in (stale_lag_problem(c, history) for c in candidates) if p]
   if problems:
     raise ValueError("\n".join(problems))
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows, table, log
 
 
 def candidate_row(
@@ -781,109 +290,6 @@ def append_log(workdir: str, entries: Sequence[dict]) -> str:
   return path
 
 
-# ---------------------------------------------------------------------------------------------
-# The check
-
-
-def compilation_cache_flag(value: str | None, workdir: str) -> None:
-  """A command's --compilation-cache flag: None means <workdir>/jax_cache, "" turns it off."""
-  cache = os.path.join(workdir, COMPILATION_CACHE) if value is None else value
-  if cache:
-    enable_compilation_cache(cache)
-
-
-FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
-# CPU code generation without XLA's newer fusion emitters and LLVM's expensive passes: on the
-# bench's FP8 candidate the sampler compiles in 0.48 s instead of 0.94 s (level 0 alone; 1.9 s
-# optimised) and the check's whole process takes 3.5 s instead of 4.1 s on 2 cores, with
-# mismatch/kl equal to every printed digit. They touch the CPU backend only.
-FAST_COMPILE_CPU_XLA_FLAGS = (
-  "--xla_cpu_use_fusion_emitters=false",
-  "--xla_llvm_disable_expensive_passes=true",
-)
-
-
-def xla_knows_flag(flag: str) -> bool:
-  """True when the installed XLA library defines `flag` (`--name=value`): XLA aborts the whole
-  process on an unknown `XLA_FLAGS` entry, and its flag set changes between jaxlib releases.
-
-  Registered flag names are strings in the library (`libjax_common.so` in current jaxlib,
-  `xla_extension.so` in older ones), so they are looked for there: a memory-mapped search of
-  about 10 ms, against the half second the flags save.
-  """
-  import mmap
-
-  import jaxlib
-
-  name = flag.lstrip("-").split("=", 1)[0].encode()
-  directory = os.path.dirname(jaxlib.__file__)
-  for entry in sorted(os.listdir(directory)):
-    path = os.path.join(directory, entry)
-    if ".so" not in entry or os.path.getsize(path) < (16 << 20):  # XLA is the big library
-      continue
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as image:
-      if image.find(name) >= 0:
-        return True
-  return False
-
-
-def fast_compilation() -> bool:
-  """Turns XLA's backend (LLVM) optimisation off for this process; True when it took effect.
-
-  A check runs each of its programs once, on a few dozen prompts, so compiling them is most of
-  its cost. Without backend optimisation the FP8 sampler compiles in 1.4 s instead of 2.7 s and
-  the scorer in 0.6 s instead of 1.2 s on 2 busy CPU cores (the sampler: 0.94 s against 1.9 s
-  when idle), and the measured `mismatch/kl` moves by 2e-7 relative (1.3791605e-4 ->
-  1.3791629e-4 on the bench's candidate). The HLO programs are the same: only the machine code
-  is less optimised. The CPU flags of
-  `FAST_COMPILE_CPU_XLA_FLAGS` halve the sampler's compilation again; each is added only when
-  this XLA defines it (`xla_knows_flag`). `XLA_FLAGS` is read when the backend starts, so this
-  must run before anything touches a device; it is False (and changes nothing) when the
-  backend is already up or when `XLA_FLAGS` sets the level itself. The persistent compilation
-  cache keys entries by `XLA_FLAGS`, so fast and optimised programs never mix.
-  """
-  from jax._src import xla_bridge  # no public "is the backend up?" query
-
-  flags = os.environ.get("XLA_FLAGS", "")
-  if xla_bridge.backends_are_initialized() or "xla_backend_optimization_level" in flags:
-    return False
-  extra = [f for f in FAST_COMPILE_CPU_XLA_FLAGS if f.split("=")[0] not in flags]
-  extra = [f for f in extra if xla_knows_flag(f)]
-  os.environ["XLA_FLAGS"] = " ".join([flags, FAST_COMPILE_XLA_FLAG, *extra]).strip()
-  return True
-
-
-def enable_compilation_cache(directory: str) -> None:
-  """Keeps every XLA program the check compiles in `directory` (jax's persistent compilation
-  cache), so a later check of the same config loads them instead of compiling.
-
-  A check is mostly compilation: the model init, the sampler for each KV format and weight
-  dtype, the engine transform for each noise σ, the scorer. On 2 busy CPU cores a check of the
-  reference config took 60 s with an empty cache and 7 s with a filled one
-  (`python -m opd_jax.bench.admission_cost` gives the cold and warm figures). Entries are keyed
-  by the program, the jax version and the backend, so a stale entry is never used.
-
-  Raises:
-    ValueError: `directory` cannot be created or written (it names the directory and why).
-  """
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    reason = e.strerror or str(e)
-    raise ValueError(
-      f"--compilation-cache {directory!r}: cannot create it ({reason}); pass a writable "
-      "directory, or --compilation-cache= (empty) to compile without a cache"
-    ) from e
-  if not os.access(directory, os.W_OK):
-    raise ValueError(
-      f"--compilation-cache {directory!r} is not writable; pass a writable directory, or "
-      "--compilation-cache= (empty) to compile without a cache"
-    )
-  jax.config.update("jax_compilation_cache_dir", directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def check_budget_fresh(saved_fp: dict, current_fp: dict, force: bool, hint: str = "") -> list[str]:
   """`stale_reasons` of the budget; raises ValueError listing them unless `force`."""
   reasons = budget_file.stale_reasons(saved_fp, current_fp)
@@ -953,7 +359,7 @@ def run_admission(
     run_cache = os.path.join(params_from, "teacher_cache")
     if os.path.isdir(run_cache):
       config.teacher.cache_dir = run_cache
-  setup = trainer.prepare_models(config, workdir, log)
+  setup = setup_lib.prepare_models(config, workdir, log)
   history = RunHistory(config, setup, params_from) if params_from else None
   _refuse_unmeasurable(candidates, history)
   m = setup.models
@@ -1050,3 +456,37 @@ def run_admission(
     pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(json_path).write_text(json.dumps(_json_safe(result), indent=1) + "\n")
   return result
+
+
+TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps
+
+
+def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_FRACTION):
+  """The run's training-time `mismatch/kl` (item 2 of the budget issue: does the check's
+  pre-training measurement agree with what training logged for the same configuration?).
+
+  Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` (the trainer
+  logs it for every lag its batches had in a log window), else `mismatch/kl` (older runs).
+  The whole-run mean mixes early steps, whose updates (hence stale mismatch) are larger, with
+  late ones; the mean over the last `last_fraction` of the logged steps is the one to set beside
+  a check at the latest checkpoint.
+
+  Returns:
+    {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps"}, or
+    None when the run logged neither key.
+  """
+  path = os.path.join(run_dir, metrics_writer.JSONL_NAME)
+  if not os.path.exists(path):
+    return None
+  rows = metrics_writer.read_jsonl(run_dir)
+  for key in (f"{budget_lib.KL_KEY}/lag_{lag}", budget_lib.KL_KEY):
+    values = [r[key] for _, r in sorted(rows.items()) if key in r]
+    if values:
+      tail = values[-max(1, math.ceil(last_fraction * len(values))) :]
+      return {
+        "train/key": key,
+        "train/mismatch_kl_mean": sum(values) / len(values),
+        "train/mismatch_kl_last": sum(tail) / len(tail),
+        "train/logged_steps": len(values),
+      }
+  return None

@@ -61,7 +61,7 @@ import numpy as np
 from etils import epath
 
 from opd_jax.mismatch import budget as budget_lib
-from opd_jax.model_config import ModelConfig
+from opd_jax.model.config import ModelConfig
 
 SCHEMA = "opd_jax.budget"
 VERSION = 1

@@ -92,9 +92,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from opd_jax import config_check
+from opd_jax.config import check as config_check
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
+from opd_jax.train import trainer
 
 ACTIONS = ("warn", "fallback", "adaptive")
 AXES = ("training", "check")  # what a compared mismatch/kl is: a training step's, or the check's
@@ -177,14 +178,14 @@ EXACT_ENGINE = {"weights": "trainer", "kv_cache": "auto", "noise_sigma": 0.0, "k
 
 def rung_sources(config: ml_collections.ConfigDict, ladder: tuple[Rung, ...]) -> tuple[str, ...]:
   """The mismatch sources of each rung's engine against EXACT_ENGINE, "+"-joined as the
-  admission check names a candidate's (`admission.config_source`): the budget's per-source
+  admission check names a candidate's (`candidates_lib.config_source`): the budget's per-source
   limits apply to them."""
-  from opd_jax.mismatch import admission  # admission imports the trainer, which imports us
+  from opd_jax.mismatch import candidates as candidates_lib
 
   exact = ml_collections.ConfigDict(config.to_dict())
   exact.rollout.update(EXACT_ENGINE)
   configs = [apply_rung(config, rung) for rung in ladder]
-  return tuple(admission.config_source(c, exact, rung_lag(c)) for c in configs)
+  return tuple(candidates_lib.config_source(c, exact, rung_lag(c)) for c in configs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +453,8 @@ class LiveGuard:
     log: the run's log function.
   """
 
+  EXTRA_KEY = EXTRA_KEY  # `hooks.StepHook`: its entry in the checkpoint extra
+
   def __init__(self, config, setup, guard: Guard, make_source, prompt_iter, writer, log):
     self.base_config, self.setup, self.guard = config, setup, guard
     self.config = apply_rung(config, guard.ladder[guard.rung])
@@ -477,7 +480,7 @@ class LiveGuard:
     b = config.budget
     if not b.file:
       return None
-    from opd_jax.mismatch import admission  # admission imports the trainer, which imports us
+    from opd_jax.mismatch import admission
 
     budget, saved_fp = budget_file.load_budget(b.file)
     ladder = fallback_ladder(config.rollout)
@@ -595,7 +598,8 @@ class LiveGuard:
   def _measure(self, decision: Decision, step: int, state) -> dict[int, float]:
     """Adaptive: mismatch/kl of the candidate rungs, cheapest first, up to the first within
     budget, with the admission check's measurement at the current student."""
-    from opd_jax.mismatch import admission  # admission imports the trainer, which imports us
+    from opd_jax.mismatch import admission
+    from opd_jax.mismatch import candidates as candidates_lib
 
     m = self.setup.models
     if self._prompts is None:
@@ -608,7 +612,7 @@ class LiveGuard:
       rung = self.guard.ladder[index]
       spec = ",".join(f"rollout.{k}={v}" for k, v in rung.overrides.items())
       spec = spec or f"rollout.weights={self.base_config.rollout.weights}"  # rung 0: as is
-      candidate = admission.parse_candidate(spec, self.base_config)
+      candidate = candidates_lib.parse_candidate(spec, self.base_config)
       behaviour = None
       if candidate.lag and self._history:
         older = [p for s, p in self._history if s <= step - candidate.lag]
@@ -626,3 +630,11 @@ class LiveGuard:
       if within:
         break
     return measured
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
+  """`trainer.run` with the live guard as its step hook: what `python -m opd_jax.main` runs.
+
+  Without `budget.file` the hook factory returns None and the run is the plain trainer's.
+  """
+  return trainer.run(config, workdir, log, step_hook=LiveGuard.create)

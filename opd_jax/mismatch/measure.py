@@ -9,7 +9,7 @@ sit on one scale:
    `sampler.sample`, returning the behaviour distribution π_b
    (`mismatch.default_return_topk(V)` unless the caller chose one).
 2. Score the same tokens under the unperturbed trainer student θ_trainer: the
-   teacher-forced logits at the rollout's temperature (`train_step.completion_logits`)
+   teacher-forced logits at the rollout's temperature (`teacher_forcing.completion_logits`)
    under the engine's kept set (`train_step.student_policy_logits`; the replayed point
    mass for greedy rollouts, as in `train_step.opd_loss`).
 3. `mismatch.mismatch_metrics(π_θ logits, rollout)`: the `mismatch/*` means over every
@@ -43,10 +43,13 @@ import time
 import jax
 import numpy as np
 
-from opd_jax import engine, mismatch, sampler, train_step
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollout import Rollout
-from opd_jax.rollouts import named_stream
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import transform as engine
+from opd_jax.model.config import ModelConfig
+from opd_jax.rollout.sources import named_stream
+from opd_jax.train import mismatch_metrics as mismatch
+from opd_jax.train import train_step
 
 PER_TOKEN_KEY = "per_token/kl"  # the optional per-token KL array in `measure`'s result
 
@@ -113,7 +116,7 @@ def policy_logits(params, rollout: Rollout, cfg: ModelConfig, temperature: float
 
   exactly as `train_step.opd_loss` scores the student for `mismatch/*`.
   """
-  raw_bcv, tokens_bc, _ = train_step.completion_logits(params, rollout, cfg, temperature)
+  raw_bcv, tokens_bc, _ = teacher_forcing.completion_logits(params, rollout, cfg, temperature)
   if temperature > 0:
     return train_step.student_policy_logits(raw_bcv, rollout)
   return train_step.greedy_policy_logits(raw_bcv, tokens_bc)

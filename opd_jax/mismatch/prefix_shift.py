@@ -50,13 +50,20 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from opd_jax import config_check, engine, kvcache, losses, model, train_step, trainer
-from opd_jax.kvcache import KVCacheSpec
+from opd_jax.config import check as config_check
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import teacher_forcing
+from opd_jax.inference import transform as engine
 from opd_jax.mismatch import admission, sensitivity
+from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch import measure as measure_lib
-from opd_jax.mismatch.metrics import FULL_DISTRIBUTION_MAX_VOCAB
-from opd_jax.model_config import ModelConfig
-from opd_jax.rollout import Rollout
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.kvcache import KVCacheSpec
+from opd_jax.train import losses
+from opd_jax.train import setup as setup_lib
+from opd_jax.train.mismatch_metrics import FULL_DISTRIBUTION_MAX_VOCAB
 
 KL_KEY = "mismatch/kl"
 # Rollout keys reset before a --source applies: every source is measured against the
@@ -127,7 +134,7 @@ def coupled_flip_probability(lp_a_bcv, lp_b_bcv):
 def _teacher_forced(params, params_r, reference: Rollout, cfg, spec, temperature):
   """Per-token KL(π_b ‖ π_θ), TV and flip probability on the reference prefixes, [B, C]."""
   engine_lp = jax.nn.log_softmax(engine_logits(params_r, reference, cfg, spec, temperature))
-  student_bcv, _, _ = train_step.completion_logits(params, reference, cfg, temperature)
+  student_bcv, _, _ = teacher_forcing.completion_logits(params, reference, cfg, temperature)
   student_lp = jax.nn.log_softmax(student_bcv)
   kl_bc = losses.bucket_kl(engine_lp, student_lp)
   tv_bc = 0.5 * jnp.sum(jnp.abs(jnp.exp(engine_lp) - jnp.exp(student_lp)), axis=-1)
@@ -275,7 +282,7 @@ def source_engine(spec: str, config: ml_collections.ConfigDict) -> engine.Engine
   base = ml_collections.ConfigDict(config.to_dict())
   for key, value in REFERENCE_ROLLOUT.items():
     base.rollout[key] = value
-  candidate = admission.parse_candidate(spec, base)
+  candidate = candidates_lib.parse_candidate(spec, base)
   changed = [k for k in SAMPLING_KEYS if candidate.config.rollout[k] != base.rollout[k]]
   if changed or candidate.lag:
     raise ValueError(
@@ -335,7 +342,7 @@ def run_prefix_shift(
   )
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
-  scfg = trainer.sampler_config(
+  scfg = setup_lib.sampler_config(
     config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
   )
   check_sampling(scfg, cfg.real_vocab_size)

@@ -27,7 +27,7 @@ engine (FP8 weights and FP8 KV everywhere else) is measured again, until its `mi
 is at most the target: kept = ∅, {ℓ_1}, {ℓ_1, ℓ_2}, … with score(ℓ_1) ≥ score(ℓ_2) ≥ …
 Per-layer KLs do not add up exactly (layers interact through the residual stream), so
 every step is measured, never predicted. The recipe's KV capacity ratio is the BF16
-cache's bytes per token over the recipe's (`bench.kv_capacity.measure_bytes_per_token`:
+cache's bytes per token over the recipe's (`kvcache.measure_bytes_per_token`:
 the cache layout `kvcache.init_cache` builds, scales included, per-sequence scales
 amortised over `seq_len` slots).
 """
@@ -43,12 +43,16 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 import ml_collections
 
-from opd_jax import build, config_check, engine, model, trainer
-from opd_jax.bench import kv_capacity
-from opd_jax.kvcache import KV_GRANULARITIES, KVCacheSpec
+from opd_jax.config import check as config_check
+from opd_jax.inference import transform as engine
+from opd_jax.io import build, run_history
 from opd_jax.mismatch import admission
 from opd_jax.mismatch import measure as measure_lib
-from opd_jax.model_config import ModelConfig
+from opd_jax.model import kvcache
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.kvcache import KV_GRANULARITIES, KVCacheSpec
+from opd_jax.train import setup as setup_lib
 
 SOURCES = ("fp8_weights", "fp8_kv", "noise")
 KL_KEY = "mismatch/kl"
@@ -189,7 +193,7 @@ def scan(
     cfg: its ModelConfig.
     prompts: the calibration prompts, (tokens [N, P], lens [N]) or lists.
     rng: the measurement key, shared by every row.
-    sampler_cfg: the sampling settings (`trainer.sampler_config`).
+    sampler_cfg: the sampling settings (`setup_lib.sampler_config`).
     settings: what to perturb.
     log: progress lines.
 
@@ -249,8 +253,8 @@ def layer_scores(rows: Sequence[dict]) -> dict[int, float]:
 def kv_capacity_ratio(cfg: ModelConfig, spec: KVCacheSpec, seq_len: int) -> dict:
   """Bytes per cached token of `spec` and of a BF16 cache, and their ratio (tokens per byte
   gained), from the cache layout `kvcache.init_cache` builds (traced, not allocated)."""
-  bf16 = kv_capacity.measure_bytes_per_token(cfg, KVCacheSpec("bfloat16"), seq_len, False)
-  recipe = kv_capacity.measure_bytes_per_token(cfg, spec, seq_len, False)
+  bf16 = kvcache.measure_bytes_per_token(cfg, KVCacheSpec("bfloat16"), seq_len, False)
+  recipe = kvcache.measure_bytes_per_token(cfg, spec, seq_len, False)
   return {
     "kv_bytes_per_token": recipe,
     "bf16_kv_bytes_per_token": bf16,
@@ -385,14 +389,14 @@ def load_student(config, params_from: str | None, log: Callable[..., None] = pri
 
   The student is built as the trainer builds it (`build.build_models`; the teacher is
   initialised but never bootstrapped, the scan does not use it): `params_from`'s latest
-  checkpoint (`admission.RunHistory`, read only), else the HF checkpoint, else the
+  checkpoint (`run_history.RunHistory`, read only), else the HF checkpoint, else the
   warm-started built-in student (`admission.initial_student`).
   """
   models = build.build_models(config)
-  task_cfg = trainer.task_config(config)
-  setup = trainer.Setup(models, task_cfg, teacher_info={}, eval_set=None)
+  task_cfg = setup_lib.task_config(config)
+  setup = setup_lib.Setup(models, task_cfg, teacher_info={}, eval_set=None)
   if params_from:
-    history = admission.RunHistory(config, setup, params_from)
+    history = run_history.RunHistory(config, setup, params_from)
     return (
       models,
       task_cfg,
@@ -447,7 +451,7 @@ def run_sensitivity(
   prompts = (tokens_bp, lens_b)
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
-  scfg = trainer.sampler_config(
+  scfg = setup_lib.sampler_config(
     config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
   )
   log(

@@ -1,0 +1,387 @@
+"""OPD against RL under the same rollout mismatch: the logic of `python -m opd_jax.opd_vs_rl`.
+
+The study behind this project claims that on-policy distillation stays stable under rollout
+configurations (FP8, staleness, weight noise) that destabilise RL. This comparison trains, for
+the reference engine and each mismatch setting, three methods from the same teacher, warm
+start and prompts (`configs/opd_vs_rl.py`):
+
+    opd     the run config unchanged (the bf16_sync recipe, reverse_kl_full)
+    rl      REINFORCE on the task reward (`opd_jax.rl`), importance ratio 1
+    rl_is   REINFORCE with the truncated ratio min(π_θ/π_b, C)
+
+and tabulates, per run: the final held-out accuracy, its drop against the same method's
+reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
+mismatch scale), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
+pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>
+(`__seed<k>` appended for train.seed k ≠ 0), so a restarted comparison reuses what finished.
+With several `seeds`, each (setting, method) cell is also summarised over its seeds: mean and
+sample sd of the accuracy, and the drop of the mean against the mean of the method's reference.
+The report (markdown table, JSON with every number, PNG of accuracy and drop against
+mismatch/kl) is rewritten after every finished run, so a comparison stopped early still
+reports what it has. With `workers` > 1 the runs train that many side by side first
+(`runs.run_many`, the same numbers), and the report is written once they have, or, when one
+fails, over the ones that finished before the error is raised.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from opd_jax.experiments import runs, study
+from opd_jax.io import metrics_writer
+from opd_jax.mismatch import candidates as candidates_lib
+
+REFERENCE = "reference"
+METHODS = ("opd", "rl", "rl_is")
+REPORT_NAME = "opd_vs_rl"  # <workdir>/opd_vs_rl.{md,json,png}
+F32_ROUNDING_KL = (
+  1e-7  # mismatch/kl below this is f32 rounding (the reference engine): plotted at 0
+)
+
+
+def method_overrides(method: str, rl_lr: float, is_clip: float) -> dict[str, Any]:
+  """The config overrides that turn the OPD run into `method`.
+
+  Raises:
+    ValueError: an unknown method or a non-positive is_clip for rl_is.
+  """
+  if method == "opd":
+    return {}
+  if method == "rl":
+    return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": 0.0}
+  if method == "rl_is":
+    if not is_clip > 0:
+      raise ValueError(f"method rl_is needs is_clip > 0, got {is_clip!r}")
+    return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": float(is_clip)}
+  raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+
+
+def setting_name(spec: str) -> str:
+  """A directory name for a setting spec: "rollout.weights=fp8,rollout.kv_cache=fp8" ->
+  "weights-fp8_kv_cache-fp8"; the empty spec is the reference."""
+  return study.setting_name(spec) if spec else REFERENCE
+
+
+def grad_norm_stats(run_dir: str) -> dict[str, float]:
+  """Mean, max and std (population) of `perf/grad_norm` over the logged steps of a run, and
+  the number of steps they cover."""
+  rows = metrics_writer.read_jsonl(run_dir)
+  values = np.asarray([r["perf/grad_norm"] for r in rows.values() if "perf/grad_norm" in r])
+  if not values.size:
+    return {"grad_norm_mean": math.nan, "grad_norm_max": math.nan, "grad_norm_std": math.nan}
+  return {
+    "grad_norm_mean": float(values.mean()),
+    "grad_norm_max": float(values.max()),
+    "grad_norm_std": float(values.std()),
+    "grad_norm_logged_steps": int(values.size),
+  }
+
+
+def last_logged(run_dir: str, key: str, window: int = 10) -> float:
+  """Mean of `key` over its last `window` logged values (nan when never logged)."""
+  rows = metrics_writer.read_jsonl(run_dir)
+  values = [r[key] for _, r in sorted(rows.items()) if key in r]
+  return float(np.mean(values[-window:])) if values else math.nan
+
+
+def run_row(
+  method: str, setting: str, spec: str, run_dir: str, result: dict, seed: int = 0
+) -> dict[str, Any]:
+  """One table row from a finished run's result and its metrics.jsonl."""
+  row = {
+    "method": method,
+    "setting": setting,
+    "spec": spec,
+    "seed": seed,
+    "run_dir": run_dir,
+    "accuracy_before": result["student_accuracy_before"],
+    "accuracy": result["student_accuracy_after"],
+    "student_teacher_kl": result["student_teacher_kl_after"],
+    "teacher_accuracy": result["teacher_accuracy"],
+    "mismatch_kl_mean": result.get("train/mismatch/kl_mean", math.nan),
+    "mismatch_kl_max": result.get("train/mismatch/kl_max", math.nan),
+    "curve": result.get("curve", []),
+    "train_reward_last": last_logged(run_dir, "rl/reward_mean"),
+    "wall_seconds": result.get("wall_seconds", math.nan),
+  }
+  row.update(grad_norm_stats(run_dir))
+  return row
+
+
+def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
+  """method -> mean accuracy of its finished reference runs (over seeds)."""
+  by_method: dict[str, list[float]] = {}
+  for r in rows:
+    if r["setting"] == REFERENCE:
+      by_method.setdefault(r["method"], []).append(r["accuracy"])
+  return {m: float(np.mean(a)) for m, a in by_method.items()}
+
+
+def add_drops(rows: Sequence[dict]) -> None:
+  """Sets each row's `drop` (points): its method's reference accuracy (the mean over the
+  reference's seeds) minus its accuracy; nan while that reference has no finished run."""
+  ref = reference_accuracy(rows)
+  for r in rows:
+    r["drop_points"] = (
+      100.0 * (ref[r["method"]] - r["accuracy"]) if r["method"] in ref else math.nan
+    )
+
+
+def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
+  """One entry per (setting, method) cell over its seeds, in the rows' order:
+
+      accuracy = mean_s q_s,  accuracy_sd = sample sd of q_s (nan for one seed),
+      drop_points = 100·(mean of the method's reference − accuracy),
+
+  and the seed means of the training-time mismatch/kl and the grad-norm statistics.
+  """
+  cells: dict[tuple[str, str], list[dict]] = {}
+  for r in rows:
+    cells.setdefault((r["setting"], r["method"]), []).append(r)
+  ref = reference_accuracy(rows)
+  out = []
+  for (setting, method), mine in cells.items():
+    q = np.asarray([r["accuracy"] for r in mine], np.float64)
+    entry = {
+      "setting": setting,
+      "method": method,
+      "seeds": [r.get("seed", 0) for r in mine],
+      "accuracy": float(q.mean()),
+      "accuracy_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
+      "drop_points": 100.0 * (ref[method] - float(q.mean())) if method in ref else math.nan,
+    }
+    for key in ("mismatch_kl_mean", "grad_norm_mean", "grad_norm_max", "train_reward_last"):
+      entry[key] = float(np.mean([r[key] for r in mine]))
+    out.append(entry)
+  return out
+
+
+def summary_table(cells: Sequence[dict]) -> str:
+  """The per-cell summary over seeds as a markdown table."""
+  head = (
+    "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) | "
+    "train mismatch/kl | grad-norm mean | grad-norm max |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
+    f"{_fmt(100 * c['accuracy'], '.1f')} ± {_fmt(100 * c['accuracy_sd'], '.1f')} % | "
+    f"{_fmt(c['drop_points'], '+.1f')} | {_fmt(c['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(c['grad_norm_mean'], '.3g')} | {_fmt(c['grad_norm_max'], '.3g')} |"
+    for c in cells
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def _fmt(x: float, spec: str) -> str:
+  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+  """The comparison as a markdown table, one line per (setting, method)."""
+  head = (
+    "| setting | method | seed | accuracy | drop vs own ref (pts) | train mismatch/kl | "
+    "grad-norm mean | grad-norm max | grad-norm std | last reward |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {r['setting']} | {r['method']} | {r.get('seed', 0)} | "
+    f"{_fmt(100 * r['accuracy'], '.1f')} % | "
+    f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
+    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} |"
+    for r in rows
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: str) -> bool:
+  """Final accuracy and drop against training-time mismatch/kl, one series per method.
+
+  The x axis is symlog so the reference sits at the left edge: a mismatch/kl below
+  `F32_ROUNDING_KL` (an engine identical to the trainer reads ±1e-9) is drawn at 0. Returns
+  False, writing nothing, when matplotlib is not installed.
+  """
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+
+  def kl(r):
+    return r["mismatch_kl_mean"] if r["mismatch_kl_mean"] > F32_ROUNDING_KL else 0.0
+
+  cells = summarise(rows)  # one point per (setting, method): the mean over seeds, ± sd
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  positive = [kl(r) for r in cells if kl(r) > 0]
+  linthresh = min(positive) / 2 if positive else 1e-4
+  for method, marker in zip(METHODS, "osD", strict=True):
+    mine = sorted((r for r in cells if r["method"] == method), key=kl)
+    if not mine:
+      continue
+    x = [kl(r) for r in mine]
+    sd = [0.0 if math.isnan(r["accuracy_sd"]) else 100 * r["accuracy_sd"] for r in mine]
+    acc = [100 * r["accuracy"] for r in mine]
+    axes[0].errorbar(x, acc, yerr=sd, marker=marker, capsize=3, label=method)
+    axes[1].errorbar(
+      x, [r["drop_points"] for r in mine], yerr=sd, marker=marker, capsize=3, label=method
+    )
+    for r in mine:
+      axes[0].annotate(r["setting"], (kl(r), 100 * r["accuracy"]), fontsize=6)
+  for ax, ylabel in zip(
+    axes, ("final held-out accuracy (%)", "drop vs own reference (points)"), strict=True
+  ):
+    ax.set_xscale("symlog", linthresh=linthresh)
+    ax.set_xlabel("training-time mean mismatch/kl (nats/token)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle("OPD vs RL under rollout mismatch")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
+  """Writes <workdir>/opd_vs_rl.{md,json,png} from the finished rows; returns the JSON dict."""
+  add_drops(rows)
+  table = markdown_table(rows)
+  cells = summarise(rows)
+  text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
+  if any(len(c["seeds"]) > 1 for c in cells):
+    text += f"## Over seeds\n\n{summary_table(cells)}\n## Every run\n\n"
+  base = os.path.join(workdir, REPORT_NAME)
+  with open(base + ".md", "w", encoding="utf-8") as f:
+    f.write(text + table)
+  report = dict(meta, rows=rows, cells=cells, table_markdown=table)
+  tmp = base + ".json.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  os.replace(tmp, base + ".json")
+  if not plot(rows, base + ".png"):
+    log("matplotlib is not installed: no PNG written")
+  return report
+
+
+def run_name(method: str, setting: str, seed: int) -> str:
+  """<method>__<setting>, with __seed<k> for train.seed k ≠ 0 (seed 0 keeps the plain name)."""
+  return f"{method}__{setting}" + (f"__seed{seed}" if seed else "")
+
+
+def plan(
+  config: ml_collections.ConfigDict,
+) -> list[tuple[str, str, str, int, ml_collections.ConfigDict]]:
+  """(method, setting name, spec, seed, run config) for every run: seeds outermost, then
+  settings (the reference first), so that a comparison stopped early has whole settings of
+  its first seeds.
+
+  Raises:
+    ValueError: a bad setting spec (named by `candidates_lib.parse_candidate`), an unknown
+      method, two settings with the same name, or no or repeated seeds.
+  """
+  methods = tuple(config.methods)
+  if not methods:
+    raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
+  seeds = [int(s) for s in config.get("seeds", (0,))]
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"config.seeds must be distinct train seeds, at least one; got {seeds}")
+  base = config.run
+  settings = [("", {})]
+  for spec in config.settings:
+    settings.append((spec, candidates_lib.parse_candidate(spec, base).overrides))
+  names = [setting_name(s) for s, _ in settings]
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.settings has repeated settings: {names}")
+  # The run's own seed is left as the config states it (train.seed = -1 means `seed`), so that
+  # its runs keep their recorded configs; other seeds set train.seed.
+  own_seed = base.train.seed if base.train.seed >= 0 else base.seed
+  out = []
+  for seed in seeds:
+    for (spec, rollout_overrides), name in zip(settings, names, strict=True):
+      for method in methods:
+        overrides = dict(
+          rollout_overrides,
+          **method_overrides(method, config.rl_lr, config.is_clip),
+          **({} if seed == own_seed else {"train.seed": seed}),
+        )
+        out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
+  return out
+
+
+def run_comparison(
+  config: ml_collections.ConfigDict, workdir: str, log: Callable = print
+) -> dict[str, Any]:
+  """Trains every (setting, method) run once and writes the report after each (with
+  `config.workers` > 1, after all of them have trained, that many side by side).
+
+  When `run.teacher.cache_dir` is empty, every run shares <workdir>/teacher_cache (one teacher
+  bootstrap and one warm start for the whole comparison).
+
+  Returns:
+    The report dict written to <workdir>/opd_vs_rl.json.
+  """
+  config = ml_collections.ConfigDict(config.to_dict())
+  if not config.run.teacher.cache_dir:
+    config.run.teacher.cache_dir = os.path.join(workdir, "teacher_cache")
+  todo = plan(config)
+  os.makedirs(workdir, exist_ok=True)
+  run_dirs = [os.path.join(workdir, "runs", run_name(m, s, seed)) for m, s, _, seed, _ in todo]
+  workers = runs.check_workers(config.get("workers", 1))
+  failed = None  # a side-by-side run's error: raised after the report of the finished ones
+  if workers > 1 and any(runs.read_result(d) is None for d in run_dirs):
+    # train side by side first; the loop below reads each recorded result
+    runs.fill_teacher_cache(todo[0][4], workdir, log)
+    try:
+      runs.run_many([(t[4], d) for t, d in zip(todo, run_dirs, strict=True)], workers, log)
+    except Exception as e:  # noqa: BLE001 - re-raised below, once the report is written
+      failed = e
+  meta = {
+    "steps": config.run.train.steps,
+    "eval_size": config.run.data.eval_size,
+    "opd_lr": config.run.train.lr,
+    "rl_lr": config.rl_lr,
+    "is_clip": config.is_clip,
+    "teacher_cache_dir": config.run.teacher.cache_dir,
+    "seeds": sorted({seed for _, _, _, seed, _ in todo}),
+    "planned": [run_name(m, s, seed) for m, s, _, seed, _ in todo],
+    "summary": (
+      f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
+      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, rl_is C={config.is_clip}. "
+      "drop = the method's reference accuracy minus this run's (points); mismatch/kl is the "
+      "mean over the logged training steps; grad-norm is pre-clip, over the logged steps."
+    ),
+  }
+  rows: list[dict] = []
+  report: dict[str, Any] = {}
+  for i, ((method, name, spec, seed, run_config), run_dir) in enumerate(
+    zip(todo, run_dirs, strict=True)
+  ):
+    if failed is not None and runs.read_result(run_dir) is None:
+      continue  # not trained: reported as missing by its absence
+    log(f"[{i + 1}/{len(todo)}] {method} on {name}, seed {seed} -> {run_dir}")
+    result = runs.run_once(run_config, run_dir, log)
+    rows.append(run_row(method, name, spec, run_dir, result, seed))
+    meta["finished"] = len(rows)
+    report = write_report(rows, workdir, meta, log)
+    r = rows[-1]
+    log(
+      f"  {method} on {name}: accuracy {r['accuracy']:.3f} (drop {r['drop_points']:+.1f} pts), "
+      f"mismatch/kl {r['mismatch_kl_mean']:.2e}, grad-norm mean {r['grad_norm_mean']:.3g} "
+      f"max {r['grad_norm_max']:.3g}"
+    )
+  if failed is not None:
+    raise failed
+  cells = report["cells"]
+  log(summary_table(cells) if any(len(c["seeds"]) > 1 for c in cells) else report["table_markdown"])
+  log(f"wrote {os.path.join(workdir, REPORT_NAME)}.{{md,json,png}}")
+  return report

@@ -1,0 +1,615 @@
+"""The study: calibrate the mismatch budget on the embedded task, validate the admission check.
+
+    python -m opd_jax.study --config=configs/study.py[:tiny] --workdir=DIR
+
+The procedure (every step writes its result into DIR, and a restarted study reuses it):
+
+1. **Probe.** `probe_steps` steps of the reference run, every step checkpointed
+   (`DIR/runs/probe`, `train.stop_after`). Its latest student θ_P is the one every
+   candidate is measured at, and its checkpoints θ_(P−k) are the stale engines' weights:
+   exactly what `python -m opd_jax.admit --params-from=DIR/runs/probe` does.
+2. **Measure.** Each setting (calibration and held-out) is an admission-check candidate:
+   `admission.measure_candidate` on `num_prompts` calibration prompts with the check's key,
+   no training (`DIR/measurements.json`). This value is the x-axis of the budget.
+3. **Train.** Each setting is trained with `runs.run_once` (`DIR/runs/<name>/result.json`):
+   the reference over `seeds` (`train.seed`), the others once (seed 0), `workers` runs side by
+   side (`runs.run_many`: each in a process of its own; the numbers do not change). Quality q
+   is the final held-out accuracy; the quality drop of a run is d = mean(q_ref) − q.
+4. **Fit.** The tolerance τ is `tolerance`, or automatically
+   τ = max(2·sd(q_ref), 2·sqrt(q̄(1 − q̄)/n_eval)): twice the larger of the seed-to-seed spread
+   and the held-out binomial standard error, so a drop within the noise is never called a
+   degradation. One run cannot label a setting whose drop lies within one seed-sd of τ
+   (|d − τ| < sd): such a setting, when its role is in `borderline_roles`, is trained again with
+   each of `borderline_seeds`, and so is every setting of a role in `rerun_all_roles`,
+   borderline or not (one run's label has a heavy tail, docs/study). `budget.fit_budget(records,
+   τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
+   its mean) gives the budget, pooled and per source, saved as `DIR/budget.json` with the
+   fingerprint of θ_P and the teacher. The same fit on the same runs with each run's
+   training-time mean mismatch/kl as x is the budget's training-axis fit (`budget.Budget.
+   training`, "Two axes"), which the live guard compares a run's per-step values with.
+5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
+   the check would have given (with its sources named when `per_source`, so the strictest
+   per-source limit applies; the pooled budget's verdict is kept beside it); the full run says
+   whether quality was kept: d ≤ τ, with d over all its runs. The confusion table and the
+   agreement rate go to the report, beside the single-run and the pooled ones, and so does the
+   table of the verdicts that are not too close to call (`Verdict.too_close`): how many the
+   check calls, and how often it is right when it does.
+6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
+   (`study_report`). The check's mismatch is also set beside each run's training-time mean
+   `mismatch/kl` (agreement of the two x-axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from opd_jax.config import check as config_check
+from opd_jax.experiments import runs
+from opd_jax.io import run_history
+from opd_jax.mismatch import (
+  admission,
+  budget,
+  budget_file,
+  sensitivity,
+)
+from opd_jax.mismatch import (
+  candidates as candidates_lib,
+)
+from opd_jax.train import setup as setup_lib
+from opd_jax.train import trainer
+
+PROBE = "probe"
+REFERENCE = "reference"
+REFERENCE_SPEC = "rollout.weights=trainer"  # a candidate that changes nothing: the exact engine
+MEASUREMENTS_FILE = "measurements.json"
+BUDGET_FILE = "budget.json"
+STUDY_FILE = "study.json"
+LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
+TRAIN_KL = "train/mismatch/kl_mean"  # a run's training-time mean mismatch/kl
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One configuration of the study: a candidate spec, where it is used, and its run.
+
+  Attributes:
+    name: run directory name under DIR/runs.
+    spec: the admission-check candidate (`candidates_lib.parse_candidate`).
+    source: "reference", a source name, or several joined by "+" for combinations.
+    role: "reference" | "calibration" | "held_out".
+    seed: `train.seed` of its run.
+  """
+
+  name: str
+  spec: str
+  source: str
+  role: str
+  seed: int
+
+
+def setting_name(spec: str) -> str:
+  """A directory name for a spec: "rollout.noise_sigma=0.1,rollout.stale_k=2" ->
+  "noise_sigma-0.1_stale_k-2"."""
+  name = spec.replace("rollout.", "").replace("=", "-").replace(",", "_")
+  return re.sub(r"[^A-Za-z0-9_.-]", "", name)
+
+
+source_of = candidates_lib.candidate_source  # the sources a setting perturbs, "+"-joined
+
+
+def study_settings(config: ml_collections.ConfigDict) -> list[Setting]:
+  """The reference seeds, then the calibration and held-out settings, in config order.
+
+  Raises:
+    ValueError: a spec the admission check refuses, a spec given twice, or no seeds.
+  """
+  if not config.seeds:
+    raise ValueError("config.seeds is empty: the reference needs at least one seed")
+  out = [
+    Setting(f"{REFERENCE}_seed{s}", REFERENCE_SPEC, REFERENCE, REFERENCE, int(s))
+    for s in config.seeds
+  ]
+  seen = set()
+  for role, specs in (("calibration", config.calibration), ("held_out", config.held_out)):
+    for spec in specs:
+      if spec in seen:
+        raise ValueError(f"setting {spec!r} is listed twice (calibration and held_out overlap?)")
+      seen.add(spec)
+      candidate = candidates_lib.parse_candidate(spec, config.run)
+      out.append(
+        Setting(
+          setting_name(spec), spec, source_of(candidate, config.run), role, int(config.seeds[0])
+        )
+      )
+  return out
+
+
+def run_config(config: ml_collections.ConfigDict, setting: Setting, workdir: str):
+  """The training config of a setting: the candidate's config with its seed and the study's
+  shared teacher cache."""
+  candidate = candidates_lib.parse_candidate(setting.spec, config.run)
+  cache = config.run.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
+  return runs.with_overrides(
+    candidate.config, {"train.seed": setting.seed, "teacher.cache_dir": cache}
+  )
+
+
+def probe_config(config: ml_collections.ConfigDict, settings: Sequence[Setting], workdir: str):
+  """The reference run stopped after `probe_steps`, keeping every checkpoint the stale
+  candidates need (θ_P and θ_(P−k) for each lag k)."""
+  lags = [candidates_lib.parse_candidate(s.spec, config.run).lag for s in settings]
+  reference = next(s for s in settings if s.role == REFERENCE)
+  base = run_config(config, reference, workdir)
+  if not 0 < config.probe_steps < base.train.steps:
+    raise ValueError(
+      f"config.probe_steps={config.probe_steps} must be in (0, run.train.steps={base.train.steps})"
+    )
+  if max(lags) >= config.probe_steps:
+    raise ValueError(
+      f"a stale setting has lag {max(lags)} but the probe runs only {config.probe_steps} steps; "
+      "raise config.probe_steps"
+    )
+  return runs.with_overrides(
+    base,
+    {
+      "train.stop_after": config.probe_steps,
+      "train.checkpoint_every": 1,
+      "train.keep_checkpoints": max(lags) + 1,
+      "train.eval_every": base.train.steps,
+    },
+  )
+
+
+def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
+  """Trains the probe once; returns its directory."""
+  directory = os.path.join(workdir, "runs", PROBE)
+  done = os.path.isdir(os.path.join(directory, "checkpoints")) and (
+    config.probe_steps in run_history.checkpoint_steps(directory)
+  )
+  if not done:
+    log(f"probe: {config.probe_steps} reference steps into {directory}")
+    trainer.run(probe_config(config, settings, workdir), directory, log)
+  return directory
+
+
+def _read_json(path: str, default):
+  if not os.path.exists(path):
+    return default
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json(path: str, value) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=1, default=float)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callable = print):
+  """The admission check's measurement of every setting at the probe's student, and of each
+  part of a combination alone (`candidates_lib.source_parts`: what the per-part rule reads).
+
+  Returns:
+    (setting spec -> its measurement dict, with "mismatch/kl/part/<source>" for each part of a
+    combination; the budget fingerprint of the measured student and teacher, with the student
+    the runs start from as its run-start student: `budget_file.with_run_start`). Measurements
+    (parts too) are cached in DIR/measurements.json together with the fingerprint of the
+    measured setup, and reused when it still matches.
+  """
+  path = os.path.join(workdir, MEASUREMENTS_FILE)
+  cached = _read_json(path, {"fingerprint": None, "measurements": {}})
+  run_cfg = run_config(config, settings[0], workdir)
+  setup = setup_lib.prepare_models(run_cfg, workdir, log)
+  history = run_history.RunHistory(run_cfg, setup, probe_dir)
+  student = history.params(history.latest)
+  fingerprint = admission.current_fingerprint(setup, student)
+  measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}
+  m = setup.models
+  prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
+  parts = {
+    s.spec: candidates_lib.source_parts(candidates_lib.parse_candidate(s.spec, run_cfg), run_cfg)
+    for s in settings
+  }
+  specs = [spec for s in settings for spec in (s.spec, *parts[s.spec].values())]
+  for spec in dict.fromkeys(specs):  # in order, once each
+    if spec in measured:
+      continue
+    candidate = candidates_lib.parse_candidate(spec, run_cfg)
+    problem = admission.stale_lag_problem(candidate, history)
+    if problem:
+      raise ValueError(problem)
+    behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
+    result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
+    measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
+    log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
+    _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
+  run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
+  by_setting = {
+    spec: {
+      **measured[spec],
+      **{f"{budget.PART_KL_PREFIX}{src}": measured[p][budget.KL_KEY] for src, p in own.items()},
+    }
+    for spec, own in parts.items()
+  }
+  return by_setting, budget_file.with_run_start(fingerprint, run_start)
+
+
+def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str, float]:
+  """The seed-to-seed noise of the reference and the tolerance it implies.
+
+  sd = sample standard deviation of q_ref over seeds (0 with one seed);
+  se = sqrt(q̄(1 − q̄)/n_eval), the binomial standard error of one run's held-out accuracy;
+  τ = 2·max(sd, se).
+  """
+  q = np.asarray(reference_accuracy, np.float64)
+  mean = float(q.mean())
+  sd = float(q.std(ddof=1)) if q.size > 1 else 0.0
+  se = math.sqrt(max(mean * (1.0 - mean), 0.0) / num_eval)
+  return {"mean": mean, "sd": sd, "se": se, "tolerance": 2.0 * max(sd, se), "n": int(q.size)}
+
+
+def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
+  """The fit's records: one per run of the reference and calibration rows, x = the check's
+  mismatch/kl, y = mean(q_ref) − that run's accuracy (`accuracy_runs`, from `label_runs`); each
+  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one."""
+  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
+  out = []
+  for r in rows:
+    if r["role"] not in (REFERENCE, "calibration"):
+      continue
+    train_kl = r.get("train_kl_runs", [r.get(TRAIN_KL)])
+    for k, accuracy in enumerate(r.get("accuracy_runs", [r["accuracy"]])):
+      record = {key: r[key] for key in keep if key in r}
+      record.update(accuracy=accuracy, run=k)
+      if k < len(train_kl) and train_kl[k] is not None:
+        record[TRAIN_KL] = train_kl[k]
+      record[budget.DROP_KEY] = reference_mean - accuracy
+      out.append(record)
+  return out
+
+
+def training_axis_records(records: Sequence[dict]) -> list[dict]:
+  """The records with x = the run's training-time mean mismatch/kl (TRAIN_KL, clipped at 0: an
+  exact engine's reads ±1e-9 from f32 rounding), for the records that carry one; the check's
+  value is kept as "check/mismatch/kl"."""
+  out = []
+  for r in records:
+    if r.get(TRAIN_KL) is None:
+      continue
+    out.append(
+      {**r, "check/" + budget.KL_KEY: r[budget.KL_KEY], budget.KL_KEY: max(r[TRAIN_KL], 0.0)}
+    )
+  return out
+
+
+def is_borderline(drop: float, tolerance: float, spread: float) -> bool:
+  """Whether one run's drop d is too close to τ to label its setting: |d − τ| < spread (the
+  seed-to-seed sd of the reference)."""
+  return abs(drop - tolerance) < spread
+
+
+def confusion(
+  rows: Sequence[dict], tolerance: float, drop_key: str = budget.DROP_KEY
+) -> dict[str, Any]:
+  """Held-out verdicts against what training showed.
+
+  A setting "kept quality" iff its drop `row[drop_key]` ≤ τ. Counts: admitted & kept (true
+  accept), admitted & degraded (false accept), refused & kept (false refuse), refused &
+  degraded (true refuse).
+  """
+  table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
+  for r in rows:
+    kept = r[drop_key] <= tolerance
+    table[("admitted" if r["admitted"] else "refused") + ("_kept" if kept else "_degraded")] += 1
+  n = sum(table.values())
+  agree = table["admitted_kept"] + table["refused_degraded"]
+  return {**table, "n": n, "agreement": agree / n if n else math.nan}
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+  """Spearman rank correlation (average ranks for ties); NaN with fewer than 3 points."""
+  if len(x) < 3:
+    return math.nan
+
+  def ranks(v):
+    v = np.asarray(v, np.float64)
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    for value in np.unique(v):
+      tie = v == value
+      r[tie] = r[tie].mean()
+    return r
+
+  rx, ry = ranks(x), ranks(y)
+  if rx.std() == 0 or ry.std() == 0:
+    return math.nan
+  return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def agreement(rows: Sequence[dict]) -> dict[str, Any]:
+  """The check's pre-training mismatch/kl against each run's training-time mean."""
+  pairs = [
+    (r[budget.KL_KEY], r["train/mismatch/kl_mean"])
+    for r in rows
+    if r["role"] != REFERENCE and "train/mismatch/kl_mean" in r
+  ]
+  ratios = [c / t for c, t in pairs if t > admission.ROUNDING_KL]
+  return {
+    "spearman": _spearman([c for c, _ in pairs], [t for _, t in pairs]),
+    "ratio_median": float(np.median(ratios)) if ratios else math.nan,
+    "ratio_min": float(np.min(ratios)) if ratios else math.nan,
+    "ratio_max": float(np.max(ratios)) if ratios else math.nan,
+    "n": len(pairs),
+  }
+
+
+RULES = {  # admission rule -> budget.admit keyword arguments
+  "pooled": {"per_source": False},
+  "per_source": {"per_source": True},
+  "per_part": {"per_source": True, "per_part": True},
+  "pooled_conservative": {"per_source": False, "conservative": True},
+  "per_source_conservative": {"per_source": True, "conservative": True},
+}
+
+
+CROSSING_VARIANTS = (1, 2)  # min_crossing_records of the per-source variants refitted beside
+
+
+def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float) -> dict:
+  """The confusion table of every admission rule in RULES on the same (held-out) rows, so the
+  configured rule can be read beside the others; only the configured one is a pre-set test.
+
+  Also "per_source_min_crossing_<c>" for each c of CROSSING_VARIANTS other than the budget's
+  own: the per-source rule on the same records refitted with min_crossing_records = c."""
+  out = {}
+  for name, kwargs in RULES.items():
+    verdicts = [{**r, "admitted": budget.admit(r, fitted, **kwargs).admitted} for r in rows]
+    out[name] = confusion(verdicts, tolerance, LABEL_DROP)
+  for c in CROSSING_VARIANTS:
+    if c == fitted.min_crossing_records:
+      continue
+    refit = budget.fit_budget(
+      fitted.records,
+      tolerance,
+      level=fitted.level,
+      num_bootstrap=fitted.num_bootstrap,
+      seed=fitted.seed,
+      min_crossing_records=c,
+    )
+    verdicts = [{**r, "admitted": budget.admit(r, refit, per_source=True).admitted} for r in rows]
+    out[f"per_source_min_crossing_{c}"] = confusion(verdicts, tolerance, LABEL_DROP)
+  return out
+
+
+ROLES = ("calibration", "held_out")  # the roles whose settings can be re-run
+
+
+def _roles(config, key: str, default: tuple[str, ...]) -> tuple[str, ...]:
+  roles = tuple(config.get(key, default))
+  unknown = [r for r in roles if r not in ROLES]
+  if unknown:
+    raise ValueError(
+      f"config.{key} has {unknown}; the roles that can be re-run are 'calibration' and 'held_out'"
+    )
+  return roles
+
+
+def rerun_plan(config) -> tuple[list[int], tuple[str, ...], tuple[str, ...]]:
+  """(borderline seeds, `borderline_roles`, `rerun_all_roles`) of the config, checked.
+
+  Raises:
+    ValueError: a borderline seed that repeats one or is the held-out runs' own seed, or a
+      role in `borderline_roles` or `rerun_all_roles` other than "calibration" and "held_out".
+  """
+  extra = [int(x) for x in config.get("borderline_seeds", ())]
+  if len(set(extra)) != len(extra) or int(config.seeds[0]) in extra:
+    raise ValueError(
+      f"config.borderline_seeds={tuple(extra)} must be distinct and exclude the held-out runs' "
+      f"seed {config.seeds[0]}"
+    )
+  return (
+    extra,
+    _roles(config, "borderline_roles", ("held_out",)),
+    _roles(config, "rerun_all_roles", ()),
+  )
+
+
+def rerun_job(config, setting: Setting, seed: int, workdir: str):
+  """(training config, run directory) of `setting` trained again with `seed`."""
+  again = dataclasses.replace(setting, seed=seed)
+  return run_config(config, again, workdir), os.path.join(
+    workdir, "runs", f"{setting.name}_seed{seed}"
+  )
+
+
+def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
+  """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
+
+  A row whose role is in `config.borderline_roles` (default: held-out only) and whose
+  single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
+  with one reference seed), and every row whose role is in `config.rerun_all_roles` (default:
+  none), is trained again with each of `config.borderline_seeds` into
+  DIR/runs/<name>_seed<k> (`config.workers` at a time); every other row keeps its one run.
+
+  Raises:
+    ValueError: as `rerun_plan`.
+  """
+  extra, roles, every = rerun_plan(config)
+  spread = floor["sd"] or floor["se"]
+  planned = []  # (setting, its row, seed)
+  for s, row in zip(settings, rows, strict=True):
+    row["accuracy_runs"] = [row["accuracy"]]
+    row["train_kl_runs"] = [row.get(TRAIN_KL)]
+    row["wall_seconds_runs"] = [row["wall_seconds"]]
+    borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
+    if extra and ((s.role in roles and borderline) or s.role in every):
+      why = "borderline" if borderline and s.role in roles else "rerun_all_roles"
+      log(f"{why} {s.name} (drop {row[budget.DROP_KEY]:.3f}, τ {tolerance:.3f}): seeds {extra}")
+      planned += [(s, row, seed) for seed in extra]
+  jobs = [rerun_job(config, s, seed, workdir) for s, _, seed in planned]
+  for (_, row, _), result in zip(planned, runs.run_many(jobs, _workers(config), log), strict=True):
+    row["accuracy_runs"].append(result["student_accuracy_after"])
+    row["train_kl_runs"].append(result.get(TRAIN_KL))
+    row["wall_seconds_runs"].append(result["wall_seconds"])
+  for row in rows:
+    row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
+
+
+def _workers(config) -> int:
+  return runs.check_workers(config.get("workers", 1))
+
+
+def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
+  """Runs the study (module docstring) in `workdir`; returns what `study.json` holds."""
+  from opd_jax.experiments import study_report
+
+  start = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  config_check.validate(config.run)
+  settings = study_settings(config)
+  extra, _, every = rerun_plan(config)  # checked before anything trains
+  workers = _workers(config)
+  probe_dir = run_probe(config, settings, workdir, log)
+  measured, fingerprint = measure_settings(config, settings, probe_dir, workdir, log)
+
+  # Every run known before any finishes trains now, `workers` side by side: each setting, and
+  # the re-runs of the roles in `rerun_all_roles` (label_runs reads them; it trains only the
+  # borderline re-runs, which need these results first).
+  jobs = [(run_config(config, s, workdir), os.path.join(workdir, "runs", s.name)) for s in settings]
+  jobs += [
+    rerun_job(config, s, seed, workdir) for s in settings if s.role in every for seed in extra
+  ]
+  for i, s in enumerate(settings):
+    log(f"setting {i + 1}/{len(settings)}: {s.role} {s.name}: {s.spec}")
+  trained = runs.run_many(jobs, workers, log)
+  results = {s.name: r for s, r in zip(settings, trained[: len(settings)], strict=True)}
+  reference = [results[s.name]["student_accuracy_after"] for s in settings if s.role == REFERENCE]
+  floor = noise_floor(reference, config.run.data.eval_size)
+  tolerance = config.tolerance or floor["tolerance"]
+
+  rows = []
+  for s in settings:
+    res, meas = results[s.name], measured[s.spec]
+    row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
+    row["accuracy"] = res["student_accuracy_after"]
+    row["student_teacher_kl"] = res["student_teacher_kl_after"]
+    row[budget.DROP_KEY] = floor["mean"] - row["accuracy"]
+    row["wall_seconds"] = res["wall_seconds"]
+    row.update({k: v for k, v in res.items() if k.startswith("train/")})
+    rows.append(row)
+
+  label_runs(config, settings, rows, tolerance, floor, workdir, log)
+  records = budget_records(rows, floor["mean"])
+  min_crossing = int(config.get("min_crossing_records", budget.MIN_CROSSING_RECORDS))
+  fitted = budget.fit_budget(records, tolerance, min_crossing_records=min_crossing)
+  try:
+    on_training = budget.fit_budget(
+      training_axis_records(records), tolerance, min_crossing_records=min_crossing
+    )
+    fitted = dataclasses.replace(fitted, training=on_training)
+  except ValueError as e:  # e.g. runs that logged no mismatch/kl: the guard then uses the check's
+    log(f"no training-axis budget: {e}")
+  budget_path = os.path.join(workdir, BUDGET_FILE)
+  budget_file.save_budget(budget_path, fitted, fingerprint)
+  per_source = bool(config.get("per_source", False))
+  per_part = bool(config.get("per_part", False))
+  for row in rows:
+    verdict = budget.admit(row, fitted, per_source=per_source, per_part=per_part)
+    row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
+    row.update(limit=verdict.limit, limit_source=verdict.limit_source)
+    row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
+    pooled = budget.admit(row, fitted, per_source=False)
+    row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
+    row["kept_quality"] = row[LABEL_DROP] <= tolerance
+  held_out = [r for r in rows if r["role"] == "held_out"]
+
+  result: dict[str, Any] = {
+    "workdir": os.path.abspath(workdir),
+    "run_steps": config.run.train.steps,
+    "num_eval": config.run.data.eval_size,
+    "num_prompts": config.num_prompts,
+    "probe": {"dir": probe_dir, "steps": config.probe_steps},
+    "teacher_accuracy": results[settings[0].name]["teacher_accuracy"],
+    "student_accuracy_before": results[settings[0].name]["student_accuracy_before"],
+    "noise_floor": floor,
+    "tolerance": tolerance,
+    "tolerance_rule": "config" if config.tolerance else "2 max(sd of seeds, binomial SE)",
+    "budget": {
+      "file": budget_path,
+      "max_kl": fitted.max_kl,
+      "interval": list(fitted.interval),
+      "censored": fitted.censored,
+      "curve_kl": list(fitted.overall.curve_kl),
+      "curve_drop": list(fitted.overall.curve_drop),
+      "sources": {
+        name: {
+          "max_kl": t.max_kl,
+          "interval": list(t.interval),
+          "censored": t.censored,
+          "limit": fitted.source_limit(name),
+          "curve_kl": list(t.curve_kl),
+          "curve_drop": list(t.curve_drop),
+        }
+        for name, t in sorted(fitted.sources.items())
+      },
+      "training": None
+      if fitted.training is None
+      else {
+        "max_kl": fitted.training.max_kl,
+        "interval": list(fitted.training.interval),
+        "censored": fitted.training.censored,
+        "limits": {
+          name: fitted.training.source_limit(name) for name in sorted(fitted.training.sources)
+        },
+      },
+    },
+    "per_source": per_source,
+    "min_crossing_records": min_crossing,
+    "per_part": per_part,
+    "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
+    "rerun_all_roles": list(config.get("rerun_all_roles", ())),
+    "confusion": confusion(held_out, tolerance, LABEL_DROP),
+    "confusion_single_run": confusion(held_out, tolerance),
+    "confusion_called": confusion(
+      [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
+    ),
+    "rule_variants": rule_variants(held_out, fitted, tolerance),
+    "check_vs_training": agreement(rows),
+    "rows": rows,
+    "curves": {s.name: results[s.name].get("curve", []) for s in settings},
+  }
+  if config.sensitivity:
+    sens_json = os.path.join(workdir, "sensitivity.json")
+    if not os.path.exists(sens_json):
+      sensitivity.run_sensitivity(
+        run_config(config, settings[0], workdir),
+        params_from=probe_dir,
+        num_prompts=config.num_prompts,
+        json_path=sens_json,
+        png_path=os.path.join(workdir, "sensitivity.png"),
+        log=log,
+      )
+    result["sensitivity"] = _read_json(sens_json, None)
+  result["plots"] = study_report.plot_all(result, workdir)
+  result["seconds"] = time.time() - start
+  result["num_runs"] = sum(len(r["accuracy_runs"]) for r in rows)
+  result["train_seconds"] = sum(sum(r["wall_seconds_runs"]) for r in rows)  # every run
+  _write_json(os.path.join(workdir, STUDY_FILE), result)
+  report = study_report.markdown(result)
+  with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:
+    f.write(report)
+  log(report)
+  return result

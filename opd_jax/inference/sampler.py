@@ -1,0 +1,732 @@
+"""The rollout engine: a jitted KV-cache sampler that returns a `Rollout`.
+
+`sample(params, prompts, rng, cfg, model_cfg)` pads the prompts to a bucketed
+shape on the host, then runs one jitted function that
+
+1. builds the KV cache on the device (never a host copy, so there is nothing to
+   donate; the while loop updates it in place),
+2. prefills it with the right-padded prompts (all sequences start at position 0),
+   without computing prefill logits,
+3. runs a `lax.while_loop` of one-token decode steps: step i feeds sequence b's
+   previous token (the last prompt token for i = 0) at its own position
+   len_b − 1 + i and samples token i from that step's logits.
+
+The loop stops after `max_new_tokens`, when every sequence has produced a stop
+token, or when no sequence has a free cache slot left. A sequence whose next
+token would need slot ≥ cache_len ends there (its mask stops). Nothing returns
+to the host between steps.
+
+Shapes are bucketed so that repeated calls reuse one compiled program: the prompt
+width is the next power of two ≥ max(longest prompt, 16) and the batch is padded
+to the next power of two with rows that start finished. `SamplerConfig` and
+`ModelConfig` are static jit arguments; `trace_count()` counts how often the core
+was traced, which tests use to catch recompiles.
+
+Sampling math (f32), for temperature T > 0:
+
+    z = logits / T
+    top-k:  z_j = -inf unless j is among the k largest z (exactly k tokens; ties at
+            the k-th value go to the lower token id, as `jax.lax.top_k` orders them)
+    top-p:  sort the surviving tokens by probability q (softmax of z); keep token j
+            iff the mass of the tokens ranked above it is < p (the top token is
+            always kept, and the kept set is the smallest whose mass reaches p)
+    π_b = softmax(z)  (renormalised over the kept set K_b)
+    y ~ π_b by inverse-CDF sampling with key fold_in(rng, step)
+
+T = 0 is greedy: y = argmax(logits) and π_b is the point mass on y, so the
+behaviour log-prob is 0 (see `rollout.py` for all log-prob conventions).
+
+The kept set travels with the rollout (`Rollout.support_ids`) whenever a filter is
+on, so the trainer scores its student under the same filter (the "keep sampling
+mask" practice): π_θ = softmax(student logits / T) restricted to K_b and
+renormalised. Replaying the engine's own kept set, rather than re-running top-k/top-p
+on the trainer's logits, makes an exact engine read exactly zero mismatch (no
+boundary token flips between the two rankings) and keeps π_b and π_θ on one support,
+so KL(π_b ‖ π_θ) and the importance ratios stay finite for any engine.
+
+KV saturation: with an FP8 "tensor"-scaled cache, values beyond 448 · scale are
+clipped; `Rollout.kv_saturated_fraction` is the share of the K/V elements written
+to FP8 layers (prompt and counted completion tokens) that clipped.
+
+Sharded sampling (`mesh=`): the batch is split over the mesh's ("data", "fsdp") axes
+and each shard decodes only its own rows, SPMD, with the params in whatever layout
+they carry (FSDP and tensor axes as in training, or a separate rollout mesh). Every
+process passes the same global prompts (token ids only); each device receives just
+its rows (`jax.make_array_from_callback`), the KV cache is laid out [B over data·fsdp,
+S, K over tensor, H], every [B, ...] buffer of the loop is constrained to the batch
+layout, and the token choice (top-k, top-p, the kept-set scatter, the inverse-CDF draw)
+runs inside a `jax.shard_map` over the batch axes (`per_shard`), since XLA would
+gather the batch to split a top-k or a scatter by rows itself. So the compiled program
+never all-gathers the batch: the only cross-shard traffic on the batch side is the
+scalar "all rows done?" reduction of the loop condition and the scalar saturation
+sums. The uniforms are drawn for the whole batch before the split, so row b meets the
+same draw and the same computation as without a mesh: a sharded rollout equals the
+unsharded one token for token, greedy or sampled (up to f32 reduction order where
+the tensor axis splits a matmul). The batch is padded to a multiple of data·fsdp (not to a power
+of two) with rows that start finished, and those padding rows stay in the returned
+rollout (mask 0) so that nothing is re-laid out; `sample_program` returns the lowered
+program for inspection (`sharding.hlo_collectives`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opd_jax.data.padding import next_pow2, prompt_bucket
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.model import kvcache, sharding
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import QArray
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+_TRACES = 0
+
+
+def trace_count() -> int:
+  """How many times the jitted sampler core has been traced (≈ compiled)."""
+  return _TRACES
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static, hashable sampling settings (a jit static argument).
+
+  Attributes:
+    max_new_tokens: C, tokens to generate per sequence (≥ 1).
+    temperature: T; 0 means greedy decoding.
+    top_k: keep the k most likely tokens (exactly k; ties go to the lower id); 0 disables it.
+    top_p: nucleus mass in (0, 1]; 1 disables the filter.
+    stop_tokens: ids that end a sequence (the stop token itself is kept and counted).
+    cache_len: KV-cache slots S per sequence; None derives S = prompt bucket + C.
+    kv: KV-cache numerics; None stores the cache in the params' compute dtype.
+    return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
+      with their tail mass, −1 the full behaviour distribution [B, C, V]
+      (`opd_jax.mismatch.default_return_topk(V)` picks one from the vocabulary size).
+  """
+
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = ()
+  cache_len: int | None = None
+  kv: kvcache.KVCacheSpec | None = None
+  return_topk: int = 0
+
+  def __post_init__(self):
+    def integer(name, lowest, hint):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lowest:
+        raise ValueError(f"{name} must be {hint}, got {value!r}")
+      object.__setattr__(self, name, int(value))  # numpy ints hash like Python ints
+
+    integer("max_new_tokens", 1, "a positive int")
+    integer("top_k", 0, "an int >= 0 (0 = off)")
+    integer("return_topk", -1, "0 (none), k > 0, or -1 (full distribution)")
+    if self.cache_len is not None:
+      integer("cache_len", 1, "a positive int or None")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    object.__setattr__(self, "temperature", float(self.temperature))
+    object.__setattr__(self, "top_p", float(self.top_p))
+    stops = tuple(int(t) for t in self.stop_tokens)
+    if any(t < 0 for t in stops):
+      raise ValueError(f"stop_tokens must be non-negative token ids, got {stops}")
+    object.__setattr__(self, "stop_tokens", stops)
+    if self.kv is not None and not isinstance(self.kv, kvcache.KVCacheSpec):
+      raise ValueError(f"kv must be a kvcache.KVCacheSpec or None, got {type(self.kv).__name__}")
+
+
+def _sortable_u32(x_bv):
+  """Maps f32 to uint32 so that integer order is float order (-inf lowest)."""
+  bits = jax.lax.bitcast_convert_type(x_bv.astype(jnp.float32), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_threshold(key_bv, weight_bv, target_b1):
+  """Per row, the largest uint32 τ with Σ_j weight_j · [key_j ≥ τ] ≥ target.
+
+  The left side only decreases as τ grows, so τ is built bit by bit from the top
+  (32 masked sums, no sort). It is always one of the row's keys. Requires the
+  condition to hold at τ = 0 (the whole row).
+  """
+
+  def step(i, tau_b1):
+    bit = jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+    cand_b1 = tau_b1 | bit
+    mass_b1 = jnp.sum(jnp.where(key_bv >= cand_b1, weight_bv, 0), axis=-1, keepdims=True)
+    return jnp.where(mass_b1 >= target_b1, cand_b1, tau_b1)
+
+  return jax.lax.fori_loop(0, 32, step, jnp.zeros((key_bv.shape[0], 1), jnp.uint32))
+
+
+def support_width(cfg: SamplerConfig, vocab_size: int) -> int:
+  """M, the width of `Rollout.support_ids`: top_k with a top-k filter, V with top-p
+  alone, 0 when nothing is filtered (or greedy, whose support is the sampled token)."""
+  if cfg.temperature == 0:
+    return 0
+  if 0 < cfg.top_k < vocab_size:
+    return cfg.top_k
+  return vocab_size if cfg.top_p < 1.0 else 0
+
+
+def filter_logits(logits_bv, cfg: SamplerConfig):
+  """Temperature, top-k and top-p applied to logits (T > 0 only), with the kept set.
+
+  top-k takes the k largest z with `jax.lax.top_k`, and top-p within them is a
+  cumulative sum over those k sorted values. top-p alone avoids sorting the
+  vocabulary (a full sort per step costs more than the model on CPU): it keeps
+  z_j ≥ τ, where τ is the largest value whose upper set {i : z_i ≥ τ} holds
+  mass ≥ p, which equals the sorted-order definition except that tokens tied
+  exactly at τ are all kept.
+
+  Args:
+    logits_bv: raw logits [B, V].
+    cfg: sampler settings; `cfg.temperature` must be > 0.
+
+  Returns:
+    (z_bv, support_bm): f32 [B, V] processed logits (logits / T on kept tokens, -inf
+    on removed ones; softmax(z) is π_b), and the kept set as int32 [B, M] token ids
+    with -1 in unused slots (M = `support_width(cfg, V)`): with top-k the k largest
+    tokens in descending order, those removed by top-p set to -1; with top-p alone
+    slot j holds j if kept, else -1; None when nothing is filtered.
+  """
+  z_bv = logits_bv.astype(jnp.float32) / cfg.temperature
+  b, v = z_bv.shape
+  if 0 < cfg.top_k < v:
+    top_z_bk, ids_bk = jax.lax.top_k(z_bv, cfg.top_k)
+    keep_bk = jnp.ones(top_z_bk.shape, bool)
+    if cfg.top_p < 1.0:
+      q_bk = jax.nn.softmax(top_z_bk, axis=-1)
+      keep_bk = jnp.cumsum(q_bk, axis=-1) - q_bk < cfg.top_p  # mass ranked above < p
+    rows_b1 = jnp.arange(b)[:, None]
+    kept_bv = jnp.zeros((b, v), bool).at[rows_b1, ids_bk].set(keep_bk)
+    return jnp.where(kept_bv, z_bv, -jnp.inf), jnp.where(keep_bk, ids_bk, -1)
+  if cfg.top_p < 1.0:
+    key_bv = _sortable_u32(z_bv)
+    probs_bv = jax.nn.softmax(z_bv, axis=-1)
+    tau_b1 = _largest_threshold(key_bv, probs_bv, jnp.float32(cfg.top_p))
+    kept_bv = key_bv >= tau_b1
+    support_bv = jnp.where(kept_bv, jnp.arange(v, dtype=jnp.int32), -1)
+    return jnp.where(kept_bv, z_bv, -jnp.inf), support_bv
+  return z_bv, None
+
+
+def process_logits(logits_bv, cfg: SamplerConfig, mesh=None):
+  """The processed logits z of `filter_logits` alone: softmax(z) is π_b ([B, V] f32).
+  With a `mesh`, each batch shard filters its own rows (`per_shard`)."""
+  return per_shard(lambda x_bv: filter_logits(x_bv, cfg)[0], mesh, logits_bv)
+
+
+def per_shard(fn, mesh, *arrays):
+  """fn applied to each batch shard's rows of `arrays` (a `jax.shard_map` over the mesh's
+  batch axes, other dimensions gathered), or to the arrays as they are without a mesh.
+
+  For row-wise functions only (row b of the output depends on row b of the inputs). XLA
+  cannot split top-k or a scatter by rows on its own and would gather the batch to run
+  them; inside the map every shard runs them on its rows.
+  """
+  if mesh is None:
+    return fn(*arrays)
+  spec = jax.sharding.PartitionSpec(sharding.batch_sharding(mesh, 1).spec[0])
+  return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(*arrays)
+
+
+def _argmax(x_bv):
+  """First index of the row maximum (a plain max and min; XLA:CPU's argmax is slow)."""
+  v = x_bv.shape[-1]
+  idx_bv = jnp.arange(v, dtype=jnp.int32)
+  is_max_bv = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
+  return jnp.minimum(jnp.min(jnp.where(is_max_bv, idx_bv, v), axis=-1), v - 1)
+
+
+def _last_positive(x_bn):
+  """Index of the last entry > 0 in each row (0 if none)."""
+  idx_bn = jnp.arange(x_bn.shape[-1], dtype=jnp.int32)
+  return jnp.max(jnp.where(x_bn > 0, idx_bn, 0), axis=-1)
+
+
+def sample_categorical(key, z_bv, block: int = 128):
+  """One draw per row from softmax(z_bv) by inverting its CDF.
+
+  y = min{j : Σ_{i≤j} p_i > u · Σ_i p_i} with one uniform u per row, found in two
+  levels (blocks of `block` tokens, then tokens within the chosen block) so that
+  no cumulative sum runs over the whole vocabulary. Tokens with p_j = 0 are never
+  drawn. Exact up to f32 rounding of the partial sums; ~100× cheaper on CPU than
+  Gumbel-max, which needs V random numbers and logs per row.
+
+  Args:
+    key: PRNG key.
+    z_bv: f32 logits [B, V]; -inf marks zero probability (at least one finite).
+    block: tokens per block.
+
+  Returns:
+    int32 token ids [B].
+  """
+  u_b1 = jax.random.uniform(key, (z_bv.shape[0], 1), jnp.float32)
+  return _categorical(u_b1, z_bv, block)
+
+
+def _categorical(u_b1, z_bv, block: int = 128):
+  """`sample_categorical` with its uniforms u_b1 [B, 1] drawn."""
+  b, v = z_bv.shape
+  block = min(block, v)
+  nb = -(-v // block)
+  p_bv = jnp.exp(z_bv - jnp.max(z_bv, axis=-1, keepdims=True))
+  p_bnk = jnp.pad(p_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+  mass_bn = jnp.sum(p_bnk, axis=-1)
+  cum_bn = jnp.cumsum(mass_bn, axis=-1)
+  u_b1 = u_b1 * cum_bn[:, -1:]
+  # Rounding can put u at the total; fall back to the last block (token) with mass.
+  blk_b = jnp.minimum(jnp.sum(cum_bn <= u_b1, axis=-1), _last_positive(mass_bn))
+  before_bn = jnp.pad(cum_bn[:, :-1], ((0, 0), (1, 0)))
+  before_b1 = jnp.take_along_axis(before_bn, blk_b[:, None], axis=-1)
+  inner_bk = jnp.take_along_axis(p_bnk, blk_b[:, None, None], axis=1)[:, 0]
+  cum_bk = before_b1 + jnp.cumsum(inner_bk, axis=-1)
+  tok_b = jnp.minimum(jnp.sum(cum_bk <= u_b1, axis=-1), _last_positive(inner_bk))
+  return (blk_b * block + tok_b).astype(jnp.int32)
+
+
+def _choose(logits_bv, key, cfg: SamplerConfig, mesh=None):
+  """Samples one token per row (each batch shard its own rows with a `mesh`).
+
+  The uniforms are drawn for the whole batch before the rows are split, so row b's draw
+  does not depend on the sharding.
+
+  Returns:
+    (token_b int32, behaviour_lp_b f32, model_lp_b f32, dist, support_bm) where dist
+    is None or (topk_lp_bk, topk_ids_bk or None, tail_b) per `cfg.return_topk`, and
+    support_bm the kept set of `filter_logits` (None when nothing is filtered).
+  """
+  logits_bv = logits_bv.astype(jnp.float32)
+  if cfg.temperature == 0:
+    return per_shard(lambda x_bv: _choose_rows(x_bv, None, cfg), mesh, logits_bv)
+  u_b1 = jax.random.uniform(key, (logits_bv.shape[0], 1), jnp.float32)
+  return per_shard(lambda x_bv, u: _choose_rows(x_bv, u, cfg), mesh, logits_bv, u_b1)
+
+
+def _choose_rows(logits_bv, u_b1, cfg: SamplerConfig):
+  """`_choose` on rows of f32 logits with their uniforms (None when greedy)."""
+  b, v = logits_bv.shape
+  rows_b1 = jnp.arange(b)[:, None]
+  if cfg.temperature == 0:
+    token_b = _argmax(logits_bv)
+    model_lp_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    behaviour_lp_b = jnp.zeros((b,), jnp.float32)
+    dist_lp_bv = None
+    support_bm = None
+  else:
+    z_bv, support_bm = filter_logits(logits_bv, cfg)
+    token_b = _categorical(u_b1, z_bv)
+    model_lp_bv = jax.nn.log_softmax(logits_bv / cfg.temperature, axis=-1)
+    dist_lp_bv = jax.nn.log_softmax(z_bv, axis=-1)
+    behaviour_lp_b = jnp.take_along_axis(dist_lp_bv, token_b[:, None], axis=-1)[:, 0]
+  model_lp_b = jnp.take_along_axis(model_lp_bv, token_b[:, None], axis=-1)[:, 0]
+
+  dist = None
+  if cfg.return_topk != 0:
+    if dist_lp_bv is None:  # greedy: the point mass on the argmax
+      dist_lp_bv = jnp.where(jnp.arange(v) == token_b[:, None], 0.0, -jnp.inf)
+    if cfg.return_topk == -1 or cfg.return_topk >= v:
+      dist = (dist_lp_bv, None, jnp.full((b,), -jnp.inf, jnp.float32))
+    else:
+      if cfg.temperature == 0:  # rank by the model so that the argmax comes first
+        _, ids_bk = jax.lax.top_k(logits_bv, cfg.return_topk)
+        topk_lp_bk = jnp.take_along_axis(dist_lp_bv, ids_bk, axis=-1)
+      else:
+        topk_lp_bk, ids_bk = jax.lax.top_k(dist_lp_bv, cfg.return_topk)
+      rest_bv = dist_lp_bv.at[rows_b1, ids_bk].set(-jnp.inf)
+      dist = (topk_lp_bk, ids_bk.astype(jnp.int32), jax.nn.logsumexp(rest_bv, axis=-1))
+  return token_b, behaviour_lp_b, model_lp_b, dist, support_bm
+
+
+def _constrain(x, mesh, dims: str | None = None):
+  """x laid out with its batch (dim 0) over the mesh's batch axes: `dims` letters name
+  every dimension (e.g. "btkh"), or None splits dim 0 only. Identity without a mesh."""
+  if mesh is None:
+    return x
+  if dims is None:
+    layout = sharding.batch_sharding(mesh, x.ndim)
+  else:
+    layout = sharding.logical_sharding(mesh, dims, x.shape)
+  return jax.lax.with_sharding_constraint(x, layout)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "model_cfg", "cache_len", "mesh"))
+def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_len, mesh=None):
+  """Prefill + decode loop on padded inputs; returns a dict of [B, C(, k)] arrays.
+
+  With a `mesh`, every batch-leading array is constrained to the batch layout (module
+  docstring), so no step gathers the batch."""
+  global _TRACES
+  _TRACES += 1
+  b, p = tokens_bp.shape
+  c, s, spec = cfg.max_new_tokens, cache_len, cfg.kv
+  v = model_cfg.real_vocab_size  # the logits' width: padded embedding rows are never sampled
+  k = v if cfg.return_topk == -1 else min(cfg.return_topk, v)
+  m = support_width(cfg, v)
+  stops = jnp.asarray(cfg.stop_tokens or (-1,), jnp.int32)
+  tokens_bp, lens_b, live_b = (_constrain(x, mesh) for x in (tokens_bp, lens_b, live_b))
+  if mesh is not None:  # FSDP: gather the weights once, never the batch
+    params = jax.lax.with_sharding_constraint(
+      params, sharding.tree_shardings(params, mesh, sharding.DECODE_RULES)
+    )
+
+  out = {
+    "tokens": jnp.zeros((b, c), jnp.int32),
+    "mask": jnp.zeros((b, c), jnp.int32),
+    "behaviour_lp": jnp.zeros((b, c), jnp.float32),
+    "model_lp": jnp.zeros((b, c), jnp.float32),
+  }
+  if k:
+    out["topk_lp"] = jnp.zeros((b, c, k), jnp.float32)
+    out["tail_lp"] = jnp.zeros((b, c), jnp.float32)
+    if k < v:
+      out["topk_ids"] = jnp.zeros((b, c, k), jnp.int32)
+  if m:
+    out["support"] = jnp.zeros((b, c, m), jnp.int32)
+  out = {name: _constrain(x, mesh) for name, x in out.items()}
+
+  def record(out, done_b, i, logits_bv):
+    """Samples token i from logits_bv and stores it for the rows not yet done."""
+    key = jax.random.fold_in(rng, i)
+    token_b, behaviour_b, model_b, dist, support_bm = _choose(logits_bv, key, cfg, mesh)
+    valid_b = ~done_b
+    values = {
+      "tokens": jnp.where(valid_b, token_b, 0),
+      "mask": valid_b.astype(jnp.int32),
+      "behaviour_lp": jnp.where(valid_b, behaviour_b, 0.0),
+      "model_lp": jnp.where(valid_b, model_b, 0.0),
+    }
+    if dist is not None:
+      topk_lp_bk, ids_bk, tail_b = dist
+      values["topk_lp"] = topk_lp_bk
+      values["tail_lp"] = tail_b
+      if ids_bk is not None:
+        values["topk_ids"] = ids_bk
+    if support_bm is not None:
+      values["support"] = support_bm
+    out = {name: _constrain(out[name].at[:, i].set(values[name]), mesh) for name in out}
+    stopped_b = jnp.any(token_b[:, None] == stops[None, :], axis=-1)
+    # Token i sits at position len_b + i; feeding it needs that cache slot.
+    full_b = lens_b + i >= s
+    return out, done_b | stopped_b | full_b, token_b
+
+  # Prefill positions 0 .. len_b − 2 (and padding). Its logits are unused, so XLA
+  # drops the LM head over all P positions; step 0 below feeds the last prompt
+  # token instead, rewriting its own slot, and samples token 0 from one row of
+  # logits per sequence.
+  cache = _constrain_cache(kvcache.init_cache(model_cfg, b, s, spec), mesh)
+  t_prefill = min(p, s)  # every prompt fits in s, so columns ≥ s are padding
+  _, cache = model.forward_with_cache(
+    params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec, lens_b
+  )
+  cache = _constrain_cache(cache, mesh)
+  # K/V elements one token writes to the FP8 layers, and the clipped ones so far.
+  fp8_per_token = 2 * model_cfg.num_kv_heads * model_cfg.head_dim
+  fp8_per_token *= sum("k_scale" in entry for entry in cache)
+  clipped = jnp.sum(jnp.where(live_b, _clipped_b(cache), 0)).astype(jnp.float32)
+  written = jnp.sum(jnp.where(live_b, lens_b, 0)).astype(jnp.float32) * fp8_per_token
+  last_b = jnp.take_along_axis(tokens_bp, (lens_b - 1)[:, None], axis=1)[:, 0]
+
+  def cond(state):
+    i, _, _, done_b, _, _ = state
+    return (i < c) & ~jnp.all(done_b)
+
+  def body(state):
+    """Feeds the previous token at position len_b − 1 + i and samples token i."""
+    i, cache, token_b, done_b, out, (clipped, written) = state
+    pos_b = jnp.minimum(lens_b - 1 + i, s - 1)  # finished rows may run past the cache
+    logits_b1v, cache = model.forward_with_cache(
+      params, token_b[:, None], pos_b, cache, model_cfg, spec
+    )
+    cache = _constrain_cache(cache, mesh)
+    logits_b1v = _constrain(logits_b1v, mesh, "btv")
+    clipped += jnp.sum(jnp.where(done_b, 0, _clipped_b(cache))).astype(jnp.float32)
+    written += jnp.sum(~done_b).astype(jnp.float32) * fp8_per_token
+    out, done_b, token_b = record(out, done_b, i, logits_b1v[:, 0])
+    return i + 1, cache, token_b, done_b, out, (clipped, written)
+
+  state = (jnp.int32(0), cache, last_b, ~live_b, out, (clipped, written))
+  *_, out, (clipped, written) = jax.lax.while_loop(cond, body, state)
+  out["kv_saturated_fraction"] = clipped / jnp.maximum(written, 1.0)
+  return out
+
+
+def _constrain_cache(cache, mesh):
+  """The KV cache laid out [B over data·fsdp, S, K over tensor, H] (scales alike)."""
+  if mesh is None:
+    return cache
+  return [
+    {name: _constrain(x, mesh, "btkh"[: x.ndim]) for name, x in entry.items()} for entry in cache
+  ]
+
+
+def _clipped_b(cache) -> jax.Array:
+  """int32 [B]: K/V elements the last cache write clipped, summed over the layers."""
+  total_b = jnp.zeros(cache[0]["k"].shape[:1], jnp.int32)
+  for entry in cache:
+    if "k_clipped" in entry:
+      total_b = total_b + entry["k_clipped"] + entry["v_clipped"]
+  return total_b
+
+
+def _as_padded_prompts(prompts, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Validates prompts and returns host (tokens [B, P] int32 right-padded, lens [B])."""
+  if isinstance(prompts, tuple) and len(prompts) == 2 and getattr(prompts[0], "ndim", 0) == 2:
+    tokens_bp = np.asarray(prompts[0])
+    lens_b = np.asarray(prompts[1])
+    if tokens_bp.ndim != 2 or lens_b.shape != tokens_bp.shape[:1]:
+      raise ValueError(
+        f"prompt arrays must be tokens [B, P] and lens [B], got shapes "
+        f"{tokens_bp.shape} and {lens_b.shape}"
+      )
+    if tokens_bp.shape[0] == 0:
+      raise ValueError("empty batch: no prompts given")
+    for i, n in enumerate(lens_b.tolist()):
+      if n < 1:
+        raise ValueError(f"prompt {i} is empty (length {n}); every prompt needs >= 1 token")
+      if n > tokens_bp.shape[1]:
+        raise ValueError(f"prompt {i} has length {n} > prompt array width {tokens_bp.shape[1]}")
+    width = tokens_bp.shape[1]
+    tokens_bp = np.where(np.arange(width)[None, :] < lens_b[:, None], tokens_bp, 0)
+  else:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str):
+      raise ValueError(
+        "prompts must be a list of token-id lists or a (tokens [B, P], lens [B]) pair, "
+        f"got {type(prompts).__name__}"
+      )
+    if len(prompts) == 0:
+      raise ValueError("empty batch: no prompts given")
+    rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    for i, row in enumerate(rows):
+      if row.size == 0:
+        raise ValueError(f"prompt {i} is empty; every prompt needs >= 1 token")
+    lens_b = np.asarray([row.size for row in rows])
+    tokens_bp = np.zeros((len(rows), int(lens_b.max())), np.int64)
+    for i, row in enumerate(rows):
+      tokens_bp[i, : row.size] = row
+  bad = (tokens_bp < 0) | (tokens_bp >= vocab_size)
+  if bad.any():
+    i, j = np.argwhere(bad)[0]
+    raise ValueError(
+      f"prompt {i} has token id {tokens_bp[i, j]} at index {j}, outside the vocabulary "
+      f"[0, {vocab_size})"
+    )
+  return tokens_bp.astype(np.int32), lens_b.astype(np.int32)
+
+
+def _weights_label(params) -> str:
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+  if any(isinstance(x, QArray) for x in leaves):
+    return "fp8"
+  return jnp.dtype(model.compute_dtype(params)).name
+
+
+def engine_label(params, cfg: SamplerConfig) -> str:
+  """A readable id of the engine configuration, e.g. `w=fp8,kv=float8_e4m3fn/token_head,T=1`."""
+  kv = cfg.kv or kvcache.KVCacheSpec(dtype=jnp.dtype(model.compute_dtype(params)).name)
+  kv_label = kv.dtype if kv.dtype != "float8_e4m3fn" else f"{kv.dtype}/{kv.granularity}"
+  return (
+    f"w={_weights_label(params)},kv={kv_label},T={cfg.temperature:g},"
+    f"top_k={cfg.top_k},top_p={cfg.top_p:g}"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """The static half of a prepared sampling call (`prepare`): hashable, a jit static argument.
+
+  Attributes:
+    cfg: the sampler settings, with the KV spec filled in (the params' dtype when None).
+    model_cfg: the model config.
+    cache_len: S, the KV-cache slots per sequence.
+    batch: B, the caller's rows; the arrays may hold more (padding rows that start finished).
+    mesh: the mesh the batch is split over, or None.
+  """
+
+  cfg: SamplerConfig
+  model_cfg: ModelConfig
+  cache_len: int
+  batch: int
+  mesh: jax.sharding.Mesh | None = None
+
+
+def prepare(params, prompts, cfg: SamplerConfig, model_cfg: ModelConfig, mesh=None):
+  """Validates, pads and places the prompts on the host, as `sample` does before decoding.
+  Of `params` (arrays or `jax.ShapeDtypeStruct`s) only the compute dtype is read.
+
+  Returns:
+    ((tokens [B', P'], lens [B'], live [B']), Prepared): B' ≥ B is the padded batch (the next
+    power of two, or a multiple of data·fsdp with a mesh), P' the prompt bucket. Pass both to
+    `sample_prepared`, which can run inside a caller's jit.
+  """
+  if not isinstance(cfg, SamplerConfig):
+    raise ValueError(f"cfg must be a SamplerConfig, got {type(cfg).__name__}")
+  dtype = jnp.dtype(model.compute_dtype(params)).name
+  if dtype not in COMPUTE_DTYPES:
+    raise ValueError(
+      f"unsupported params dtype {dtype!r} (from the embedding table); "
+      f"allowed: {', '.join(COMPUTE_DTYPES)}"
+    )
+  tokens_bp, lens_b = _as_padded_prompts(prompts, model_cfg.real_vocab_size)
+  batch, width = tokens_bp.shape
+  bucket = prompt_bucket(width)
+  cache_len = cfg.cache_len or bucket + cfg.max_new_tokens
+  for i, n in enumerate(lens_b.tolist()):
+    if n > cache_len:
+      raise ValueError(
+        f"prompt {i} has {n} tokens, longer than the KV cache ({cache_len} slots); "
+        "raise SamplerConfig.cache_len or shorten the prompt"
+      )
+  if cfg.kv is None:
+    cfg = dataclasses.replace(cfg, kv=kvcache.KVCacheSpec(dtype=dtype))
+
+  if mesh is None:
+    padded_batch = next_pow2(batch)
+  else:
+    shards = sharding.batch_shards(mesh)
+    padded_batch = -(-batch // shards) * shards
+  tokens = np.zeros((padded_batch, bucket), np.int32)
+  tokens[:batch, :width] = tokens_bp
+  lens = np.ones((padded_batch,), np.int32)
+  lens[:batch] = lens_b
+  live = np.arange(padded_batch) < batch
+  inputs = [tokens, lens, live]
+  if mesh is not None:  # each device gets only its rows
+    inputs = [sharding.place_rows(x, mesh) for x in inputs]
+  return tuple(inputs), Prepared(cfg, model_cfg, cache_len, batch, mesh)
+
+
+def _core_static(prepared: Prepared) -> dict:
+  """`_sample_core`'s static arguments."""
+  p = prepared
+  return {"cfg": p.cfg, "model_cfg": p.model_cfg, "cache_len": p.cache_len, "mesh": p.mesh}
+
+
+def sample_program(params, prompts, rng, cfg: SamplerConfig, model_cfg: ModelConfig, mesh=None):
+  """The jitted sampler core lowered for these inputs (`.compile().as_text()` is its HLO),
+  exactly as `sample` would run it."""
+  (tokens, lens, live), prepared = prepare(params, prompts, cfg, model_cfg, mesh)
+  return _sample_core.lower(params, tokens, lens, live, rng, **_core_static(prepared))
+
+
+def sample(
+  params,
+  prompts,
+  rng,
+  cfg: SamplerConfig,
+  model_cfg: ModelConfig,
+  weight_version: int = 0,
+  engine_id: str | None = None,
+  mesh=None,
+) -> Rollout:
+  """Samples completions for a batch of prompts with a KV cache.
+
+  Args:
+    params: the model params pytree (plain or FP8 `QArray` matrices). With a `mesh`,
+      laid out on it (any layout: `sharding.tree_shardings` gives the training one).
+    prompts: a list of B token-id lists (any lengths ≥ 1), or a pair
+      (tokens [B, P] right-padded array, lens [B] array). A list is padded to the bucket of its
+      longest prompt; a pair keeps the bucket of its width P, so fixed-shape callers
+      always get fixed-shape rollouts. With a mesh: the global batch, the same on every
+      process.
+    rng: a PRNG key; step i uses fold_in(rng, i).
+    cfg: sampler settings (static).
+    model_cfg: the model config (static).
+    weight_version: the version tag of `params`, stored in the rollout.
+    engine_id: stored in the rollout; default `engine_label(params, cfg)`.
+    mesh: None decodes the whole batch as one program on the params' device; a
+      ("data", "fsdp", "tensor") mesh decodes each data·fsdp shard's rows on that
+      shard only (module docstring).
+
+  Returns:
+    A `Rollout` with prompt_tokens [B, P'], where P' is the bucketed prompt width,
+    and completion arrays [B, C], C = cfg.max_new_tokens. With a mesh, B is rounded up
+    to a multiple of data·fsdp (the extra rows have lens 1 and mask 0) and every [B, ...]
+    array is split over the batch axes.
+  """
+  inputs, prepared = prepare(params, prompts, cfg, model_cfg, mesh)
+  if engine_id is None:
+    engine_id = engine_label(params, cfg)
+  return sample_prepared(params, *inputs, rng, prepared, weight_version, engine_id)
+
+
+def sample_prepared(
+  params,
+  tokens_bp,
+  lens_b,
+  live_b,
+  rng,
+  prepared: Prepared,
+  weight_version: int = 0,
+  engine_id: str = "",
+) -> Rollout:
+  """`sample` on inputs from `prepare`. Traceable: a caller can jit all of it, the decode and
+  the rollout's assembly, and compile it from shapes before any weights exist
+  (`mismatch.measure.start_compiling`).
+
+  Args:
+    params: as `sample`'s.
+    tokens_bp, lens_b, live_b: the arrays `prepare` returned (or tracers of them).
+    rng: a PRNG key; step i uses fold_in(rng, i).
+    prepared: the `Prepared` that came with them.
+    weight_version: the version tag of `params`, stored in the rollout.
+    engine_id: stored in the rollout.
+
+  Returns:
+    The `Rollout` `sample` returns.
+  """
+  mesh, batch = prepared.mesh, prepared.batch
+  out = _sample_core(params, tokens_bp, lens_b, live_b, rng, **_core_static(prepared))
+  padded_batch = tokens_bp.shape[0]
+
+  def rows(x):
+    return x if padded_batch == batch or mesh is not None else x[:batch]
+
+  topk_ids = out.get("topk_ids")
+  if "topk_lp" in out and topk_ids is None:  # full distribution, vocabulary order
+    topk_ids = _vocab_ids(out["topk_lp"].shape, mesh)
+
+  # Host values are transferred (`device_put`), not converted: `jnp.asarray` of a host array
+  # compiles a small program per shape, which a one-off call (the admission check) pays for.
+  # With a mesh the prompts are already placed (global arrays) and kept as they are.
+  def on_device(x):
+    return x if isinstance(x, jax.Array) else jax.device_put(x)
+
+  return Rollout(
+    prompt_tokens=rows(on_device(tokens_bp)),
+    prompt_lens=rows(on_device(lens_b)),
+    completion_tokens=rows(out["tokens"]),
+    completion_mask=rows(out["mask"]),
+    behaviour_logprobs=rows(out["behaviour_lp"]),
+    model_logprobs=rows(out["model_lp"]),
+    weight_version=jax.device_put(np.asarray(weight_version, np.int32)),
+    topk_logprobs=None if "topk_lp" not in out else rows(out["topk_lp"]),
+    topk_ids=None if topk_ids is None else rows(topk_ids),
+    tail_logprob=None if "tail_lp" not in out else rows(out["tail_lp"]),
+    support_ids=None if "support" not in out else rows(out["support"]),
+    kv_saturated_fraction=out["kv_saturated_fraction"],
+    engine_id=engine_id,
+  )
+
+
+def _vocab_ids(shape, mesh):
+  """int32 [B, C, V] holding 0..V-1 along the last axis (batch-split with a mesh)."""
+  if mesh is None:
+    return jax.device_put(np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape))
+  layout = sharding.batch_sharding(mesh, len(shape))
+  build = jax.jit(
+    lambda: jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape), out_shardings=layout
+  )
+  return build()

@@ -1,0 +1,737 @@
+"""Hugging Face safetensors checkpoints in and out of the opd_jax params layout.
+
+This module owns the mapping between a local Hugging Face checkpoint directory
+(`config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`)
+and the params pytree of `opd_jax.model`. It needs neither torch nor a hub.
+
+Layout mapping (HF `nn.Linear` weights are [out, in]; ours are [in, out] with the
+head axes split out so that sharding rules can name them):
+
+    model.embed_tokens.weight                 [V, D]    -> embed_vd      [V, D]
+    model.layers.i.self_attn.q_proj.weight    [N·H, D]  -> q_dnh         [D, N, H]
+    model.layers.i.self_attn.{k,v}_proj.weight [K·H, D] -> {k,v}_dkh     [D, K, H]
+    model.layers.i.self_attn.o_proj.weight    [D, N·H]  -> o_nhd         [N, H, D]
+    model.layers.i.self_attn.q_proj.bias      [N·H]     -> q_bias_nh     [N, H]
+    model.layers.i.self_attn.{k,v}_proj.bias  [K·H]     -> {k,v}_bias_kh [K, H]
+    model.layers.i.self_attn.o_proj.bias      [D]       -> o_bias_d      [D]
+    model.layers.i.self_attn.{q,k}_norm.weight [H]      -> {q,k}_norm_h  [H]
+    model.layers.i.input_layernorm.weight     [D]       -> attn_norm_d   [D]
+    model.layers.i.post_attention_layernorm.weight [D]  -> mlp_norm_d    [D]
+    model.layers.i.mlp.{gate,up}_proj.weight  [F, D]    -> {gate,up}_df  [D, F]
+    model.layers.i.mlp.down_proj.weight       [D, F]    -> down_fd       [F, D]
+    model.norm.weight                         [D]       -> final_norm_d  [D]
+    lm_head.weight                            [V, D]    -> lm_head_dv    [D, V]  (untied only)
+
+Every entry is either a plain reshape or "transpose the 2-D HF matrix, then
+reshape", so one flag per tensor describes both directions.
+
+Loading reads one tensor at a time and waits until it is on its devices before
+reading the next. With a sharding, each process reads from the file only the slices
+its own devices hold (`safe_open(...).get_slice(name)[...]` inside
+`jax.make_array_from_callback`, each distinct slice once however many of its devices
+replicate it), so a host holds at most one tensor's slice (and its converted copy) at a
+time and, across the run, reads about 1/n of the split tensors when n processes split
+them. The slice of our layout maps back to one rectangular block of the HF tensor:
+each HF dimension is the flattening of consecutive dimensions of ours (reversed for a
+transposed matrix), so a slice of ours reads the bounding range of its flat indices
+along each HF dimension (exactly the slice when only the leading dimension of a group
+is split, as the sharding rules do). `bytes_read()` counts the bytes read.
+
+Export (`export_student`) writes a directory that `transformers` loads as it
+loads a published model: the weights and config.json (with the bos/eos/pad ids),
+generation_config.json, and the tokenizer: the Hugging Face tokenizer's files
+copied as they are, or for the built-in character tokenizer a `tokenizer.json`
+built from its vocabulary (`save_char_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+from safetensors.numpy import save_file
+
+from opd_jax.model import tokenizer as tokenizer_lib
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import QArray
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# The token ids config.json and generation_config.json carry.
+ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# The files of a Hugging Face tokenizer directory; an export copies those present.
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "vocab.json",
+  "merges.txt",
+  "tokenizer.model",
+  "chat_template.jinja",
+  "chat_template.json",
+)
+# Buffers that some older checkpoints carry and that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One checkpoint tensor: where it lives in both layouts and how to convert it.
+
+  `to_ours` maps the HF array [hf_shape] to ours [shape]; `to_hf` is its inverse.
+  """
+
+  key: tuple[str | int, ...]  # path into the params pytree, e.g. ("layers", 0, "q_dnh")
+  hf_name: str
+  hf_shape: tuple[int, ...]
+  shape: tuple[int, ...]  # our shape
+  transpose: bool  # HF [out, in] matrix -> ours [in, out] (then reshape)
+
+  def to_ours(self, w: np.ndarray) -> np.ndarray:
+    return (w.T if self.transpose else w).reshape(self.shape)
+
+  def to_hf(self, w: np.ndarray) -> np.ndarray:
+    if self.transpose:
+      return w.reshape(self.hf_shape[::-1]).T
+    return w.reshape(self.hf_shape)
+
+  @property
+  def path(self) -> str:
+    return "/".join(str(k) for k in self.key)
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+  """Every tensor `cfg` needs, in checkpoint order (see the module docstring).
+
+  Args:
+    cfg: the model config.
+
+  Returns:
+    one TensorSpec per param leaf: embeddings, then layer by layer, then the
+    final norm and (untied only) the LM head.
+  """
+  d, f, n, k, h, v = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.vocab_size,
+  )
+  specs = [TensorSpec(("embed_vd",), "model.embed_tokens.weight", (v, d), (v, d), False)]
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+
+    def add(name, hf_name, hf_shape, shape, transpose, pre=pre, i=i):
+      specs.append(TensorSpec(("layers", i, name), pre + hf_name, hf_shape, shape, transpose))
+
+    add("attn_norm_d", "input_layernorm.weight", (d,), (d,), False)
+    add("q_dnh", "self_attn.q_proj.weight", (n * h, d), (d, n, h), True)
+    add("k_dkh", "self_attn.k_proj.weight", (k * h, d), (d, k, h), True)
+    add("v_dkh", "self_attn.v_proj.weight", (k * h, d), (d, k, h), True)
+    add("o_nhd", "self_attn.o_proj.weight", (d, n * h), (n, h, d), True)
+    if cfg.qkv_bias:
+      add("q_bias_nh", "self_attn.q_proj.bias", (n * h,), (n, h), False)
+      add("k_bias_kh", "self_attn.k_proj.bias", (k * h,), (k, h), False)
+      add("v_bias_kh", "self_attn.v_proj.bias", (k * h,), (k, h), False)
+    if cfg.o_bias:
+      add("o_bias_d", "self_attn.o_proj.bias", (d,), (d,), False)
+    if cfg.qk_norm:
+      add("q_norm_h", "self_attn.q_norm.weight", (h,), (h,), False)
+      add("k_norm_h", "self_attn.k_norm.weight", (h,), (h,), False)
+    add("mlp_norm_d", "post_attention_layernorm.weight", (d,), (d,), False)
+    add("gate_df", "mlp.gate_proj.weight", (f, d), (d, f), True)
+    add("up_df", "mlp.up_proj.weight", (f, d), (d, f), True)
+    add("down_fd", "mlp.down_proj.weight", (d, f), (f, d), True)
+  specs.append(TensorSpec(("final_norm_d",), "model.norm.weight", (d,), (d,), False))
+  if not cfg.tie_word_embeddings:
+    specs.append(TensorSpec(("lm_head_dv",), "lm_head.weight", (v, d), (d, v), True))
+  return specs
+
+
+def _checked_dir(path) -> str:
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint path {path!r} is not a directory")
+  return path
+
+
+def _read_json(file: str) -> dict[str, Any]:
+  try:
+    with open(file, encoding="utf-8") as fh:
+      data = json.load(fh)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{file} must hold a JSON object, found {type(data).__name__}")
+  return data
+
+
+def load_config(path) -> ModelConfig:
+  """Reads `config.json` of a Hugging Face checkpoint directory.
+
+  Args:
+    path: the checkpoint directory.
+
+  Returns:
+    the ModelConfig it describes.
+
+  Raises:
+    FileNotFoundError: the directory or its config.json is missing.
+    ValueError: the file is not JSON, lacks a required key, or describes an
+      unsupported architecture (the message lists the supported model types).
+  """
+  file = os.path.join(_checked_dir(path), CONFIG_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(path)!r}")
+  hf = _read_json(file)
+  try:
+    return ModelConfig.from_hf_dict(hf)
+  except KeyError as e:
+    raise ValueError(f"{file} lacks required key {e.args[0]!r}") from e
+  except ValueError as e:
+    raise ValueError(f"{file}: {e}") from e
+
+
+def _weight_map(directory: str) -> tuple[dict[str, str], str]:
+  """(tensor name -> safetensors file, a description of where that map came from)."""
+  single = os.path.join(directory, SINGLE_FILE)
+  index = os.path.join(directory, INDEX_FILE)
+  if os.path.isfile(single):
+    try:
+      with safetensors.safe_open(single, framework="numpy") as fh:
+        return dict.fromkeys(fh.keys(), single), single
+    except (safetensors.SafetensorError, OSError) as e:
+      raise ValueError(f"cannot read safetensors file {single}: {e}") from e
+  if os.path.isfile(index):
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no 'weight_map' object")
+    out = {}
+    for name, rel in weight_map.items():
+      file = os.path.join(directory, rel)
+      if not os.path.isfile(file):
+        raise FileNotFoundError(f"{index} maps {name!r} to {file}, which does not exist")
+      out[name] = file
+    return out, f"{index} and the {len(set(out.values()))} shard(s) it lists"
+  raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in checkpoint directory {directory!r}")
+
+
+def _lookup(tree, key: tuple):
+  return functools.reduce(lambda node, k: node[k], key, tree)
+
+
+def _sharding_for(shardings, spec: TensorSpec):
+  if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+    return shardings
+  try:
+    return _lookup(shardings, spec.key)
+  except (KeyError, IndexError, TypeError) as e:
+    raise ValueError(f"shardings has no entry for param {spec.path!r}") from e
+
+
+def _empty_params(cfg: ModelConfig) -> dict:
+  return {"layers": [{} for _ in range(cfg.num_layers)]}
+
+
+def _set(params: dict, key: tuple, value) -> None:
+  _lookup(params, key[:-1])[key[-1]] = value
+
+
+ShardingsArg = jax.sharding.Sharding | dict | Callable[[ModelConfig], Any] | None
+
+
+_BYTES_READ = [0]
+
+
+def bytes_read() -> int:
+  """Bytes of tensor data `load_checkpoint` has read from weight files in this process."""
+  return _BYTES_READ[0]
+
+
+def reset_bytes_read() -> None:
+  """Restarts the `bytes_read` count at 0."""
+  _BYTES_READ[0] = 0
+
+
+def _hf_groups(spec: TensorSpec) -> list[list[int]]:
+  """Our dimensions grouped by the HF dimension they flatten into (in our order)."""
+  hf_dims = spec.hf_shape[::-1] if spec.transpose else spec.hf_shape
+  groups, d = [], 0
+  for size in hf_dims:
+    group, prod = [], 1
+    while d < len(spec.shape) and (not group or prod * spec.shape[d] <= size) and prod < size:
+      group.append(d)
+      prod *= spec.shape[d]
+      d += 1
+    if not group and d < len(spec.shape):  # an HF dimension of size 1
+      group, d = [d], d + 1
+    groups.append(group)
+  groups[-1].extend(range(d, len(spec.shape)))  # trailing size-1 dimensions
+  return groups
+
+
+def _read_block(handle, spec: TensorSpec, index, np_dtype) -> np.ndarray:
+  """Our `index` (a tuple of slices) of tensor `spec`, read from the file as one block.
+
+  Returns:
+    The host array [slice shape] in `np_dtype`; the bytes read are added to `bytes_read`.
+  """
+  index = tuple(index) + (slice(None),) * (len(spec.shape) - len(tuple(index)))
+  ranges = [np.arange(n)[sl] for sl, n in zip(index, spec.shape, strict=True)]
+  hf_sel, flat = [], []
+  for group in _hf_groups(spec):
+    dims = [spec.shape[d] for d in group]
+    idx = np.ravel_multi_index(np.ix_(*[ranges[d] for d in group]), dims).reshape(-1)
+    hf_sel.append(slice(int(idx.min()), int(idx.max()) + 1))
+    flat.append(idx - idx.min())
+  try:
+    if spec.transpose:
+      block = handle.get_slice(spec.hf_name)[tuple(hf_sel[::-1])].T
+    else:
+      block = handle.get_slice(spec.hf_name)[tuple(hf_sel)]
+  except (safetensors.SafetensorError, OSError) as e:
+    raise ValueError(f"cannot read tensor {spec.hf_name!r}: {e}") from e
+  _BYTES_READ[0] += block.nbytes
+  if any(len(f) != s.stop - s.start for f, s in zip(flat, hf_sel, strict=True)):
+    block = block[np.ix_(*flat)]
+  return np.ascontiguousarray(block.reshape([len(r) for r in ranges]), dtype=np_dtype)
+
+
+def _place(handle, spec: TensorSpec, sharding, np_dtype) -> jax.Array:
+  """Tensor `spec` on `sharding` (None: the default device), reading only the slices this
+  process's devices hold, each distinct slice once."""
+  if sharding is None:
+    return jax.device_put(_read_block(handle, spec, (), np_dtype))
+  blocks = {}
+
+  def one(index):
+    key = tuple((sl.start, sl.stop) for sl in index)
+    if key not in blocks:
+      blocks[key] = _read_block(handle, spec, index, np_dtype)
+    return blocks[key]
+
+  return jax.make_array_from_callback(spec.shape, sharding, one)
+
+
+def load_checkpoint(
+  path, dtype=jnp.float32, shardings: ShardingsArg = None
+) -> tuple[ModelConfig, dict]:
+  """Loads a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
+
+  Tensors are read one at a time, converted to our layout and `dtype` on the
+  host, and placed on their sharding before the next one is read; each process
+  reads only the slices of each tensor that its devices hold (module docstring).
+  Tensors the config does not need (a tied `lm_head.weight`, RoPE buffers) are
+  skipped; any other unused tensor is an error, since it means config.json and the
+  weights disagree.
+
+  Args:
+    path: directory holding config.json and model.safetensors or
+      model.safetensors.index.json with its shards.
+    dtype: dtype of every returned param (f32, bf16, ...).
+    shardings: None (default device); one `jax.sharding.Sharding` for every
+      param; a pytree of shardings with the params' structure (None leaves mean
+      the default device); or a callable `cfg -> such a pytree`.
+
+  Returns:
+    (cfg, params) with params laid out as in `opd_jax.model`.
+
+  Raises:
+    FileNotFoundError: a missing directory, config.json or weight file.
+    ValueError: an unsupported or malformed config, a corrupt weight file, a
+      missing or unexpected tensor, or a tensor of the wrong shape.
+  """
+  directory = _checked_dir(path)
+  cfg = load_config(directory)
+  if callable(shardings):
+    shardings = shardings(cfg)
+  weight_map, searched = _weight_map(directory)
+  specs = tensor_specs(cfg)
+  np_dtype = np.dtype(dtype)
+  params = _empty_params(cfg)
+  with ExitStack() as stack:
+    handles = {}
+    for spec in specs:
+      file = weight_map.get(spec.hf_name)
+      if file is None:
+        raise ValueError(
+          f"tensor {spec.hf_name!r} (needed for {spec.path}) not found in {searched}"
+        )
+      if file not in handles:
+        try:
+          handles[file] = stack.enter_context(safetensors.safe_open(file, framework="numpy"))
+        except (safetensors.SafetensorError, OSError) as e:
+          raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+      handle = handles[file]
+      found = tuple(handle.get_slice(spec.hf_name).get_shape())
+      if found != spec.hf_shape:
+        raise ValueError(
+          f"tensor {spec.hf_name!r} in {file} has shape {found}, but config.json "
+          f"implies {spec.hf_shape}"
+        )
+      try:
+        placed = _place(handle, spec, _sharding_for(shardings, spec), np_dtype)
+      except ValueError as e:
+        raise ValueError(f"{e} (in {file})") from e
+      _set(params, spec.key, placed.block_until_ready())
+  used = {spec.hf_name for spec in specs}
+  if cfg.tie_word_embeddings:
+    used.add("lm_head.weight")
+  unexpected = sorted(
+    name for name in weight_map if name not in used and not name.endswith(_IGNORED_SUFFIXES)
+  )
+  if unexpected:
+    shown = ", ".join(unexpected[:5]) + (", ..." if len(unexpected) > 5 else "")
+    raise ValueError(
+      f"{len(unexpected)} tensor(s) in {directory} are not described by its config.json: {shown}"
+    )
+  return cfg, params
+
+
+def _key_tuple(path_and_leaf) -> tuple[str | int, ...]:
+  """("layers", 0, "q_dnh") from a `tree_leaves_with_path` entry."""
+  path, _ = path_and_leaf
+  return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _dtype_name(dtype) -> str:
+  return np.dtype(dtype).name  # "float32", "bfloat16", "float16"
+
+
+def _plan_shards(specs, leaves, max_shard_bytes: int) -> list[list[int]]:
+  """Groups spec indices into consecutive shards of at most max_shard_bytes (or one tensor)."""
+  shards, current, size = [], [], 0
+  for i, leaf in enumerate(leaves):
+    nbytes = int(np.prod(specs[i].shape)) * np.dtype(leaf.dtype).itemsize
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append(i)
+    size += nbytes
+  shards.append(current)
+  return shards
+
+
+def save_checkpoint(
+  path,
+  cfg: ModelConfig,
+  params,
+  max_shard_bytes: int = 4 * 2**30,
+  generation_config: dict[str, Any] | None = None,
+) -> None:
+  """Writes params as a Hugging Face checkpoint that `transformers` loads.
+
+  Writes config.json (`cfg.to_hf_dict()` plus `torch_dtype`/`dtype`, the
+  embedding's dtype, plus the bos/eos/pad ids of `generation_config`) and the
+  weights in HF layout, each tensor in its own dtype. Models up to
+  `max_shard_bytes` go to one model.safetensors; larger ones to
+  model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json.
+  Weight files (and a generation_config.json) already in `path` are removed
+  first so that no stale shard, index or generation config survives. The host
+  holds at most one shard at a time; params must be fully addressable from this
+  process.
+
+  Args:
+    path: output directory (created if needed).
+    cfg: the model config.
+    params: the unquantized params pytree of `opd_jax.model`.
+    max_shard_bytes: largest shard size in bytes (a single larger tensor gets
+      a shard of its own).
+    generation_config: written as generation_config.json, its `ID_KEYS` also
+      into config.json (`generation_config(tokenizer)` builds one); it must name
+      an `eos_token_id`. None writes neither (a cache that only opd_jax reads).
+
+  Raises:
+    ValueError: params hold a QArray, lack or add a tensor relative to `cfg`,
+      or have a tensor of the wrong shape; a generation_config without an int
+      (or list of int) eos_token_id or with an id outside the vocabulary.
+  """
+  if generation_config is not None:
+    _check_ids(generation_config, cfg.vocab_size)
+  quantized = [
+    jax.tree_util.keystr(p)
+    for p, leaf in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=lambda x: isinstance(x, QArray)
+    )
+    if isinstance(leaf, QArray)
+  ]
+  if quantized:
+    raise ValueError(
+      f"params hold fp8 QArrays ({', '.join(quantized[:3])}"
+      f"{', ...' if len(quantized) > 3 else ''}); save the unquantized params instead"
+    )
+  specs = tensor_specs(cfg)
+  leaves = []
+  for spec in specs:
+    try:
+      leaf = _lookup(params, spec.key)
+    except (KeyError, IndexError, TypeError) as e:
+      raise ValueError(f"params lack {spec.path!r}, which {cfg.model_type} needs") from e
+    if tuple(leaf.shape) != spec.shape:
+      raise ValueError(f"param {spec.path!r} has shape {tuple(leaf.shape)}, expected {spec.shape}")
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      raise ValueError(f"param {spec.path!r} is not fully addressable from this process")
+    leaves.append(leaf)
+  known = {spec.key for spec in specs}
+  extra = [
+    "/".join(str(k) for k in key)
+    for key in map(_key_tuple, jax.tree_util.tree_leaves_with_path(params))
+    if key not in known
+  ]
+  if extra:
+    raise ValueError(
+      f"params hold tensors that the {cfg.model_type} config does not describe "
+      f"(tie_word_embeddings={cfg.tie_word_embeddings}, qkv_bias={cfg.qkv_bias}, "
+      f"o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}): {', '.join(extra)}"
+    )
+
+  directory = os.fspath(path)
+  os.makedirs(directory, exist_ok=True)
+  for name in os.listdir(directory):
+    if name in (SINGLE_FILE, INDEX_FILE, GENERATION_CONFIG_FILE) or _SHARD_FILE.match(name):
+      os.remove(os.path.join(directory, name))
+
+  shards = _plan_shards(specs, leaves, max_shard_bytes)
+  weight_map, total = {}, 0
+  for s, members in enumerate(shards):
+    name = (
+      SINGLE_FILE if len(shards) == 1 else f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
+    )
+    tensors = {}
+    for i in members:
+      host = np.asarray(jax.device_get(leaves[i]))
+      tensors[specs[i].hf_name] = np.ascontiguousarray(specs[i].to_hf(host))
+      weight_map[specs[i].hf_name] = name
+      total += tensors[specs[i].hf_name].nbytes
+    save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+    del tensors
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as fh:
+      json.dump(index, fh, indent=2, sort_keys=True)
+
+  dtype = _dtype_name(params["embed_vd"].dtype)
+  hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "dtype": dtype}
+  if generation_config is not None:
+    hf |= {k: generation_config[k] for k in ID_KEYS if k in generation_config}
+    _write_json(os.path.join(directory, GENERATION_CONFIG_FILE), generation_config)
+  _write_json(os.path.join(directory, CONFIG_FILE), hf)
+
+
+def _write_json(file: str, data: dict) -> None:
+  with open(file, "w", encoding="utf-8") as fh:
+    json.dump(data, fh, indent=2, sort_keys=True)
+    fh.write("\n")
+
+
+def _check_ids(generation: dict[str, Any], vocab_size: int) -> None:
+  """Refuses a generation config whose ids transformers could not use with this model."""
+  if "eos_token_id" not in generation:
+    raise ValueError(f"generation_config has no eos_token_id (keys: {sorted(generation)})")
+  for key in ID_KEYS:
+    value = generation.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is None and key != "eos_token_id":
+      continue
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+      raise ValueError(f"generation_config {key} must be an int or a list of ints, got {value!r}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+      raise ValueError(
+        f"generation_config {key}={value!r} is outside the model's vocabulary [0, {vocab_size})"
+      )
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: a directory `transformers` loads with its tokenizer and generation ids.
+
+
+def token_ids(tokenizer) -> dict[str, int | None]:
+  """{bos,eos,pad}_token_id of an `opd_jax.tokenizer` tokenizer (bos may be None)."""
+  return {
+    "bos_token_id": tokenizer.bos_id,
+    "eos_token_id": tokenizer.eos_id,
+    "pad_token_id": tokenizer.pad_id,
+  }
+
+
+def generation_config(tokenizer, source_dir=None) -> dict[str, Any]:
+  """The generation_config.json of an export: the tokenizer's bos/eos/pad ids.
+
+  With `source_dir` (the HF checkpoint the student started from) its own
+  generation_config.json is the base, so its sampling defaults survive; the
+  tokenizer's ids replace its ids, except that a source eos list holding the
+  tokenizer's eos is kept (chat models stop at several tokens), and a source bos
+  stays where the tokenizer has none. Ids that are None are left out.
+
+  Args:
+    tokenizer: the run's tokenizer (`eos_id`, `bos_id`, `pad_id`).
+    source_dir: a Hugging Face checkpoint directory, or None.
+
+  Returns:
+    the JSON dict.
+  """
+  base: dict[str, Any] = {}
+  if source_dir:
+    file = os.path.join(os.fspath(source_dir), GENERATION_CONFIG_FILE)
+    if os.path.isfile(file):
+      base = _read_json(file)
+  ids = {k: v for k, v in token_ids(tokenizer).items() if v is not None}
+  source_eos = base.get("eos_token_id")
+  if isinstance(source_eos, list) and ids["eos_token_id"] in source_eos:
+    ids["eos_token_id"] = source_eos
+  return base | ids
+
+
+def tokenizer_file_names(source_dir) -> list[str]:
+  """The `TOKENIZER_FILES` present in `source_dir`, sorted.
+
+  Raises:
+    FileNotFoundError: `source_dir` is not a directory.
+    ValueError: it holds none of `TOKENIZER_FILES`.
+  """
+  source = os.fspath(source_dir)
+  if not os.path.isdir(source):
+    raise FileNotFoundError(f"tokenizer directory {source!r} does not exist")
+  names = sorted(n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n)))
+  if not names:
+    raise ValueError(
+      f"tokenizer directory {source!r} holds none of the tokenizer files "
+      f"({', '.join(TOKENIZER_FILES)})"
+    )
+  return names
+
+
+def copy_tokenizer_files(source_dir, path) -> list[str]:
+  """Copies the `TOKENIZER_FILES` present in `source_dir` into `path`, byte for byte.
+
+  Returns:
+    the names copied, sorted.
+
+  Raises:
+    FileNotFoundError: `source_dir` is not a directory.
+    ValueError: it holds none of `TOKENIZER_FILES`.
+  """
+  source = os.fspath(source_dir)
+  names = tokenizer_file_names(source)
+  os.makedirs(os.fspath(path), exist_ok=True)
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(os.fspath(path), name))
+  return names
+
+
+def save_char_tokenizer(tokenizer, path, max_length: int = 4096) -> list[str]:
+  """Writes the built-in character tokenizer as a `transformers` fast tokenizer.
+
+  One id per character (a `tokenizers` WordLevel model over the tokenizer's
+  vocabulary, the text split into single characters, decoded by joining them),
+  with its pad/bos/eos tokens, and bos prepended when special tokens are added
+  (`[bos] prompt`, as the task encodes prompts). `AutoTokenizer` then encodes
+  text to the ids `tokenizer.encode` gives; a character outside the alphabet is
+  an error, as it is in `CharTokenizer`.
+
+  Args:
+    tokenizer: a `CharTokenizer` (`get_vocab`, `pad_id`, `bos_id`, `eos_id`).
+    path: output directory (created if needed).
+    max_length: `model_max_length` of tokenizer_config.json (the model's context).
+
+  Returns:
+    the names written, sorted.
+  """
+  import tokenizers  # the Rust tokenizers library alone: no transformers import in a run
+  from tokenizers import decoders, models, pre_tokenizers, processors
+
+  vocab = tokenizer.get_vocab()
+  by_id = {i: t for t, i in vocab.items()}
+  bos, eos, pad = (by_id[i] for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
+  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
+  backend.add_special_tokens([pad, bos, eos])  # ids from `vocab`; skipped when decoding
+  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+  backend.decoder = decoders.Fuse()
+  backend.post_processor = processors.TemplateProcessing(
+    single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_id)]
+  )
+  directory = os.fspath(path)
+  os.makedirs(directory, exist_ok=True)
+  backend.save(os.path.join(directory, "tokenizer.json"))
+  # PreTrainedTokenizerFast: the class name transformers 4 and 5 both load (5 aliases it).
+  config = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": bos,
+    "eos_token": eos,
+    "pad_token": pad,
+    "model_max_length": max_length,
+  }
+  _write_json(os.path.join(directory, "tokenizer_config.json"), config)
+  return sorted(n for n in os.listdir(path) if n in TOKENIZER_FILES)
+
+
+def export_student(
+  path, cfg: ModelConfig, params, tokenizer, tokenizer_dir=None, source_dir=None
+) -> list[str]:
+  """Writes a student as a directory that `transformers` loads, tokenizer included.
+
+  `save_checkpoint` with `generation_config(tokenizer, source_dir)` (so config.json
+  and generation_config.json carry the bos/eos/pad ids), then the tokenizer:
+  the files of `tokenizer_dir` copied as they are, or, without one, the built-in
+  character tokenizer as a fast tokenizer (`save_char_tokenizer`). Tokenizer
+  files already in `path` are removed first, so none of an earlier export's
+  tokenizer survives.
+
+  Args:
+    path: output directory (created if needed).
+    cfg: the student's model config.
+    params: its unquantized params (fully addressable from this process).
+    tokenizer: the run's `opd_jax.tokenizer` tokenizer.
+    tokenizer_dir: the Hugging Face tokenizer directory to copy; None takes the directory an
+      `HFTokenizer` was loaded from (`load_tokenizer`); a `CharTokenizer` needs none.
+    source_dir: the HF checkpoint the student started from (`config.student.
+      checkpoint`), whose generation_config.json sampling defaults are kept; or None.
+
+  Returns:
+    the names of the files in `path`, sorted.
+
+  Raises:
+    ValueError / FileNotFoundError: as `save_checkpoint`; a `tokenizer_dir` without tokenizer
+      files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. Checked before
+      anything is written.
+  """
+  if not tokenizer_dir and isinstance(tokenizer, tokenizer_lib.HFTokenizer):
+    tokenizer_dir = tokenizer.hf.name_or_path  # the local directory it was loaded from
+  if tokenizer_dir:
+    tokenizer_file_names(tokenizer_dir)
+  elif not isinstance(tokenizer, tokenizer_lib.CharTokenizer):
+    raise ValueError(
+      f"a {type(tokenizer).__name__} needs its tokenizer directory (tokenizer_dir) to be "
+      "exported; only the built-in CharTokenizer is written without one"
+    )
+  generation = generation_config(tokenizer, source_dir)
+  directory = os.fspath(path)
+  save_checkpoint(directory, cfg, params, generation_config=generation)
+  for name in TOKENIZER_FILES:
+    file = os.path.join(directory, name)
+    if os.path.isfile(file):
+      os.remove(file)
+  if tokenizer_dir:
+    copy_tokenizer_files(tokenizer_dir, directory)
+  else:
+    save_char_tokenizer(tokenizer, directory, cfg.max_position_embeddings)
+  return sorted(os.listdir(directory))

@@ -1,0 +1,258 @@
+"""The decode KV cache: plain per-layer dicts plus pure write/read transforms.
+
+Layout. `init_cache` returns a list with one dict per layer:
+
+    {"k": [B, S, K, H], "v": [B, S, K, H]}                      # bf16 / f32 layers
+    {"k": [B, S, K, H] e4m3, "v": [B, S, K, H] e4m3,
+     "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # fp8 layers
+                                  # (s, k) = (S, K) for "token_head", (1, 1) for "tensor"
+
+Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
+at position p attends to slots 0..p. FP8 entries dequantize as f32(k) · k_scale.
+
+Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob:
+
+* "token_head": one scale per token and head ([B, S, K, 1]); the scale is
+  amax(|k|)/448 of that head's vector, so every entry uses the full e4m3 range.
+  Costs 4 bytes per token per head per K and V: 2·K·(H+4) bytes per token per layer.
+* "tensor": one scale per layer and sequence ([B, 1, 1, 1]), calibrated at the
+  first write (the prefill) as headroom · amax(|k|)/448 over the prompt and then
+  frozen; later tokens saturate at ±448·scale. 2·K·H bytes per token per layer
+  plus the two f32 scales amortised over the S slots (8/S bytes), i.e. half of
+  BF16 to within 8/S bytes: the most capacity, and the most mismatch.
+
+Layers in `KVCacheSpec.bf16_layers` keep a BF16 cache whatever the dtype.
+
+Capacity accounting (`bytes_per_token`) reads the layout itself, so it works on a
+real cache and on the abstract one from `abstract_cache` (shapes only, nothing
+allocated), which is how model shapes too large for the host are measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.model.config import ModelConfig
+from opd_jax.model.quant import FP8_DTYPE, FP8_MAX
+
+KV_DTYPES = ("bfloat16", "float32", "float8_e4m3fn")
+KV_GRANULARITIES = ("token_head", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+  """Static description of the KV cache numerics (hashable, a jit static arg)."""
+
+  dtype: str = "bfloat16"  # one of KV_DTYPES
+  granularity: str = "token_head"  # fp8 scale granularity, one of KV_GRANULARITIES
+  bf16_layers: tuple[int, ...] = ()  # layers kept in BF16 when dtype is fp8
+  tensor_headroom: float = 2.0  # "tensor" scale = headroom · prefill amax / 448
+
+  def __post_init__(self):
+    if self.dtype not in KV_DTYPES:
+      raise ValueError(f"unknown KV cache dtype {self.dtype!r}; allowed: {', '.join(KV_DTYPES)}")
+    if self.granularity not in KV_GRANULARITIES:
+      raise ValueError(
+        f"unknown KV scale granularity {self.granularity!r}; allowed: {', '.join(KV_GRANULARITIES)}"
+      )
+    if self.tensor_headroom < 1.0:
+      raise ValueError(f"tensor_headroom must be >= 1, got {self.tensor_headroom}")
+    layers = self.bf16_layers
+    if not isinstance(layers, tuple) or any(
+      isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers
+    ):
+      raise ValueError(f"bf16_layers must be a tuple of non-negative ints, got {layers!r}")
+
+  def layer_dtype(self, layer: int) -> str:
+    """The storage dtype of `layer`'s cache."""
+    if self.dtype == "float8_e4m3fn" and layer in self.bf16_layers:
+      return "bfloat16"
+    return self.dtype
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
+  """Allocates a zeroed cache: a list of L per-layer dicts (see module docstring).
+
+  Args:
+    cfg: the model config (L, K, H).
+    batch: B sequences.
+    max_len: S slots per sequence.
+    spec: the cache numerics.
+
+  Returns:
+    L dicts with "k", "v" [B, S, K, H] and, on fp8 layers, "k_scale", "v_scale"
+    ([B, S, K, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
+  """
+  out_of_range = [i for i in spec.bf16_layers if i >= cfg.num_layers]
+  if out_of_range:
+    raise ValueError(f"bf16_layers {out_of_range} out of range for {cfg.num_layers} layers")
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  cache = []
+  for layer in range(cfg.num_layers):
+    dtype = spec.layer_dtype(layer)
+    entry = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    if dtype == "float8_e4m3fn":
+      if spec.granularity == "token_head":
+        scale_shape = (batch, max_len, cfg.num_kv_heads, 1)
+      else:
+        scale_shape = (batch, 1, 1, 1)
+      entry["k_scale"] = jnp.zeros(scale_shape, jnp.float32)
+      entry["v_scale"] = jnp.zeros(scale_shape, jnp.float32)
+    cache.append(entry)
+  return cache
+
+
+def abstract_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
+  """The cache `init_cache` would build, as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+  return jax.eval_shape(lambda: init_cache(cfg, batch, max_len, spec))
+
+
+def _nbytes(x) -> int:
+  """`x.nbytes` of an array; size · itemsize of an abstract `jax.ShapeDtypeStruct`."""
+  if hasattr(x, "nbytes"):
+    return int(x.nbytes)
+  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def bytes_per_token(cache: list[dict]) -> float:
+  """Bytes one cached token costs across all layers, from the cache's own layout.
+
+  bytes_per_token = Σ_layers Σ_arrays nbytes / (B · S), so per-sequence scales
+  ("tensor" granularity) are amortised over the S slots.
+
+  Args:
+    cache: from `init_cache` (arrays) or `abstract_cache` (shapes only).
+
+  Returns:
+    Bytes per cached token (float: amortised scales are fractional).
+  """
+  total = 0.0
+  for entry in cache:
+    batch, slots = entry["k"].shape[:2]
+    total += sum(_nbytes(x) for x in entry.values()) / (batch * slots)
+  return total
+
+
+def _quantize_rows(x_btkh: jax.Array, scale) -> jax.Array:
+  """x / scale, clipped to the e4m3 range and rounded to e4m3."""
+  q = x_btkh.astype(jnp.float32) / scale
+  return jnp.clip(q, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def _scatter_time(dst_bs, src_bt, start_b):
+  """dst[b, start_b : start_b + T] = src[b] for every b.
+
+  An fp8 cache is updated through its uint8 bit pattern (a bitcast: the stored bytes
+  are identical). XLA:CPU handles a dynamic_update_slice on an fp8 buffer by
+  converting the whole buffer (measured: 0.5 ms per step for a 49 KB cache), which
+  made every decode step cost O(cache) instead of O(new tokens).
+  """
+  fp8 = dst_bs.dtype == FP8_DTYPE
+  src_bt = src_bt.astype(dst_bs.dtype)
+  if fp8:
+    dst_bs = jax.lax.bitcast_convert_type(dst_bs, jnp.uint8)
+    src_bt = jax.lax.bitcast_convert_type(src_bt, jnp.uint8)
+
+  def one(d, s, start):
+    idx = (start,) + (0,) * (d.ndim - 1)
+    return jax.lax.dynamic_update_slice(d, s, idx)
+
+  out = jax.vmap(one)(dst_bs, src_bt, start_b)
+  return jax.lax.bitcast_convert_type(out, FP8_DTYPE) if fp8 else out
+
+
+def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=None) -> dict:
+  """Returns `entry` with tokens written at slots start_b .. start_b + T - 1.
+
+  FP8 layers store round_e4m3(clip(x / scale, ±448)) with
+  "token_head": scale = max(amax_h |x| / 448, 1e-12) per token and head;
+  "tensor": scale = headroom · amax |x| / 448 per sequence over the real tokens of
+  its first write whose real tokens are not all zero (the calibration), then frozen.
+  A scale of 0 means "not calibrated yet": a write whose real tokens are all zero
+  (e.g. a prompt whose keys vanish) stores zeros (exact) and leaves the scale at 0,
+  so the first non-zero write calibrates it instead of a 1e-12 floor that would clip
+  every later value to ±4.5e-10.
+
+  Saturation. On "tensor" layers the returned dict also holds "k_clipped" and
+  "v_clipped": int32 [B], how many of *this write's* real elements had
+  |x / scale| > 448 and were clipped to ±448 · scale (the sampler sums them into
+  `Rollout.kv_saturated_fraction`). "token_head" scales are each vector's own
+  amax / 448, so they cannot clip (beyond f32 rounding) and carry no counter.
+  `init_cache` does not allocate the counters (they are not cache storage and do not
+  count in `bytes_per_token`); the first write adds them.
+
+  Args:
+    entry: one layer's cache dict.
+    k_btkh: keys [B, T, K, H].
+    v_btkh: values [B, T, K, H].
+    start_b: int [B], the slot of each sequence's first new token.
+    spec: the cache numerics (granularity, headroom).
+    valid_len_b: optional int [B]; only tokens t < valid_len_b[b] are real (the rest
+      is prompt padding): they alone calibrate a "tensor" scale and count as clipped.
+
+  Returns:
+    The updated layer dict (same shapes and dtypes, plus the counters above).
+  """
+  out = dict(entry)
+  if "k_scale" not in entry:
+    out["k"] = _scatter_time(entry["k"], k_btkh, start_b)
+    out["v"] = _scatter_time(entry["v"], v_btkh, start_b)
+    return out
+  batch, tokens = k_btkh.shape[:2]
+  if valid_len_b is None:
+    real_bt = jnp.ones((batch, tokens), bool)
+  else:
+    real_bt = jnp.arange(tokens)[None, :] < valid_len_b[:, None]
+  for name, x in (("k", k_btkh), ("v", v_btkh)):
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # [B,T,K,1]
+    if spec.granularity == "token_head":
+      scale = jnp.maximum(amax / FP8_MAX, 1e-12)
+      out[name + "_scale"] = _scatter_time(entry[name + "_scale"], scale, start_b)
+      out[name] = _scatter_time(entry[name], _quantize_rows(x, scale), start_b)
+      continue
+    old = entry[name + "_scale"]  # [B,1,1,1]; 0 until a non-zero write calibrates it
+    amax = jnp.where(real_bt[:, :, None, None], amax, 0.0)
+    fresh = jnp.max(amax, axis=(1, 2), keepdims=True) * spec.tensor_headroom / FP8_MAX
+    scale = jnp.where(old > 0, old, fresh)  # still 0 when every real entry is 0
+    safe = jnp.where(scale > 0, scale, 1.0)  # uncalibrated: real entries are all 0, read as 0
+    over = (jnp.abs(x / safe) > FP8_MAX) & real_bt[:, :, None, None]
+    out[name + "_clipped"] = jnp.sum(over, axis=(1, 2, 3), dtype=jnp.int32)
+    out[name + "_scale"] = scale
+    out[name] = _scatter_time(entry[name], _quantize_rows(x, safe), start_b)
+  return out
+
+
+def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
+  """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`.
+
+  FP8 layers dequantize as f32(k) · k_scale (scale broadcast over H, or over all).
+  """
+  if "k_scale" not in entry:
+    return entry["k"].astype(dtype), entry["v"].astype(dtype)
+  k = entry["k"].astype(jnp.float32) * entry["k_scale"]
+  v = entry["v"].astype(jnp.float32) * entry["v_scale"]
+  return k.astype(dtype), v.astype(dtype)
+
+
+def measure_bytes_per_token(
+  cfg: ModelConfig, spec: KVCacheSpec, seq_len: int, allocate: bool
+) -> float:
+  """Bytes per cached token of a batch-1, `seq_len`-slot cache built by `init_cache`.
+
+  Args:
+    cfg: the model shape.
+    spec: the cache numerics.
+    seq_len: S, the slots per-sequence scales are amortised over.
+    allocate: allocate the cache for real, or trace it with `jax.eval_shape`.
+
+  Returns:
+    `bytes_per_token` of that cache (scales included).
+  """
+  make = init_cache if allocate else abstract_cache
+  cache = make(cfg, 1, seq_len, spec)
+  return bytes_per_token(cache)

@@ -1,0 +1,561 @@
+"""Named-mesh sharding: the device mesh, logical-axis rules and the sharding checks.
+
+The mesh has three named axes:
+
+* `data`: pure data parallelism; parameters are replicated along it.
+* `fsdp`: data parallelism with parameters (and optimizer state) split along it.
+* `tensor`: tensor parallelism over heads, MLP width and vocabulary.
+
+Shardings are never written by hand per array. Every parameter lives under a dict key
+whose suffix after the last `_` names its dimensions, one letter per dimension
+(`q_dnh` is [D, N, H]; see `opd_jax.model`). `DIM_LETTERS` turns letters into
+logical axis names and a rules table (`DEFAULT_RULES`) maps logical names onto mesh
+axes. The recipe is
+
+    abstract = jax.eval_shape(init_fn)            # ShapeDtypeStructs, no memory
+    shardings = tree_shardings(abstract, mesh)    # one NamedSharding per leaf
+    params = jax.jit(init_fn, out_shardings=shardings)()
+
+which `shard_init` wraps. Because only the path and the rank of a leaf are consulted,
+the same rules shard any pytree that ends in the parameter keys: optax state (`mu`
+and `nu` mirror the params, scalars such as `count` replicate), `quant.QArray`
+weights (the fp8 `value` sits under the parameter key with the parameter's rank),
+and batches whose keys carry suffixes such as `tokens_bt`.
+
+A dimension whose size is not divisible by its mesh axes, or whose mesh axes are
+already used by an earlier dimension of the same array, is left unsharded, so every
+model shape gets a valid (if less split) layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from opd_jax.model.quant import QArray
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# Axes that split parameters; the ideal per-device parameter bytes are total / their product.
+MODEL_AXES = ("fsdp", "tensor")
+
+# One letter per dimension in a key's suffix -> logical axis name.
+DIM_LETTERS = {
+  "b": "batch",
+  "t": "length",
+  "v": "vocab",
+  "d": "embed",
+  "n": "heads",
+  "k": "kv_heads",
+  "h": "head_dim",
+  "f": "mlp",
+}
+
+# (logical axis, mesh axis or tuple of mesh axes or None). Logical axes not listed are
+# replicated.
+DEFAULT_RULES = (
+  ("batch", ("data", "fsdp")),
+  ("length", None),
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+)
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# The params' layout while decoding: as `DEFAULT_RULES` but with the FSDP split of the
+# embedding axis gathered, so that one-token decode steps keep the batch on (data, fsdp)
+# and gather weights (once per sampler call) rather than activations.
+DECODE_RULES = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
+
+
+def make_mesh(shape: Sequence[int] | Mapping[str, int], devices=None) -> Mesh:
+  """Builds the ("data", "fsdp", "tensor") mesh with Auto axis types.
+
+  Args:
+    shape: three ints in (data, fsdp, tensor) order, or a dict with some of those
+      keys (missing ones are 1). Exactly one entry may be -1, meaning "all the
+      devices the other entries leave".
+    devices: the devices to lay out; default `jax.devices()`.
+
+  Returns:
+    A `jax.sharding.Mesh` of `len(devices)` devices with axis sizes `shape`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  count = len(devices)
+  if isinstance(shape, Mapping):
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+      raise ValueError(f"unknown mesh axes {sorted(unknown)} in {dict(shape)}; use {MESH_AXES}")
+    sizes = [shape.get(name, 1) for name in MESH_AXES]
+  else:
+    sizes = list(shape)
+    if len(sizes) != len(MESH_AXES):
+      raise ValueError(f"mesh shape {tuple(sizes)} must have 3 entries for {MESH_AXES}")
+  for size in sizes:
+    if (
+      not isinstance(size, int | np.integer)
+      or isinstance(size, bool)
+      or not (size == -1 or size >= 1)
+    ):
+      raise ValueError(f"mesh shape {tuple(sizes)} entries must be positive ints or -1")
+  sizes = [int(s) for s in sizes]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh shape {tuple(sizes)} has more than one -1")
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if count % known:
+      raise ValueError(
+        f"mesh shape {tuple(sizes)}: {count} devices are not divisible by the fixed axes ({known})"
+      )
+    sizes[sizes.index(-1)] = count // known
+  if math.prod(sizes) != count:
+    raise ValueError(
+      f"mesh shape {tuple(sizes)} has {math.prod(sizes)} devices but there are {count} devices"
+    )
+  return jax.make_mesh(
+    tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+  )
+
+
+def _dims_of_key(key: str, ndim: int) -> str | None:
+  """The key's dimension letters if its suffix names exactly `ndim` known dimensions."""
+  if "_" not in key:
+    return None
+  suffix = key.rsplit("_", 1)[1]
+  if len(suffix) == ndim and all(letter in DIM_LETTERS for letter in suffix):
+    return suffix
+  return None
+
+
+def logical_axes(path, leaf) -> tuple[str | None, ...]:
+  """Logical axis names of one leaf, from the dict keys on its path.
+
+  The last dict key on `path` whose suffix has one known letter per dimension of
+  `leaf` names the axes; a leaf with no such key is replicated (all None). So
+  `["layers"][0]["q_dnh"]` -> ("embed", "heads", "head_dim"), the adamw `mu` of the
+  same weight gets the same axes, `QArray.value` under `q_dnh` too, while its
+  [1, N·H] scale (rank 2) and the scalar `count` replicate. A 2-D weight's
+  per-channel scale [1, out] does match (rank 2) and takes the weight's output axis.
+
+  Args:
+    path: a key path from `jax.tree_util.tree_flatten_with_path`.
+    leaf: an array or ShapeDtypeStruct.
+
+  Returns:
+    A tuple with one logical axis name (or None) per dimension of `leaf`.
+  """
+  ndim = len(_shape(leaf))
+  for entry in reversed(path):
+    if isinstance(entry, jax.tree_util.DictKey) and isinstance(entry.key, str):
+      dims = _dims_of_key(entry.key, ndim)
+      if dims is not None:
+        return tuple(DIM_LETTERS[letter] for letter in dims)
+  return (None,) * ndim
+
+
+def _shape(leaf) -> tuple[int, ...]:
+  """Shape of an array, ShapeDtypeStruct or Python scalar."""
+  return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
+
+
+def _rules_dict(rules: Rules, mesh) -> dict[str, tuple[str, ...]]:
+  table = {}
+  for name, axes in rules:
+    if name in table:
+      raise ValueError(f"logical axis {name!r} appears twice in the sharding rules")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    for axis in axes:
+      if axis not in mesh.shape:
+        raise ValueError(
+          f"sharding rule {name!r} -> {axis!r} names an axis not in the mesh {tuple(mesh.shape)}"
+        )
+    table[name] = axes
+  return table
+
+
+def logical_spec(
+  axes: Sequence[str | None], shape: Sequence[int] | None, mesh, rules=DEFAULT_RULES
+):
+  """PartitionSpec for logical `axes` of an array of `shape` on `mesh`.
+
+  A dimension is sharded over its rule's mesh axes when their size product divides
+  the dimension's size and none of them is used by an earlier dimension; otherwise
+  it is left unsharded.
+
+  Args:
+    axes: one logical axis name (or None) per dimension.
+    shape: the array's shape, or None to skip the divisibility check.
+    mesh: a `Mesh` or `AbstractMesh` (only its axis sizes are read).
+    rules: (logical axis, mesh axes) pairs.
+
+  Returns:
+    A `PartitionSpec` with one entry per dimension.
+  """
+  table = _rules_dict(rules, mesh)
+  used: set[str] = set()
+  entries = []
+  for i, name in enumerate(axes):
+    mesh_axes = table.get(name, ()) if name is not None else ()
+    split = math.prod(mesh.shape[a] for a in mesh_axes)
+    fits = shape is None or shape[i] % split == 0
+    if not mesh_axes or used.intersection(mesh_axes) or not fits:
+      entries.append(None)
+      continue
+    used.update(mesh_axes)
+    entries.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+  return P(*entries)
+
+
+def logical_sharding(mesh, dims: str, shape: Sequence[int] | None = None, rules=DEFAULT_RULES):
+  """NamedSharding for an array whose dimensions are named by letters, e.g. "btv".
+
+  Args:
+    mesh: the device mesh.
+    dims: one `DIM_LETTERS` letter per dimension.
+    shape: the array's shape for the divisibility fallback, or None.
+    rules: (logical axis, mesh axes) pairs.
+
+  Returns:
+    The `NamedSharding`.
+  """
+  unknown = [letter for letter in dims if letter not in DIM_LETTERS]
+  if unknown:
+    raise ValueError(f"unknown dimension letters {unknown} in {dims!r}; known: {list(DIM_LETTERS)}")
+  if shape is not None and len(shape) != len(dims):
+    raise ValueError(f"dims {dims!r} name {len(dims)} dimensions but shape is {tuple(shape)}")
+  axes = [DIM_LETTERS[letter] for letter in dims]
+  return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules))
+
+
+def batch_sharding(mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
+  """Sharding of an activation or batch array: leading dim on the `batch` rule, rest replicated.
+
+  With the default rules the batch [B, ...] is split over ("data", "fsdp"), so B must
+  be divisible by data·fsdp.
+
+  Args:
+    mesh: the device mesh.
+    ndim: the array's rank (≥ 1).
+    rules: (logical axis, mesh axes) pairs.
+
+  Returns:
+    The `NamedSharding`.
+  """
+  if ndim < 1:
+    raise ValueError(f"a batch array needs a leading batch dimension, got ndim={ndim}")
+  return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), None, mesh, rules))
+
+
+def batch_shards(mesh, rules=DEFAULT_RULES) -> int:
+  """How many ways the batch rule splits a batch: data · fsdp with the default rules."""
+  return math.prod(mesh.shape[a] for a in _rules_dict(rules, mesh).get("batch", ()))
+
+
+def place_rows(host_bx: np.ndarray, mesh, rules=DEFAULT_RULES) -> jax.Array:
+  """A global array of the host batch `host_bx` [B, ...], split by `batch_sharding`.
+
+  Every process passes the same host array; each device receives only its own rows
+  (`jax.make_array_from_callback`), so no device holds, and no program gathers, rows of
+  another batch shard. B must be divisible by `batch_shards(mesh)`.
+  """
+  host_bx = np.asarray(host_bx)
+  shards = batch_shards(mesh, rules)
+  if host_bx.ndim < 1 or host_bx.shape[0] % shards:
+    raise ValueError(
+      f"a batch of shape {host_bx.shape} cannot be split over {shards} batch shards "
+      f"(mesh {dict(mesh.shape)}): its leading size must be a multiple of {shards}"
+    )
+  layout = batch_sharding(mesh, host_bx.ndim, rules)
+  return jax.make_array_from_callback(host_bx.shape, layout, lambda index: host_bx[index])
+
+
+def local_rows(x) -> list[tuple[int, np.ndarray]]:
+  """This process's rows of a batch-leading array: (first row, host rows) per distinct
+  row block its devices hold (devices that replicate a block, e.g. along "tensor", count
+  once), in row order. For a fully addressable array this covers every row."""
+  blocks = {}
+  for shard in x.addressable_shards:
+    rows = shard.index[0] if shard.index else slice(None)
+    start = rows.start or 0
+    if start not in blocks:
+      blocks[start] = np.asarray(shard.data)
+  return sorted(blocks.items(), key=lambda item: item[0])
+
+
+def map_local_rows(fn, *arrays) -> jax.Array:
+  """fn applied on the host to this process's rows of batch-split arrays, as one global
+  array: out[r0:r1] = fn(r0, *(a[r0:r1] for a in arrays)) for every row block [r0, r1) a
+  device of this process holds (each block computed once). fn returns a numpy array with
+  one entry per row; the result is laid out like `arrays[0]`'s batch. Host-side work per
+  row (decoding texts, scoring them) then runs on exactly one process per row block, and
+  reductions of the result count every row once however many devices replicate it.
+  """
+  first = arrays[0]
+  blocks = [dict(local_rows(a)) for a in arrays]
+  done = {start: np.asarray(fn(start, *(b[start] for b in blocks))) for start in blocks[0]}
+  if not isinstance(first.sharding, NamedSharding):  # one device: one block
+    return jax.numpy.asarray(np.concatenate([done[k] for k in sorted(done)]))
+  width = next(iter(done.values())).shape[1:]
+  spec = first.sharding.spec
+  layout = NamedSharding(first.sharding.mesh, P(spec[0] if len(spec) else None))
+
+  def piece(index):
+    start = index[0].start or 0
+    return done[start][: (index[0].stop or first.shape[0]) - start]
+
+  return jax.make_array_from_callback((first.shape[0],) + width, layout, piece)
+
+
+def params_mesh(tree):
+  """The ("data", "fsdp", "tensor") `Mesh` a pytree's arrays are laid out on (the first
+  `NamedSharding` leaf's), or None when there is none or it has a single device."""
+  for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QArray)):
+    leaf = leaf.value if isinstance(leaf, QArray) else leaf
+    layout = getattr(leaf, "sharding", None)
+    mesh = layout.mesh if isinstance(layout, NamedSharding) else None
+    if mesh is not None and mesh.size > 1 and set(MESH_AXES) <= set(mesh.axis_names):
+      return mesh
+  return None
+
+
+_HLO_OPS = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_HLO_LINE = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_HLO_ARRAY = re.compile(r"^[a-z0-9]+\[([0-9,]*)\]")
+
+
+def hlo_collectives(hlo_text: str) -> list[dict]:
+  """The cross-device ops of a compiled HLO text (`jitted.lower(...).compile().as_text()`).
+
+  Returns:
+    One dict per op: "op" (one of all-gather, all-reduce, all-to-all, reduce-scatter,
+    collective-permute; an async "-start" counts as its op), "operand" (the first
+    operand's shape, None when it is a tuple or not found), "result" (the result's shape,
+    None for a tuple), "dims" (the `dimensions={..}` an all-gather or all-to-all
+    concatenates along, else ()), and "line" (the HLO line).
+  """
+
+  def shape(type_text):
+    match = _HLO_ARRAY.match(type_text)
+    return None if match is None else tuple(int(n) for n in match.group(1).split(",") if n)
+
+  shapes, lines = {}, []
+  for line in hlo_text.splitlines():
+    match = _HLO_LINE.match(line)
+    if match is None:
+      continue
+    name, type_text, op, rest = match.groups()
+    shapes[name] = shape(type_text)
+    lines.append((line, type_text, op, rest))
+  found = []
+  for line, type_text, op, rest in lines:
+    base = op.removesuffix("-start")
+    if base not in _HLO_OPS:
+      continue
+    operand = re.match(r"\s*(?:[^%]*\s)?%([\w.\-]+)", rest)
+    dims = re.search(r"dimensions=\{([0-9,]*)\}", rest)
+    found.append(
+      {
+        "op": base,
+        "operand": shapes.get(operand.group(1)) if operand else None,
+        "result": shape(type_text),
+        "dims": tuple(int(n) for n in dims.group(1).split(",") if n) if dims else (),
+        "line": line.strip(),
+      }
+    )
+  return found
+
+
+def replicated(mesh) -> NamedSharding:
+  """Sharding that keeps a full copy on every device (RNG keys, scalars)."""
+  return NamedSharding(mesh, P())
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_jit(treedef, leaf_shardings: tuple):
+  return jax.jit(lambda tree: tree, out_shardings=jax.tree.unflatten(treedef, leaf_shardings))
+
+
+def relayout(tree, shardings):
+  """`tree` laid out as `shardings` (a matching pytree of `Sharding`s).
+
+  Arrays already on the shardings' devices go through a jitted identity, built once per layout
+  and compiled once per input shape, so a loop that relayouts every step (each rollout onto
+  the train mesh) compiles it once, not once per call. Anything else (host arrays, arrays on
+  other devices) is a transfer (`jax.device_put`).
+  """
+  leaves, treedef = jax.tree.flatten(shardings)
+  devices = set().union(*(s.device_set for s in leaves))
+  if all(
+    getattr(x, "sharding", None) is not None and x.sharding.device_set <= devices
+    for x in jax.tree.leaves(tree)
+  ):
+    return _identity_jit(treedef, tuple(leaves))(tree)
+  return jax.device_put(tree, shardings)
+
+
+def tree_shardings(abstract_tree, mesh, rules: Rules = DEFAULT_RULES):
+  """One NamedSharding per leaf, from names and shapes only.
+
+  Args:
+    abstract_tree: a pytree of arrays or ShapeDtypeStructs (`jax.eval_shape` output).
+    mesh: a `Mesh` (or `AbstractMesh` to inspect specs without devices).
+    rules: (logical axis, mesh axes) pairs; default `DEFAULT_RULES`.
+
+  Returns:
+    A pytree with the structure of `abstract_tree` whose leaves are `NamedSharding`s.
+  """
+
+  def one(path, leaf):
+    return NamedSharding(mesh, logical_spec(logical_axes(path, leaf), _shape(leaf), mesh, rules))
+
+  return jax.tree_util.tree_map_with_path(one, abstract_tree)
+
+
+def shard_init(init_fn: Callable[[], Any], mesh, rules: Rules = DEFAULT_RULES):
+  """Runs `init_fn` so that every leaf is created directly in its sharded layout.
+
+  Args:
+    init_fn: a function of no arguments returning a pytree (close over the RNG).
+    mesh: the device mesh.
+    rules: (logical axis, mesh axes) pairs.
+
+  Returns:
+    (tree, shardings): the initialised pytree and its `tree_shardings`, ready to be
+    passed as `in_shardings`/`out_shardings` of the step functions.
+  """
+  shardings = tree_shardings(jax.eval_shape(init_fn), mesh, rules)
+  return jax.jit(init_fn, out_shardings=shardings)(), shardings
+
+
+def _shard_bytes(leaf) -> int:
+  sharding = getattr(leaf, "sharding", None)
+  shape = tuple(leaf.shape)
+  if sharding is not None:
+    shape = tuple(sharding.shard_shape(shape))
+  return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+
+def assert_params_sufficiently_sharded(
+  params, mesh, tolerance: float = 0.02, min_elements: int = 1024
+) -> float:
+  """Checks that parameters are split over the model axes, as MaxText does after init.
+
+  With M = fsdp · tensor devices, a perfectly sharded model holds total/M bytes per
+  device. Over the leaves with at least `min_elements` elements,
+
+      excess = Σ_leaf shard_bytes · M / Σ_leaf bytes − 1,
+
+  which is 0 when every such leaf is split M ways and M − 1 when all are replicated.
+  When M == 1 the excess is 0 and the check passes.
+
+  Args:
+    params: a pytree of `jax.Array`s (or ShapeDtypeStructs with shardings).
+    mesh: the mesh the params are laid out on.
+    tolerance: the largest allowed excess (0.02 = 2% more bytes per device).
+    min_elements: leaves smaller than this (norms, biases) are not checked.
+
+  Returns:
+    The measured excess.
+  """
+  model_devices = math.prod(mesh.shape[a] for a in MODEL_AXES)
+  total, per_device, wasted = 0, 0, []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not hasattr(leaf, "shape") or math.prod(leaf.shape) < min_elements:
+      continue
+    nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    shard = _shard_bytes(leaf)
+    total += nbytes
+    per_device += shard
+    if shard * model_devices > nbytes:
+      wasted.append((shard - nbytes / model_devices, path, leaf))
+  if total == 0:
+    return 0.0
+  excess = per_device * model_devices / total - 1.0
+  if excess > tolerance:
+    wasted.sort(key=lambda item: -item[0])
+    worst = "; ".join(
+      f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} {_spec_str(leaf)}"
+      for _, path, leaf in wasted[:5]
+    )
+    raise ValueError(
+      f"params are not sharded over the model axes {MODEL_AXES} ({model_devices} devices): "
+      f"per-device bytes are {excess:.1%} above total/{model_devices} "
+      f"(tolerance {tolerance:.1%}); largest under-sharded leaves: {worst}"
+    )
+  return excess
+
+
+def _spec_str(leaf) -> str:
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return str(sharding.spec)
+  if sharding is None:
+    return "host" if isinstance(leaf, np.ndarray) else "unplaced"
+  return "replicated" if sharding.is_fully_replicated else str(sharding)
+
+
+def _human_bytes(n: int) -> str:
+  if n < 1024:
+    return f"{n} B"
+  exponent = min(int(math.log(n, 1024)), 3)
+  return f"{n / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def describe(params, max_leaves: int = 3) -> str:
+  """A human summary of a params pytree: sizes per top-level group and layouts.
+
+  One line per top-level key (`embed_vd`, `layers`, ...) with its parameter count,
+  its bytes, and the shape, dtype and PartitionSpec of its `max_leaves` biggest
+  leaves (one per leaf name, so the layers list shows `gate_df` once, not once per
+  layer); then a total line. A `QArray` counts as its weight's elements and as the
+  bytes of its value plus scales.
+
+  Args:
+    params: a pytree of arrays, ShapeDtypeStructs or QArrays.
+    max_leaves: how many of each group's biggest leaves to show.
+
+  Returns:
+    The multi-line summary.
+  """
+  groups = params.items() if isinstance(params, Mapping) else [("params", params)]
+  lines, grand_count, grand_bytes = [], 0, 0
+  for group, tree in groups:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QArray))[0]
+    count, nbytes, biggest = 0, 0, {}
+    for path, leaf in leaves:
+      if not hasattr(leaf, "shape"):
+        continue
+      size = math.prod(leaf.shape)
+      if isinstance(leaf, QArray):
+        leaf_bytes, shown = leaf.nbytes, leaf.value
+      else:
+        leaf_bytes, shown = size * np.dtype(leaf.dtype).itemsize, leaf
+      count += size
+      nbytes += leaf_bytes
+      name = next(
+        (e.key for e in reversed(path) if isinstance(e, jax.tree_util.DictKey)),
+        jax.tree_util.keystr(path) or str(group),
+      )
+      if name not in biggest or biggest[name][0] < size:
+        label = f"{name} {tuple(leaf.shape)} {np.dtype(shown.dtype).name} {_spec_str(shown)}"
+        biggest[name] = (size, label)
+    top = sorted(biggest.values(), key=lambda item: -item[0])[:max_leaves]
+    lines.append(
+      f"{group:<14} {count:>14,} params {_human_bytes(nbytes):>11}   "
+      + "; ".join(label for _, label in top)
+    )
+    grand_count += count
+    grand_bytes += nbytes
+  lines.append(f"{'total':<14} {grand_count:>14,} params {_human_bytes(grand_bytes):>11}")
+  return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""The per-step mismatch measurement: `mismatch/*` from the student's logits and a rollout.
+
+Notation (DESIGN.md, "The common mismatch scale"): π_b is the distribution the
+rollout engine sampled from, π_θ the trainer's student at its current parameters
+under the same temperature and the same top-k/top-p transform (the engine's kept
+set replayed, `train_step.student_policy_logits`), both on the rollout's prefixes.
+For every counted completion token y_t:
+
+    ρ_t    = log π_θ(y_t) − log π_b(y_t)
+    KL_t   = KL(π_b(·|prefix_t) ‖ π_θ(·|prefix_t)) = Σ_v π_b(v) (log π_b(v) − log π_θ(v))
+
+and the metrics, each over the completion mask:
+
+    mismatch/kl, _p95, _max                     mean, 95th percentile and max of KL_t
+    mismatch/k1                                 mean(−ρ_t)
+    mismatch/k3                                 mean(exp(ρ_t) − ρ_t − 1)
+    mismatch/abs_logp_diff, _p95, _max          of |ρ_t|
+
+k1 and k3 are the sampled-token estimators of the same KL (unbiased under
+y_t ~ π_b; k3 is non-negative per token). KL_t is exact over the vocabulary when
+the rollout carries the full behaviour distribution (`SamplerConfig.return_topk=-1`),
+and over π_b's top-k tokens plus one tail bucket holding the rest of each
+distribution when it carries the top k; by the data-processing inequality the
+bucketed value never exceeds the exact one. Tokens with zero behaviour mass
+(filtered by top-k/top-p, every non-argmax token under greedy) contribute 0.
+
+An engine identical to the trainer reads 0 on every metric (to f32 rounding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.train import losses
+
+# Vocabularies up to this size get the exact KL (the full behaviour distribution).
+FULL_DISTRIBUTION_MAX_VOCAB = 4096
+# Behaviour tokens kept per position for larger vocabularies.
+LARGE_VOCAB_TOP_K = 64
+
+
+def default_return_topk(vocab_size: int) -> int:
+  """The `SamplerConfig.return_topk` that the mismatch metrics need, from V alone.
+
+  -1 (the full behaviour distribution, exact KL) for V ≤ 4096; 64 (top-64 plus a
+  tail bucket) above. The rollout stores 4 bytes per vocabulary entry per token
+  for the full distribution: 16 KiB per token at V = 4096, still small next to the
+  [B, C, V] student logits the step already holds, but 600 KiB at V = 152k, as
+  large as the logits themselves. Top-64 stores 64 log-probs, 64 ids and the tail
+  (516 bytes per token) and the bucketed KL is a lower bound of the exact KL that
+  misses only how the tail mass is spread, so the bound is tight whenever the
+  top 64 behaviour tokens hold nearly all the mass, which is the case at the
+  temperatures (≤ 1) and filters OPD samples with; a top-k or top-p support within
+  the top 64 makes it exact.
+
+  Args:
+    vocab_size: V ≥ 1.
+
+  Returns:
+    -1 or 64.
+  """
+  if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+  return -1 if vocab_size <= FULL_DISTRIBUTION_MAX_VOCAB else LARGE_VOCAB_TOP_K
+
+
+def masked_quantile(x_bc, mask_bc, q: float):
+  """The q-quantile of x over the entries where mask > 0, as `np.quantile` (linear).
+
+  With the n selected values sorted ascending as s_0 ≤ … ≤ s_{n−1} and
+  h = (n − 1) · q:  quantile = s_⌊h⌋ + (h − ⌊h⌋) · (s_⌊h⌋+1 − s_⌊h⌋).  0 when n = 0.
+
+  Args:
+    x_bc: values [...] (any shape).
+    mask_bc: [...] same shape, bool or numeric.
+    q: a Python float in [0, 1].
+
+  Returns:
+    f32 scalar.
+  """
+  if not 0.0 <= q <= 1.0:
+    raise ValueError(f"q must be in [0, 1], got {q!r}")
+  if x_bc.shape != mask_bc.shape:
+    raise ValueError(f"values {x_bc.shape} and mask {mask_bc.shape} differ")
+  keep = mask_bc.reshape(-1) > 0
+  # Unselected entries sort last; n counts the selected ones.
+  s = jnp.sort(jnp.where(keep, x_bc.reshape(-1).astype(jnp.float32), jnp.inf))
+  n = jnp.sum(keep)
+  h = (jnp.maximum(n, 1) - 1).astype(jnp.float32) * q
+  lo = jnp.floor(h).astype(jnp.int32)
+  hi = jnp.minimum(lo + 1, jnp.maximum(n, 1) - 1)
+  frac = h - lo.astype(jnp.float32)
+  below, above = s[lo], s[hi]
+  # Equal neighbours (inf included) give that value, not inf − inf.
+  value = jnp.where(above == below, below, below + frac * (above - below))
+  return jnp.where(n > 0, value, 0.0)
+
+
+def masked_max(x_bc, mask_bc):
+  """max of x over the entries where mask > 0 (f32 scalar); 0 when there are none."""
+  keep = mask_bc > 0
+  value = jnp.max(jnp.where(keep, x_bc.astype(jnp.float32), -jnp.inf))
+  return jnp.where(jnp.any(keep), value, 0.0)
+
+
+def per_token_kl(student_logits_bcv, rollout: Rollout):
+  """KL_t = KL(π_b ‖ π_θ) at every completion position, f32 [B, C].
+
+  π_b comes from the rollout's `topk_logprobs` (vocabulary order when its last
+  axis is V; else top-k ids plus `tail_logprob`), π_θ = softmax(student_logits_bcv).
+  Values at masked positions are unspecified.
+  """
+  if rollout.topk_logprobs is None:
+    raise ValueError(
+      "the rollout carries no behaviour distribution; sample with SamplerConfig.return_topk "
+      "set (mismatch.default_return_topk(vocab_size))"
+    )
+  vocab = student_logits_bcv.shape[-1]
+  behaviour_lp = rollout.topk_logprobs.astype(jnp.float32)
+  if behaviour_lp.shape[:2] != student_logits_bcv.shape[:2]:
+    raise ValueError(
+      f"behaviour distribution {behaviour_lp.shape} and student logits "
+      f"{student_logits_bcv.shape} disagree on [B, C]"
+    )
+  if behaviour_lp.shape[-1] == vocab:  # the full distribution, vocabulary order
+    student_lp = jax.nn.log_softmax(student_logits_bcv.astype(jnp.float32), axis=-1)
+    return losses.bucket_kl(behaviour_lp, student_lp)
+  if rollout.topk_ids is None or rollout.tail_logprob is None:
+    raise ValueError("a top-k behaviour distribution needs topk_ids and tail_logprob")
+  behaviour_lp = jnp.concatenate([behaviour_lp, rollout.tail_logprob[..., None]], axis=-1)
+  student_lp = losses.logprobs_with_tail(student_logits_bcv, rollout.topk_ids)
+  return losses.bucket_kl(behaviour_lp, student_lp)
+
+
+def mismatch_metrics(student_logits_bcv, rollout: Rollout) -> dict[str, jax.Array]:
+  """The `mismatch/*` metrics of the module docstring, f32 scalars.
+
+  Args:
+    student_logits_bcv: [B, C, V] logits of π_θ at the rollout's completion
+      positions, already under the rollout's transform (divided by its temperature,
+      -inf outside its kept set); treated as constants (stop-gradient).
+    rollout: the batch, with `behaviour_logprobs` and, for the KL metrics, a
+      behaviour distribution (`topk_logprobs`, and `topk_ids` + `tail_logprob` when
+      top-k). Without one, only k1, k3 and abs_logp_diff* are returned.
+
+  Returns:
+    {"mismatch/kl", "mismatch/kl_p95", "mismatch/kl_max", "mismatch/k1", "mismatch/k3",
+     "mismatch/abs_logp_diff", "mismatch/abs_logp_diff_p95", "mismatch/abs_logp_diff_max"}.
+  """
+  if student_logits_bcv.ndim != 3:
+    raise ValueError(f"student logits must be [B, C, V], got shape {student_logits_bcv.shape}")
+  mask_bc = rollout.completion_mask
+  if mask_bc.shape != student_logits_bcv.shape[:2]:
+    raise ValueError(
+      f"completion mask {mask_bc.shape} must be [B, C] = {student_logits_bcv.shape[:2]}"
+    )
+  logits_bcv = jax.lax.stop_gradient(student_logits_bcv).astype(jnp.float32)
+  student_lp_bc = losses.token_logprobs(logits_bcv, rollout.completion_tokens)
+  rho_bc = student_lp_bc - rollout.behaviour_logprobs.astype(jnp.float32)
+  abs_bc = jnp.abs(rho_bc)
+  metrics = {}
+  if rollout.topk_logprobs is not None:
+    kl_bc = per_token_kl(logits_bcv, rollout)
+    metrics["mismatch/kl"] = losses.masked_mean(kl_bc, mask_bc)
+    metrics["mismatch/kl_p95"] = masked_quantile(kl_bc, mask_bc, 0.95)
+    metrics["mismatch/kl_max"] = masked_max(kl_bc, mask_bc)
+  metrics["mismatch/k1"] = losses.masked_mean(-rho_bc, mask_bc)
+  metrics["mismatch/k3"] = losses.masked_mean(jnp.exp(rho_bc) - rho_bc - 1.0, mask_bc)
+  metrics["mismatch/abs_logp_diff"] = losses.masked_mean(abs_bc, mask_bc)
+  metrics["mismatch/abs_logp_diff_p95"] = masked_quantile(abs_bc, mask_bc, 0.95)
+  metrics["mismatch/abs_logp_diff_max"] = masked_max(abs_bc, mask_bc)
+  return metrics

@@ -1,0 +1,344 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from opd_jax.data import pipeline as data
+from opd_jax.data import prompts, task
+from opd_jax.inference import sampler
+from opd_jax.inference import transform as engine
+from opd_jax.io import build
+from opd_jax.io.run_history import check_same_run, run_fingerprint
+from opd_jax.model import kvcache
+from opd_jax.rollout import sources as rollouts_lib
+from opd_jax.train import evaluate, pretrain, train_step
+from opd_jax.train import mismatch_metrics as mismatch
+
+
+def task_config(config) -> task.TaskConfig:
+  return task.TaskConfig(num_operands=config.data.num_operands, max_operand=config.data.max_operand)
+
+
+def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
+  """The rollout configuration named by `config.rollout`.
+
+  `kv_cache=auto` stores the cache in the engine's compute dtype: bf16 for
+  `weights=bf16`, the trainer's dtype for `trainer` and `fp8` (whose unquantized
+  leaves keep the trainer's dtype).
+  """
+  r = config.rollout
+  engine_dtype = "bfloat16" if r.weights == "bf16" else compute_dtype
+  kv_dtype = {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[r.kv_cache]
+  return engine.EngineConfig(
+    weights=r.weights,
+    weight_block_size=r.weight_block_size or None,
+    bf16_layers=tuple(r.bf16_layers),
+    noise_sigma=r.noise_sigma,
+    kv=kvcache.KVCacheSpec(
+      dtype=kv_dtype, granularity=r.kv_granularity, bf16_layers=tuple(r.kv_bf16_layers)
+    ),
+    noise_layers=tuple(r.noise_layers),
+    noise_modules=tuple(r.noise_modules),
+    kernel=r.kernel,
+  )
+
+
+def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec, vocab_size: int):
+  """The training rollouts' `SamplerConfig`; it returns the behaviour distribution
+  that `mismatch/kl` needs (full for small vocabularies, top-k plus a tail above)."""
+  r = config.rollout
+  top = config.train.mismatch_top_k or mismatch.default_return_topk(vocab_size)
+  return sampler.SamplerConfig(
+    max_new_tokens=r.max_new_tokens,
+    temperature=r.temperature,
+    top_k=r.top_k,
+    top_p=r.top_p,
+    stop_tokens=(eos_id,),
+    kv=kv,
+    return_topk=top,
+  )
+
+
+def loss_config(config) -> train_step.LossConfig:
+  t = config.train
+  return train_step.LossConfig(
+    name=t.loss,
+    is_clip=t.is_clip if t.is_clip > 0 else None,
+    advantage_clip=t.advantage_clip if t.advantage_clip > 0 else None,
+    advantage_baseline=t.advantage_baseline,
+    jsd_beta=t.jsd_beta,
+    temperature=config.rollout.temperature,
+    teacher_top_k=t.teacher_top_k,
+    teacher_temperature=config.teacher.temperature,
+  )
+
+
+def prompt_source(config, task_cfg):
+  """Training prompts: the JSONL file when given, else the built-in task. (`run` uses the
+  file's prepared `prompts.PromptSet` from `preflight.check` instead.)"""
+  if config.data.prompt_file:
+    return data.JsonlSource(config.data.prompt_file)
+  return task.TaskSource("train", config.data.train_size, config.seed, task_cfg)
+
+
+def process_prompt_batches(source, batch_size: int, seed: int):
+  """This process's rows of every global prompt batch, as a resumable grain dataset.
+
+  Every process reads the same global batches (`batch_size` prompts, shuffled by `seed`) and
+  keeps the contiguous rows [i·b, (i+1)·b), b = batch_size / n, for process i of n. Gathered
+  in process order (`RolloutEngine.draw_prompts`), the slices are the one-process batch row
+  for row, so each prompt meets the same sampling key however many processes share the run:
+  2 processes x 4 devices reproduce 1 x 8 (tests/test_launch.py). The iterator state (what a
+  checkpoint stores) is the global batch position, the same on every process.
+  """
+  n, i = jax.process_count(), jax.process_index()
+  rows = batch_size // n
+  batches = data.prompt_batches(source, batch_size, seed)
+  return batches.map(lambda batch: {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()})
+
+
+def prompt_width(source, tokenizer, task_cfg, from_file: bool) -> int:
+  """P: the task's longest prompt, or the longest prompt in the file (with bos)."""
+  if not from_file:
+    return task_cfg.max_prompt_tokens
+  if isinstance(source, prompts.PromptSet):
+    return source.width
+  longest = 0
+  for i in range(len(source)):
+    try:
+      longest = max(longest, len(prompts.record_ids(source[i], tokenizer)[1]))
+    except ValueError as e:
+      raise ValueError(f"prompt {i} of {getattr(source, 'path', 'the prompts')}: {e}") from e
+  return longest
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything the loop needs, built before the first step."""
+
+  models: build.Models
+  task_cfg: task.TaskConfig
+  teacher_info: dict
+  eval_set: evaluate.EvalSet | None  # None: no evaluation (train.eval_every=0)
+  cache_dir: str = ""  # bootstrapped teachers and warm-started students; "" = no cache
+
+
+def prepare_models(
+  config,
+  workdir: str,
+  log=print,
+  plan: build.Plan | None = None,
+  eval_prompts: prompts.PromptSet | None = None,
+  scorer: evaluate.Scorer | None = None,
+) -> Setup:
+  """Builds models (of `plan`, from `preflight.check`, when given), bootstraps/loads the
+  teacher and the held-out set: `eval_prompts` (`preflight.Checked.eval_prompts`, scored by
+  `scorer`) when given, else the built-in task's held-out split when the run trains on the
+  task, else none (a prompt file without its held-out prompts, or train.eval_every=0)."""
+  models = build.build_models(config, plan)
+  task_cfg = task_config(config)
+  tok = models.tokenizer
+  teacher_info = {"cached": True, "seconds": 0.0, "path": config.teacher.checkpoint}
+  cache_dir = config.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
+  if not config.teacher.checkpoint:
+    t = config.teacher
+    kwargs = dict(
+      task_cfg=task_cfg,
+      tokenizer=tok,
+      steps=t.pretrain_steps,
+      lr=t.pretrain_lr,
+      batch_size=t.pretrain_batch_size,
+      seed=config.seed,
+    )
+    key = pretrain.teacher_key(
+      t.arch.to_dict(),
+      task_cfg,
+      t.pretrain_steps,
+      t.pretrain_lr,
+      t.pretrain_batch_size,
+      config.seed,
+      build.tokenizer_path(config),
+      t.dtype,
+    )
+    models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
+      models.teacher_cfg,
+      lambda: build.materialize(models, "teacher"),
+      cache_dir=cache_dir,
+      key=key,
+      dtype=build.DTYPES[t.dtype],
+      mesh=models.mesh,
+      train_kwargs=kwargs,
+      log=log,
+    )
+  eval_set = None
+  if config.train.eval_every and eval_prompts is not None:
+    eval_set = evaluate.make_prompt_eval_set(eval_prompts, tok, scorer, config.data.batch_size)
+  elif config.train.eval_every and not config.data.prompt_file:  # the task is trained
+    heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
+    eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
+  return Setup(models, task_cfg, teacher_info, eval_set, cache_dir)
+
+
+def schedule_length(config, resumed: dict, log=print) -> int:
+  """The learning-rate schedule's length (`train_step.make_optimizer`'s total_steps).
+
+  A fresh run: `train.steps`. A resumed run: the length its checkpoint was trained with
+  (extra["schedule_steps"]); when `train.steps` differs from it, `train.resume_schedule`
+  decides, and the log says which: `keep` keeps the stored schedule (train.steps only moves
+  where the run stops; past the stored length the rate stays at its final 10%), `rebuild`
+  builds a new schedule over `train.steps` (the rate jumps to the new schedule's value at
+  the current step), `error` refuses. Checkpoints written before the length was stored use
+  `train.steps`.
+
+  Args:
+    config: the run's config.
+    resumed: the restored checkpoint's extra data ({} for a fresh run).
+    log: where the decision is reported.
+
+  Raises:
+    ValueError: `train.resume_schedule=error` and `train.steps` differs from the stored length.
+  """
+  t = config.train
+  if not resumed:
+    return t.steps
+  if "schedule_steps" not in resumed:
+    log(f"the checkpoint does not record its schedule length: using train.steps={t.steps}")
+    return t.steps
+  stored = int(resumed["schedule_steps"])
+  if stored == t.steps:
+    return stored
+  change = f"train.steps changed from {stored} to {t.steps} on resume"
+  if t.resume_schedule == "error":
+    raise ValueError(
+      f"{change}, but the checkpoints were trained with a {stored}-step learning-rate schedule "
+      f"and train.resume_schedule='error'; set train.resume_schedule='keep' (keep it and stop "
+      f"at step {t.steps}) or 'rebuild' (a new schedule over {t.steps} steps), or resume with "
+      f"train.steps={stored}"
+    )
+  if t.resume_schedule == "keep":
+    log(
+      f"{change}: keeping the checkpoint's {stored}-step learning-rate schedule "
+      f"(train.resume_schedule='keep'); the run stops at step {t.steps}"
+    )
+    return stored
+  log(
+    f"{change}: rebuilding the learning-rate schedule over {t.steps} steps "
+    f"(train.resume_schedule='rebuild'); the rate continues from the new schedule's value"
+  )
+  return t.steps
+
+
+def initial_state(
+  config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed=None
+):
+  """The TrainState to start from, and the rollout source's next batch index:
+  restored from the latest checkpoint (with the data iterator's position), or the
+  warm-started student at step 0.
+
+  `abstract` is `eval_shape` of the initial state; `state_shardings` its shardings.
+  `resumed`, when given, is updated with the restored checkpoint's extra data.
+  """
+  latest = ckpt.latest_step()
+  if latest is not None:
+    target = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
+    )
+    state, extra = ckpt.restore(latest, target)
+    check_same_run(extra["config"], run_fingerprint(config), ckpt.directory, log)
+    evaluate.check_resumed_slice(extra.get("heldout_slice"), config)
+    prompt_iter.set_state(data.state_from_json(extra["data_state"]))
+    if resumed is not None:
+      resumed.update(extra)
+    log(f"resumed from step {latest} in {ckpt.directory}")
+    return state, int(extra.get("next_batch", latest))
+  params = warm_started_student(config, setup, log, setup.cache_dir or None)
+  seed = run_seed(config)
+  return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
+
+
+def run_seed(config) -> int:
+  """The OPD run's own seed (data order, rollout sampling): `train.seed`, or `seed` when it
+  is -1. The models, the teacher bootstrap and the warm start keep `seed`, so runs that differ
+  only in `train.seed` share their teacher and their starting student."""
+  return config.seed if config.train.seed < 0 else config.train.seed
+
+
+def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None = None):
+  """The student a fresh run starts from: the HF checkpoint's params, or the built-in
+  student after `student.warmup_steps` supervised steps (seed + 7).
+
+  The warm start is a pure function of its settings, so with `cache_dir` it is saved there
+  once (`student-<key>`, an HF checkpoint keyed like the teacher cache by
+  `pretrain.teacher_key` of the student's settings) and loaded by later runs and checks:
+  bit-identical params (f32 safetensors), without the supervised steps. `cache_dir` is local
+  or a URI (`pretrain.is_cached` / `load_cached` / `save_cached`).
+  """
+  m, s = setup.models, config.student
+  if s.checkpoint or not s.warmup_steps:
+    return build.materialize(m, "student")
+  directory = None
+  if cache_dir:
+    key = pretrain.teacher_key(
+      s.arch.to_dict(),
+      setup.task_cfg,
+      s.warmup_steps,
+      s.warmup_lr,
+      s.warmup_batch_size,
+      config.seed + 7,
+      build.tokenizer_path(config),
+      s.dtype,
+    )
+    directory = os.path.join(cache_dir, f"student-{key}")
+    if pretrain.is_cached(directory):
+      shardings = build.param_shardings(m.student_cfg, m.mesh, build.DTYPES[s.dtype])
+      params = pretrain.load_cached(directory, build.DTYPES[s.dtype], shardings)
+      log(f"warm-started student loaded from cache {directory}")
+      return params
+  log(f"warm-starting the student ({s.warmup_steps} supervised steps)")
+  params = pretrain.supervised_train(
+    build.materialize(m, "student"),
+    m.student_cfg,
+    task_cfg=setup.task_cfg,
+    tokenizer=m.tokenizer,
+    steps=s.warmup_steps,
+    lr=s.warmup_lr,
+    batch_size=s.warmup_batch_size,
+    seed=config.seed + 7,
+    mesh=m.mesh,
+    log=log,
+  )
+  # Another run that saved the same warm start first saved the same params: save_cached keeps
+  # its entry.
+  if directory and jax.process_index() == 0 and not pretrain.is_cached(directory):
+    pretrain.save_cached(directory, m.student_cfg, jax.device_get(params))
+  return params
+
+
+def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
+  """Refuses settings that would silently truncate completions or not shard."""
+  r = config.rollout
+  if not config.data.prompt_file and r.max_new_tokens < task_cfg.max_completion_tokens:
+    raise ValueError(
+      f"rollout.max_new_tokens={r.max_new_tokens} is shorter than the task's longest "
+      f"completion ({task_cfg.max_completion_tokens} tokens with eos)"
+    )
+  batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  if config.data.batch_size % int(np.lcm(batch_devices, jax.process_count())):
+    raise ValueError(
+      f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
+      f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
+    )
+  rollouts_lib.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
+  rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
+  if rows % (config.train.microbatches * batch_devices):
+    raise ValueError(
+      f"data.batch_size x rollout.samples_per_prompt = {rows} completions must be a multiple "
+      f"of train.microbatches ({config.train.microbatches}) x the data x fsdp devices "
+      f"({batch_devices}), so that every micro-batch has rows on every device"
+    )
+  train_step.check_microbatches(loss_config(config), config.train.microbatches, rows)

@@ -1,0 +1,418 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from opd_jax.config import check as config_check
+from opd_jax.data import pipeline as data
+from opd_jax.inference import sampler
+from opd_jax.io import build, metrics_writer
+from opd_jax.io.run_history import export_dir, run_fingerprint
+from opd_jax.model import sharding, teacher_topk
+from opd_jax.rollout import sources as rollouts_lib
+from opd_jax.train import evaluate, hooks, preflight, rl, train_step
+from opd_jax.train.export import export_student
+from opd_jax.train.setup import (
+  Setup,
+  check_shapes,
+  engine_config,
+  initial_state,
+  loss_config,
+  prepare_models,
+  process_prompt_batches,
+  prompt_source,
+  prompt_width,
+  run_seed,
+  sampler_config,
+  schedule_length,
+  task_config,
+)
+
+
+def _scalars(metrics) -> dict[str, float]:
+  """The replicated scalar metrics as floats (per-token arrays stay on device)."""
+  return {k: float(v) for k, v in metrics.items() if not k.startswith("per_token/")}
+
+
+def _to_host(x) -> np.ndarray:
+  """A batch-sharded array as one host array, gathered across processes if needed."""
+  if jax.process_count() > 1:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+class Evaluator:
+  """Held-out quality at given steps, written to the metrics writer (`setup.eval_set`, which
+  must not be None). The frozen teacher is decoded and scored once."""
+
+  def __init__(self, config, setup: Setup, writer):
+    self._config, self._setup, self._writer = config, setup, writer
+    self.metric = setup.eval_set.metric  # quality/<who>_<metric>: accuracy or score
+    self.teacher_score = None
+    m = setup.models
+    kv = engine_config(config, jnp.dtype(config.student.dtype).name).kv
+    self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size)
+
+  def __call__(self, step: int, params) -> dict[str, float]:
+    m = self._setup.models
+    metrics, samples = evaluate.evaluate(
+      params,
+      m.student_cfg,
+      m.teacher_params,
+      m.teacher_cfg,
+      self._setup.eval_set,
+      m.tokenizer,
+      self._config.rollout.max_new_tokens,
+      self.teacher_score,
+      train_sampling=self._sampling,
+      teacher_temperature=self._config.teacher.temperature,
+    )
+    self.teacher_score = metrics.get(f"quality/teacher_{self.metric}")
+    self._writer.write_scalars(step, metrics)
+    self._writer.write_text(step, "quality/student_samples", "\n".join(samples))
+    return metrics
+
+
+def run(
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  log=print,
+  step_hook: hooks.HookFactory | None = None,
+) -> dict:
+  """Runs OPD as configured; returns the quality at the start and the end.
+
+  `step_hook` builds the hook the loop drives (`hooks`): the budget guard for a config with
+  `budget.file` (`mismatch.guard.run` passes it). A config with `budget.file` and no hook is
+  refused, so that a guard asked for is never silently left out.
+  """
+  config_check.validate(config)
+  if config.budget.file and step_hook is None:
+    raise ValueError(
+      f"budget.file={config.budget.file!r} asks for the live budget guard, which this call "
+      "was not given: run with opd_jax.mismatch.guard.run (as `python -m opd_jax.main` does), "
+      "or pass step_hook=opd_jax.mismatch.guard.LiveGuard.create"
+    )
+  start = time.time()
+  is_main = jax.process_index() == 0
+  log = log if is_main else (lambda *a, **k: None)
+  checked = preflight.check(config, workdir, log)  # everything checkable before weights load
+  check_shapes(config, task_config(config), checked.plan.mesh)
+  setup = prepare_models(config, workdir, log, checked.plan, checked.eval_prompts, checked.scorer)
+  m, t = setup.models, config.train
+  log(build.summary(m))
+  source = checked.train_prompts
+  if source is None:
+    source = prompt_source(config, setup.task_cfg)
+  width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(config.data.prompt_file))
+  prompt_iter = iter(process_prompt_batches(source, config.data.batch_size, run_seed(config)))
+  tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
+  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
+  state_shardings = sharding.tree_shardings(abstract, m.mesh)
+  # orbax is imported by the loop that saves: the admission check and the export import this
+  # module for its setup and load it only when they restore, so that a check can import it
+  # while it compiles (`admission.run_admission`).
+  from opd_jax.io import checkpointing
+
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
+  writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
+  try:
+    resumed = {}
+    state, next_batch = initial_state(
+      config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
+    )
+    schedule_steps = schedule_length(config, resumed, log)
+    if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
+      tx = train_step.make_optimizer(
+        t.lr, schedule_steps, t.warmup_steps, t.weight_decay, t.grad_clip
+      )
+    m.student_params = None  # donated into the train state; the state owns the student now
+    guard = (step_hook or (lambda *a: None))(
+      config,
+      setup,
+      state.params,
+      resumed,
+      lambda cfg, st, nb: make_rollouts(cfg, setup, prompt_iter, width, st, nb),
+      prompt_iter,
+      writer,
+      log,
+    )
+    rollout_config = guard.config if guard else config  # the guard's rung (a resumed run's)
+    source = make_rollouts(rollout_config, setup, prompt_iter, width, state, next_batch)
+    try:
+      return _train(
+        config,
+        setup,
+        state,
+        state_shardings,
+        tx,
+        source,
+        ckpt,
+        writer,
+        start,
+        log,
+        guard,
+        schedule_steps=schedule_steps,
+      )
+    finally:
+      source.close()
+      if guard:
+        guard.close()  # the source it switched to, if any
+  finally:
+    writer.close()
+    ckpt.close()
+
+
+def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_batch: int):
+  """The rollout source `rollout.mode` names, starting at batch `next_batch`."""
+  m, r = setup.models, config.rollout
+  ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
+  scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.real_vocab_size)
+  train_step.check_rollout_loss(scfg, loss_config(config))
+  teacher_topk.check_top_k(config.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
+  engine_ = rollouts_lib.RolloutEngine(
+    prompt_iter,
+    m.tokenizer,
+    width,
+    ecfg,
+    scfg,
+    m.student_cfg,
+    jax.random.wrap_key_data(np.asarray(state.rng)),
+    m.mesh,
+    teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
+    score_rewards=rl.needs_reward(config.train.loss),
+    rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
+    samples_per_prompt=r.samples_per_prompt,
+    on_policy_fraction=config.train.on_policy_fraction,
+    teacher_top_k=config.train.teacher_top_k,
+    teacher_temperature=config.teacher.temperature,
+  )
+  if r.mode == "sync":
+    return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)
+  return rollouts_lib.AsyncRollouts(
+    engine_,
+    max_lag=r.max_lag,
+    stale_policy=r.stale_policy,
+    max_ahead=None if r.max_ahead < 0 else r.max_ahead,
+    first_batch=next_batch,
+    producer_timeout_s=r.producer_timeout_s,
+  )
+
+
+class StopOnSignal(contextlib.AbstractContextManager):
+  """Turns SIGTERM and the first SIGINT into a flag the loop checks at step boundaries.
+
+  A second SIGINT raises KeyboardInterrupt as usual. Outside the main thread (where
+  Python cannot install handlers) it installs nothing and never fires.
+
+  In a multi-process run the signal may reach one process only (a maintenance event on one
+  host, `kill` of one task), so the loop asks `agreed()`, which every process calls at the
+  same step boundary: it gathers each process's flag (one int32 per process) and all of them
+  stop at that step when any of them was signalled.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: int | None = None
+    self._old = {}
+
+  def _handle(self, signum, frame):
+    if self.received == signal.SIGINT and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signum
+
+  def agreed(self) -> tuple[str, int] | None:
+    """(signal name, index of the first signalled process), the same on every process, or
+    None when no process was signalled. A collective when there are several processes: every
+    process must call it at the same point of the loop."""
+    if jax.process_count() == 1:
+      return None if self.received is None else (signal.Signals(self.received).name, 0)
+    flags_p = np.asarray(multihost_utils.process_allgather(np.int32(self.received or 0)))
+    signalled = np.flatnonzero(flags_p)
+    if not signalled.size:
+      return None
+    first = int(signalled[0])
+    return signal.Signals(int(flags_p[first])).name, first
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc_info):
+    for s, handler in self._old.items():
+      signal.signal(s, handler)
+
+
+class _LagBreakdown:
+  """`mismatch/*` means per version lag over a log window: mismatch/kl/lag_k, ...
+
+  So that staleness and numerics can be told apart in async runs.
+  """
+
+  KEYS = ("mismatch/kl", "mismatch/k3", "mismatch/abs_logp_diff")
+
+  def __init__(self):
+    self._sums: dict[tuple[str, int], list[float]] = {}
+
+  def add(self, lag: int, scalars: dict[str, float]) -> None:
+    for key in self.KEYS:
+      if key in scalars:
+        self._sums.setdefault((key, lag), []).append(scalars[key])
+
+  def window(self) -> dict[str, float]:
+    out = {f"{key}/lag_{lag}": float(np.mean(v)) for (key, lag), v in self._sums.items()}
+    self._sums = {}
+    return out
+
+
+def _train(
+  config,
+  setup,
+  state,
+  state_shardings,
+  tx,
+  rollouts,
+  ckpt,
+  writer,
+  start,
+  log,
+  guard=None,
+  schedule_steps: int | None = None,
+) -> dict:
+  """The step loop: sample, update, publish, log, evaluate, checkpoint.
+
+  `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
+  None = train.steps), stored in every checkpoint for a resumed run to keep.
+
+  `guard` (a `hooks.StepHook`: the budget guard with `budget.file`) sees every step's scalars
+  after the
+  publish, adds `budget/*` to them and may switch the rollout source it returns.
+  """
+  m, t = setup.models, config.train
+  loss_cfg = loss_config(config)
+  step_fn = train_step.jit_step(
+    train_step.train_step,
+    state_shardings,
+    tx=tx,
+    student_cfg=m.student_cfg,
+    teacher_cfg=m.teacher_cfg,
+    loss_cfg=loss_cfg,
+    microbatches=t.microbatches,
+    remat=t.remat,
+    lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
+  )
+  step = int(state.step)
+  rollouts.publish(state.params, step)
+  if guard:
+    rollouts = guard.begin(step, state, rollouts)
+  writer.write_text(step, "rollout/engine", rollouts.describe())
+  evaluator = Evaluator(config, setup, writer) if setup.eval_set is not None else None
+  initial = evaluator(step, state.params) if evaluator else None
+  quality = initial
+  log(
+    f"step {step}: "
+    + (evaluate.summary(initial, evaluator.metric) if evaluator else "evaluation off")
+    + f" (setup {time.time() - start:.0f}s, teacher bootstrap "
+    f"{setup.teacher_info['seconds']:.0f}s)\nrollouts: {rollouts.describe()}"
+  )
+
+  def save(step):
+    resume = rollouts.resume_state()
+    extra = {
+      "data_state": data.state_to_json(resume["data_state"]).decode(),
+      "next_batch": resume["next_batch"],
+      "weight_version": step,
+      "config": run_fingerprint(config),
+      "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
+      "heldout_slice": evaluate.takes_heldout_slice(config),  # trained without it (resume check)
+    }
+    if guard:
+      extra[guard.EXTRA_KEY] = guard.checkpoint_extra()  # the rung a resumed run keeps
+    ckpt.save(step, state, extra)
+
+  progress = metrics_writer.Progress(t.steps)
+  lag_breakdown = _LagBreakdown()
+  loop_start, first_step, stopped_by = time.time(), step, None
+  paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
+  with StopOnSignal() as stop:
+    while step < t.steps:
+      signalled = stop.agreed()  # the same answer on every process
+      if signalled is not None or 0 < t.stop_after <= step:
+        if signalled is None:
+          stopped_by, why = "stop_after", f"train.stop_after={t.stop_after} reached"
+        else:
+          stopped_by, by = signalled
+          why = f"{stopped_by} received" + (f" by process {by}" if jax.process_count() > 1 else "")
+        if ckpt.latest_step() != step:
+          save(step)
+        log(f"{why}: stopped at step {step}; checkpoint saved, rerun to resume")
+        break
+      rollout = next(rollouts)
+      train_start = time.perf_counter()
+      state, metrics = step_fn(state, m.teacher_params, rollout)
+      scalars = _scalars(metrics)
+      train_seconds = time.perf_counter() - train_start
+      lag_breakdown.add(step - int(rollout.weight_version), scalars)
+      step += 1
+      if not np.isfinite(scalars["loss/total"]):
+        raise ValueError(
+          f"non-finite loss {scalars['loss/total']} at step {step}; stopping. The last good "
+          f"checkpoint ({ckpt.latest_step()}) in {ckpt.directory} is kept"
+        )
+      rollouts.publish(state.params, step)
+      if guard:
+        rollouts = guard.after_step(step, state, scalars, rollouts)
+      if step % t.log_every == 0 or step == t.steps:
+        window, lags = rollouts.window_stats()
+        scalars.update(window)
+        scalars.update(lag_breakdown.window())
+        scalars.update(
+          {
+            "perf/train_seconds": train_seconds,
+            "perf/sampler_traces": sampler.trace_count(),
+            "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
+            "perf/train_wall_seconds": time.time() - loop_start - paused,
+          }
+        )
+        writer.write_scalars(step, scalars)
+        writer.write_histogram(step, "rollout/version_lag", lags)
+        mask = _to_host(rollout.completion_mask) > 0
+        advantages = _to_host(metrics["per_token/advantage_bc"])[mask]
+        writer.write_histogram(step, "loss/advantage", advantages)
+        shown = ("loss/total", "teacher/reverse_kl", "rl/reward_mean")  # those the loss logs
+        log(progress.line(step, {k: scalars[k] for k in shown if k in scalars}))
+      pause_start = time.time()
+      if evaluator and (step % t.eval_every == 0 or step == t.steps):
+        writer.write_scalars(step, {"perf/train_wall_seconds": pause_start - loop_start - paused})
+        quality = evaluator(step, state.params)
+        log(f"step {step}: {evaluate.summary(quality, evaluator.metric, teacher=False)}")
+      if step % t.checkpoint_every == 0 or step == t.steps:
+        save(step)
+      paused += time.time() - pause_start
+  writer.write_scalars(step, {"perf/wall_seconds": time.time() - start})
+  result = {
+    "start_step": first_step,
+    "end_step": step,
+    "stopped_by": stopped_by,
+    **(evaluate.before_after(initial, quality, evaluator.metric) if evaluator else {}),
+    "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
+    "wall_seconds": time.time() - start,
+  }
+  out = export_dir(config, writer.workdir)
+  if stopped_by is None and out is not None:  # a finished run exports its student
+    export_student(config, m, state.params, out, log, step=step)
+    result["export_dir"] = out
+  log(f"done: {result}")
+  return result

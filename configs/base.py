@@ -59,8 +59,8 @@ def get_config(arg=None):
   c.teacher.pretrain_lr = 3e-3  # its peak learning rate
   c.teacher.pretrain_batch_size = 64  # its batch size
   c.teacher.cache_dir = ""  # where bootstrapped teachers are cached; "" = workdir/teacher_cache
-  # Teacher temperature (opd_jax/teacher_topk.py): π_T = softmax(logits / τ_T) in every loss and
-  # teacher/* metric; independent of rollout.temperature, at which the student is scored.
+  # Teacher temperature (opd_jax/model/teacher_topk.py): π_T = softmax(logits / τ_T) in every
+  # loss and teacher/* metric; independent of rollout.temperature, at which the student is scored.
   c.teacher.temperature = 1.0  # τ_T > 0
 
   # Prompts: the built-in task or a JSONL file with a "prompt" field.
@@ -71,11 +71,11 @@ def get_config(arg=None):
   c.data.train_size = 200_000  # built-in task: training prompts per epoch
   c.data.eval_size = 256  # held-out prompts for quality/*
   c.data.batch_size = 32  # prompts per training step (global)
-  # Prompt files ({"prompt": text} or {"messages": [...]} per line, opd_jax/prompts.py).
+  # Prompt files ({"prompt": text} or {"messages": [...]} per line, opd_jax/data/prompts.py).
   c.data.max_prompt_tokens = 0  # longest prompt (tokens, bos included); 0 = no limit
   c.data.overlong = "error"  # longer prompts: truncate_left (keep the end) | drop | error
-  # Held-out evaluation on your prompts (opd_jax/evaluate.py, opd_jax/scoring.py): KL to the
-  # teacher always, and a score of records with an "answer". Without eval_file, a prompt file
+  # Held-out evaluation on your prompts (opd_jax/train/evaluate.py, opd_jax/data/scoring.py): KL
+  # to the teacher always, and a score of records with an "answer". Without eval_file, a prompt file
   # loses data.eval_size records (by seed) to evaluation; the built-in task has its own split.
   c.data.eval_file = ""  # held-out JSONL ({"prompt"} or {"messages"}, optional "answer")
   c.data.eval_metric = "exact_match"  # exact_match | none | "package.module:function"
@@ -90,7 +90,7 @@ def get_config(arg=None):
   c.rollout.kv_bf16_layers = ()  # layers whose KV cache stays BF16
   c.rollout.noise_sigma = 0.0  # weight noise: W + sigma * rms(W) * eps
   c.rollout.noise_layers = ()  # noise only these decoder layers; () = all
-  c.rollout.noise_modules = ()  # noise only these module types/groups (engine.py); () = all
+  c.rollout.noise_modules = ()  # noise only these modules or groups (inference/transform); () = all
   c.rollout.kernel = "reference"  # reference | bf16_attention | bf16_matmul (numerical path)
   c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
   c.rollout.top_k = 0  # 0 = off
@@ -103,12 +103,12 @@ def get_config(arg=None):
   c.rollout.producer_timeout_s = 600.0  # async: error when no batch arrives for this long
   c.rollout.score_teacher = False  # the engine scores rollouts with the frozen teacher
   c.rollout.stale_k = 0  # sync: sample with the weights k versions old (deterministic stale-k)
-  # Rollout mesh (opd_jax/rollouts.py): the engine's weights on their own (data, fsdp,
+  # Rollout mesh (opd_jax/rollout/sources.py): the engine's weights on their own (data, fsdp,
   # tensor) mesh over the training devices; all three 0 = sample on the training mesh.
   c.rollout.mesh_data = 0  # rollout data axis (-1 = the devices the others leave)
   c.rollout.mesh_fsdp = 0  # rollout fsdp axis (weights split, gathered once per batch)
   c.rollout.mesh_tensor = 0  # rollout tensor axis (heads, MLP width, vocabulary)
-  # Several samples per prompt (opd_jax/rollouts.py): data.batch_size counts prompts.
+  # Several samples per prompt (opd_jax/rollout/sources.py): data.batch_size counts prompts.
   c.rollout.samples_per_prompt = 1  # completions per prompt (adjacent rows; B·n per step)
 
   # Optimisation.
@@ -119,7 +119,7 @@ def get_config(arg=None):
   # Exact per-token KL over the vocabulary: the lowest-variance OPD estimator, and cheap
   # for small vocabularies. reverse_kl_sampled is the Tinker/slime policy-gradient form.
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
-  # RL baseline (opd_jax/rl.py): train.loss="reinforce" is REINFORCE on the task's exact-match
+  # RL baseline (opd_jax/train/rl.py): train.loss="reinforce" is REINFORCE on the task's exact-match
   # reward with a leave-one-out baseline, truncated IS by train.is_clip; needs no teacher.
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
   c.train.advantage_clip = 0.0  # reverse_kl_sampled: clip A_t to [-c, c]; 0 disables
@@ -140,14 +140,15 @@ def get_config(arg=None):
   # Resuming with another train.steps (trainer.schedule_length): the checkpoint stores its
   # learning-rate schedule's length.
   c.train.resume_schedule = "keep"  # keep (stored schedule) | rebuild (over train.steps) | error
-  # Memory controls (opd_jax/train_step.py, opd_jax/model.py): same update, less memory.
+  # Memory controls (opd_jax/train/train_step.py, opd_jax/model/transformer.py): same update,
+  # less memory.
   c.train.microbatches = 1  # gradient-accumulation micro-batches per step (divide B·n)
   c.train.remat = "none"  # per-layer rematerialisation: none | layer | dots | dots_no_batch
-  # GKD's λ (opd_jax/off_policy.py): the rest of each batch's prompts train on their reference
-  # completions ("completion", or a final assistant message); reverse_kl_sampled needs 1.
+  # GKD's λ (opd_jax/rollout/off_policy.py): the rest of each batch's prompts train on their
+  # reference completions ("completion", or a final assistant message); reverse_kl_sampled needs 1.
   c.train.on_policy_fraction = 1.0  # share of prompts per batch with sampled completions
-  # Sparse teacher (opd_jax/teacher_topk.py): per token, the teacher's top-k log-probs plus one
-  # tail bucket instead of its full logits; every OPD loss is computed on those k + 1 bins.
+  # Sparse teacher (opd_jax/model/teacher_topk.py): per token, the teacher's top-k log-probs plus
+  # one tail bucket instead of its full logits; every OPD loss is computed on those k + 1 bins.
   c.train.teacher_top_k = 0  # k in [0, V]; 0 = the full vocabulary (the exact reference)
 
   # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.

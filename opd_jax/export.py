@@ -7,7 +7,7 @@ config.json and generation_config.json with the bos/eos/pad ids, and the tokeniz
 with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer`. The config
 defaults to the one the run saved with its checkpoints; `--config` (with `--config.key=value`
 overrides) and `--workdir` are `opd_jax.main`'s own flags. A finished run also exports itself
-(`export.dir`). The logic is `opd_jax.exporting.export_run`.
+(`export.dir`). The logic is `opd_jax.train.export.export_run`.
 """
 
 from __future__ import annotations

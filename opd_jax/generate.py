@@ -36,8 +36,7 @@ import sys
 import jax
 import numpy as np
 
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.io import build, hf
 from opd_jax.io.build import DTYPES
 from opd_jax.model import kvcache, tokenizer
@@ -214,10 +213,10 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
   if tok is not None and tokenizer.real_vocab_size(tok) < model_cfg.vocab_size:
     # A padded table: like the trainer, sample over the tokenizer's ids only.
     model_cfg = build.with_real_vocab(model_cfg, tokenizer.real_vocab_size(tok))
-  engine_cfg = engine.EngineConfig(
+  engine_cfg = transform.EngineConfig(
     weights=weights, kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity)
   )
-  params = engine.engine_params(params, engine_cfg, jax.random.key(args.seed))
+  params = transform.engine_params(params, engine_cfg, jax.random.key(args.seed))
   cfg = sampler.SamplerConfig(
     max_new_tokens=args.max_new_tokens,
     temperature=args.temperature,

@@ -11,7 +11,7 @@ DIR/opd_vs_rl.md, DIR/opd_vs_rl.json (every number) and DIR/opd_vs_rl.png (accur
 against the training-time mismatch/kl). With --json the JSON also goes to stdout. The runs keep
 their compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the
 first of its kind loads the sampler, train step and evaluation instead of compiling them. The
-logic is `opd_jax.mismatch.opd_vs_rl.run_comparison`.
+logic is `opd_jax.experiments.opd_vs_rl.run_comparison`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ table), and writes `study.json`, `report.md`, `budget.json` and PNG plots into t
 restarted study reuses every finished run and measurement. The runs and measurements keep their
 compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the first
 of its kind loads the sampler, train step and evaluation instead of compiling them (the same
-programs, so the same numbers). The logic is `opd_jax.mismatch.study.run_study`.
+programs, so the same numbers). The logic is `opd_jax.experiments.study.run_study`.
 """
 
 from __future__ import annotations

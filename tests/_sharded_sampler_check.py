@@ -6,7 +6,7 @@ Prints one JSON line with, per mesh, whether the sharded greedy and sampled roll
 the unsharded ones token for token, the largest log-prob and teacher-logit differences,
 and the collectives of each compiled program (`sharding.hlo_collectives`), split into
 those that gather the batch and the rest; then the same comparisons for the
-`RolloutEngine` (teacher scoring, rewards) and `evaluate.evaluate` on the 2x2x2 mesh.
+`RolloutWorker` (teacher scoring, rewards) and `evaluate.evaluate` on the 2x2x2 mesh.
 """
 
 import json
@@ -18,12 +18,11 @@ import numpy as np
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
-from opd_jax.inference import sampler, teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout.sources import RolloutEngine
+from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import evaluate
 
 MESH_SHAPES = ((2, 2, 2), (8, 1, 1))
@@ -132,16 +131,16 @@ def task_prompts(n: int, seed: int):
 
 
 def engine_checks(mesh, student, teacher) -> dict:
-  """The RolloutEngine (teacher scoring and rewards) and evaluate.evaluate, sharded vs not."""
+  """The RolloutWorker (teacher scoring and rewards) and evaluate.evaluate, sharded vs not."""
   out = {}
   results = []
   rollout_mesh = sharding.make_mesh((8, 1, 1))
   for where, own_mesh in ((None, None), (mesh, None), (mesh, rollout_mesh)):
-    eng = RolloutEngine(
+    eng = RolloutWorker(
       task_prompts(BATCH, 0),
       TOK,
       TASK.max_prompt_tokens,
-      engine.EngineConfig(),
+      transform.EngineConfig(),
       TASK_SAMPLER,
       TASK_CFG,
       jax.random.key(7),

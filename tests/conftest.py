@@ -6,7 +6,7 @@ and returns an `HFCheckpoint(path, model)`. Typical use:
 
     def test_something(make_hf_checkpoint):
       ckpt = make_hf_checkpoint("llama", tie_word_embeddings=True)
-      cfg, params = opd_jax.hf.load_checkpoint(ckpt.path)
+      cfg, params = opd_jax.io.hf.load_checkpoint(ckpt.path)
       logits = ckpt.model(torch.tensor(tokens)).logits   # the reference
 
 Checkpoints are cached for the whole session by their arguments, so the same call

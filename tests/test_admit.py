@@ -307,7 +307,7 @@ def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run
   # restores from the checkpoint.
   code = (
     "import sys; sys.path.insert(0, 'configs'); import bf16_sync\n"
-    "from opd_jax import trainer; from opd_jax.mismatch import admission\n"
+    "from opd_jax.io import run_history; from opd_jax.train import setup as setup_lib\n"
     f"c = bf16_sync.get_config('tiny'); c.teacher.cache_dir = {config.teacher.cache_dir!r}\n"
     f"h = run_history.RunHistory(c, setup_lib.prepare_models(c, {str(tmp_path / 'w2')!r}, print), "
     f"{run!r})\n"
@@ -372,14 +372,14 @@ def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
   lines.insert(3, {"step": 35, "quality/student_accuracy": 0.5})
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
   # 10 logged values; the last 10% is the last one.
-  plain = run_history.training_time_kl(str(tmp_path), lag=0)
+  plain = admission.training_time_kl(str(tmp_path), lag=0)
   assert plain["train/key"] == "mismatch/kl" and plain["train/logged_steps"] == 10
   assert plain["train/mismatch_kl_mean"] == pytest.approx(0.55)
   assert plain["train/mismatch_kl_last"] == pytest.approx(1.0)
-  lagged = run_history.training_time_kl(str(tmp_path), lag=1)
+  lagged = admission.training_time_kl(str(tmp_path), lag=1)
   assert lagged["train/key"] == "mismatch/kl/lag_1"
   assert lagged["train/mismatch_kl_mean"] == pytest.approx(1.1)
-  assert run_history.training_time_kl(str(tmp_path / "none"), lag=0) is None
+  assert admission.training_time_kl(str(tmp_path / "none"), lag=0) is None
 
 
 def test_trained_with_compares_every_rollout_key_the_run_saved(config):
@@ -421,7 +421,7 @@ def test_importing_the_check_leaves_out_what_it_does_not_run_first():
   )
   assert proc.returncode == 0, proc.stderr
   modules = set(ast.literal_eval(proc.stdout.strip().splitlines()[-1]))
-  assert {"jax", "opd_jax.metrics_writer"} <= modules
+  assert {"jax", "opd_jax.io.metrics_writer"} <= modules
   assert not {m.split(".")[0] for m in modules} & {"orbax", "tensorstore", "optax"}
   assert not {m for m in modules if m.startswith("tensorboard.")} & {
     "tensorboard.backend.event_processing.event_accumulator",

@@ -8,12 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout import sources as rollouts
+from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import losses, train_step
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
@@ -230,11 +229,11 @@ def _engine(n):
   batches = iter(itertools.repeat({"prompt": np.array(["1+2=", "30+4=", "5+6+7="])}))
   scfg = sampler.SamplerConfig(max_new_tokens=5, temperature=1.0, stop_tokens=(tok.eos_id,))
   mesh = sharding.make_mesh((1, 1, 1))
-  return rollouts.RolloutEngine(
+  return rollout_worker.RolloutWorker(
     batches,
     tok,
     8,
-    engine.EngineConfig(),
+    transform.EngineConfig(),
     scfg,
     CFG,
     jax.random.key(7),

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from opd_jax.config import check as config_check
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.model import kvcache, quant
 from opd_jax.model import transformer as model
@@ -38,10 +37,10 @@ def _is_qarray(x) -> bool:
 
 @pytest.mark.parametrize("block_size", [None, 16])
 def test_fp8_engine_params_are_the_dequantized_recipe(params, block_size):
-  cfg = engine.EngineConfig(
+  cfg = transform.EngineConfig(
     weights="fp8", weight_block_size=block_size, bf16_layers=(1,), kv=FP8_KV
   )
-  prepared = engine.engine_params(params, cfg, jax.random.key(0))
+  prepared = transform.engine_params(params, cfg, jax.random.key(0))
   recipe = quant.QuantRecipe(block_size=block_size, bf16_layers=(1,))
   qparams = quant.quantize_params(params, recipe)
   # CPU has no FP8 matmuls: every matrix is dense, equal to the QArray's dequantization.
@@ -53,7 +52,7 @@ def test_fp8_engine_params_are_the_dequantized_recipe(params, block_size):
   assert not np.array_equal(prepared["layers"][0]["q_dnh"], params["layers"][0]["q_dnh"])
   np.testing.assert_array_equal(prepared["layers"][1]["q_dnh"], params["layers"][1]["q_dnh"])
   # The trainer applies T under jit (once per version): same weights as eager.
-  jitted = jax.jit(engine.engine_params, static_argnums=1)(params, cfg, jax.random.key(0))
+  jitted = jax.jit(transform.engine_params, static_argnums=1)(params, cfg, jax.random.key(0))
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(prepared), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The id names the recipe, not the hardware layout.
@@ -72,8 +71,8 @@ def test_fp8_engine_params_are_the_dequantized_recipe(params, block_size):
 )
 def test_prepared_fp8_samples_like_per_step_dequantization(params, scfg):
   """The engine's fp8 params sample exactly what the unprepared QArrays sample."""
-  cfg = engine.EngineConfig(weights="fp8", kv=FP8_KV)
-  prepared = engine.engine_params(params, cfg, jax.random.key(0))
+  cfg = transform.EngineConfig(weights="fp8", kv=FP8_KV)
+  prepared = transform.engine_params(params, cfg, jax.random.key(0))
   qparams = quant.quantize_params(params, quant.QuantRecipe())
   rng = jax.random.key(5)
   fast = sampler.sample(prepared, PROMPTS, rng, scfg, CFG, engine_id=cfg.engine_id)
@@ -118,7 +117,7 @@ def _matrices(params):
 
 
 def test_restricted_noise_is_the_full_noise_on_the_selected_matrices(params):
-  full = _matrices(engine.add_weight_noise(params, 0.1, jax.random.key(3)))
+  full = _matrices(transform.add_weight_noise(params, 0.1, jax.random.key(3)))
   base = _matrices(params)
   cases = {
     ((1,), ()): lambda k: "['layers'][1]" in k,
@@ -129,7 +128,7 @@ def test_restricted_noise_is_the_full_noise_on_the_selected_matrices(params):
     ((), ("embed", "lm_head")): lambda k: "embed_vd" in k or "lm_head_dv" in k,
   }
   for (layers, modules), selected in cases.items():
-    noisy = _matrices(engine.add_weight_noise(params, 0.1, jax.random.key(3), layers, modules))
+    noisy = _matrices(transform.add_weight_noise(params, 0.1, jax.random.key(3), layers, modules))
     changed = {k for k in noisy if not np.array_equal(noisy[k], base[k])}
     assert changed == {k for k in base if selected(k) and base[k].ndim >= 2}, (layers, modules)
     for k in changed:
@@ -137,27 +136,27 @@ def test_restricted_noise_is_the_full_noise_on_the_selected_matrices(params):
 
 
 def test_engine_settings_are_named_and_checked():
-  cfg = engine.EngineConfig(noise_sigma=0.05, noise_layers=(0, 1), noise_modules=("attention",))
+  cfg = transform.EngineConfig(noise_sigma=0.05, noise_layers=(0, 1), noise_modules=("attention",))
   assert cfg.engine_id == "w=trainer,kv=bfloat16,noise=0.05@L[0, 1]@attention"
-  kernel = engine.EngineConfig(kernel="bf16_attention")
+  kernel = transform.EngineConfig(kernel="bf16_attention")
   assert kernel.engine_id == "w=trainer,kv=bfloat16,noise=0,kernel=bf16_attention"
-  assert engine.EngineConfig().engine_id == "w=trainer,kv=bfloat16,noise=0"
+  assert transform.EngineConfig().engine_id == "w=trainer,kv=bfloat16,noise=0"
   with pytest.raises(ValueError, match="unknown module 'mlp_up'"):
-    engine.EngineConfig(noise_sigma=0.1, noise_modules=("mlp_up",))
+    transform.EngineConfig(noise_sigma=0.1, noise_modules=("mlp_up",))
   with pytest.raises(ValueError, match="noise_sigma is 0"):
-    engine.EngineConfig(noise_layers=(0,))
+    transform.EngineConfig(noise_layers=(0,))
   with pytest.raises(ValueError, match="selects no matrix"):
-    engine.EngineConfig(noise_sigma=0.1, noise_layers=(0,), noise_modules=("embeddings",))
+    transform.EngineConfig(noise_sigma=0.1, noise_layers=(0,), noise_modules=("embeddings",))
   with pytest.raises(ValueError, match="unknown kernel 'flash'"):
-    engine.EngineConfig(kernel="flash")
+    transform.EngineConfig(kernel="flash")
   with pytest.raises(ValueError, match="noise_layers must be"):
-    engine.EngineConfig(noise_sigma=0.1, noise_layers=(-1,))
+    transform.EngineConfig(noise_sigma=0.1, noise_layers=(-1,))
 
 
 def test_noise_layer_out_of_range_is_named(params):
-  cfg = engine.EngineConfig(noise_sigma=0.1, noise_layers=(2,))
+  cfg = transform.EngineConfig(noise_sigma=0.1, noise_layers=(2,))
   with pytest.raises(ValueError, match=r"noise_layers \[2\] out of range for a 2-layer model"):
-    engine.engine_params(params, cfg, jax.random.key(0))
+    transform.engine_params(params, cfg, jax.random.key(0))
 
 
 @pytest.mark.parametrize("kernel", ["bf16_attention", "bf16_matmul"])
@@ -168,8 +167,8 @@ def test_kernel_variant_cached_decode_matches_its_uncached_forward(params, kerne
   bf16 rounding is discontinuous: the cached and uncached forwards differ by f32 rounding
   upstream of the rounded scores, which flips a few bf16 roundings, so the two agree to a
   KL well below the variant's own, not bit for bit."""
-  cfg = engine.EngineConfig(kernel=kernel, kv=kvcache.KVCacheSpec(dtype="float32"))
-  params_r = engine.engine_params(params, cfg, jax.random.key(0))
+  cfg = transform.EngineConfig(kernel=kernel, kv=kvcache.KVCacheSpec(dtype="float32"))
+  params_r = transform.engine_params(params, cfg, jax.random.key(0))
   assert model.kernel_of(params_r) == kernel and model.kernel_of(params) == "reference"
   scfg = SamplerConfig(max_new_tokens=6, kv=cfg.kv, return_topk=-1)
   out = sampler.sample(params_r, PROMPTS, jax.random.key(1), scfg, CFG, engine_id=cfg.engine_id)

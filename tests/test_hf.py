@@ -1,4 +1,4 @@
-"""opd_jax.hf against transformers: logits parity, round trips, sharded files, errors."""
+"""opd_jax.io.hf against transformers: logits parity, round trips, sharded files, errors."""
 
 from __future__ import annotations
 

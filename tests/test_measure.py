@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.io import compile_cache
 from opd_jax.mismatch import measure as measure_lib
@@ -24,9 +24,9 @@ from opd_jax.model import transformer as model
 CFG = tiny_model_cfg(vocab_size=64)
 PROMPTS = [[3, 17, 9, 4, 10], list(range(20, 31)), [7], [5] * 9]
 F32_KV = kvcache.KVCacheSpec(dtype="float32")
-EXACT = engine.EngineConfig(kv=F32_KV)
-FP8 = engine.EngineConfig(weights="fp8", kv=F32_KV)
-NOISE = engine.EngineConfig(noise_sigma=0.1, kv=F32_KV)
+EXACT = transform.EngineConfig(kv=F32_KV)
+FP8 = transform.EngineConfig(weights="fp8", kv=F32_KV)
+NOISE = transform.EngineConfig(noise_sigma=0.1, kv=F32_KV)
 SCFG = SamplerConfig(max_new_tokens=12)
 TIMING_KEYS = ("measure/compile_seconds", "measure/run_seconds", "measure/seconds")
 
@@ -151,13 +151,13 @@ from opd_jax.mismatch import admission, candidates as candidates_lib
 took = compile_cache.fast_compilation() if sys.argv[1] == "fast" else False
 import jax
 from conftest import tiny_model_cfg
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.model import kvcache, transformer as model
 from opd_jax.mismatch import measure
 from opd_jax.inference.sampler import SamplerConfig
 cfg = tiny_model_cfg(vocab_size=64)
 params = model.init_params(jax.random.key(0), cfg, scale=0.3)
-fp8 = engine.EngineConfig(weights="fp8", kv=kvcache.KVCacheSpec(dtype="float8_e4m3fn"))
+fp8 = transform.EngineConfig(weights="fp8", kv=kvcache.KVCacheSpec(dtype="float8_e4m3fn"))
 sampling = SamplerConfig(max_new_tokens=12)
 m = measure.measure(params, cfg, fp8, {prompts!r}, jax.random.key(0), sampling)
 print(json.dumps({{"took": took, "again": compile_cache.fast_compilation(),

@@ -1,4 +1,4 @@
-"""GKD's on-policy fraction λ (`train.on_policy_fraction`, opd_jax/off_policy.py): reference
+"""GKD's on-policy fraction λ (`train.on_policy_fraction`, opd_jax/rollout/off_policy.py): reference
 completions, the per-batch share, λ = 1 unchanged, λ = 0 all references, mismatch/* over the
 sampled rows only, the refusals, and a tiny run at λ = 0.5."""
 
@@ -17,14 +17,14 @@ import pytest
 from opd_jax.config import check as config_check
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts, task
-from opd_jax.inference import sampler, teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.io import metrics_writer
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import off_policy
-from opd_jax.rollout.sources import AsyncRollouts, RolloutEngine, SyncRollouts
+from opd_jax.rollout.sources import AsyncRollouts, SyncRollouts
+from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import (
   mismatch_metrics as mismatch,
 )
@@ -65,11 +65,11 @@ def _engine(mesh, fraction=None, key=7, n=1, top_k=0):
     max_new_tokens=C, top_k=top_k, stop_tokens=(TOK.eos_id,), return_topk=-1
   )
   kwargs = {} if fraction is None else {"on_policy_fraction": fraction}
-  return RolloutEngine(
+  return RolloutWorker(
     batches,
     TOK,
     TASK.max_prompt_tokens,
-    engine.EngineConfig(),
+    transform.EngineConfig(),
     scfg,
     CFG,
     jax.random.key(key),

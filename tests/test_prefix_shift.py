@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch import prefix_shift
@@ -58,7 +58,7 @@ def test_first_divergence_by_hand():
 
 def test_exact_engine_never_diverges(params):
   row = prefix_shift.prefix_shift(
-    params, CFG, engine.EngineConfig(kv=F32_KV), PROMPTS, jax.random.key(0), SCFG
+    params, CFG, transform.EngineConfig(kv=F32_KV), PROMPTS, jax.random.key(0), SCFG
   )
   assert row["diverged_fraction"] == 0.0 and np.isnan(row["first_divergence"])
   assert row["teacher_forced/kl"] < 1e-6 and row["own_prefix/kl"] < 1e-6
@@ -67,7 +67,7 @@ def test_exact_engine_never_diverges(params):
 
 
 def test_noise_diverges_and_the_figures_are_consistent(params):
-  ecfg = engine.EngineConfig(noise_sigma=0.3, kv=F32_KV)
+  ecfg = transform.EngineConfig(noise_sigma=0.3, kv=F32_KV)
   row = prefix_shift.prefix_shift(params, CFG, ecfg, PROMPTS, jax.random.key(0), SCFG)
   assert row["diverged_fraction"] > 0
   assert sum(row["histogram"]) == len(PROMPTS)
@@ -85,7 +85,7 @@ def test_teacher_forced_engine_reproduces_its_own_decode(params, granularity):
   """Scored on its own samples, the one-shot cached forward with the engine's FP8 weights and
   FP8 KV cache gives the distributions the engine sampled from."""
   kv = kvcache.KVCacheSpec("float8_e4m3fn", granularity)
-  ecfg = engine.EngineConfig(weights="fp8", kv=kv)
+  ecfg = transform.EngineConfig(weights="fp8", kv=kv)
   rollout = measure_lib.engine_rollout(params, CFG, ecfg, PROMPTS, jax.random.key(0), SCFG)
   params_r, _ = measure_lib.engine_inputs(params, ecfg, jax.random.key(0))
   logits = prefix_shift.engine_logits(params_r, rollout.replace(engine_id=""), CFG, kv, 1.0)

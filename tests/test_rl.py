@@ -1,4 +1,4 @@
-"""The RL baseline (opd_jax/rl.py) against hand-computed values."""
+"""The RL baseline (opd_jax/train/rl.py) against hand-computed values."""
 
 import math
 import sys

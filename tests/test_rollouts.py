@@ -20,18 +20,12 @@ import pytest
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout.sources import (
-  AsyncRollouts,
-  ProducerError,
-  RolloutEngine,
-  SyncRollouts,
-  host_key,
-)
+from opd_jax.rollout.sources import AsyncRollouts, ProducerError, SyncRollouts
+from opd_jax.rollout.worker import RolloutWorker, host_key
 
 TASK = task.TaskConfig(num_operands=2, max_operand=99)
 TOK = tokenizer.CharTokenizer()
@@ -74,11 +68,11 @@ def _prompts(seed=0):
 
 
 def _engine(mesh, prompts=None, ecfg=None):
-  return RolloutEngine(
+  return RolloutWorker(
     prompts if prompts is not None else _prompts(),
     TOK,
     TASK.max_prompt_tokens,
-    ecfg or engine.EngineConfig(),
+    ecfg or transform.EngineConfig(),
     SAMPLER,
     CFG,
     jax.random.key(7),

@@ -1,4 +1,4 @@
-"""Runs recorded once, and several trained side by side (`opd_jax.mismatch.runs`)."""
+"""Runs recorded once, and several trained side by side (`opd_jax.experiments.runs`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch import sensitivity
@@ -143,7 +143,7 @@ def test_run_sensitivity_writes_the_ranked_json(tmp_path):
   recipe = saved["recipe"]
   assert recipe["met"] and recipe[KL] <= recipe["target_kl"]
   assert saved["settings"]["kv_granularity"] == "tensor"
-  noise_0 = engine.EngineConfig(
+  noise_0 = transform.EngineConfig(
     noise_sigma=0.05, noise_layers=(0,), kv=kvcache.KVCacheSpec("float32")
   )
   assert noise_0.engine_id in {r["engine_id"] for r in saved["rows"]}

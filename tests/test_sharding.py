@@ -1,4 +1,4 @@
-"""Tests for opd_jax.sharding: logical axes, rules, mesh validation and a sharded forward."""
+"""Tests for opd_jax.model.sharding: logical axes, rules, mesh validation and a sharded forward."""
 
 import json
 import os

@@ -21,12 +21,11 @@ from opd_jax.config import check as config_check
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
 from opd_jax.data.rollout_types import Rollout
-from opd_jax.inference import sampler, teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding, teacher_topk, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout.sources import RolloutEngine
+from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import losses, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,11 +254,11 @@ def tiny_run():
 
   def make_engine(**kwargs):
     source = task.TaskSource("train", 1000, 0, TASK)
-    return RolloutEngine(
+    return RolloutWorker(
       iter(data.prompt_batches(source, 4, 0)),
       TOK,
       TASK.max_prompt_tokens,
-      engine.EngineConfig(),
+      transform.EngineConfig(),
       SAMPLER,
       CFG,
       jax.random.key(7),

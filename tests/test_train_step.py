@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from opd_jax.inference import sampler, teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -148,7 +147,7 @@ def test_exact_engine_reads_zero_mismatch_and_unit_ratio(
 def test_a_perturbed_engine_reads_nonzero_mismatch(setup):
   student, teacher, _, _, _ = setup
   scfg = sampler.SamplerConfig(8, 1.0, top_k=5, return_topk=-1)
-  noisy = engine.add_weight_noise(student, 0.05, jax.random.key(7))
+  noisy = transform.add_weight_noise(student, 0.05, jax.random.key(7))
   rollout = sampler.sample(noisy, PROMPTS, jax.random.key(3), scfg, CFG)
   _, m = _opd_loss(student, teacher, rollout, CFG, CFG, train_step.LossConfig())
   assert 1e-4 < float(m["mismatch/kl"]) < 1.0

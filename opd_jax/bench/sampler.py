@@ -30,7 +30,7 @@ Rows (kind):
 * "vs_transformers": f32 on both sides. Torch on CPU is slow in bf16, so f32 is
   the fair comparison.
 * "fp8_vs_dense": the rollout engine as the trainer builds it for
-  `rollout.weights = "fp8"` (`engine.engine_params`: per-channel e4m3 weights,
+  `rollout.weights = "fp8"` (`transform.engine_params`: per-channel e4m3 weights,
   prepared for this hardware by `quant.prepare_for_compute`) with an FP8 KV cache
   (per-token, per-head scales), against the dense engine of the default run: the
   trainer's f32 weights and an f32 KV cache ("dense" = f32 here). The same run
@@ -67,8 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.io import hf
 from opd_jax.model import kvcache, quant
 from opd_jax.model import transformer as model
@@ -212,8 +211,8 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   f32_kv = kvcache.KVCacheSpec(dtype="float32")
   bf16_kv = kvcache.KVCacheSpec(dtype="bfloat16")
   fp8_kv = kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="token_head")
-  fp8_engine = engine.EngineConfig(weights="fp8", kv=fp8_kv)
-  fp8_engine_params = engine.engine_params(params, fp8_engine, jax.random.key(0))
+  fp8_engine = transform.EngineConfig(weights="fp8", kv=fp8_kv)
+  fp8_engine_params = transform.engine_params(params, fp8_engine, jax.random.key(0))
   fp8_per_step_params = quant.quantize_params(params, quant.QuantRecipe())
   bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   fp8_bf16_params = quant.prepare_for_compute(

@@ -14,7 +14,7 @@ AdamW, state donated) twice, with the full teacher (k = 0) and with the top-k te
 * `engine`: the rollout engine scored the teacher (`rollout.score_teacher`): the step
   receives [B, C, V] logits (full) or the [B, C, k] top-k plus tail (sparse) as input.
   The engine's own scoring program (`teacher_forcing.sharded_completion_logits` versus
-  `rollouts.sparse_teacher`) is timed as its own row, `engine_scoring`, since the top-k
+  `rollout_worker.sparse_teacher`) is timed as its own row, `engine_scoring`, since the top-k
   moves there.
 
 Per row: `temp_bytes` and `argument_bytes` from the compiled program's
@@ -61,7 +61,7 @@ from opd_jax.inference import teacher_forcing
 from opd_jax.model import teacher_topk
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout import sources as rollouts
+from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import train_step
 
 VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
@@ -142,7 +142,7 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
 def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
   """The engine's teacher scoring: full logits, or the top-k plus tail in one program."""
   if top_k:
-    fn = jax.jit(lambda t, r: rollouts.sparse_teacher(t, r, cfg, None, top_k, 1.0))
+    fn = jax.jit(lambda t, r: rollout_worker.sparse_teacher(t, r, cfg, None, top_k, 1.0))
   else:
     fn = jax.jit(lambda t, r: teacher_forcing.sharded_completion_logits(t, r, cfg)[0])
   row = _memory(fn.lower(teacher, rollout).compile())

@@ -114,7 +114,7 @@ def freeze_heap_for_exit() -> None:
   is done and its outputs are closed.
 
   Interpreter shutdown otherwise runs the collector over everything jax, orbax and grain
-  imported: 0.36 s on 2 CPU cores, against 0.04 s frozen (the memory goes back to the OS
+  imported, several times longer than with the heap frozen (the memory goes back to the OS
   either way). A frozen cycle is never finalised, so nothing may still hold unflushed output.
   """
   gc.freeze()
@@ -125,9 +125,10 @@ def exit_at_once() -> None:
   without the interpreter's teardown.
 
   The teardown (the compile threads joined, the XLA client destroyed, every module freed) does
-  nothing such a command needs and takes ~0.15 s on 2 CPU cores, 3 % of an admission check,
-  against ~0.04 s here. atexit handlers do not run: only stdout, stderr and the log handlers
-  are flushed, so every file the command writes must be closed before this call.
+  nothing such a command needs and costs a few percent of an admission check (see
+  `python -m opd_jax.bench.admission_cost`). atexit handlers do not run: only stdout, stderr
+  and the log handlers are flushed, so every file the command writes must be closed before
+  this call.
   """
   logging.flush()
   sys.stdout.flush()

@@ -147,7 +147,7 @@ RULES: dict[str, Any] = {
   "teacher.pretrain_lr": Num(True, 0, lo_open=True),
   "teacher.pretrain_batch_size": POSITIVE,
   "teacher.cache_dir": Kind(str),
-  "teacher.temperature": Num(True, 0, lo_open=True),  # τ_T (opd_jax/teacher_topk.py)
+  "teacher.temperature": Num(True, 0, lo_open=True),  # τ_T (opd_jax/model/teacher_topk.py)
   "data.prompt_file": Kind(str),
   "data.num_operands": Num(lo=2),
   "data.max_operand": POSITIVE,
@@ -156,7 +156,7 @@ RULES: dict[str, Any] = {
   "data.batch_size": POSITIVE,
   "data.max_prompt_tokens": NON_NEGATIVE,
   "data.overlong": Choice(("truncate_left", "drop", "error")),
-  "data.eval_file": Kind(str),  # held-out JSONL (opd_jax/evaluate.py)
+  "data.eval_file": Kind(str),  # held-out JSONL (opd_jax/train/evaluate.py)
   "data.eval_metric": Rule(metric_problem),  # importable: checked by preflight
   "rollout.weights": Choice(("trainer", "bf16", "fp8")),
   "rollout.weight_block_size": NON_NEGATIVE,
@@ -205,8 +205,8 @@ RULES: dict[str, Any] = {
   "train.resume_schedule": Choice(("keep", "rebuild", "error")),
   "train.microbatches": POSITIVE,
   "train.remat": Choice(("none", "layer", "dots", "dots_no_batch")),  # model.REMAT_CHOICES
-  "train.on_policy_fraction": Num(True, 0, 1),  # GKD's λ (opd_jax/off_policy.py)
-  "train.teacher_top_k": NON_NEGATIVE,  # <= V checked at build (opd_jax/teacher_topk.py)
+  "train.on_policy_fraction": Num(True, 0, 1),  # GKD's λ (opd_jax/rollout/off_policy.py)
+  "train.teacher_top_k": NON_NEGATIVE,  # <= V checked at build (opd_jax/model/teacher_topk.py)
   "export.dir": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),

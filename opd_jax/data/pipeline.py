@@ -2,11 +2,11 @@
 
 Sources are random-access sequences of dicts with at least a string `"prompt"`:
 
-* `opd_jax.task.TaskSource(split, size, seed)`: the built-in synthetic task
+* `opd_jax.data.task.TaskSource(split, size, seed)`: the built-in synthetic task
   (`{"prompt", "completion", "answer"}`).
 * `JsonlSource(path)`: a JSONL file, one object per line with a string `"prompt"` or a chat
   `"messages"` list (`[{"role": ..., "content": ...}, ...]`, rendered later with the
-  tokenizer's chat template by `opd_jax.prompts`); other fields (e.g. `"answer"`) are kept.
+  tokenizer's chat template by `opd_jax.data.prompts`); other fields (e.g. `"answer"`) are kept.
   The file is read and validated eagerly, so a bad file fails at start-up with the file and
   line in the message, not hours into a run.
 
@@ -45,7 +45,7 @@ class JsonlSource:
 
   Every non-blank line must be a JSON object with exactly one of a string `"prompt"` field or
   a non-empty `"messages"` list of `{"role": str, "content": str}` objects; all its fields are
-  kept. A reference completion (for train.on_policy_fraction < 1, `opd_jax.off_policy`) is a
+  kept. A reference completion (for train.on_policy_fraction < 1, `opd_jax.rollout.off_policy`) is a
   `"completion"` string or a final assistant message, not both. `source[i]` returns a fresh
   copy of record i's dict; `line_numbers[i]` is its line.
 
@@ -125,7 +125,7 @@ def _messages_problem(messages: Any, has_completion: bool = False) -> str | None
       return (
         f'has "messages"[{i}] that is not a {{"role": str, "content": str}} object: {message!r:.80}'
       )
-  if messages[-1]["role"] == "assistant":  # the reference completion (opd_jax.off_policy)
+  if messages[-1]["role"] == "assistant":  # the reference completion (opd_jax.rollout.off_policy)
     if len(messages) == 1:
       return 'has only an assistant message in "messages": nothing is left to prompt with'
     if has_completion:

@@ -8,7 +8,7 @@ other fields are kept. Its ids, computed once when the run starts (`prepare`):
 
 where the chat template appends the generation prompt (the opening of the assistant turn)
 after the conversation without a final assistant message (that message is the record's
-reference completion, `opd_jax.off_policy`),
+reference completion, `opd_jax.rollout.off_policy`),
 and bos is added when the tokenizer has one and the text does not already start with it
 (chat templates such as Llama 3's write it themselves).
 
@@ -42,7 +42,7 @@ _SHOWN = 5  # dropped records named in the log line
 
 def prompt_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """The conversation a chat record prompts with: its messages without a final "assistant"
-  message, which is the record's reference completion (`opd_jax.off_policy`), not prompt."""
+  message, which is the record's reference completion (`opd_jax.rollout.off_policy`), not prompt."""
   messages = list(messages)
   if messages and messages[-1].get("role") == "assistant":
     return messages[:-1]
@@ -142,7 +142,7 @@ def prepare(
 
   Args:
     source: a random-access sequence of records (`data.JsonlSource`, a list of dicts).
-    tokenizer: a `opd_jax.tokenizer` tokenizer.
+    tokenizer: a `opd_jax.model.tokenizer` tokenizer.
     max_tokens: the longest prompt kept as is, in ids with bos; 0 = no limit.
     overlong: what happens to longer prompts: one of `OVERLONG`.
     name: the source's name in messages; default its `path`.

@@ -1,6 +1,6 @@
 """The `Rollout`: what the rollout engine hands to the trainer.
 
-A `Rollout` is a pytree dataclass (`opd_jax.pytree`), so it crosses `jax.jit`, device
+A `Rollout` is a pytree dataclass (`flax.struct.dataclass`), so it crosses `jax.jit`, device
 transfers and the async double buffer as one value. All per-token arrays are aligned on the
 completion axis C: entry [b, c] describes the c-th generated token of sequence b.
 
@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from opd_jax.model import pytree
 from opd_jax.model.teacher_topk import TopKTeacher
 
 
@@ -61,7 +61,7 @@ class Sequences(NamedTuple):
   logit_index_bc: jax.Array
 
 
-@pytree.dataclass
+@struct.dataclass
 class Rollout:
   """A batch of sampled completions with everything the trainer needs.
 
@@ -93,12 +93,12 @@ class Rollout:
       (`rollout.score_teacher`), so the train step skips the teacher's forward
       pass; None otherwise.
     reward_b: f32 [B], the task's exact-match reward of each decoded completion (1 or 0),
-      when the rollout engine scored it for an RL loss (`opd_jax.rl`); None otherwise.
+      when the rollout engine scored it for an RL loss (`opd_jax.train.rl`); None otherwise.
     on_policy_b: int32 [B], 1 for a row the engine sampled, 0 for a row whose completion is
-      the prompt's reference (`opd_jax.off_policy`, train.on_policy_fraction < 1; its
+      the prompt's reference (`opd_jax.rollout.off_policy`, train.on_policy_fraction < 1; its
       log-probs are 0 and its `topk_*`/`support_ids` unspecified); None when every row was
       sampled.
-    teacher_topk: the sparse teacher (`opd_jax.teacher_topk.TopKTeacher`: top-k log-probs
+    teacher_topk: the sparse teacher (`opd_jax.model.teacher_topk.TopKTeacher`: top-k log-probs
       [B, C, k] at `teacher.temperature`, their ids, the tail bucket [B, C]) when the
       rollout engine scored the teacher with `train.teacher_top_k` = k > 0; it then
       carries this instead of `teacher_logits`. None otherwise.
@@ -121,7 +121,7 @@ class Rollout:
   reward_b: jax.Array | None = None
   on_policy_b: jax.Array | None = None
   teacher_topk: TopKTeacher | None = None
-  engine_id: str = pytree.static("")
+  engine_id: str = struct.field(pytree_node=False, default="")
 
   @property
   def batch_size(self) -> int:

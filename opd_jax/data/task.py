@@ -242,7 +242,7 @@ def encode_example(example, tokenizer, seq_len: int) -> dict[str, np.ndarray]:
 
   Args:
     example: an `Example` or a `TaskSource` item dict.
-    tokenizer: a `opd_jax.tokenizer` tokenizer.
+    tokenizer: a `opd_jax.model.tokenizer` tokenizer.
     seq_len: T; `TaskConfig.seq_len` fits every example of that config with the
       character tokenizer.
 
@@ -277,7 +277,7 @@ def encode_prompts(prompts, tokenizer, length: int) -> tuple[np.ndarray, np.ndar
   """Right-padded prompt tokens for the sampler, padded to the batch's own bucket.
 
   Row b is `[bos] prompt_b pad ...` for a text prompt (bos when the tokenizer has one), or
-  prompt_b itself when it is already token ids (`opd_jax.prompts` gives those, bos
+  prompt_b itself when it is already token ids (`opd_jax.data.prompts` gives those, bos
   included); decoding for row b starts at position lengths[b], overwriting the padding.
   The width is
 
@@ -291,7 +291,7 @@ def encode_prompts(prompts, tokenizer, length: int) -> tuple[np.ndarray, np.ndar
 
   Args:
     prompts: B prompts, each a string or a sequence of token ids.
-    tokenizer: a `opd_jax.tokenizer` tokenizer.
+    tokenizer: a `opd_jax.model.tokenizer` tokenizer.
     length: the widest a batch may be (`TaskConfig.max_prompt_tokens` fits the task; the
       longest prepared prompt for a file).
 

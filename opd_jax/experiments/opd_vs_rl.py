@@ -6,7 +6,7 @@ the reference engine and each mismatch setting, three methods from the same teac
 start and prompts (`configs/opd_vs_rl.py`):
 
     opd     the run config unchanged (the bf16_sync recipe, reverse_kl_full)
-    rl      REINFORCE on the task reward (`opd_jax.rl`), importance ratio 1
+    rl      REINFORCE on the task reward (`opd_jax.train.rl`), importance ratio 1
     rl_is   REINFORCE with the truncated ratio min(π_θ/π_b, C)
 
 and tabulates, per run: the final held-out accuracy, its drop against the same method's

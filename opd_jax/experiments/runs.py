@@ -10,9 +10,8 @@ midway resumes from its last checkpoint (the trainer's own resume). A result wri
 different configuration is refused rather than reused.
 
 `run_many(jobs, workers)` trains several runs, `workers` at a time in processes of their own,
-with the same numbers. One run of the study's config keeps 1.6 of 2 CPU cores busy, so on 2
-cores two side by side finish a sweep 1.18x sooner (`python -m opd_jax.bench.parallel_runs`);
-on more cores, more workers gain more.
+with the same numbers. One small run does not keep every core busy, so runs side by side
+finish a sweep sooner (`python -m opd_jax.bench.parallel_runs` measures by how much).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ Sampling math (f32), for temperature T > 0:
     y ~ π_b by inverse-CDF sampling with key fold_in(rng, step)
 
 T = 0 is greedy: y = argmax(logits) and π_b is the point mass on y, so the
-behaviour log-prob is 0 (see `rollout.py` for all log-prob conventions).
+behaviour log-prob is 0 (see `data.rollout_types` for all log-prob conventions).
 
 The kept set travels with the rollout (`Rollout.support_ids`) whenever a filter is
 on, so the trainer scores its student under the same filter (the "keep sampling
@@ -109,7 +109,7 @@ class SamplerConfig:
     kv: KV-cache numerics; None stores the cache in the params' compute dtype.
     return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
       with their tail mass, −1 the full behaviour distribution [B, C, V]
-      (`opd_jax.mismatch.default_return_topk(V)` picks one from the vocabulary size).
+      (`train.mismatch_metrics.default_return_topk(V)` picks one from the vocabulary size).
   """
 
   max_new_tokens: int

@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""Compilation settings for short commands that compile more than they run.
+
+`enable_compilation_cache(dir)` turns on jax's persistent XLA cache (`<workdir>/jax_cache`
+by default, `--compilation-cache`), so only the first check of a config on a machine
+compiles; `fast_compilation()` compiles without backend optimisation on CPU (about a third of
+the optimised compile time, the same KLs to ~1e-6 relative) when this XLA knows the flag.
+"""
 
 from __future__ import annotations
 

@@ -565,7 +565,7 @@ def _check_ids(generation: dict[str, Any], vocab_size: int) -> None:
 
 
 def token_ids(tokenizer) -> dict[str, int | None]:
-  """{bos,eos,pad}_token_id of an `opd_jax.tokenizer` tokenizer (bos may be None)."""
+  """{bos,eos,pad}_token_id of an `opd_jax.model.tokenizer` tokenizer (bos may be None)."""
   return {
     "bos_token_id": tokenizer.bos_id,
     "eos_token_id": tokenizer.eos_id,
@@ -700,7 +700,7 @@ def export_student(
     path: output directory (created if needed).
     cfg: the student's model config.
     params: its unquantized params (fully addressable from this process).
-    tokenizer: the run's `opd_jax.tokenizer` tokenizer.
+    tokenizer: the run's `opd_jax.model.tokenizer` tokenizer.
     tokenizer_dir: the Hugging Face tokenizer directory to copy; None takes the directory an
       `HFTokenizer` was loaded from (`load_tokenizer`); a `CharTokenizer` needs none.
     source_dir: the HF checkpoint the student started from (`config.student.

@@ -1,4 +1,14 @@
-"""TODO docstring."""
+"""A run's directory as other commands read it: its config fingerprint, its checkpoints and
+its export.
+
+- `run_fingerprint(config)`: every config value that shapes the trajectory (less
+  `RESUMABLE_KEYS`), stored in each checkpoint; `check_same_run` refuses to resume another
+  config's checkpoints.
+- `export_dir` and `EXPORT_RECORD`: a finished run writes its student as a Hugging Face
+  checkpoint with a record of the checkpoint step and config it holds.
+- `RunHistory`: the student at any checkpointed step of a run (`--params-from=RUN`), read from
+  the export when it holds that step (safetensors, no orbax import), else from orbax.
+"""
 
 from __future__ import annotations
 

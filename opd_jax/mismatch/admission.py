@@ -1,4 +1,84 @@
-"""TODO docstring."""
+"""The admission check: screen candidate rollout configurations against a calibrated budget.
+
+    python -m opd_jax.admit --config=... --budget=FILE --candidate=SPEC [--candidate=SPEC ...]
+
+This module owns the check's logic (docs/design.md, "Budget and admission"); `opd_jax.admit` only
+parses flags and calls `run_admission`. For each candidate, with no training:
+
+1. the candidate is a rollout configuration in the config's own terms, a comma-separated list
+   of `rollout.<key>=<value>` overrides applied to a copy of the run config and validated by
+   `config.check.validate` (so a misspelt key gets the same "did you mean" as `main`);
+2. `measure.measure` samples the N calibration prompts with the candidate's engine
+   T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
+   trainer's student θ (`measure_candidate`: the procedure the budget's records must be
+   measured with, so the study calls it too);
+3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons; the
+   measurement names the candidate's sources (`candidates.candidate_source`: "noise",
+   "stale+fp8_kv"), so a budget with per-source fits holds it to the strictest of their limits;
+   a measurement inside the band of its limit (the limit at the two ends of the bootstrap
+   intervals) is marked "too close" in the "call" column: only a full run can tell there;
+4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
+   appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
+
+The student is the one the trainer trains. `--params-from=RUN` restores the student of RUN's
+latest checkpoint (`RUN/checkpoints/<step>`, the trainer's orbax layout); without it the
+student is the one a run starts from: the HF checkpoint, or for the built-in task the
+warm-started student (`config.student.warmup_steps` supervised steps, seed + 7, as
+`train.setup.initial_state` does it; cached under `<workdir>/student_cache` by the first check, so
+later checks load it instead of training). The teacher is built as the trainer builds it
+(`train.setup.prepare_models`, its cache included) because the budget's fingerprint names it.
+
+Calibration prompts. The first N prompts of the built-in task's held-out split (disjoint from
+every training prompt by the task's prompt hash) drawn with seed `config.seed + 2`, a stream
+of its own (the trainer's evaluation uses `seed + 1`): fixed for a config, the same for every
+candidate and for the study that calibrates the budget (`calibration_prompts`). With
+`data.prompt_file` they are the file's first N prompts, which the training also visits: the
+check trains on nothing, so this does not bias the measurement, but they are not held out.
+Every candidate is measured with the same key (`measurement_key`), so candidates share their
+sampling uniforms and noise draws: differences between rows come from the configurations.
+
+Staleness. A stale engine samples with θ_{t−k} while the trainer scores with θ_t; its mismatch
+is set by what k training steps changed, which no single set of weights holds. The check
+measures it only from a training history: with `--params-from=RUN` whose checkpoints hold the
+latest step t and step t − k, the candidate's engine T(θ_{t−k}) samples and θ_t scores
+(`measure(..., trainer_params=θ_t)`). The lag k is `rollout.stale_k` (sync) or
+`rollout.max_lag` (async, the largest lag the bound lets through: the async loop trains on lags
+0…max_lag, so this measures its worst batches, not their average). Without such a pair the
+candidate is refused with a message naming the steps that are there and the settings that keep
+the needed checkpoints (`train.checkpoint_every=1`, `train.keep_checkpoints` ≥ k + 1). The
+mismatch of a stale engine depends on where in training it is measured (the update size shrinks
+with the learning-rate schedule and as the loss falls): a budget calibrated at one point says
+little about staleness at another.
+
+Agreement with training. With `--params-from=RUN`, a candidate whose rollout settings are the
+run's own (every rollout.* key equal) also gets the run's training-time `mismatch/kl` beside the
+check's value (`training_time_kl`: the per-lag `mismatch/kl/lag_<k>` at the candidate's lag k,
+else `mismatch/kl`; the mean over the last 10% of the logged steps and over all of them) and
+their ratio `check_over_training` (left out when the training value is below 1e-6, f32
+rounding). The check measures at one set of weights on N held-out prompts; training averages
+over the weights and prompts of many steps: the two agree when the mismatch changes little
+along training, which the ratio shows.
+
+Cost. A check is mostly XLA compilation. The command compiles without backend optimisation
+(`io.compile_cache.fast_compilation`: a third of the optimised compile time, the same KLs to
+~1e-6 relative), and keeps its compiled programs in `<workdir>/jax_cache`
+(`io.compile_cache.enable_compilation_cache`), so only the first check of a config on a machine
+compiles. The compiles run beside the Python work: each candidate's three programs are traced
+from the student's shapes and compiled on worker threads (`measure.start_compiling`) while this
+thread traces the next one and then reads the --params-from student
+(`io.run_history.RunHistory.params`: a finished run's last step from its export's safetensors,
+other steps from their orbax checkpoints, orbax being imported only then); XLA holds no Python
+lock while it compiles. The command ends without the interpreter's teardown
+(`cli.flags.exit_at_once`) once its outputs are closed. `python -m opd_jax.bench.admission_cost`
+reports the cost of a first and a later check as fractions of a training run of the same config.
+
+Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
+(the params the check scores with), the teacher, the quantization format, the backend and the
+jax versions. A mismatch refuses the check with one line per change (`budget_file.
+stale_reasons`) unless `force=True`, which still reports them. A budget calibrated on the
+warm-started student is stale for a `--params-from` student: its mismatch was measured at
+other weights.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +109,7 @@ from opd_jax.mismatch.candidates import (
   candidate_source,
   parse_candidate,
 )
-from opd_jax.rollout import sources as rollouts
+from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import setup as setup_lib
 
 # The FP8 numerics this codebase quantizes with (quant.py: e4m3fn values, f32 scales); a budget
@@ -88,7 +168,7 @@ def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompt
 
 def measurement_key(config):
   """The key every candidate is measured with (and the study's records): key(config.seed)."""
-  return rollouts.host_key(config.seed)
+  return rollout_worker.host_key(config.seed)
 
 
 def current_fingerprint(setup: setup_lib.Setup, student_params) -> dict:
@@ -462,7 +542,7 @@ TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logg
 
 
 def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_FRACTION):
-  """The run's training-time `mismatch/kl` (item 2 of the budget issue: does the check's
+  """The run's training-time `mismatch/kl` (to answer: does the check's
   pre-training measurement agree with what training logged for the same configuration?).
 
   Reads `run_dir/metrics.jsonl`: the per-lag breakdown `mismatch/kl/lag_<lag>` (the trainer

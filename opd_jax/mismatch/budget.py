@@ -1,6 +1,6 @@
 """The mismatch budget: a monotone fit of quality drop against `mismatch/kl`, and admission.
 
-This module owns the pure half of budget and admission (DESIGN.md, "Budget and admission"):
+This module owns the pure half of budget and admission (docs/design.md, "Budget and admission"):
 `fit_budget` turns calibration records into a `Budget`, and `admit` screens one measured rollout
 configuration against it. Neither does I/O, reads a clock or touches global state: the bootstrap
 draws from a numpy Generator seeded from an argument (default `SEED`), so the same records give
@@ -13,7 +13,7 @@ A calibration record is a mapping with at least
 
   "source"        what was perturbed (str), e.g. "noise", "fp8", "stale", "kv";
   "mismatch/kl"   the mismatch the admission check measures for that configuration, in nats
-                  per completion token (DESIGN.md: "the x-axis is what the check measures");
+                  per completion token (docs/design.md: "the x-axis is what the check measures");
   "quality_drop"  reference quality minus the run's quality, in the quality's own units
                   (bigger is worse; may be negative within the seed-to-seed noise).
 
@@ -80,7 +80,7 @@ required to rest on more than one run: with `min_crossing_records` = c > 1, a so
 crosses τ ("none" or "below") on fewer than c of its own records (those at the kl values where
 its fit is over τ) is censored "unconfirmed" and takes the overall limit, L_s = max_kl. One
 500-step run's drop has a seed sd of 2-4 points on the embedded task against τ of 4-7, so about
-one harmless setting in twelve crosses τ on one run; the study's round 5 set the FP8 limits at
+one harmless setting in twelve crosses τ on one run; with c = 1 the FP8 limits can be set by
 two such runs (docs/study/round5). A measurement that names
 its sources ("source": "noise+stale", as the study's settings do) is held to the strictest of
 them, min_s L_s, with the overall max_kl for a source that has no fit of its own.

@@ -2,8 +2,8 @@
 
 This module owns the I/O half of the budget (the fit itself is pure, in `budget.py`): writing and
 reading the file, fingerprinting a student/teacher/engine setup, and saying what changed when a
-saved fingerprint no longer matches (a stale budget must be recalibrated; DESIGN.md, "Budget and
-admission").
+saved fingerprint no longer matches (a stale budget must be recalibrated; docs/design.md,
+"Budget and admission").
 
 File schema (version 1), one JSON object:
 

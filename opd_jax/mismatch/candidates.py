@@ -1,4 +1,11 @@
-"""TODO docstring."""
+"""Candidates: rollout configurations named in the config's own terms, and their sources.
+
+A candidate is a comma-separated list of `rollout.<key>=<value>` overrides
+(`--candidate=rollout.weights=fp8,rollout.kv_cache=fp8`), applied to a copy of the run config
+and validated like any config (`parse_candidate`), so a misspelt key gets the same "did you
+mean" as `main`. Its mismatch sources (`candidate_source`, `source_parts`: "noise",
+"stale+fp8_kv") decide which of a budget's per-source limits it is held to.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
 from opd_jax.config import check as config_check
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.train import setup as setup_lib
 
@@ -55,7 +62,7 @@ class Candidate:
   spec: str
   overrides: dict[str, Any]
   config: ml_collections.ConfigDict
-  engine_cfg: engine.EngineConfig
+  engine_cfg: transform.EngineConfig
   lag: int
 
   @property

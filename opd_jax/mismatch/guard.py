@@ -28,7 +28,7 @@ A step is *over budget* when ema_n > limit; `budget.patience` counts consecutive
 (one step within budget resets it to 0), and the action fires when the count reaches patience.
 α = 0.9 averages over about 10 steps; α = 0 compares the per-step value. The bias correction keeps
 the first steps from being pulled towards 0. The logged `budget/margin` is the per-step limit −
-mismatch/kl (the quantity the issue names); `budget/margin_smoothed` is the one the decision uses.
+mismatch/kl (headroom under the limit); `budget/margin_smoothed` is the one the decision uses.
 After a switch the average and the count start again, since the new engine has another mismatch.
 Only the whole-model threshold is checked: training logs no per-layer mismatch, so the budget's
 per-layer thresholds stay with the admission check.

@@ -1,10 +1,10 @@
 """One mismatch measurement of a rollout configuration, outside training.
 
 This is the procedure that the layer-sensitivity scan, the prefix-shift study and the
-admission check share (DESIGN.md, "Admission check", steps 1–3), so that their numbers
+admission check share (docs/design.md, "Admission check", steps 1–3), so that their numbers
 sit on one scale:
 
-1. params_r = T(θ) (`engine.engine_params`: bf16 cast, fp8 recipe, weight noise,
+1. params_r = T(θ) (`transform.engine_params`: bf16 cast, fp8 recipe, weight noise,
    kernel variant) and the KV numerics `engine_cfg.kv`; sample the given prompts with
    `sampler.sample`, returning the behaviour distribution π_b
    (`mismatch.default_return_topk(V)` unless the caller chose one).
@@ -16,7 +16,7 @@ sit on one scale:
    counted completion token, plus their tails.
 
 Keys. `rng` is split by name exactly as the trainer's rollout engine splits the run key
-(`rollouts.RolloutEngine`): the sampling key is fold_in(stream "rollout/sample", 0) and
+(`rollout_worker.RolloutWorker`): the sampling key is fold_in(stream "rollout/sample", 0) and
 the weight-noise key fold_in(stream "rollout/noise", 0). Two measurements with the same
 `rng` therefore share their random numbers: the same uniforms drive the inverse-CDF
 sampling of both engines (what the first-divergence statistic of `prefix_shift` needs),
@@ -44,10 +44,9 @@ import jax
 import numpy as np
 
 from opd_jax.data.rollout_types import Rollout
-from opd_jax.inference import sampler, teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout.sources import named_stream
+from opd_jax.rollout.worker import named_stream
 from opd_jax.train import mismatch_metrics as mismatch
 from opd_jax.train import train_step
 
@@ -64,15 +63,15 @@ def engine_keys(rng) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def engine_inputs(params, engine_cfg: engine.EngineConfig, rng):
+def engine_inputs(params, engine_cfg: transform.EngineConfig, rng):
   """(params_r = T(θ) drawn with the noise key, the sampling key): `engine_keys` and
-  `engine.engine_params` as one program, one compilation per engine configuration."""
+  `transform.engine_params` as one program, one compilation per engine configuration."""
   sample_key, noise_key = engine_keys(rng)
-  return engine.engine_params(params, engine_cfg, noise_key), sample_key
+  return transform.engine_params(params, engine_cfg, noise_key), sample_key
 
 
 def engine_sampler_config(
-  engine_cfg: engine.EngineConfig, sampler_cfg: sampler.SamplerConfig, vocab_size: int
+  engine_cfg: transform.EngineConfig, sampler_cfg: sampler.SamplerConfig, vocab_size: int
 ) -> sampler.SamplerConfig:
   """`sampler_cfg` with the engine's KV numerics and, when it returns none, the behaviour
   distribution the KL needs (`mismatch.default_return_topk(vocab_size)`)."""
@@ -83,7 +82,7 @@ def engine_sampler_config(
 def engine_rollout(
   student_params,
   student_cfg: ModelConfig,
-  engine_cfg: engine.EngineConfig,
+  engine_cfg: transform.EngineConfig,
   prompts,
   rng,
   sampler_cfg: sampler.SamplerConfig,
@@ -178,7 +177,7 @@ class Compiling:
 def start_compiling(
   student_params,
   student_cfg: ModelConfig,
-  engine_cfg: engine.EngineConfig,
+  engine_cfg: transform.EngineConfig,
   prompts,
   rng,
   sampler_cfg: sampler.SamplerConfig,
@@ -226,7 +225,7 @@ def start_compiling(
 def measure(
   student_params,
   student_cfg: ModelConfig,
-  engine_cfg: engine.EngineConfig,
+  engine_cfg: transform.EngineConfig,
   prompts,
   rng,
   sampler_cfg: sampler.SamplerConfig,
@@ -247,7 +246,7 @@ def measure(
   Args:
     student_params: the dense params θ_v the engine samples from.
     student_cfg: the student's ModelConfig.
-    engine_cfg: the candidate rollout configuration (`engine.EngineConfig`).
+    engine_cfg: the candidate rollout configuration (`transform.EngineConfig`).
     prompts: a list of token-id lists or a (tokens [B, P], lens [B]) pair.
     rng: a PRNG key; the same key gives the same measurement (module docstring).
     sampler_cfg: the sampling settings (temperature, top-k/top-p, max_new_tokens, stop
@@ -263,8 +262,10 @@ def measure(
     cached), "measure/run_seconds" (the engine transform, decoding and scoring),
     "measure/seconds" (wall time), and "engine_id" (a str).
   """
-  if not isinstance(engine_cfg, engine.EngineConfig):
-    raise ValueError(f"engine_cfg must be an engine.EngineConfig, got {type(engine_cfg).__name__}")
+  if not isinstance(engine_cfg, transform.EngineConfig):
+    raise ValueError(
+      f"engine_cfg must be a transform.EngineConfig, got {type(engine_cfg).__name__}"
+    )
   if not isinstance(sampler_cfg, sampler.SamplerConfig):
     raise ValueError(f"sampler_cfg must be a sampler.SamplerConfig, got {type(sampler_cfg)}")
   if trainer_params is None:

@@ -52,8 +52,7 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.data.rollout_types import Rollout
-from opd_jax.inference import teacher_forcing
-from opd_jax.inference import transform as engine
+from opd_jax.inference import teacher_forcing, transform
 from opd_jax.mismatch import admission, sensitivity
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch import measure as measure_lib
@@ -93,7 +92,7 @@ def engine_logits(params_r, rollout: Rollout, cfg: ModelConfig, spec: KVCacheSpe
   sampler's prefill calibrates it.
 
   Args:
-    params_r: the engine's weights (`engine.engine_params`, kernel marker included).
+    params_r: the engine's weights (`transform.engine_params`, kernel marker included).
     rollout: the prefixes to score.
     cfg: the model config (static).
     spec: the engine's KV numerics (static).
@@ -167,7 +166,7 @@ def check_sampling(sampler_cfg, vocab_size: int) -> None:
 
 
 def prefix_shift(
-  student_params, cfg: ModelConfig, engine_cfg: engine.EngineConfig, prompts, rng, sampler_cfg
+  student_params, cfg: ModelConfig, engine_cfg: transform.EngineConfig, prompts, rng, sampler_cfg
 ) -> dict:
   """The module docstring's figures for one perturbed engine.
 
@@ -276,7 +275,7 @@ def source_specs(source: str) -> list[tuple[str, str]]:
   )
 
 
-def source_engine(spec: str, config: ml_collections.ConfigDict) -> engine.EngineConfig:
+def source_engine(spec: str, config: ml_collections.ConfigDict) -> transform.EngineConfig:
   """The engine of a candidate spec applied to `config` with its engine reset to the
   reference (`REFERENCE_ROLLOUT`); refuses specs that change sampling or staleness."""
   base = ml_collections.ConfigDict(config.to_dict())

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from opd_jax.config import check as config_check
-from opd_jax.inference import transform as engine
+from opd_jax.inference import transform
 from opd_jax.io import build, run_history
 from opd_jax.mismatch import admission
 from opd_jax.mismatch import measure as measure_lib
@@ -69,7 +69,7 @@ class ScanSettings:
   Attributes:
     sources: a subset of SOURCES.
     layers: decoder layers to scan; () = all.
-    modules: module types for the noise-by-module rows (`engine.NOISE_MODULES` or groups);
+    modules: module types for the noise-by-module rows (`transform.NOISE_MODULES` or groups);
       () = every type the model has; None = no module rows.
     noise_sigma: σ of the noise rows.
     weight_block_size: FP8 weight scales, None per channel, else the block edge.
@@ -94,7 +94,7 @@ class ScanSettings:
         f"unknown kv_granularity {self.kv_granularity!r}; allowed: {', '.join(KV_GRANULARITIES)}"
       )
     if self.modules:
-      engine.expand_modules(self.modules)  # names the unknown module
+      transform.expand_modules(self.modules)  # names the unknown module
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers):
       raise ValueError(f"layers must be non-negative ints, got {self.layers!r}")
 
@@ -111,25 +111,25 @@ class ScanSettings:
     """The module types of the noise-by-module rows that exist in this model."""
     if self.modules is None or "noise" not in self.sources:
       return ()
-    present = [m for m in engine.NOISE_MODULES if m != "lm_head" or not cfg.tie_word_embeddings]
+    present = [m for m in transform.NOISE_MODULES if m != "lm_head" or not cfg.tie_word_embeddings]
     if not self.modules:
       return tuple(present)
-    chosen = engine.expand_modules(self.modules)
+    chosen = transform.expand_modules(self.modules)
     missing = [m for m in chosen if m not in present]
     if missing:
       raise ValueError(f"module {missing[0]!r} is not in this model (tied embeddings)")
     return chosen
 
 
-def reference_engine(compute_dtype: str) -> engine.EngineConfig:
+def reference_engine(compute_dtype: str) -> transform.EngineConfig:
   """The unperturbed engine: the trainer's weights, KV cache in the compute dtype."""
-  return engine.EngineConfig(kv=KVCacheSpec(dtype=compute_dtype))
+  return transform.EngineConfig(kv=KVCacheSpec(dtype=compute_dtype))
 
 
-def fp8_recipe_engine(kept: Sequence[int], settings: ScanSettings) -> engine.EngineConfig:
+def fp8_recipe_engine(kept: Sequence[int], settings: ScanSettings) -> transform.EngineConfig:
   """FP8 weights and FP8 KV everywhere except the `kept` layers."""
   kept = tuple(sorted(kept))
-  return engine.EngineConfig(
+  return transform.EngineConfig(
     weights="fp8",
     weight_block_size=settings.weight_block_size,
     bf16_layers=kept,
@@ -139,7 +139,7 @@ def fp8_recipe_engine(kept: Sequence[int], settings: ScanSettings) -> engine.Eng
 
 def scan_engines(
   cfg: ModelConfig, settings: ScanSettings, compute_dtype: str
-) -> list[tuple[dict, engine.EngineConfig]]:
+) -> list[tuple[dict, transform.EngineConfig]]:
   """(row label, engine) for every row of the scan (module docstring), in measuring order."""
   num_layers = cfg.num_layers
   layers = settings.scanned_layers(num_layers)
@@ -154,25 +154,25 @@ def scan_engines(
 
   if "fp8_weights" in settings.sources:
     block = settings.weight_block_size
-    out.append((label("fp8_weights", "all"), engine.EngineConfig("fp8", block, (), kv=ref_kv)))
+    out.append((label("fp8_weights", "all"), transform.EngineConfig("fp8", block, (), kv=ref_kv)))
     for i in layers:
-      ecfg = engine.EngineConfig("fp8", block, others(i), kv=ref_kv)
+      ecfg = transform.EngineConfig("fp8", block, others(i), kv=ref_kv)
       out.append((label("fp8_weights", f"layer {i}", layer=i), ecfg))
   if "fp8_kv" in settings.sources:
     gran = settings.kv_granularity
-    out.append((label("fp8_kv", "bf16"), engine.EngineConfig(kv=KVCacheSpec("bfloat16"))))
-    out.append((label("fp8_kv", "all"), engine.EngineConfig(kv=KVCacheSpec(FP8, gran))))
+    out.append((label("fp8_kv", "bf16"), transform.EngineConfig(kv=KVCacheSpec("bfloat16"))))
+    out.append((label("fp8_kv", "all"), transform.EngineConfig(kv=KVCacheSpec(FP8, gran))))
     for i in layers:
-      ecfg = engine.EngineConfig(kv=KVCacheSpec(FP8, gran, bf16_layers=others(i)))
+      ecfg = transform.EngineConfig(kv=KVCacheSpec(FP8, gran, bf16_layers=others(i)))
       out.append((label("fp8_kv", f"layer {i}", layer=i), ecfg))
   if "noise" in settings.sources:
     sigma = settings.noise_sigma
-    out.append((label("noise", "all"), engine.EngineConfig(noise_sigma=sigma, kv=ref_kv)))
+    out.append((label("noise", "all"), transform.EngineConfig(noise_sigma=sigma, kv=ref_kv)))
     for i in layers:
-      ecfg = engine.EngineConfig(noise_sigma=sigma, noise_layers=(i,), kv=ref_kv)
+      ecfg = transform.EngineConfig(noise_sigma=sigma, noise_layers=(i,), kv=ref_kv)
       out.append((label("noise", f"layer {i}", layer=i), ecfg))
     for m in settings.scanned_modules(cfg):
-      ecfg = engine.EngineConfig(noise_sigma=sigma, noise_modules=(m,), kv=ref_kv)
+      ecfg = transform.EngineConfig(noise_sigma=sigma, noise_modules=(m,), kv=ref_kv)
       out.append((label("noise", f"module {m}", module=m), ecfg))
   return out
 

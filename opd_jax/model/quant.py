@@ -96,8 +96,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from opd_jax.model import pytree
+from flax import struct
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
@@ -157,7 +156,7 @@ def _expand_scale(scale, block_size: int | None, rows: int, cols: int) -> jax.Ar
   return full[:rows, :cols]
 
 
-@pytree.dataclass
+@struct.dataclass
 class QArray:
   """An fp8 weight with scales: W ≈ f32(value) · expand(scale).
 
@@ -174,9 +173,9 @@ class QArray:
 
   value: jax.Array
   scale: jax.Array
-  num_in_axes: int = pytree.static(1)
-  block_size: int | None = pytree.static(None)
-  native_fp8: bool = pytree.static(False)
+  num_in_axes: int = struct.field(pytree_node=False, default=1)
+  block_size: int | None = struct.field(pytree_node=False, default=None)
+  native_fp8: bool = struct.field(pytree_node=False, default=False)
 
   @property
   def shape(self):

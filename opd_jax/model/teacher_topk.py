@@ -13,7 +13,7 @@ token dominate the memory and transfer of a distillation step. `train.teacher_to
 i.e. k + 1 bins ("top-k + tail", as TRL's and slime's users store the teacher). The
 student is projected onto the same bins (`project`): its probabilities at the
 teacher's k ids, and the rest summed into its tail. The losses on these bins live in
-`opd_jax.losses` (`forward_kl_topk`, `reverse_kl_topk`, `jsd_topk`,
+`opd_jax.train.losses` (`forward_kl_topk`, `reverse_kl_topk`, `jsd_topk`,
 `reverse_kl_sampled_topk`); k = 0 keeps the full-vocabulary losses, the exact reference.
 
 Teacher temperature (`teacher.temperature` = τ_T): π_T = softmax(z_T / τ_T), applied to
@@ -25,7 +25,7 @@ softmax(z_T / τ_T), i.e. z_θ ≈ z_T · T_r / τ_T up to a constant: the stude
 T = 1 learns the teacher at temperature τ_T / T_r. The default τ_T = 1 matches the student
 at T_r to the teacher at T = 1; τ_T = T_r matches the two at T = 1 (what a student deployed
 at T = 1 wants when sampling rollouts at T_r ≠ 1). Greedy rollouts (T_r = 0) score the
-student at T = 1 and the teacher at τ_T. Held-out `quality/*` (`opd_jax.evaluate`) still
+student at T = 1 and the teacher at τ_T. Held-out `quality/*` (`opd_jax.train.evaluate`) still
 compares with the teacher at T = 1.
 
 The sampled loss needs log π_T(y) of any token y (`token_logprobs`): for y ∈ S it is the
@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from opd_jax.model import pytree
 
-
-@pytree.dataclass
+@struct.dataclass
 class TopKTeacher:
   """The teacher at every completion position as its top-k bins plus a tail.
 
@@ -60,7 +59,7 @@ class TopKTeacher:
   ids_bck: jax.Array
   tail_bc: jax.Array
   tail_count_bc: jax.Array
-  temperature: float = pytree.static(1.0)
+  temperature: float = struct.field(pytree_node=False, default=1.0)
 
   @property
   def k(self) -> int:

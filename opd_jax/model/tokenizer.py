@@ -20,7 +20,7 @@ sizes).
 
 Two implementations:
 - `CharTokenizer`: the built-in character tokenizer for the synthetic task
-  (`opd_jax.task`). Needs no files.
+  (`opd_jax.data.task`). Needs no files.
 - `HFTokenizer`: wraps a local Hugging Face tokenizer directory, loaded offline.
 """
 

@@ -166,7 +166,7 @@ class Mix:
 
   def references(self, batch: Mapping[str, Any]) -> References:
     """This process's rows of `batch`, gathered over processes and repeated n times: the
-    global [B·n, C] layout of `RolloutEngine.draw_prompts`."""
+    global [B·n, C] layout of `RolloutWorker.draw_prompts`."""
     refs = encode_references(batch, self._tokenizer, self._width)
     tokens_bc, mask_bc = refs.tokens_bc, refs.mask_bc
     if jax.process_count() > 1:

@@ -29,7 +29,7 @@ The metrics:
                                  quality/relative_accuracy = student / teacher.
     quality/<who>_score        = the user's held-out set: the mean over records with an
                                  "answer" of scorer(prompt, decode(y), answer), the scorer
-                                 `data.eval_metric` names (`opd_jax.scoring`: exact_match,
+                                 `data.eval_metric` names (`opd_jax.data.scoring`: exact_match,
                                  or "package.module:function"), and quality/relative_score.
                                  Absent when no record has an answer or the metric is none.
 

@@ -1,7 +1,7 @@
 """Exporting a training run's student as a Hugging Face checkpoint (`python -m opd_jax.export`).
 
 `export_run(workdir, out, step)` restores the student params of the run's orbax checkpoint at
-`step` (default: the latest) as `opd_jax.mismatch.admission.RunHistory` restores them, and
+`step` (default: the latest) as `io.run_history.RunHistory` restores them, and
 writes `out` with `export_student`, as a finished run exports itself: model.safetensors,
 config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer (the run's
 Hugging Face tokenizer files copied, or the built-in character tokenizer as a `transformers`
@@ -46,7 +46,7 @@ from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
 
 CHECKPOINTS = "checkpoints"  # <workdir>/checkpoints: the trainer's orbax checkpoints
-BASE_CONFIG = pathlib.Path(__file__).resolve().parent.parent / "configs" / "base.py"
+BASE_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "base.py"
 
 
 def run_steps(workdir: str) -> list[int]:

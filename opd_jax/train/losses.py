@@ -21,7 +21,7 @@ The losses:
   and `reverse_kl_full` at β=1.
 
 With a sparse teacher (`train.teacher_top_k` = k > 0: the teacher's top-k log-probs plus a
-tail bucket, `opd_jax.teacher_topk`), `forward_kl_topk`, `reverse_kl_topk`, `jsd_topk` and
+tail bucket, `opd_jax.model.teacher_topk`), `forward_kl_topk`, `reverse_kl_topk`, `jsd_topk` and
 `reverse_kl_sampled_topk` compute the same divergences between the teacher and the student
 both coarse-grained onto those k + 1 bins (≤ the full divergence; equal at k = V).
 
@@ -460,7 +460,7 @@ def _generalized_jsd(student_lp, teacher_lp, beta: float):
 
 
 # ---------------------------------------------------------------------------------------------
-# Sparse teacher (`train.teacher_top_k` = k > 0, `opd_jax.teacher_topk`).
+# Sparse teacher (`train.teacher_top_k` = k > 0, `opd_jax.model.teacher_topk`).
 #
 # The teacher is known only on k + 1 bins per position: its k most likely tokens S and one
 # tail bucket (S's complement). The student is projected on the same bins (`teacher_topk.

@@ -1,6 +1,6 @@
 """The per-step mismatch measurement: `mismatch/*` from the student's logits and a rollout.
 
-Notation (DESIGN.md, "The common mismatch scale"): π_b is the distribution the
+Notation (docs/design.md, "The common mismatch scale"): π_b is the distribution the
 rollout engine sampled from, π_θ the trainer's student at its current parameters
 under the same temperature and the same top-k/top-p transform (the engine's kept
 set replayed, `train_step.student_policy_logits`), both on the rollout's prefixes.

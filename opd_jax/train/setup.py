@@ -1,4 +1,19 @@
-"""TODO docstring."""
+"""A run's setup, from a validated config to the objects the loop and the checks use.
+
+- config → typed settings, done once: `task_config`, `engine_config` (the rollout engine's
+  T(θ)), `sampler_config`, `loss_config`;
+- the prompt stream: `prompt_source`, `process_prompt_batches` (each process its own rows),
+  `prompt_width`;
+- the models: `prepare_models` (mesh, tokenizer, student, the teacher from its cache or its
+  bootstrap, the held-out set) → `Setup`; `warm_started_student` (the built-in student's
+  supervised warm start, cached);
+- the train state: `initial_state` (fresh, or resumed from the workdir's latest checkpoint
+  after `io.run_history.check_same_run`), `schedule_length` (what a resumed run does with
+  another `train.steps`), `run_seed`.
+
+The admission check, the sensitivity scan, the prefix-shift measurement and the export build
+their models with these same functions, so that what they score is what the trainer trains.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +25,11 @@ import numpy as np
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts, task
-from opd_jax.inference import sampler
-from opd_jax.inference import transform as engine
+from opd_jax.inference import sampler, transform
 from opd_jax.io import build
 from opd_jax.io.run_history import check_same_run, run_fingerprint
 from opd_jax.model import kvcache
-from opd_jax.rollout import sources as rollouts_lib
+from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, pretrain, train_step
 from opd_jax.train import mismatch_metrics as mismatch
 
@@ -24,7 +38,7 @@ def task_config(config) -> task.TaskConfig:
   return task.TaskConfig(num_operands=config.data.num_operands, max_operand=config.data.max_operand)
 
 
-def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
+def engine_config(config, compute_dtype: str) -> transform.EngineConfig:
   """The rollout configuration named by `config.rollout`.
 
   `kv_cache=auto` stores the cache in the engine's compute dtype: bf16 for
@@ -34,7 +48,7 @@ def engine_config(config, compute_dtype: str) -> engine.EngineConfig:
   r = config.rollout
   engine_dtype = "bfloat16" if r.weights == "bf16" else compute_dtype
   kv_dtype = {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[r.kv_cache]
-  return engine.EngineConfig(
+  return transform.EngineConfig(
     weights=r.weights,
     weight_block_size=r.weight_block_size or None,
     bf16_layers=tuple(r.bf16_layers),
@@ -91,7 +105,7 @@ def process_prompt_batches(source, batch_size: int, seed: int):
 
   Every process reads the same global batches (`batch_size` prompts, shuffled by `seed`) and
   keeps the contiguous rows [i·b, (i+1)·b), b = batch_size / n, for process i of n. Gathered
-  in process order (`RolloutEngine.draw_prompts`), the slices are the one-process batch row
+  in process order (`RolloutWorker.draw_prompts`), the slices are the one-process batch row
   for row, so each prompt meets the same sampling key however many processes share the run:
   2 processes x 4 devices reproduce 1 x 8 (tests/test_launch.py). The iterator state (what a
   checkpoint stores) is the global batch position, the same on every process.
@@ -333,7 +347,7 @@ def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
     )
-  rollouts_lib.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
+  rollout_worker.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
   rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
   if rows % (config.train.microbatches * batch_devices):
     raise ValueError(

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing
-from opd_jax.model import pytree, teacher_topk
+from opd_jax.model import teacher_topk
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import off_policy
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
   import optax
 
 
-@pytree.dataclass
+@struct.dataclass
 class TrainState:
   """params: student pytree; opt_state: optax state; step: int32 []; rng: uint32 key data."""
 
@@ -99,7 +100,7 @@ class LossConfig:
   """Static choice of the OPD loss (hashable: a jit static argument)."""
 
   name: str = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
-  # (or reinforce: the RL baseline on the task reward, opd_jax.rl)
+  # (or reinforce: the RL baseline on the task reward, opd_jax.train.rl)
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
   advantage_clip: float | None = None  # reverse_kl_sampled: clip A_t to [-c, c]; None = off
   advantage_baseline: str = "none"  # reverse_kl_sampled: none | batch_mean
@@ -155,7 +156,7 @@ def student_policy_logits(logits_bcv, rollout: Rollout):
 
   Positions outside the completion mask keep the unfiltered logits, so padding
   (whose token need not lie in the kept set) can never produce -inf log-probs; so do the
-  rows whose completion is a reference (`Rollout.on_policy_b` 0, `opd_jax.off_policy`),
+  rows whose completion is a reference (`Rollout.on_policy_b` 0, `opd_jax.rollout.off_policy`),
   which no engine sampled, so K_b says nothing about them.
 
   Args:
@@ -243,7 +244,7 @@ def opd_loss(
   π_θ is `student_policy_logits` of the student at the sampler's temperature (the
   teacher at its own `teacher_temperature` τ_T, unfiltered, full or top-k + tail:
   `teacher_scores`). The metrics include `mismatch/*`
-  (`opd_jax.mismatch.mismatch_metrics`) computed from the same stop-gradient
+  (`train.mismatch_metrics.mismatch_metrics`) computed from the same stop-gradient
   student logits: no second forward pass. Greedy rollouts (temperature 0) train
   the student at T = 1 and measure mismatch against the replayed point mass.
   A rollout that carries `teacher_logits` (scored by the rollout engine) skips the
@@ -522,7 +523,7 @@ def combine_microbatch_metrics(metrics_k: dict, w_k, sampled_w_k=None) -> dict:
   sums; `*_max` takes the max; `per_token/*` go back to the batch's row order [B, C].
   Quantiles (`*_p95`) cannot be combined exactly: they read the token-weighted mean of
   the micro-batches' quantiles. `sampled_w_k` (the micro-batches' shares of the sampled
-  tokens, when some rows are references: `opd_jax.off_policy`) weights `mismatch/*`, which
+  tokens, when some rows are references: `opd_jax.rollout.off_policy`) weights `mismatch/*`, which
   average over sampled tokens only.
   """
   out = {}

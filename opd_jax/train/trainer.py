@@ -1,4 +1,25 @@
-"""TODO docstring."""
+"""The OPD training loop: `run(config, workdir, step_hook=None)`.
+
+    for step: rollout = next(rollouts)             # engine weights T(θ_v), version v
+              state, m = train_step(state, teacher, rollout)
+              rollouts.publish(state.params, step + 1)
+              log / evaluate / checkpoint
+
+`rollouts` is a rollout source (`rollout.sources`: `SyncRollouts` or `AsyncRollouts`, by
+`rollout.mode`); the loop is the same for both (see `rollout.sources` for the weight-version
+semantics). The models, the warm start and the resume come from `train.setup`; a step hook
+(`train.hooks`), such as the live budget guard, is handed in, never imported.
+
+Held-out evaluation (`Evaluator`, `train.evaluate`) runs at the start, every
+`train.eval_every` steps and at the end, on the set `preflight.check` chose (`evaluate.plan`):
+`data.eval_file`, else a held-out slice of `data.prompt_file` (never trained on), else the
+built-in task's split when the task is trained. `train.eval_every=0` runs no evaluation (no
+greedy decodes), and the run's summary then has no quality fields. Everything written
+(TensorBoard, metrics.jsonl, checkpoints' JSON) comes from process 0 only.
+
+SIGTERM and SIGINT stop the run at the next step boundary: it saves a checkpoint, stops the
+rollout producer and returns (a second SIGINT interrupts at once). The same command resumes.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +42,7 @@ from opd_jax.io import build, metrics_writer
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
 from opd_jax.rollout import sources as rollouts_lib
+from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, hooks, preflight, rl, train_step
 from opd_jax.train.export import export_student
 from opd_jax.train.setup import (
@@ -180,7 +202,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.real_vocab_size)
   train_step.check_rollout_loss(scfg, loss_config(config))
   teacher_topk.check_top_k(config.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
-  engine_ = rollouts_lib.RolloutEngine(
+  worker = rollout_worker.RolloutWorker(
     prompt_iter,
     m.tokenizer,
     width,
@@ -191,16 +213,16 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     m.mesh,
     teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
     score_rewards=rl.needs_reward(config.train.loss),
-    rollout_mesh=rollouts_lib.rollout_mesh(config, m.mesh),
+    rollout_mesh=rollout_worker.rollout_mesh(config, m.mesh),
     samples_per_prompt=r.samples_per_prompt,
     on_policy_fraction=config.train.on_policy_fraction,
     teacher_top_k=config.train.teacher_top_k,
     teacher_temperature=config.teacher.temperature,
   )
   if r.mode == "sync":
-    return rollouts_lib.SyncRollouts(engine_, first_batch=next_batch, stale_k=r.stale_k)
+    return rollouts_lib.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
   return rollouts_lib.AsyncRollouts(
-    engine_,
+    worker,
     max_lag=r.max_lag,
     stale_policy=r.stale_policy,
     max_ahead=None if r.max_ahead < 0 else r.max_ahead,

@@ -22,12 +22,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import tempfile
 from typing import Any
 
-import pytest
+# One persistent XLA compilation cache for the whole test session, its xdist workers and every
+# subprocess they start (set before jax is imported, which reads these at import). The suite
+# builds the same tiny programs again and again (each trainer run jits anew); a program
+# compiled once is then loaded, not recompiled. A cached executable is the one XLA compiled, so
+# results are bit for bit those of a fresh compile. The directory is new for every pytest run.
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(
+  os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+)
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"opd_jax_tests_{_RUN_ID}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-from opd_jax.model.config import ModelConfig
+import pytest  # noqa: E402
+
+from opd_jax.model.config import ModelConfig  # noqa: E402
 
 # Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
 # several RoPE frequencies, and two layers.

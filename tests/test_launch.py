@@ -251,7 +251,8 @@ COMPARED = (
 
 @pytest.mark.slow
 def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
-  """Same curve from 2 processes x 4 CPU devices as from 1 x 8, and only process 0 writes."""
+  """launch/local_multiprocess.sh end to end: the same curve from 2 processes x 4 CPU devices
+  as from 1 x 8, only process 0 writes, and the checkpoints are those of the one-process run."""
   teacher_cache = tmp_path / "teacher_cache"
   flags = ["--config=bf16_sync.py:tiny", f"--config.teacher.cache_dir={teacher_cache}"]
   one, two = tmp_path / "one", tmp_path / "two"
@@ -277,6 +278,8 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
   a, b = _jsonl_rows(one), _jsonl_rows(two)
   assert [sorted(row) for row in b] == [sorted(row) for row in a]
   assert len(list((two / "tb").glob("events.out.tfevents.*"))) == 1
+  for run in (one, two):
+    assert sorted(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit()) == [3, 6]
 
   compared = 0
   for row_a, row_b in zip(a, b, strict=True):

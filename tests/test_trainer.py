@@ -292,34 +292,6 @@ def test_sigkill_then_resume_matches_uninterrupted_run(teacher_cache, tmp_path):
   assert json.loads((killed / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 8
 
 
-@pytest.mark.slow
-def test_two_process_launch_runs_end_to_end(teacher_cache, tmp_path):
-  """launch/local_multiprocess.sh: two CPU processes, one data shard each, one job."""
-  env = dict(os.environ)
-  env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-  workdir = tmp_path / "mp"
-  proc = subprocess.run(
-    [
-      "bash",
-      "launch/local_multiprocess.sh",
-      "2",
-      "--config=bf16_sync.py:tiny",
-      f"--workdir={workdir}",
-      f"--config.teacher.cache_dir={teacher_cache}",
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  assert "process 0/2" in proc.stdout and "process 1/2" in proc.stdout
-  rows = metrics_writer.read_jsonl(workdir)  # written by process 0 only
-  assert max(rows) == 6 and np.isfinite(rows[6]["loss/total"])
-  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [3, 6]
-
-
 # -- async rollouts ---------------------------------------------------------------
 
 COMPARED = ("loss/total", "teacher/reverse_kl", "teacher/logprob", "quality/student_accuracy")

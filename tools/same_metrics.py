@@ -4,9 +4,9 @@
 
 Reads `<run>/metrics.jsonl` of both workdirs and compares every logged row (the same steps,
 the same keys, the same values bit for bit: floats as their exact repr). Keys that measure
-time or throughput (`perf/*`, `*seconds*`, `*_per_s*`, `rollout/wait*`, `*time*`) differ
-between any two runs and are left out, and so are the async producer's timing counters; every
-other key (losses, mismatch/*, quality/*, teacher/*, rollout counts) must match. `--files`
+time or throughput (`*seconds*`, `*_per_s`) and the async queue's depth at logging time differ
+between any two runs and are left out; every other key (losses, mismatch/*, quality/*,
+teacher/*, perf/grad_norm, rollout counts) must match. `--files`
 also compares the named sub-directories file by file (sha256), e.g. the bootstrapped teacher
 cache. Exits 0 when everything compared is identical, 1 otherwise, printing the first
 differences.
@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-TIMING = re.compile(r"^perf/|seconds|_per_s|per_sec|^rollout/wait|time|^rollout/queue")
+TIMING = re.compile(r"seconds|_per_s$|^rollout/queue_depth$")
 
 
 def read_rows(run: str) -> dict[tuple[int, int], dict]:

@@ -150,7 +150,14 @@ def test_bad_arguments():
 
 @pytest.mark.slow
 def test_tiny_transformer_learns_the_task():
-  """A 2-layer d=128 model reaches ≥ 90% held-out exact match in 800 steps (minutes on CPU)."""
+  """A 2-layer d=128 model reaches ≥ 90% held-out greedy exact match in ~600 steps (~35 s on CPU).
+
+  Scored through an exponential moving average of the weights, which removes most of the
+  step-to-step noise of the climb from ~40% to ~95%. Training stops as soon as the average gets
+  ≥ 92% of a validation draw of held-out prompts right under teacher forcing (a lower bound of
+  greedy exact match that costs one forward pass), at the latest after `max_steps`; the
+  assertion then decodes 256 other held-out prompts greedily and scores them with `task.score`.
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -169,24 +176,39 @@ def test_tiny_transformer_learns_the_task():
     num_kv_heads=4,
     head_dim=32,
   )
-  steps, batch = 800, 64
+  max_steps, batch, check_every, ema_decay, stop_at = 800, 32, 25, 0.97, 0.92
   params = model.init_params(jax.random.key(0), cfg)
   opt = optax.chain(
     optax.clip_by_global_norm(1.0),
-    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, steps, 1e-4)),
+    optax.adamw(
+      optax.warmup_cosine_decay_schedule(0.0, 1e-3, 50, max_steps, 1e-4),
+      b2=0.98,
+      weight_decay=0.1,
+    ),
   )
-  opt_state = opt.init(params)
 
   def loss_fn(p, tokens_bt, mask_bt):
     logp = jax.nn.log_softmax(model.forward(p, tokens_bt[:, :-1], cfg))
     ll = jnp.take_along_axis(logp, tokens_bt[:, 1:, None], -1)[..., 0]
     return -jnp.sum(ll * mask_bt[:, 1:]) / jnp.sum(mask_bt[:, 1:])
 
-  @jax.jit
-  def train_step(p, s, tokens_bt, mask_bt):
-    grads = jax.grad(loss_fn)(p, tokens_bt, mask_bt)
+  def train_step(state, batch_bt):
+    p, s, e = state
+    grads = jax.grad(loss_fn)(p, *batch_bt)
     updates, s = opt.update(grads, s, p)
-    return optax.apply_updates(p, updates), s
+    p = optax.apply_updates(p, updates)
+    return (p, s, jax.tree.map(lambda x, y: ema_decay * x + (1 - ema_decay) * y, e, p)), None
+
+  @jax.jit
+  def train_steps(state, tokens_nbt, mask_nbt):
+    """`check_every` steps in one call: a scan runs ~25% faster on CPU than a loop of calls."""
+    return jax.lax.scan(train_step, state, (tokens_nbt, mask_nbt))[0]
+
+  @jax.jit
+  def teacher_forced_exact(p, tokens_bt, mask_bt):
+    """Share of sequences whose every completion token is the argmax after the true prefix."""
+    hit = jnp.argmax(model.forward(p, tokens_bt[:, :-1], cfg), -1) == tokens_bt[:, 1:]
+    return jnp.mean(jnp.all(hit | (mask_bt[:, 1:] == 0), -1))
 
   @jax.jit
   def greedy(p, tokens_bt):
@@ -196,18 +218,28 @@ def test_tiny_transformer_learns_the_task():
 
     return jax.lax.fori_loop(tc.max_prompt_tokens, tc.seq_len, body, tokens_bt)
 
-  train = task.TaskSource("train", steps * batch, seed=0)
-  for i in range(steps):
-    b = task.encode_batch([train[i * batch + j] for j in range(batch)], tok, tc.seq_len)
-    params, opt_state = train_step(params, opt_state, b["tokens"], b["loss_mask"])
+  val = task.TaskSource("heldout", 256, seed=1)  # disjoint from the scored seed-0 prompts
+  val_b = task.encode_batch([val[i] for i in range(len(val))], tok, tc.seq_len)
+  val_inputs = (val_b["tokens"], val_b["loss_mask"])
+  train = task.TaskSource("train", max_steps * batch, seed=0)
+  state = (params, opt.init(params), params)  # params, optimizer state, EMA of params
+  for step in range(check_every, max_steps + 1, check_every):
+    examples = [train[i] for i in range((step - check_every) * batch, step * batch)]
+    b = task.encode_batch(examples, tok, tc.seq_len)
+    shape = (check_every, batch, tc.seq_len)
+    state = train_steps(state, b["tokens"].reshape(shape), b["loss_mask"].reshape(shape))
+    if teacher_forced_exact(state[2], *val_inputs) >= stop_at:
+      break
+  ema = state[2]
 
   heldout = task.TaskSource("heldout", 256, seed=0)
   prompts = [heldout[i]["prompt"] for i in range(len(heldout))]
   prompt_bp, _ = task.encode_prompts(prompts, tok, tc.max_prompt_tokens)
   tokens = np.zeros((len(prompts), tc.seq_len), np.int32)
   tokens[:, : tc.max_prompt_tokens] = prompt_bp
-  out = np.asarray(greedy(params, jnp.asarray(tokens)))
+  out = np.asarray(greedy(ema, jnp.asarray(tokens)))
   accuracy = np.mean(
     [task.score(p, tok.decode(out[i, tc.max_prompt_tokens :])) for i, p in enumerate(prompts)]
   )
-  assert accuracy >= 0.9, accuracy
+  print(f"stopped at step {step}, held-out greedy exact match {accuracy:.4f}")
+  assert accuracy >= 0.9, (step, accuracy)

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import tempfile
 from typing import Any
 
@@ -31,13 +32,11 @@ from typing import Any
 # subprocess they start (set before jax is imported, which reads these at import). The suite
 # builds the same tiny programs again and again (each trainer run jits anew); a program
 # compiled once is then loaded, not recompiled. A cached executable is the one XLA compiled, so
-# results are bit for bit those of a fresh compile. The directory is new for every pytest run.
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(
-  os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-)
-os.environ.setdefault(
-  "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"opd_jax_tests_{_RUN_ID}")
-)
+# results are bit for bit those of a fresh compile. The process that starts pytest makes the
+# directory (the workers it spawns inherit the setting) and removes it at the end of the run.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="opd_jax_tests_")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -188,3 +187,9 @@ def pytest_collection_modifyitems(items):
   """Runs `SLOW_FILES_FIRST` first; every other file keeps its place (a stable sort)."""
   rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_sessionfinish(session):
+  """Removes the compilation cache this process made (module top), once every worker is done."""
+  if _OWN_CACHE:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -412,6 +412,15 @@ def budget_path(tiny_setup, tmp_path_factory):
   return path
 
 
+def test_the_trainer_refuses_a_budget_file_without_a_hook_before_anything_loads(tmp_path):
+  """The loop never imports the guard: a config asking for it through `trainer.run` alone would
+  train unguarded, so it is refused, naming the way that runs the guard."""
+  config = tiny_fp8_config(str(tmp_path / "teacher_cache"), tmp_path / "budget.json")
+  with pytest.raises(ValueError, match=r"asks for the live budget guard.*guard\.run"):
+    trainer.run(config, str(tmp_path / "run"), log=lambda *a: None)
+  assert not (tmp_path / "run").exists() and not (tmp_path / "teacher_cache").exists()
+
+
 @pytest.fixture(scope="module")
 def fallback_run(teacher_cache, budget_path, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("guarded")

@@ -21,10 +21,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-
-
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
-
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -101,7 +98,7 @@ def exit_multiprocess_error(error: Exception) -> None:
 def define_compilation_cache_flag(what: str) -> flags.FlagHolder:
   """Defines --compilation-cache for an entry point whose programs recur between invocations:
   the directory of jax's persistent XLA compilation cache, default <workdir>/jax_cache, "" for
-  none (`admission.compilation_cache_flag` applies it). `what` says what the cache saves."""
+  none (`io.compile_cache.compilation_cache_flag` applies it). `what` says what the cache saves."""
   return flags.DEFINE_string(
     "compilation-cache",
     None,

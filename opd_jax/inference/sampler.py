@@ -1,4 +1,4 @@
-"""The rollout engine: a jitted KV-cache sampler that returns a `Rollout`.
+"""The sampler: the jitted KV-cache decode loop the rollout engine runs; returns a `Rollout`.
 
 `sample(params, prompts, rng, cfg, model_cfg)` pads the prompts to a bucketed
 shape on the host, then runs one jitted function that

@@ -41,7 +41,7 @@ from opd_jax.inference import sampler
 from opd_jax.io import build, metrics_writer
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
-from opd_jax.rollout import sources as rollouts_lib
+from opd_jax.rollout import sources
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, hooks, preflight, rl, train_step
 from opd_jax.train.export import export_student
@@ -159,7 +159,7 @@ def run(
         t.lr, schedule_steps, t.warmup_steps, t.weight_decay, t.grad_clip
       )
     m.student_params = None  # donated into the train state; the state owns the student now
-    guard = (step_hook or (lambda *a: None))(
+    hook = step_hook and step_hook(
       config,
       setup,
       state.params,
@@ -169,7 +169,7 @@ def run(
       writer,
       log,
     )
-    rollout_config = guard.config if guard else config  # the guard's rung (a resumed run's)
+    rollout_config = hook.config if hook else config  # e.g. the guard's rung (a resumed run's)
     source = make_rollouts(rollout_config, setup, prompt_iter, width, state, next_batch)
     try:
       return _train(
@@ -183,13 +183,13 @@ def run(
         writer,
         start,
         log,
-        guard,
+        hook,
         schedule_steps=schedule_steps,
       )
     finally:
       source.close()
-      if guard:
-        guard.close()  # the source it switched to, if any
+      if hook:
+        hook.close()  # the source it switched to, if any
   finally:
     writer.close()
     ckpt.close()
@@ -220,8 +220,8 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     teacher_temperature=config.teacher.temperature,
   )
   if r.mode == "sync":
-    return rollouts_lib.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
-  return rollouts_lib.AsyncRollouts(
+    return sources.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
+  return sources.AsyncRollouts(
     worker,
     max_lag=r.max_lag,
     stale_policy=r.stale_policy,
@@ -310,7 +310,7 @@ def _train(
   writer,
   start,
   log,
-  guard=None,
+  hook=None,
   schedule_steps: int | None = None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
@@ -318,7 +318,7 @@ def _train(
   `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
   None = train.steps), stored in every checkpoint for a resumed run to keep.
 
-  `guard` (a `hooks.StepHook`: the budget guard with `budget.file`) sees every step's scalars
+  `hook` (a `hooks.StepHook`: the budget guard with `budget.file`) sees every step's scalars
   after the
   publish, adds `budget/*` to them and may switch the rollout source it returns.
   """
@@ -337,8 +337,8 @@ def _train(
   )
   step = int(state.step)
   rollouts.publish(state.params, step)
-  if guard:
-    rollouts = guard.begin(step, state, rollouts)
+  if hook:
+    rollouts = hook.begin(step, state, rollouts)
   writer.write_text(step, "rollout/engine", rollouts.describe())
   evaluator = Evaluator(config, setup, writer) if setup.eval_set is not None else None
   initial = evaluator(step, state.params) if evaluator else None
@@ -360,8 +360,8 @@ def _train(
       "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
       "heldout_slice": evaluate.takes_heldout_slice(config),  # trained without it (resume check)
     }
-    if guard:
-      extra[guard.EXTRA_KEY] = guard.checkpoint_extra()  # the rung a resumed run keeps
+    if hook:
+      extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
     ckpt.save(step, state, extra)
 
   progress = metrics_writer.Progress(t.steps)
@@ -394,8 +394,8 @@ def _train(
           f"checkpoint ({ckpt.latest_step()}) in {ckpt.directory} is kept"
         )
       rollouts.publish(state.params, step)
-      if guard:
-        rollouts = guard.after_step(step, state, scalars, rollouts)
+      if hook:
+        rollouts = hook.after_step(step, state, scalars, rollouts)
       if step % t.log_every == 0 or step == t.steps:
         window, lags = rollouts.window_stats()
         scalars.update(window)

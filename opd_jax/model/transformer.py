@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax.model import kvcache, quant
+from opd_jax.model import decode_attention, kvcache, quant
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray, as_dense
 
@@ -181,12 +181,11 @@ def _mlp(layer, x_btd, kernel: str):
   return linear(jax.nn.silu(gate) * up, layer["down_fd"], kernel=kernel)
 
 
-def _block(layer, x_btd, positions_bt, cfg, kv_fn, kernel: str):
-  """One pre-norm decoder block; `kv_fn(k, v) -> (keys, values, key_positions)`."""
+def _block(layer, x_btd, positions_bt, cfg, attn_fn, kernel: str):
+  """One pre-norm decoder block; `attn_fn(q, k, v) -> [B, T, N, H]` is its attention."""
   h = rms_norm(x_btd, layer["attn_norm_d"], cfg.rms_norm_eps)
   q, k, v = _qkv(layer, h, positions_bt, cfg, kernel)
-  keys, values, k_pos = kv_fn(k, v)
-  attn = attend(q, keys, values, positions_bt, k_pos, cfg, kernel)
+  attn = attn_fn(q, k, v)
   out = linear(attn, layer["o_nhd"], num_in_axes=2, kernel=kernel)
   if cfg.o_bias:
     out = out + layer["o_bias_d"].astype(x_btd.dtype)
@@ -239,7 +238,11 @@ REMAT_CHOICES = ("none", *REMAT_POLICIES)
 
 def _plain_block(layer, x_btd, positions_bt, cfg: ModelConfig, kernel: str):
   """`_block` without a cache: keys are the layer's own, at `positions_bt`."""
-  return _block(layer, x_btd, positions_bt, cfg, lambda k, v: (k, v, positions_bt), kernel)
+
+  def attn_fn(q, k, v):
+    return attend(q, k, v, positions_bt, positions_bt, cfg, kernel)
+
+  return _block(layer, x_btd, positions_bt, cfg, attn_fn, kernel)
 
 
 def layer_fn(remat: str = "none"):
@@ -285,6 +288,9 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None, remat: str =
   return unembed(params, x, cfg)
 
 
+ATTENTIONS = ("blockwise", "reference")  # forward_with_cache's attention over the cache
+
+
 def forward_with_cache(
   params,
   tokens_bt,
@@ -293,11 +299,19 @@ def forward_with_cache(
   cfg: ModelConfig,
   spec: kvcache.KVCacheSpec | None = None,
   valid_len_b=None,
+  attention: str = "blockwise",
+  block: int = decode_attention.BLOCK,
 ):
   """Cached forward: prefill (T > 1) or one-token decode (T == 1).
 
   Token t of sequence b sits at position start_b[b] + t; its key/value is written to
   that cache slot, and it attends to every slot at or before its position.
+
+  attention="blockwise" (`decode_attention.attend_cache`) reads the cache in blocks of
+  `block` slots up to the largest position of the batch, dequantizing each block where it
+  is consumed: a step costs O(position), not O(S). attention="reference" reads the whole
+  cache (`kvcache.read`, a dense copy in the compute dtype) and runs `attend` over all S
+  slots; the two agree to f32 rounding (tests/test_decode_attention.py).
 
   Args:
     params: the params pytree.
@@ -308,10 +322,14 @@ def forward_with_cache(
     spec: the cache numerics (fp8 granularity and headroom); default BF16.
     valid_len_b: optional int [B], real tokens per row of `tokens_bt` (the rest is
       padding, excluded from fp8 "tensor" scale calibration).
+    attention: one of ATTENTIONS (static).
+    block: slots per block of the blockwise attention (static).
 
   Returns:
     (logits [B, T, V_real] f32 (`unembed`), updated cache).
   """
+  if attention not in ATTENTIONS:
+    raise ValueError(f"unknown attention {attention!r}; allowed: {', '.join(ATTENTIONS)}")
   spec = spec or kvcache.KVCacheSpec()
   t = tokens_bt.shape[1]
   positions_bt = start_b[:, None] + jnp.arange(t)[None, :]
@@ -320,14 +338,16 @@ def forward_with_cache(
   new_cache = []
   for layer, entry in zip(params["layers"], cache, strict=True):
 
-    def kv_fn(k, v, entry=entry):
+    def attn_fn(q, k, v, entry=entry):
       updated = kvcache.write(entry, k, v, start_b, spec, valid_len_b)
       new_cache.append(updated)
+      if attention == "blockwise":
+        return decode_attention.attend_cache(q, updated, positions_bt, cfg, kernel, block)
       keys, values = kvcache.read(updated, k.dtype)
       slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-      return keys, values, slots
+      return attend(q, keys, values, positions_bt, slots, cfg, kernel)
 
-    x = _block(layer, x, positions_bt, cfg, kv_fn, kernel)
+    x = _block(layer, x, positions_bt, cfg, attn_fn, kernel)
   return unembed(params, x, cfg), new_cache
 
 

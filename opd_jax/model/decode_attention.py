@@ -1,0 +1,168 @@
+"""Attention over the filled prefix of a KV cache, in blocks, with an online softmax.
+
+`transformer.attend` over a whole cache costs O(S) per query whatever its position: it
+reads and masks every one of the S slots, and an FP8 cache is first dequantized in full
+(`kvcache.read`). `attend_cache` reads the cache of one layer in blocks of `block` slots
+and visits only the blocks at or before the largest query position of the batch, so a
+decode step at position p costs O(p), and a completion O(T²/2) rather than O(T · S).
+
+The loop over blocks j = 0 .. ⌈(max_b,t q_pos + 1) / block⌉ − 1 is a `lax.fori_loop`
+with a traced bound (a `while` loop in the HLO). Block j covers slots
+[j·block, (j + 1)·block); its slice starts at min(j·block, S − block) so that it stays in
+the buffer, and slots below j·block (already visited) are masked, as are slots after each
+query's own position (rows of different lengths within the last block). Each block is
+sliced from the stored cache and dequantized where it is consumed: FP8 entries as
+f32(k) · k_scale, then cast to the compute dtype, exactly as `kvcache.read` does per
+element, so no full-precision copy of the cache exists at any time.
+
+Online softmax (flash-decoding). With the scores s_i = q·k_i/√H of a query and its
+visible keys, the running state after a block is
+
+    m' = max(m, max_i s_i),   z' = z·e^(m − m') + Σ_i e^(s_i − m'),
+    acc' = acc·e^(m − m') + Σ_i e^(s_i − m') v_i,
+
+from m = −∞ (the f32 minimum, the mask value), z = 0, acc = 0; the output is acc / z,
+which equals softmax(s)·v up to f32 rounding. P·V accumulates in f32 whatever the compute
+dtype.
+
+kernel="bf16_attention" (`transformer` module docstring) rounds the probabilities of the
+normalised softmax to bf16, which an online softmax does not know until the last block.
+That variant runs two passes over the blocks: the first computes m and z, the second
+p_i = round_bf16(e^(s_i − m)/z) and Σ_i p_i v_i in f32, the numerics of the dense
+variant. Scores are rounded as there: q and k in bf16, the product emitted in bf16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.model.config import ModelConfig
+
+BLOCK = 256  # cache slots read per block
+_MASKED = jnp.finfo(jnp.float32).min  # the score of an invisible slot, as in transformer.attend
+
+
+def _slice_slots(x_bs, start, size: int) -> jax.Array:
+  """x[:, start : start + size]; an fp8 buffer is sliced through its uint8 bit pattern."""
+  if x_bs.shape[1] == 1:  # a "tensor" scale: one per sequence, broadcast over the slots
+    return x_bs
+  fp8 = x_bs.dtype == jnp.float8_e4m3fn
+  if fp8:
+    x_bs = jax.lax.bitcast_convert_type(x_bs, jnp.uint8)
+  out = jax.lax.dynamic_slice_in_dim(x_bs, start, size, axis=1)
+  return jax.lax.bitcast_convert_type(out, jnp.float8_e4m3fn) if fp8 else out
+
+
+def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, size, K, H] in `dtype`.
+
+  FP8 entries dequantize as f32(k) · k_scale then cast to `dtype`, per element the
+  value `kvcache.read` gives.
+  """
+  k = _slice_slots(entry["k"], start, size)
+  v = _slice_slots(entry["v"], start, size)
+  if "k_scale" not in entry:
+    return k.astype(dtype), v.astype(dtype)
+  k = k.astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
+  v = v.astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
+  return k.astype(dtype), v.astype(dtype)
+
+
+def num_blocks(q_pos_bt, slots: int, block: int = BLOCK):
+  """⌈(max q_pos + 1) / block⌉ (traced): the blocks a query at the largest position needs."""
+  size = min(block, slots)
+  last = jnp.clip(jnp.max(q_pos_bt), 0, slots - 1)
+  return last // size + 1
+
+
+def attend_cache(
+  q_btnh,
+  entry: dict,
+  q_pos_bt,
+  cfg: ModelConfig,
+  kernel: str = "reference",
+  block: int = BLOCK,
+):
+  """softmax(q·kᵀ/√H + mask)·v over the filled prefix of one layer's cache (module docstring).
+
+  Slot s holds the key of position s; query (b, t) sees slots s ≤ q_pos[b, t].
+
+  Args:
+    q_btnh: queries [B, T, N, H] in the compute dtype (T = 1 in decode, the prompt in prefill).
+    entry: one layer's cache dict (`kvcache` layout), already holding the new tokens.
+    q_pos_bt: int positions [B, T] of the queries (< S).
+    cfg: the model config (K, G).
+    kernel: "bf16_attention" for the two-pass bf16 variant, anything else for f32 scores.
+    block: slots per block (a block of min(block, S) slots).
+
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  b, t, n, h = q_btnh.shape
+  kh, g = cfg.num_kv_heads, cfg.num_groups
+  slots = entry["k"].shape[1]
+  size = min(block, slots)
+  low = kernel == "bf16_attention"
+  dtype = q_btnh.dtype
+  q_btkgh = q_btnh.reshape(b, t, kh, g, h)
+  if low:
+    q_btkgh = q_btkgh.astype(jnp.bfloat16)
+  trips = num_blocks(q_pos_bt, slots, size)
+
+  def scores(j):
+    """Scores [B, K, G, T, size] of block j (masked) and its values [B, size, K, H]."""
+    nominal = j * size
+    start = jnp.minimum(nominal, slots - size)
+    k_bskh, v_bskh = block_kv(entry, start, size, dtype)
+    if low:
+      k_bskh = k_bskh.astype(jnp.bfloat16)
+    s_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    if low:
+      s_bkgts = (s_bkgts.astype(jnp.bfloat16) * jnp.bfloat16(h**-0.5)).astype(jnp.float32)
+    else:
+      s_bkgts = s_bkgts * (h**-0.5)
+    slot_s = start + jnp.arange(size)
+    visible_bts = (slot_s[None, None, :] <= q_pos_bt[:, :, None]) & (slot_s >= nominal)
+    return jnp.where(visible_bts[:, None, None], s_bkgts, _MASKED), v_bskh
+
+  m0 = jnp.full((b, kh, g, t), _MASKED, jnp.float32)  # running max m
+  z0 = jnp.zeros((b, kh, g, t), jnp.float32)
+  acc0 = jnp.zeros((b, t, kh, g, h), jnp.float32)
+
+  if not low:
+
+    def online(j, state):
+      m, z, acc = state
+      s_bkgts, v_bskh = scores(j)
+      m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
+      alpha = jnp.exp(m - m_new)
+      p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
+      z = z * alpha + jnp.sum(p_bkgts, axis=-1)
+      pv = jnp.einsum("bkgts,bskh->btkgh", p_bkgts, v_bskh, preferred_element_type=jnp.float32)
+      acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
+      return m_new, z, acc
+
+    _, z, acc = jax.lax.fori_loop(0, trips, online, (m0, z0, acc0))
+    out = acc / jnp.moveaxis(z, 3, 1)[..., None]
+    return out.astype(dtype).reshape(b, t, n, h)
+
+  def stats(j, state):
+    m, z = state
+    s_bkgts, _ = scores(j)
+    m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
+    z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s_bkgts - m_new[..., None]), axis=-1)
+    return m_new, z
+
+  m, z = jax.lax.fori_loop(0, trips, stats, (m0, z0))
+
+  def weighted(j, acc):
+    s_bkgts, v_bskh = scores(j)
+    p_bkgts = (jnp.exp(s_bkgts - m[..., None]) / z[..., None]).astype(jnp.bfloat16)
+    pv = jnp.einsum(
+      "bkgts,bskh->btkgh", p_bkgts, v_bskh.astype(jnp.bfloat16), preferred_element_type=jnp.float32
+    )
+    return acc + pv
+
+  acc = jax.lax.fori_loop(0, trips, weighted, acc0)
+  return acc.astype(dtype).reshape(b, t, n, h)

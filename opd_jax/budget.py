@@ -1,11 +1,21 @@
 """`opd_jax.budget`: the stable import path of the mismatch budget and the admission check.
 
-A thin re-export: the code lives in `opd_jax.mismatch.budget` (the pure fit and `admit`) and
+A thin re-export: the code lives in `opd_jax.mismatch.budget` (the pure fit, the admission rules
+and `apply_rule`, the one function that applies a budget's rule, and `admit`) and
 `opd_jax.mismatch.budget_file` (the JSON budget file and its fingerprint), which document the
 equations, the record format and the file schema.
 """
 
-from opd_jax.mismatch.budget import Budget, Threshold, Verdict, admit, fit_budget
+from opd_jax.mismatch.budget import (
+  RULE_NAMES,
+  Budget,
+  Rule,
+  Threshold,
+  Verdict,
+  admit,
+  apply_rule,
+  fit_budget,
+)
 from opd_jax.mismatch.budget_file import (
   budget_from_json,
   budget_to_json,
@@ -16,10 +26,13 @@ from opd_jax.mismatch.budget_file import (
 )
 
 __all__ = [
+  "RULE_NAMES",
   "Budget",
+  "Rule",
   "Threshold",
   "Verdict",
   "admit",
+  "apply_rule",
   "budget_from_json",
   "budget_to_json",
   "fingerprint",

@@ -97,6 +97,27 @@ are few or noisy (a resample that hits the "below" case pulls it to 0), rejectin
 data do not condemn. Choose `conservative=True` when a wrongly admitted configuration (a full
 training run that degrades) costs much more than a wrongly rejected one (a slower but safer engine).
 
+Rules
+-----
+A budget is used through one admission rule, named in its file (`budget_file`) with the
+parameters and the validation it passed, and applied by `apply_rule` wherever a verdict is
+reached (the admission check, the live guard, the study). With L_s the limit of source s
+(above), L the overall max_kl, kl the combination's measured mismatch/kl and kl_s that of its
+part s alone (the check run on the combination's overrides of s only):
+
+  pooled            admitted ⇔ kl ≤ L                       one limit, sources ignored;
+  whole             admitted ⇔ kl ≤ min_s L_s               the whole combination against the
+                                                            strictest of its sources;
+  per_part          admitted ⇔ kl_s ≤ L_s for every part s  each part against its own limit;
+  sum_of_fractions  admitted ⇔ Σ_s kl_s / L_s ≤ 1           the parts share one budget.
+
+A single source is its own only part, so the last three agree on it (kl ≤ L_s); a measurement
+naming no source is held to L by all four. The parameter "conservative" takes every limit at
+the lower end of its bootstrap interval. A rule that reads parts (`Rule.needs_parts`) needs
+them measured; where they cannot be (a training step logs only the whole), `apply_rule` may
+take the whole's kl as each part's (`unmeasured_parts="whole"`), which makes per_part the
+whole rule and sum_of_fractions Σ_s kl / L_s ≤ 1.
+
 Too close to call
 -----------------
 Every verdict also carries the band of its limit: (lower, upper), the same limit taken at the
@@ -142,6 +163,72 @@ LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_K
 PART_KL_PREFIX = "mismatch/kl/part/"  # a combination's source s measured alone: f"{…}{s}"
 CENSORED = ("none", "above", "below", "unconfirmed")  # "unconfirmed": per-source fits only
 MIN_CROSSING_RECORDS = 1  # default: one record over τ is enough for a source's own limit
+
+
+RULE_NAMES = ("pooled", "whole", "per_part", "sum_of_fractions")  # "Rules" in the docstring
+PARTS_RULES = ("per_part", "sum_of_fractions")  # the rules that read a combination's parts
+RULE_PARAMS = {"conservative": False}  # every rule's parameters and their defaults
+UNMEASURED_PARTS = ("refuse", "whole")  # what `apply_rule` does with a part it is not given
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """An admission rule, its parameters and the validation it passed ("Rules").
+
+  Attributes:
+    name: one of RULE_NAMES.
+    params: parameter -> value, every key of RULE_PARAMS (missing ones take their default).
+    validation: what the rule scored where it was tested before use (the study that wrote the
+      budget: its held-out confusion table and agreement), or None when it was not tested.
+  """
+
+  name: str
+  params: dict[str, Any] = dataclasses.field(default_factory=dict)
+  validation: dict[str, Any] | None = None
+
+  def __post_init__(self):
+    if self.name not in RULE_NAMES:
+      raise ValueError(f"unknown admission rule {self.name!r}; known: {', '.join(RULE_NAMES)}")
+    if not isinstance(self.params, Mapping):
+      raise ValueError(f"rule {self.name!r}: params must be a mapping, got {self.params!r}")
+    unknown = sorted(set(self.params) - set(RULE_PARAMS))
+    if unknown:
+      raise ValueError(
+        f"rule {self.name!r}: unknown parameter(s) {unknown}; known: {', '.join(RULE_PARAMS)}"
+      )
+    params = {**RULE_PARAMS, **self.params}
+    if not isinstance(params["conservative"], bool):
+      raise ValueError(
+        f"rule {self.name!r}: conservative must be true or false, got {params['conservative']!r}"
+      )
+    object.__setattr__(self, "params", params)
+    if self.validation is not None and not isinstance(self.validation, Mapping):
+      raise ValueError(
+        f"rule {self.name!r}: validation must be a mapping or None, got {self.validation!r}"
+      )
+
+  @property
+  def needs_parts(self) -> bool:
+    """Whether the rule reads each part of a combination measured alone."""
+    return self.name in PARTS_RULES
+
+  @property
+  def conservative(self) -> bool:
+    return bool(self.params["conservative"])
+
+  def describe(self) -> str:
+    """One line: the name, a non-default parameter, and what it scored where it was tested."""
+    text = self.name + (" (conservative)" if self.conservative else "")
+    v = self.validation
+    if v and "agreement" in v and "n" in v:
+      right = round(v["agreement"] * v["n"])
+      text += f", validated {right}/{v['n']}" + (f" ({v['study']})" if v.get("study") else "")
+    else:
+      text += ", not validated"
+    return text
+
+
+POOLED = Rule("pooled")  # the rule of a budget that names none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +279,8 @@ class Budget:
     training: the same fit on the training-time axis ("Two axes"), or None.
     min_crossing_records: c, how many of a source's own records a crossing needs before the
       source gets its own limit ("Per-source limits").
+    rule: the admission rule the budget is used with (`Rule`, "Rules"); None for a budget
+      that names none (`apply_rule` then uses the pooled limit).
   """
 
   tolerance: float
@@ -205,6 +294,7 @@ class Budget:
   seed: int = SEED
   training: Budget | None = None
   min_crossing_records: int = MIN_CROSSING_RECORDS
+  rule: Rule | None = None
 
   @property
   def max_kl(self) -> float:
@@ -273,6 +363,8 @@ class Verdict:
     reasons: one line per failed threshold (empty when admitted).
     layer_margins: layer -> its limit minus the measured "mismatch/kl/layer_<i>", for the layers
       that have a threshold and a measured value.
+    rule: the name of the rule that gave the verdict (`apply_rule`), None from `admit`.
+    fraction: sum_of_fractions only: F = Σ_s kl_s / L_s (admitted ⇔ F ≤ 1).
   """
 
   admitted: bool
@@ -284,6 +376,8 @@ class Verdict:
   layer_margins: dict[int, float]
   limit_source: str | None = None
   limit_band: tuple[float, float] | None = None
+  rule: str | None = None
+  fraction: float | None = None
 
   @property
   def too_close(self) -> bool:
@@ -672,22 +766,10 @@ def admit(
   if KL_KEY not in measurement:
     raise ValueError(f"admit: measurement has no {KL_KEY!r}")
   kl = _measured(measurement, KL_KEY)
-
-  def limit_of(threshold: Threshold) -> float:
-    return threshold.interval[0] if conservative else threshold.max_kl
-
-  named = measurement.get(SOURCE_KEY) if per_source else None
-  if named is not None and not isinstance(named, str):
-    raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
-  sources = named.split("+") if named else ()
+  sources = _sources(measurement) if per_source else ()
   parts, part = [s for s in sources if s != REFERENCE_SOURCE], None
   if per_part and per_source and len(parts) > 1:
-    missing = [s for s in parts if f"{PART_KL_PREFIX}{s}" not in measurement]
-    if missing:
-      raise ValueError(
-        f"admit: per_part needs each source's part measured alone; measurement of {named!r} "
-        f"has no {', '.join(repr(PART_KL_PREFIX + s) for s in missing)}"
-      )
+    _require_parts(measurement, parts, "per_part")
     by_margin = []
     for s in parts:
       part_kl = _measured(measurement, f"{PART_KL_PREFIX}{s}")
@@ -702,18 +784,8 @@ def admit(
   elif margin < 0:
     line = _over_source(kl, budget, limit_source, limit)
     reasons.append(line if part is None else f"its {part} part alone: {line}")
-  layer_margins = {}
-  for i in sorted(budget.layers):
-    key = f"{LAYER_KL_PREFIX}{i}"
-    if key not in measurement:
-      continue
-    value = _measured(measurement, key)
-    threshold = budget.layers[i]
-    layer_limit = limit_of(threshold)
-    layer_margins[i] = layer_limit - value
-    if layer_margins[i] < 0:
-      line = _over(key, value, threshold, layer_limit, conservative, budget.tolerance)
-      reasons.append(f"layer {i}: {line}")
+  layer_margins, layer_reasons = _layer_check(measurement, budget, conservative)
+  reasons += layer_reasons
   return Verdict(
     admitted=not reasons,
     margin=margin,
@@ -725,3 +797,165 @@ def admit(
     limit_source=limit_source,
     limit_band=band,
   )
+
+
+def _layer_check(measurement: Mapping, budget: Budget, conservative: bool):
+  """(layer -> margin, reason lines) of the measurement's per-layer values (`admit`)."""
+  margins, reasons = {}, []
+  for i in sorted(budget.layers):
+    key = f"{LAYER_KL_PREFIX}{i}"
+    if key not in measurement:
+      continue
+    value = _measured(measurement, key)
+    threshold = budget.layers[i]
+    layer_limit = threshold.interval[0] if conservative else threshold.max_kl
+    margins[i] = layer_limit - value
+    if margins[i] < 0:
+      line = _over(key, value, threshold, layer_limit, conservative, budget.tolerance)
+      reasons.append(f"layer {i}: {line}")
+  return margins, reasons
+
+
+def _sources(measurement: Mapping) -> tuple[str, ...]:
+  """The sources a measurement names ("source", "+"-joined), () when it names none."""
+  named = measurement.get(SOURCE_KEY)
+  if named is not None and not isinstance(named, str):
+    raise ValueError(f"admit: measurement has source {named!r}, not a '+'-joined string")
+  return tuple(named.split("+")) if named else ()
+
+
+def measurement_parts(measurement: Mapping) -> tuple[str, ...]:
+  """The parts a rule that reads parts needs measured: the measurement's named sources other
+  than "reference" when there are two or more, else () (a single source is its own part)."""
+  parts = tuple(s for s in _sources(measurement) if s != REFERENCE_SOURCE)
+  return parts if len(parts) > 1 else ()
+
+
+def _require_parts(measurement: Mapping, parts: Sequence[str], rule: str) -> None:
+  missing = [s for s in parts if f"{PART_KL_PREFIX}{s}" not in measurement]
+  if missing:
+    raise ValueError(
+      f"admit: the {rule} rule needs each source's part measured alone; the measurement of "
+      f"{measurement.get(SOURCE_KEY)!r} has no "
+      f"{', '.join(repr(PART_KL_PREFIX + s) for s in missing)}"
+    )
+
+
+def _sum_of_fractions(measurement: Mapping, budget: Budget, conservative: bool) -> Verdict:
+  """The sum_of_fractions verdict ("Rules"): F = Σ_s kl_s / L_s, admitted ⇔ F ≤ 1.
+
+  The verdict's limit is the whole's kl at which F would reach 1 with every part scaled alike,
+  kl / F (min_s L_s when F = 0), so that margin = limit − kl ≥ 0 ⇔ F ≤ 1; its band is that
+  limit with every L_s at the lower and at the upper end of its interval, and limit_source the
+  part with the largest share of F. A term with L_s = 0 is 0 for kl_s = 0, else infinite.
+  """
+  kl = _measured(measurement, KL_KEY)
+  parts = measurement_parts(measurement)
+  if parts:
+    _require_parts(measurement, parts, "sum_of_fractions")
+    kls = {s: _measured(measurement, f"{PART_KL_PREFIX}{s}") for s in parts}
+  else:
+    named = [s for s in _sources(measurement) if s != REFERENCE_SOURCE]
+    kls = {named[0] if named else None: kl}
+
+  def limit_of(source: str | None, end: str) -> float:
+    return budget.limit_for([source] if source else [], end=end)[0]
+
+  def terms(end: str) -> dict:
+    out = {}
+    for s, value in kls.items():
+      limit = limit_of(s, end)
+      out[s] = value / limit if limit > 0 else (0.0 if value <= 0 else math.inf)
+    return out
+
+  def whole_limit(fraction: float, end: str) -> float:
+    if fraction > 0:
+      return kl / fraction
+    return min(limit_of(s, end) for s in kls)
+
+  end = "lower" if conservative else "point"
+  shares = terms(end)
+  fraction = float(sum(shares.values()))
+  limit = whole_limit(fraction, end)
+  lower = limit if conservative else whole_limit(float(sum(terms("lower").values())), "lower")
+  upper = whole_limit(float(sum(terms("upper").values())), "upper")
+  binding = max(shares, key=lambda s: shares[s])
+  reasons = []
+  if fraction > 1:
+    listed = " + ".join(
+      f"{s or 'overall'} {kls[s]:.4g}/{limit_of(s, end):.4g}" for s in sorted(kls, key=str)
+    )
+    reasons.append(f"Σ part/limit = {listed} = {fraction:.4g} > 1")
+  layer_margins, layer_reasons = _layer_check(measurement, budget, conservative)
+  reasons += layer_reasons
+  return Verdict(
+    admitted=not reasons,
+    margin=limit - kl,
+    limit=limit,
+    measured_kl=kl,
+    conservative=conservative,
+    reasons=tuple(reasons),
+    layer_margins=layer_margins,
+    limit_source=binding,
+    limit_band=(min(lower, limit), max(upper, limit)),
+    fraction=fraction,
+  )
+
+
+def apply_rule(
+  measurement: Mapping[str, Any],
+  budget: Budget,
+  rule: Rule | None = None,
+  *,
+  unmeasured_parts: str = "refuse",
+) -> Verdict:
+  """The verdict of `rule` ("Rules" in the module docstring) on one measurement: the one
+  function the admission check, the live guard and the study reach a verdict through.
+
+    pooled            admitted ⇔ kl ≤ L
+    whole             admitted ⇔ kl ≤ min_s L_s
+    per_part          admitted ⇔ kl_s ≤ L_s for every part s   (margin = min_s (L_s − kl_s))
+    sum_of_fractions  admitted ⇔ F = Σ_s kl_s / L_s ≤ 1        (margin = kl / F − kl)
+
+  and, for every rule, every measured layer within its own limit (`admit`).
+
+  Args:
+    measurement: as for `admit`: "mismatch/kl", "source" ("+"-joined), and for a rule that
+      reads parts and a measurement naming two or more sources, "mismatch/kl/part/<s>" for
+      each of them (`measurement_parts`).
+    budget: the fitted or loaded Budget.
+    rule: the rule to apply; None takes `budget.rule`, and the pooled rule when that is None.
+    unmeasured_parts: "refuse" (a missing part raises) or "whole" (a missing part is taken
+      as the whole's kl: the stand-in where parts cannot be measured, as in a training step).
+
+  Returns:
+    A Verdict with `rule` set to the rule's name.
+
+  Raises:
+    ValueError: an unknown `unmeasured_parts`, a rule that is not a Rule, a missing part with
+      "refuse", or a measurement `admit` refuses.
+  """
+  if unmeasured_parts not in UNMEASURED_PARTS:
+    raise ValueError(
+      f"unmeasured_parts={unmeasured_parts!r}: expected one of {', '.join(UNMEASURED_PARTS)}"
+    )
+  rule = budget.rule if rule is None else rule
+  rule = POOLED if rule is None else rule
+  if not isinstance(rule, Rule):
+    raise ValueError(f"apply_rule: rule must be a Rule, got {rule!r}")
+  if not isinstance(measurement, Mapping):
+    raise ValueError(f"admit: measurement must be a mapping, got {type(measurement).__name__}")
+  conservative = rule.conservative
+  if rule.needs_parts and unmeasured_parts == "whole" and KL_KEY in measurement:
+    whole = measurement[KL_KEY]
+    filled = {f"{PART_KL_PREFIX}{s}": whole for s in measurement_parts(measurement)}
+    measurement = {**filled, **measurement}
+  if rule.name == "pooled":
+    verdict = admit(measurement, budget, conservative=conservative, per_source=False)
+  elif rule.name == "whole":
+    verdict = admit(measurement, budget, conservative=conservative, per_source=True)
+  elif rule.name == "per_part":
+    verdict = admit(measurement, budget, conservative=conservative, per_part=True)
+  else:
+    verdict = _sum_of_fractions(measurement, budget, conservative)
+  return dataclasses.replace(verdict, rule=rule.name)

@@ -8,6 +8,8 @@ saved fingerprint no longer matches (a stale budget must be recalibrated; docs/d
 File schema (version 1), one JSON object:
 
   {"schema": "opd_jax.budget", "version": 1,
+   "rule": {"name": "per_part", "params": {"conservative": false},
+            "validation": {…what the rule scored in the study that wrote the file…} | null},
    "budget": {"tolerance": τ, "level": 0.95, "num_bootstrap": B, "seed": s,
               "min_crossing_records": c,
               "max_kl": …, "interval": [low, high], "censored": "none" | "above" | "below",
@@ -26,6 +28,12 @@ File schema (version 1), one JSON object:
                    "teacher": {"architecture": {…}, "weights_sha256": "…"},
                    "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
                    "jax_version": "…", "jaxlib_version": "…"}}
+
+"rule" is the admission rule the budget is used with (`budget.Rule`: "pooled", "whole",
+"per_part" or "sum_of_fractions"; docs/budget_rules.md) and the validation it passed, or null
+when it passed none. A file without "rule" (written before rules were recorded) is read with
+the pooled rule and a warning naming the file: one limit for every source, the simplest rule,
+since the file does not say which rule its limits were validated with.
 
 "sources" (the per-source fits) may be absent: files written before per-source limits load with
 none, and `budget.admit` then uses the overall budget for every measurement;
@@ -52,6 +60,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -260,14 +269,18 @@ def _body(budget: budget_lib.Budget) -> dict[str, Any]:
   return body
 
 
+def rule_dict(rule: budget_lib.Rule) -> dict[str, Any]:
+  """A rule as the file's "rule" entry: {"name", "params", "validation"}."""
+  return {"name": rule.name, "params": dict(rule.params), "validation": rule.validation}
+
+
 def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
-  """The budget file's text (schema in the module docstring)."""
-  doc = {
-    "schema": SCHEMA,
-    "version": VERSION,
-    "budget": _body(budget),
-    "fingerprint": dict(fingerprint),
-  }
+  """The budget file's text (schema in the module docstring); "rule" only when the budget
+  names one."""
+  doc: dict[str, Any] = {"schema": SCHEMA, "version": VERSION}
+  if budget.rule is not None:
+    doc["rule"] = rule_dict(budget.rule)
+  doc.update(budget=_body(budget), fingerprint=dict(fingerprint))
   return json.dumps(doc, indent=1, default=_json_default) + "\n"
 
 
@@ -352,6 +365,29 @@ class _Reader:
       num_records=self.integer(obj, "num_records", where),
     )
 
+  def rule(self, doc: Mapping) -> budget_lib.Rule:
+    """The document's "rule"; the pooled rule, with a warning, when it names none."""
+    if "rule" not in doc:
+      warnings.warn(
+        f"budget file {self.source} names no admission rule, so it is read with the pooled "
+        "limit (one max_kl for every source); add the rule its study validated "
+        '("rule": {"name": ..., "params": ..., "validation": ...}, docs/budget_rules.md) or '
+        "refit it with python -m opd_jax.study, which records it",
+        UserWarning,
+        stacklevel=4,
+      )
+      return budget_lib.POOLED
+    entry = self.obj(doc, "rule", "top level")
+    name = self.name(entry, "name", "rule")
+    params = entry.get("params", {})
+    validation = entry.get("validation")
+    try:
+      return budget_lib.Rule(
+        name, dict(params) if isinstance(params, Mapping) else params, validation
+      )
+    except ValueError as e:
+      self.fail("rule", str(e))
+
   def min_crossing_records(self, body: Mapping, where: str) -> int:
     """The body's "min_crossing_records", 1 when absent (files written before it)."""
     if "min_crossing_records" not in body:
@@ -402,11 +438,13 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
   """Parses a budget file's text; `source` names it in errors.
 
   Returns:
-    (Budget, fingerprint dict).
+    (Budget, fingerprint dict); the Budget's `rule` is the file's, or the pooled rule (with a
+    UserWarning naming the file) when the file names none.
 
   Raises:
-    ValueError: text that is not JSON, another schema or version, a missing or mistyped field;
-      the message starts with "budget file <source>:" and gives the JSON path.
+    ValueError: text that is not JSON, an unknown rule or rule parameter, another schema or
+      version, a missing or mistyped field; the message starts with "budget file <source>:"
+      and gives the JSON path.
   """
   r = _Reader(source)
   try:
@@ -421,7 +459,7 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
     r.fail("version", f"expected {VERSION}, got {doc.get('version')!r} (refit the budget)")
   body = r.obj(doc, "budget", "top level")
   fp = r.obj(doc, "fingerprint", "top level")
-  return r.budget(body, "budget"), dict(fp)
+  return dataclasses.replace(r.budget(body, "budget"), rule=r.rule(doc)), dict(fp)
 
 
 def save_budget(path, budget: budget_lib.Budget, fingerprint: Mapping) -> None:

@@ -42,7 +42,8 @@ def test_init_cache_layout_with_bf16_layers(granularity):
     entry = cache[layer]
     assert set(entry) == {"k", "v", "k_scale", "v_scale"}
     for name in ("k", "v"):
-      assert entry[name].shape == (B, S, 2, 16) and entry[name].dtype == jnp.float8_e4m3fn
+      # e4m3 values stored as their bytes (kvcache module docstring: "Why uint8").
+      assert entry[name].shape == (B, S, 2, 16) and entry[name].dtype == jnp.uint8
       assert entry[name + "_scale"].shape == scale_shape
       assert entry[name + "_scale"].dtype == jnp.float32
   assert set(cache[1]) == {"k", "v"}
@@ -250,6 +251,23 @@ def test_tensor_scale_waits_for_a_nonzero_write_and_counts_clipping():
   k_all, _ = kvcache.read(entry, jnp.float32)
   np.testing.assert_allclose(np.asarray(k_all[:, 4, 0, 0]), 448 * np.array([4, 1]) / 448)
   np.testing.assert_allclose(np.asarray(k_all[:, 4, 1, 8]), 2 * np.array([2.0, 0.5]))
+
+
+@pytest.mark.parametrize("granularity", ["token_head", "tensor"])
+def test_fp8_storage_holds_the_e4m3_bytes(granularity):
+  """The uint8 storage holds exactly the bytes of round_e4m3(x / scale), and `read` gives
+  those e4m3 values times the scale."""
+  spec = kvcache.KVCacheSpec(dtype=FP8, granularity=granularity)
+  entry = kvcache.init_cache(CFG, B, S, spec)[0]
+  k = jax.random.normal(jax.random.key(3), (B, 3, 2, 16))
+  entry = kvcache.write(entry, k, -k, jnp.array([2, 5]), spec)
+  scale = np.asarray(entry["k_scale"], np.float32)
+  scale = scale[:, 2:5] if granularity == "token_head" else scale  # row 0's slots 2..4
+  expected = (np.asarray(k[0]) / scale[0]).astype(jnp.float8_e4m3fn)
+  stored = np.asarray(entry["k"][0, 2:5])
+  np.testing.assert_array_equal(stored, expected.view(np.uint8))
+  k_all, _ = kvcache.read(entry, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(k_all[0, 2:5]), expected.astype(np.float32) * scale[0])
 
 
 def test_token_head_write_adds_no_counter():

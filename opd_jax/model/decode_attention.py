@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 BLOCK = 256  # cache slots read per block
@@ -44,28 +45,24 @@ _MASKED = jnp.finfo(jnp.float32).min  # the score of an invisible slot, as in tr
 
 
 def _slice_slots(x_bs, start, size: int) -> jax.Array:
-  """x[:, start : start + size]; an fp8 buffer is sliced through its uint8 bit pattern."""
-  if x_bs.shape[1] == 1:  # a "tensor" scale: one per sequence, broadcast over the slots
+  """x[:, start : start + size]; a [B, 1, ...] "tensor" scale is returned whole."""
+  if x_bs.shape[1] == 1:  # one scale per sequence, broadcast over the slots
     return x_bs
-  fp8 = x_bs.dtype == jnp.float8_e4m3fn
-  if fp8:
-    x_bs = jax.lax.bitcast_convert_type(x_bs, jnp.uint8)
-  out = jax.lax.dynamic_slice_in_dim(x_bs, start, size, axis=1)
-  return jax.lax.bitcast_convert_type(out, jnp.float8_e4m3fn) if fp8 else out
+  return jax.lax.dynamic_slice_in_dim(x_bs, start, size, axis=1)
 
 
 def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
   """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, size, K, H] in `dtype`.
 
-  FP8 entries dequantize as f32(k) · k_scale then cast to `dtype`, per element the
-  value `kvcache.read` gives.
+  FP8 entries (uint8 e4m3 bits, `kvcache` module docstring) dequantize as
+  f32(e4m3(k)) · k_scale then cast to `dtype`, per element the value `kvcache.read` gives.
   """
   k = _slice_slots(entry["k"], start, size)
   v = _slice_slots(entry["v"], start, size)
   if "k_scale" not in entry:
     return k.astype(dtype), v.astype(dtype)
-  k = k.astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
-  v = v.astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
+  k = kvcache.as_fp8(k).astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
+  v = kvcache.as_fp8(v).astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
   return k.astype(dtype), v.astype(dtype)
 
 

@@ -3,12 +3,21 @@
 Layout. `init_cache` returns a list with one dict per layer:
 
     {"k": [B, S, K, H], "v": [B, S, K, H]}                      # bf16 / f32 layers
-    {"k": [B, S, K, H] e4m3, "v": [B, S, K, H] e4m3,
+    {"k": [B, S, K, H] uint8, "v": [B, S, K, H] uint8,          # e4m3 bit patterns
      "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # fp8 layers
                                   # (s, k) = (S, K) for "token_head", (1, 1) for "tensor"
 
 Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
-at position p attends to slots 0..p. FP8 entries dequantize as f32(k) · k_scale.
+at position p attends to slots 0..p. FP8 entries dequantize as f32(e4m3(k)) · k_scale
+(`as_fp8` reads the bits as e4m3).
+
+Why uint8. An FP8 layer stores the bytes of its e4m3 values in a uint8 array, so that a
+write updates the stored buffer in place. XLA:CPU lowers a scatter or dynamic_update_slice
+into an e4m3 buffer by converting the whole buffer to f16 and back, and a bit-cast of the
+whole buffer to uint8 and back is itself a pass over it: either way a decode step would
+touch every slot of every layer. With uint8 storage only the new tokens are bit-cast, and
+`decode_attention` bit-casts each block it reads (tests/test_decode_attention.py checks
+the compiled decode loop for any whole-cache copy or conversion).
 
 Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob:
 
@@ -74,6 +83,16 @@ class KVCacheSpec:
     return self.dtype
 
 
+def storage_dtype(dtype: str):
+  """The array dtype a cache of `dtype` (one of KV_DTYPES) is stored in: uint8 for e4m3."""
+  return jnp.uint8 if dtype == "float8_e4m3fn" else jnp.dtype(dtype)
+
+
+def as_fp8(x):
+  """The e4m3 values of stored FP8 cache bytes (a bit-cast: no arithmetic, same bytes)."""
+  return jax.lax.bitcast_convert_type(x, FP8_DTYPE)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
   """Allocates a zeroed cache: a list of L per-layer dicts (see module docstring).
 
@@ -84,7 +103,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
     spec: the cache numerics.
 
   Returns:
-    L dicts with "k", "v" [B, S, K, H] and, on fp8 layers, "k_scale", "v_scale"
+    L dicts with "k", "v" [B, S, K, H] (uint8 e4m3 bits on fp8 layers) and, on fp8 layers,
+    "k_scale", "v_scale"
     ([B, S, K, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
   """
   out_of_range = [i for i in spec.bf16_layers if i >= cfg.num_layers]
@@ -94,7 +114,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
   cache = []
   for layer in range(cfg.num_layers):
     dtype = spec.layer_dtype(layer)
-    entry = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    stored = storage_dtype(dtype)  # the bits of e4m3 0.0 are 0
+    entry = {"k": jnp.zeros(shape, stored), "v": jnp.zeros(shape, stored)}
     if dtype == "float8_e4m3fn":
       if spec.granularity == "token_head":
         scale_shape = (batch, max_len, cfg.num_kv_heads, 1)
@@ -144,25 +165,20 @@ def _quantize_rows(x_btkh: jax.Array, scale) -> jax.Array:
 
 
 def _scatter_time(dst_bs, src_bt, start_b):
-  """dst[b, start_b : start_b + T] = src[b] for every b.
+  """dst[b, start_b : start_b + T] = src[b] for every b, in place.
 
-  An fp8 cache is updated through its uint8 bit pattern (a bitcast: the stored bytes
-  are identical). XLA:CPU handles a dynamic_update_slice on an fp8 buffer by
-  converting the whole buffer (measured: 0.5 ms per step for a 49 KB cache), which
-  made every decode step cost O(cache) instead of O(new tokens).
+  e4m3 sources are bit-cast to the uint8 storage of an fp8 cache (module docstring); only
+  the T new tokens are converted, never the buffer.
   """
-  fp8 = dst_bs.dtype == FP8_DTYPE
-  src_bt = src_bt.astype(dst_bs.dtype)
-  if fp8:
-    dst_bs = jax.lax.bitcast_convert_type(dst_bs, jnp.uint8)
+  if src_bt.dtype == FP8_DTYPE:
     src_bt = jax.lax.bitcast_convert_type(src_bt, jnp.uint8)
+  src_bt = src_bt.astype(dst_bs.dtype)
 
   def one(d, s, start):
     idx = (start,) + (0,) * (d.ndim - 1)
     return jax.lax.dynamic_update_slice(d, s, idx)
 
-  out = jax.vmap(one)(dst_bs, src_bt, start_b)
-  return jax.lax.bitcast_convert_type(out, FP8_DTYPE) if fp8 else out
+  return jax.vmap(one)(dst_bs, src_bt, start_b)
 
 
 def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=None) -> dict:
@@ -230,12 +246,14 @@ def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=N
 def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
   """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`.
 
-  FP8 layers dequantize as f32(k) · k_scale (scale broadcast over H, or over all).
+  FP8 layers dequantize as f32(k) · k_scale (scale broadcast over H, or over all). This
+  materializes the whole cache in `dtype`: the reference path of
+  `transformer.forward_with_cache` (attention="reference"); the blockwise one reads blocks.
   """
   if "k_scale" not in entry:
     return entry["k"].astype(dtype), entry["v"].astype(dtype)
-  k = entry["k"].astype(jnp.float32) * entry["k_scale"]
-  v = entry["v"].astype(jnp.float32) * entry["v_scale"]
+  k = as_fp8(entry["k"]).astype(jnp.float32) * entry["k_scale"]
+  v = as_fp8(entry["v"]).astype(jnp.float32) * entry["v_scale"]
   return k.astype(dtype), v.astype(dtype)
 
 

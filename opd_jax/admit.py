@@ -1,16 +1,17 @@
 """Entry point: the admission check.
 
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
-        --budget=FILE --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=OUT]
+        --budget=FILE --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
         [--workdir=DIR] [--params-from=RUN] [--force] [--conservative] [--compilation-cache=DIR]
         [--nofast-compile]
 
 A candidate is a rollout configuration in the config's own terms, e.g.
 `--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
 measured on N calibration prompts against the trainer's student, with no training, and
-screened against the budget; the table goes to stdout, the rows to --json, and one line per
-candidate to <workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are
-`opd_jax.main`'s own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
+screened against the budget; the table goes to stdout, the rows to --json (a file, or `-` for
+stdout, the table then on stderr), and one line per candidate to
+<workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are `opd_jax.main`'s
+own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ _CANDIDATES = flags.DEFINE_multi_string(
 _PROMPTS = flags.DEFINE_integer(
   "prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts per candidate."
 )
-_JSON = flags.DEFINE_string("json", None, "Also write the table's rows as JSON to this file.")
+_JSON = flags.DEFINE_string(
+  "json", None, "Also write the table's rows as JSON to PATH; - prints them to stdout."
+)
 _PARAMS_FROM = flags.DEFINE_string(
   "params-from",
   None,
@@ -62,18 +65,19 @@ def main(argv):
     compile_cache.fast_compilation()
   try:
     compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
-    admission.run_admission(
-      flags.FLAGS.config,
-      _BUDGET.value,
-      _CANDIDATES.value,
-      num_prompts=_PROMPTS.value,
-      workdir=flags.FLAGS.workdir,
-      params_from=_PARAMS_FROM.value,
-      force=_FORCE.value,
-      conservative=_CONSERVATIVE.value,
-      json_path=_JSON.value,
-      log=lambda *a: print(*a, flush=True),
-    )
+    with cli_flags.json_output(_JSON.value) as json_path:
+      admission.run_admission(
+        flags.FLAGS.config,
+        _BUDGET.value,
+        _CANDIDATES.value,
+        num_prompts=_PROMPTS.value,
+        workdir=flags.FLAGS.workdir,
+        params_from=_PARAMS_FROM.value,
+        force=_FORCE.value,
+        conservative=_CONSERVATIVE.value,
+        json_path=json_path,
+        log=cli_flags.log_for_json(_JSON.value),
+      )
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
   cli_flags.exit_at_once()  # the table is printed; the JSON and the log are closed

@@ -1,12 +1,13 @@
 """Entry point: export a run's student as a Hugging Face checkpoint.
 
-    python -m opd_jax.export --workdir=RUN [--step=N] --out=DIR [--config=FILE[:variant]]
+    python -m opd_jax.export --params-from=RUN [--step=N] --out=DIR [--config=FILE[:variant]]
 
 Writes DIR with the student of RUN's checkpoint at step N (default: the latest): weights,
 config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer; it loads
 with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer`. The config
 defaults to the one the run saved with its checkpoints; `--config` (with `--config.key=value`
-overrides) and `--workdir` are `opd_jax.main`'s own flags. A finished run also exports itself
+overrides) is `opd_jax.main`'s own flag. `--workdir=RUN`, the old spelling of `--params-from`,
+still works for this release, with a warning. A finished run also exports itself
 (`export.dir`). The logic is `opd_jax.train.export.export_run`.
 """
 
@@ -21,6 +22,7 @@ from opd_jax.train import export as exporting
 
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the latest.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint to.")
+_PARAMS_FROM = flags.DEFINE_string("params-from", None, "The trained run to export (its workdir).")
 
 
 def main(argv):
@@ -28,10 +30,14 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # orbax warns about every restore it does
-  if not flags.FLAGS["workdir"].present:
-    sys.exit("error: pass --workdir=RUN, the training run to export")
+  run = _PARAMS_FROM.value
+  if not run and flags.FLAGS["workdir"].present:
+    cli_flags.warn_deprecated("--workdir (the run to export)", "--params-from=RUN")
+    run = flags.FLAGS.workdir
+  if not run:
+    sys.exit("error: pass --params-from=RUN, the training run to export")
   try:
-    exporting.export_run(flags.FLAGS.workdir, _OUT.value, _STEP.value, flags.FLAGS.config)
+    exporting.export_run(run, _OUT.value, _STEP.value, flags.FLAGS.config)
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 

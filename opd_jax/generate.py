@@ -8,7 +8,7 @@ the rollout engine's FP8 weights and picks the KV-cache numerics, then runs
         --prompt-ids 7,7 --max-new-tokens 16 --temperature 0 --weights fp8 \
         --kv-cache fp8 --json
 
-With `--json` it prints one object
+With `--json` (or `--json=-`) it prints one object (`--json=PATH` writes it to PATH)
 
     {"completions": [[ids...], ...],  # new tokens only, up to and including the stop token
      "logprobs": [[...], ...],        # behaviour log-probs of those tokens
@@ -36,6 +36,7 @@ import sys
 import jax
 import numpy as np
 
+from opd_jax.cli import flags as cli_flags
 from opd_jax.inference import sampler, transform
 from opd_jax.io import build, hf
 from opd_jax.io.build import DTYPES
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--tokenizer", default=None, help="tokenizer directory or 'char' (default: the checkpoint dir)"
   )
-  p.add_argument("--json", action="store_true", help="print one JSON object")
+  cli_flags.add_json_argument(p, "one JSON object")
   return p
 
 
@@ -248,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   result = generate(args)
   if args.json:
-    print(json.dumps({k: result[k] for k in ("completions", "logprobs", "text") if k in result}))
-    return 0
+    payload = {k: result[k] for k in ("completions", "logprobs", "text") if k in result}
+    cli_flags.write_json(json.dumps(payload), args.json)
+    if args.json == "-":
+      return 0
   print(f"engine {result['engine_id']}, stop tokens {result['stop_tokens']}")
   for i, ids in enumerate(result["completions"]):
     mean_lp = float(np.mean(result["logprobs"][i])) if ids else 0.0

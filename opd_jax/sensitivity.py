@@ -1,9 +1,17 @@
 """Entry point: the layer-sensitivity scan.
 
     python -m opd_jax.sensitivity --config=configs/<name>.py[:variant] [--config.key=value ...]
-        [--workdir=DIR] [--params-from=RUN] [--prompts=N] [--target-kl=X] [--json=OUT]
-        [--png=OUT] [--noise-sigma=S] [--sources=fp8_weights,fp8_kv,noise] [--layers=0,3]
-        [--modules=attention,mlp|none] [--kv-granularity=tensor] [--seq-len=4096]
+        [--workdir=DIR] [--params-from=RUN] [--prompts=N] [--target-kl=X] [--json=PATH|-]
+        [--png=OUT] [--candidate=rollout.weights=fp8,rollout.weight_block_size=0]
+        [--candidate=rollout.kv_cache=fp8,rollout.kv_granularity=tensor]
+        [--candidate=rollout.noise_sigma=0.05] [--layers=0,3] [--modules=attention,mlp|none]
+        [--seq-len=4096]
+
+Each --candidate names one perturbation to apply a layer at a time, in the admission check's
+syntax: FP8 weights (`rollout.weights=fp8`, optionally with `rollout.weight_block_size`), an FP8
+KV cache (`rollout.kv_cache=fp8`, optionally with `rollout.kv_granularity`) or weight noise
+(`rollout.noise_sigma=S`); default all three. `--sources`, `--noise-sigma`, `--kv-granularity`
+and `--weight-block-size`, the old spelling, still work for this release, with a warning.
 
 Perturbs one decoder layer (FP8 weights, FP8 KV cache, weight noise) or one module type
 (noise) at a time, measures `mismatch/kl` on N calibration prompts against the unperturbed
@@ -24,7 +32,7 @@ import sys
 from absl import app, flags, logging
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.mismatch import admission, sensitivity
+from opd_jax.mismatch import admission, candidates, sensitivity
 
 _PROMPTS = flags.DEFINE_integer("prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts.")
 _TARGET = flags.DEFINE_float(
@@ -33,21 +41,98 @@ _TARGET = flags.DEFINE_float(
   "The suggested recipe's largest mismatch/kl (nats/token); default half the all-layers FP8 "
   "mismatch.",
 )
-_JSON = flags.DEFINE_string("json", None, "Result JSON; default <workdir>/sensitivity.json.")
+_JSON = flags.DEFINE_string(
+  "json", None, "Result JSON to PATH (- = stdout); default <workdir>/sensitivity.json."
+)
+_CANDIDATES = flags.DEFINE_multi_string(
+  "candidate",
+  None,
+  "A perturbation to scan a layer at a time: rollout.weights=fp8[,rollout.weight_block_size=B], "
+  "rollout.kv_cache=fp8[,rollout.kv_granularity=G] or rollout.noise_sigma=S; repeat for "
+  "several; default all three.",
+)
 _PNG = flags.DEFINE_string("png", None, "Bar chart; default the JSON path with .png.")
 _PARAMS_FROM = flags.DEFINE_string(
   "params-from", None, "A trainer workdir: scan the student of its latest checkpoint."
 )
-_SIGMA = flags.DEFINE_float("noise-sigma", sensitivity.DEFAULT_NOISE_SIGMA, "Noise rows' sigma.")
-_SOURCES = flags.DEFINE_list("sources", list(sensitivity.SOURCES), "Sources to scan.")
+_SIGMA = flags.DEFINE_float(
+  "noise-sigma", sensitivity.DEFAULT_NOISE_SIGMA, "Deprecated: --candidate=rollout.noise_sigma=S."
+)
+_SOURCES = flags.DEFINE_list(
+  "sources", list(sensitivity.SOURCES), "Deprecated: --candidate (one per source)."
+)
 _LAYERS = flags.DEFINE_list("layers", [], "Decoder layers to scan; default all.")
 _MODULES = flags.DEFINE_list(
   "modules", [], "Module types or groups for the noise-by-module rows; default all; none = off."
 )
 _KV_GRANULARITY = flags.DEFINE_string(
-  "kv-granularity", None, "FP8 KV scales (token_head | tensor); default the config's."
+  "kv-granularity", None, "Deprecated: --candidate=rollout.kv_cache=fp8,rollout.kv_granularity=G."
 )
-_BLOCK = flags.DEFINE_integer("weight-block-size", 0, "FP8 weight scales: 0 per channel, b blocks.")
+_BLOCK = flags.DEFINE_integer(
+  "weight-block-size", 0, "Deprecated: --candidate=rollout.weights=fp8,rollout.weight_block_size=B."
+)
+OLD_SCAN_FLAGS = {
+  "sources": "--candidate (one per source)",
+  "noise-sigma": "--candidate=rollout.noise_sigma=S",
+  "kv-granularity": "--candidate=rollout.kv_cache=fp8,rollout.kv_granularity=G",
+  "weight-block-size": "--candidate=rollout.weights=fp8,rollout.weight_block_size=B",
+}
+# The rollout keys a scan candidate may set: the source each names, and the setting it carries.
+SCAN_KEYS = {
+  "rollout.weights": ("fp8_weights", "fp8"),
+  "rollout.kv_cache": ("fp8_kv", "fp8"),
+  "rollout.noise_sigma": ("noise", None),
+  "rollout.weight_block_size": (None, None),
+  "rollout.kv_granularity": (None, None),
+}
+
+
+def scan_from_candidates(specs: list[str], config) -> dict:
+  """The scan's sources and settings from --candidate specs (parsed by the admission check's
+  candidate parser, `candidates.parse_candidate`).
+
+  Returns:
+    {"sources": (...), "noise_sigma", "weight_block_size", "kv_granularity"}: the values the
+    candidates set, else the old flags' defaults and the config's KV granularity.
+  """
+  out = {
+    "sources": [],
+    "noise_sigma": sensitivity.DEFAULT_NOISE_SIGMA,
+    "weight_block_size": None,
+    "kv_granularity": config.rollout.kv_granularity,
+  }
+  for spec in specs:
+    overrides = candidates.parse_candidate(spec, config).overrides
+    unknown = [k for k in overrides if k not in SCAN_KEYS]
+    if unknown:
+      raise ValueError(
+        f"--candidate={spec}: the scan cannot perturb {', '.join(unknown)} a layer at a time; "
+        f"it takes {', '.join(SCAN_KEYS)}"
+      )
+    named = [SCAN_KEYS[k][0] for k in overrides if SCAN_KEYS[k][0]]
+    if len(named) != 1:
+      raise ValueError(
+        f"--candidate={spec}: name exactly one of rollout.weights=fp8, rollout.kv_cache=fp8 or "
+        "rollout.noise_sigma=S per candidate"
+      )
+    for key, value in overrides.items():
+      source, needed = SCAN_KEYS[key]
+      if needed is not None and value != needed:
+        raise ValueError(f"--candidate={spec}: the scan takes {key}={needed}, got {value!r}")
+      if key == "rollout.noise_sigma":
+        if not value > 0:
+          raise ValueError(f"--candidate={spec}: rollout.noise_sigma must be > 0")
+        out["noise_sigma"] = float(value)
+      elif key == "rollout.weight_block_size":
+        out["weight_block_size"] = int(value) or None
+      elif key == "rollout.kv_granularity":
+        out["kv_granularity"] = value
+    if named[0] not in out["sources"]:
+      out["sources"].append(named[0])
+  out["sources"] = tuple(out["sources"])
+  return out
+
+
 _SEQ_LEN = flags.DEFINE_integer(
   "seq-len", sensitivity.DEFAULT_SEQ_LEN, "Sequence slots for the KV capacity accounting."
 )
@@ -66,28 +151,43 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   config = flags.FLAGS.config
-  json_path = _JSON.value or os.path.join(flags.FLAGS.workdir, "sensitivity.json")
-  png_path = _PNG.value or os.path.splitext(json_path)[0] + ".png"
+  default_json = os.path.join(flags.FLAGS.workdir, "sensitivity.json")
+  png_path = (
+    _PNG.value
+    or os.path.splitext(_JSON.value if _JSON.value not in (None, "-") else default_json)[0] + ".png"
+  )
+  old = [name for name in OLD_SCAN_FLAGS if flags.FLAGS[name].present]
   try:
+    if old and _CANDIDATES.value:
+      raise ValueError(f"give --candidate or the old --{', --'.join(old)}, not both")
+    for name in old:
+      cli_flags.warn_deprecated(f"--{name}", OLD_SCAN_FLAGS[name])
+    if _CANDIDATES.value:
+      scan = scan_from_candidates(_CANDIDATES.value, config)
+    else:
+      scan = {
+        "sources": tuple(_SOURCES.value),
+        "noise_sigma": _SIGMA.value,
+        "weight_block_size": _BLOCK.value or None,
+        "kv_granularity": _KV_GRANULARITY.value or config.rollout.kv_granularity,
+      }
     settings = sensitivity.ScanSettings(
-      sources=tuple(_SOURCES.value),
       layers=_layers(_LAYERS.value),
       modules=None if _MODULES.value == ["none"] else tuple(_MODULES.value),
-      noise_sigma=_SIGMA.value,
-      weight_block_size=_BLOCK.value or None,
-      kv_granularity=_KV_GRANULARITY.value or config.rollout.kv_granularity,
+      **scan,
     )
-    sensitivity.run_sensitivity(
-      config,
-      params_from=_PARAMS_FROM.value,
-      num_prompts=_PROMPTS.value,
-      target_kl=_TARGET.value,
-      settings=settings,
-      seq_len=_SEQ_LEN.value,
-      json_path=json_path,
-      png_path=png_path,
-      log=lambda *a: print(*a, flush=True),
-    )
+    with cli_flags.json_output(_JSON.value or default_json) as json_path:
+      sensitivity.run_sensitivity(
+        config,
+        params_from=_PARAMS_FROM.value,
+        num_prompts=_PROMPTS.value,
+        target_kl=_TARGET.value,
+        settings=settings,
+        seq_len=_SEQ_LEN.value,
+        json_path=json_path,
+        png_path=png_path,
+        log=cli_flags.log_for_json(_JSON.value),
+      )
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 

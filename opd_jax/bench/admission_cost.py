@@ -2,8 +2,8 @@
 
 Command (CPU; 1 to 3 minutes with a finished run to read, plus 3 with --measure-run):
 
-    python -m opd_jax.bench.admission_cost --run=/tmp/runs/bf16_sync \\
-        --teacher-cache=/tmp/tcache                         # readable
+    python -m opd_jax.bench.admission_cost --params-from=/tmp/runs/bf16_sync \\
+        --config.teacher.cache_dir=/tmp/tcache              # readable
     python -m opd_jax.bench.admission_cost ... --json      # the JSON result only
 
 The check. `python -m opd_jax.admit` is run as a separate process (a user pays its imports
@@ -28,15 +28,15 @@ config). The budget is a placeholder fitted on hand-made
 records with an empty fingerprint and checked with `--force`: the verdict does not change the
 cost.
 
-The training run. `--run=DIR` reads a finished run's `metrics.jsonl`: its `perf/wall_seconds`
-(the whole `run`: model build, the teacher bootstrap if that run made one, the warm start,
-the OPD loop, evaluations and checkpoints) and `perf/train_wall_seconds` when the run logged it
-(the loop without evaluations and checkpoints). A run that bootstrapped its teacher counts that
-time: pass `--measure-run` to time a fresh run of the same config with the cached teacher
-instead (a subprocess `python -m opd_jax.main`, about 3 minutes on 2 cores), whose whole
-process is timed as the check's is (`process_wall_seconds`). Given both, the result has both
-and `fraction_of_run` (check process / run process wall time; the target is at most 2%) uses
-the measured run.
+The training run. `--params-from=RUN` reads a finished run's `metrics.jsonl`: its
+`perf/wall_seconds` (the whole `run`: model build, the teacher bootstrap if that run made one,
+the warm start, the OPD loop, evaluations and checkpoints) and `perf/train_wall_seconds` when
+the run logged it (the loop without evaluations and checkpoints). A run that bootstrapped its
+teacher counts that time: pass `--measure-run` to time a fresh run of the same config with the
+cached teacher instead (a subprocess `python -m opd_jax.main`, about 3 minutes on 2 cores),
+whose whole process is timed as the check's is (`process_wall_seconds`). Given both, the result
+has both and `fraction_of_run` (check process / run process wall time; the target is at most 2%)
+uses the measured run.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import tempfile
 import time
 
 from opd_jax.budget import fit_budget, save_budget
+from opd_jax.cli import flags as cli_flags
 from opd_jax.io import metrics_writer
 
 DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
@@ -139,10 +140,12 @@ def _median(checks: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.admission_cost")
-  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  cli_flags.add_json_argument(parser)
   parser.add_argument("--config", default="configs/bf16_sync.py", help="the run's config file")
-  parser.add_argument("--teacher-cache", default="", help="the cached teacher's directory")
-  parser.add_argument("--run", default="", help="a finished run of the config (its workdir)")
+  cli_flags.add_teacher_cache_argument(parser, "the cached teacher's directory")
+  parser.add_argument(
+    "--params-from", dest="run", default="", help="a finished run of the config (its workdir)"
+  )
   parser.add_argument("--measure-run", action="store_true", help="time a fresh training run")
   parser.add_argument("--candidate", default=DEFAULT_CANDIDATE, help="one candidate spec")
   parser.add_argument("--prompts", type=int, default=64, help="calibration prompts")
@@ -151,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     "--student", choices=("run", "initial"), default="run", help="--params-from=RUN or warm start"
   )
   parser.add_argument("--workdir", default="", help="scratch directory (default: a temp dir)")
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  renames = {"--teacher-cache": "--config.teacher.cache_dir", "--run": "--params-from"}
+  args = parser.parse_args(cli_flags.rewrite_deprecated(["", *argv], renames)[1:])
   if not args.run and not args.measure_run:
-    raise SystemExit("give --run=DIR (a finished run to read) or --measure-run")
+    raise SystemExit("give --params-from=RUN (a finished run to read) or --measure-run")
   if args.student == "run" and not args.run:
-    raise SystemExit("--student=run needs --run=DIR (its checkpoints); or use --student=initial")
+    raise SystemExit(
+      "--student=run needs --params-from=RUN (its checkpoints); or use --student=initial"
+    )
   if args.repeats < 1:
     raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
-  log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+  log = cli_flags.log_for_json(args.json)
   root = args.workdir or tempfile.mkdtemp(prefix="opd_admission_cost_")
   os.makedirs(root, exist_ok=True)
   budget_path = os.path.join(root, "placeholder_budget.json")
@@ -202,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     entry["within_target"] = entry["fraction_of_run"] <= TARGET
     result[name] = entry
   if args.json:
-    print(json.dumps(result))
-    return 0
+    cli_flags.write_json(json.dumps(result), args.json)
+    if args.json == "-":
+      return 0
   print(f"check: {args.candidate} on {args.prompts} prompts, student={args.student}")
   for src, run in runs.items():
     print(f"run ({src}): {run['dir']}: wall {run['wall_seconds']:.1f} s")

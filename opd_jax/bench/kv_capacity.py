@@ -3,7 +3,7 @@
 Command (CPU, about 5 s):
 
     python -m opd_jax.bench.kv_capacity            # readable table and floor checks
-    python -m opd_jax.bench.kv_capacity --json     # {"rows": [...]} on stdout only
+    python -m opd_jax.bench.kv_capacity --json     # {"rows": [...]} on stdout only (or =PATH)
 
 One row per model shape × recipe × scale granularity. Bytes always come from the
 cache layout that `kvcache.init_cache` builds, never from a formula:
@@ -32,6 +32,7 @@ import argparse
 import json
 import sys
 
+from opd_jax.cli import flags as cli_flags
 from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
@@ -208,7 +209,7 @@ def format_table(rows: list[dict], checks: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
   """Prints the capacity table (or JSON rows); returns 1 when a floor fails."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--json", action="store_true", help='print only {"rows": [...]}')
+  cli_flags.add_json_argument(parser)
   parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget, GiB")
   parser.add_argument("--seq-len", type=int, default=4096, help="slots per sequence")
   args = parser.parse_args(argv)
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
   rows = capacity_rows(int(args.budget_gib * 2**30), args.seq_len)
   checks = check_floors(rows)
   if args.json:
-    print(json.dumps({"rows": rows}))
+    cli_flags.write_json(json.dumps({"rows": rows}), args.json)
+  if args.json == "-":
     for c in checks:
       if not c["ok"]:
         print(f"floor {c['name']} on {c['model']} failed: {c['value']:.4f}", file=sys.stderr)

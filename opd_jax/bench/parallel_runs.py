@@ -2,8 +2,8 @@
 
 Command (CPU; about 15 minutes with a cached teacher and the defaults):
 
-    python -m opd_jax.bench.parallel_runs --teacher-cache=/tmp/tcache          # readable
-    python -m opd_jax.bench.parallel_runs --teacher-cache=/tmp/tcache --json   # JSON only
+    python -m opd_jax.bench.parallel_runs --config.teacher.cache_dir=/tmp/tcache         # readable
+    python -m opd_jax.bench.parallel_runs --config.teacher.cache_dir=/tmp/tcache --json  # JSON
 
 `--runs` runs of the study's run config (`configs/study.py`: `bf16_sync.py` at 500 steps;
 `--steps` shortens them), with seeds 0, 1, ..., trained twice by `runs.run_many`:
@@ -29,6 +29,8 @@ import resource
 import sys
 import tempfile
 import time
+
+from opd_jax.cli import flags as cli_flags
 
 RESULT_KEYS = ("student_accuracy_after", "student_teacher_kl_after", "train/mismatch/kl_mean")
 
@@ -82,16 +84,18 @@ def sweep(root: str, args, workers: int, log) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.parallel_runs")
-  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  cli_flags.add_json_argument(parser)
   parser.add_argument("--runs", type=int, default=4, help="runs in each sweep")
   parser.add_argument("--workers", type=int, default=2, help="processes of the parallel sweep")
   parser.add_argument("--steps", type=int, default=0, help="OPD steps per run (0: the study's)")
   parser.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
-  parser.add_argument("--teacher-cache", default="", help="teacher cache (default: workdir's)")
-  args = parser.parse_args(argv)
+  cli_flags.add_teacher_cache_argument(parser, "teacher cache (default: the workdir's)")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  renames = {"--teacher-cache": "--config.teacher.cache_dir"}
+  args = parser.parse_args(cli_flags.rewrite_deprecated(["", *argv], renames)[1:])
   if args.runs < 1 or args.workers < 2 or args.steps < 0:
     raise SystemExit("--runs must be >= 1, --workers >= 2 and --steps >= 0")
-  log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+  log = cli_flags.log_for_json(args.json)
   root = args.workdir or tempfile.mkdtemp(prefix="opd_parallel_runs_")
   args.teacher_cache = args.teacher_cache or os.path.join(root, "teacher_cache")
   # The teacher and the warm-started student go into the cache before either sweep (workers
@@ -113,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     "workdir": root,
   }
   if args.json:
-    print(json.dumps(result))
-    return 0
+    cli_flags.write_json(json.dumps(result), args.json)
+    if args.json == "-":
+      return 0
   print(f"\n{args.runs} runs on {result['cpu_count']} CPUs ({result['steps']} steps each)")
   for name in ("serial", "parallel"):
     s = result[name]

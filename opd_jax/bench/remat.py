@@ -34,6 +34,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from opd_jax.cli import flags as cli_flags
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -110,7 +111,7 @@ def run(rows=ROWS) -> list[dict]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  cli_flags.add_json_argument(parser)
   args = parser.parse_args(argv)
   rows = run()
   c = BENCH_CONFIG
@@ -125,8 +126,9 @@ def main(argv=None) -> int:
     "backend": jax.default_backend(),
   }
   if args.json:
-    print(json.dumps({"shape": shape, "rows": rows}))
-    return 0
+    cli_flags.write_json(json.dumps({"shape": shape, "rows": rows}), args.json)
+    if args.json == "-":
+      return 0
   print(f"train step, {shape}")
   print(f"{'remat':>14} {'K':>3} {'temp MiB':>10} {'vs none':>8} {'args MiB':>9}")
   for r in rows:

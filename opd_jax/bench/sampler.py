@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.cli import flags as cli_flags
 from opd_jax.inference import sampler, transform
 from opd_jax.io import hf
 from opd_jax.model import kvcache, quant
@@ -301,7 +302,7 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; prints a table, or {"rows": [...]} with --json."""
   parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.sampler")
-  parser.add_argument("--json", action="store_true", help='print only {"rows": [...]}')
+  cli_flags.add_json_argument(parser)
   parser.add_argument("--quick", action="store_true", help="2 timed runs per row instead of 3")
   parser.add_argument(
     "--threads", type=int, default=1, help="cores for both engines; 0 = all (default 1)"
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
   import torch
 
   torch.set_num_threads(len(cores))
-  log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+  log = (lambda msg: print(msg, file=sys.stderr)) if args.json == "-" else print
   log(
     f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both "
     f"pinned to {len(cores)} core(s), torch with {torch.get_num_threads()} threads; f32 for "
@@ -340,8 +341,9 @@ def main(argv: list[str] | None = None) -> int:
   repeats = 2 if args.quick else 3
   rows = [row for name in names for row in bench_model(name, repeats, log, kinds)]
   if args.json:
-    print(json.dumps({"rows": rows}))
-    return 0
+    cli_flags.write_json(json.dumps({"rows": rows}), args.json)
+    if args.json == "-":
+      return 0
   print()
   header = ("model", "batch", "kind", "opd_jax tok/s", "baseline tok/s", "ratio", "compile s")
   print("{:<10} {:>5} {:<16} {:>13} {:>14} {:>6} {:>9}".format(*header))

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.cli import flags as cli_flags
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing
 from opd_jax.model import teacher_topk
@@ -187,7 +188,7 @@ def _pair(vocab: int, source: str, full: dict, top: dict) -> dict:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--json", action="store_true", help="print only the JSON result")
+  cli_flags.add_json_argument(parser)
   parser.add_argument("--top-k", type=int, default=TOP_K)
   parser.add_argument("--loss", default="forward_kl")
   parser.add_argument("--repeats", type=int, default=5)
@@ -208,8 +209,9 @@ def main(argv=None) -> int:
     "backend": jax.default_backend(),
   }
   if args.json:
-    print(json.dumps({"shape": shape, "rows": rows}))
-    return 0
+    cli_flags.write_json(json.dumps({"shape": shape, "rows": rows}), args.json)
+    if args.json == "-":
+      return 0
   mib = 2**20
   print(f"full vs sparse teacher (k={args.top_k}), {shape}")
   print(

@@ -6,13 +6,28 @@ that reads a run config; `resolve_config_arg` lets a bare `--config=fp8_async.py
 inside the repository's `configs/`, and `parse_flags` turns a misspelt override into one line.
 The exit helpers end a command without the interpreter's teardown, or end one process of a
 multi-process run without waiting on its dead peers.
+
+The vocabulary every command follows (docs/cli.md has the table of what changed):
+
+* `--json=PATH` writes the command's JSON result to PATH; `--json=-` (or a bare `--json`)
+  prints it to stdout, and the command's readable lines then go to stderr (`write_json`).
+* `--params-from=RUN` names the trained run a command reads (`RUN` is its workdir).
+* The teacher cache is the run config's own key: `--config.teacher.cache_dir=DIR`
+  (`--config.run.teacher.cache_dir=DIR` where the config nests a run config).
+* A rollout setting is named as `rollout.<key>=<value>[,rollout.<key>=<value> ...]`.
+* `--help` (`-h`) prints the command's own flags, `--config` and `--workdir` among them where it
+  has them, points to the config reference, and exits 0.
+* An old spelling keeps working for one release, with a warning (`rewrite_deprecated`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
+import tempfile
+import textwrap
 import traceback
 from pathlib import Path
 
@@ -24,6 +39,132 @@ CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_co
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_REFERENCE = "docs/reference/config.md"  # every config key, its default and meaning
+HELP_ARGS = ("--help", "-h", "--helpshort", "-?")
+
+
+def warn_deprecated(old: str, new: str) -> None:
+  """One stderr line saying that `old` still works for this release and what replaces it."""
+  print(
+    f"warning: {old} is deprecated and will be removed in the next release; use {new}",
+    file=sys.stderr,
+    flush=True,
+  )
+
+
+def rewrite_deprecated(argv: list[str], renames: dict[str, str]) -> list[str]:
+  """Rewrites old flag spellings to new ones, warning once per old flag.
+
+  Args:
+    argv: the command line (argv[0] is kept as is).
+    renames: old flag -> new flag, both with their dashes, e.g. {"--run": "--params-from"}. A
+      bare old flag (no "=value") maps to the bare new flag.
+
+  Returns:
+    argv with every `--old[=value]` replaced by `--new[=value]`.
+  """
+  out, warned = list(argv[:1]), set()
+  for arg in argv[1:]:
+    name, sep, value = arg.partition("=")
+    if name in renames:
+      if name not in warned:
+        warn_deprecated(name, renames[name])
+        warned.add(name)
+      arg = f"{renames[name]}{sep}{value}"
+    out.append(arg)
+  return out
+
+
+def bare_json_to_stdout(argv: list[str]) -> list[str]:
+  """A bare `--json` (no value) means `--json=-`: the JSON on stdout."""
+  return [arg if arg != "--json" else "--json=-" for arg in argv]
+
+
+def write_json(payload: str, target: str) -> None:
+  """Writes JSON text to `target`: a file path (parent folders made), or "-" for stdout."""
+  if not target:
+    raise ValueError("--json needs a path, or - for stdout")
+  if target == "-":
+    sys.stdout.write(payload if payload.endswith("\n") else payload + "\n")
+    sys.stdout.flush()
+    return
+  path = Path(target)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(payload if payload.endswith("\n") else payload + "\n")
+
+
+@contextlib.contextmanager
+def json_output(target: str | None):
+  """The path a library should write its JSON to, for `--json=target`.
+
+  Yields `target` itself (None stays None), or for "-" a temporary file whose text is printed
+  to stdout once the block ends without an error.
+  """
+  if target != "-":
+    yield target
+    return
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "result.json")
+    yield path
+    with open(path) as f:
+      write_json(f.read(), "-")
+
+
+def add_json_argument(parser, what: str = "the JSON result") -> None:
+  """`--json[=PATH]` for an argparse command: PATH, or "-" (a bare `--json`) for stdout only."""
+  parser.add_argument(
+    "--json",
+    nargs="?",
+    const="-",
+    default=None,
+    metavar="PATH",
+    help=f"write {what} to PATH; - (or a bare --json) prints only it to stdout",
+  )
+
+
+def add_teacher_cache_argument(parser, help_text: str) -> None:
+  """`--config.teacher.cache_dir=DIR` for an argparse command (the run config's own key), with
+  the old `--teacher-cache` kept for this release (`rewrite_deprecated`)."""
+  parser.add_argument(
+    "--config.teacher.cache_dir", dest="teacher_cache", default="", help=help_text
+  )
+
+
+def log_for_json(target: str | None):
+  """The print function a command's readable lines use: stderr when its JSON goes to stdout."""
+  if target == "-":
+    return lambda *a: print(*a, file=sys.stderr, flush=True)
+  return lambda *a: print(*a, flush=True)
+
+
+def command_help(doc: str | None) -> str:
+  """The `--help` text of an absl command: its docstring, its own flags and the shared ones
+  (`--config`, `--workdir` where it reads a run config), and where the config keys are."""
+  lines = [(doc or "").strip(), "", "flags:"]
+  by_module = flags.FLAGS.flags_by_module_dict()
+  shown = set()
+  for module in sorted(by_module, key=lambda m: (m != __name__, m)):
+    if module.startswith("absl"):
+      continue
+    for flag in sorted(by_module[module], key=lambda f: f.name):
+      if flag.name in shown:
+        continue
+      shown.add(flag.name)
+      default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+      if flag.name == "config":
+        help_text = (
+          "a config file, configs/<name>.py[:variant], with --config.<key>=<value> overrides"
+        )
+      else:
+        help_text = " ".join(str(flag.help).split())
+      lines.append(
+        textwrap.fill(f"  --{flag.name}: {help_text}{default}", 100, subsequent_indent="      ")
+      )
+  lines.append("")
+  if "config" in shown:
+    lines.append(f"Every config key, its default and meaning: {CONFIG_REFERENCE}")
+  lines.append("absl's own flags: --helpfull")
+  return "\n".join(lines)
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:
@@ -134,7 +275,15 @@ def exit_at_once() -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing, with a one-line error for a misspelt --config.key override."""
+  """absl flag parsing, with a one-line error for a misspelt --config.key override.
+
+  `--help` prints `command_help` for the `__main__` module and exits 0; a bare `--json` is
+  `--json=-`.
+  """
+  if any(arg in HELP_ARGS for arg in argv[1:]):
+    print(command_help(getattr(sys.modules.get("__main__"), "__doc__", None)))
+    sys.exit(0)
+  argv = bare_json_to_stdout(argv)
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:

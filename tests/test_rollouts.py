@@ -104,9 +104,10 @@ def _host(rollout):
   }
 
 
-def test_async_with_max_lag_0_reproduces_sync_batch_for_batch(mesh):
+@pytest.mark.parametrize("dispatch", ["thread", "inline"])
+def test_async_with_max_lag_0_reproduces_sync_batch_for_batch(mesh, dispatch):
   sync = _drive(SyncRollouts(_engine(mesh)), 5)
-  source = AsyncRollouts(_engine(mesh), max_lag=0)
+  source = AsyncRollouts(_engine(mesh), max_lag=0, dispatch=dispatch)
   try:
     asynchronous = _drive(source, 5)
   finally:
@@ -118,10 +119,11 @@ def test_async_with_max_lag_0_reproduces_sync_batch_for_batch(mesh):
   assert [int(r.weight_version) for _, r in asynchronous] == [0, 1, 2, 3, 4]
 
 
-def test_publish_copies_so_a_donated_trainer_buffer_is_never_read(mesh):
+@pytest.mark.parametrize("dispatch", ["thread", "inline"])
+def test_publish_copies_so_a_donated_trainer_buffer_is_never_read(mesh, dispatch):
   params = _params()
   expected = _host(_sample(mesh, params))
-  source = AsyncRollouts(_engine(mesh), max_lag=1)
+  source = AsyncRollouts(_engine(mesh), max_lag=1, dispatch=dispatch)
   try:
     source.publish(params, 0)
     trained = _update_donating(params)  # donates the published buffers at once
@@ -282,7 +284,67 @@ def test_resume_state_points_after_the_last_consumed_batch(mesh):
   assert next(resumed)["prompt"] == next(straight)["prompt"]
 
 
+def test_inline_async_at_max_lag_1_is_sync_stale_1_batch_for_batch(mesh):
+  """Inline dispatch decides nothing by timing: at max_lag = max_ahead = 1 batch t is sampled
+  with version max(t − 1, 0), exactly what the synchronous stale-1 source does, with the same
+  prompts and keys, so every token and log-prob agrees."""
+  stale = _drive(SyncRollouts(_engine(mesh), stale_k=1), 6)
+  source = AsyncRollouts(_engine(mesh), max_lag=1, dispatch="inline")
+  try:
+    inline = _drive(source, 6)
+    stats, lags = source.window_stats()
+  finally:
+    source.close()
+  assert [int(r.weight_version) for _, r in inline] == [0, 0, 1, 2, 3, 4]
+  for (_, a), (_, b) in zip(stale, inline, strict=True):
+    a, b = _host(a), _host(b)
+    for name in a:
+      np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+  assert lags.tolist() == [0, 1, 1, 1, 1, 1] and stats["rollout/publish_seconds"] >= 0
+  assert source.produced - source.trained == 2  # the double buffer is full at the end
+
+
+@pytest.mark.parametrize(
+  "max_lag,max_ahead,policy", [(0, 1, "drop"), (0, 2, "drop"), (1, 2, "correct")]
+)
+def test_inline_lag_bound_and_accounting(mesh, max_lag, max_ahead, policy):
+  """The lag bound and produced = trained + dropped + still buffered, when the gate lets the
+  buffer run ahead of max_lag; the dropped prompts are not revisited."""
+  source = AsyncRollouts(
+    _engine(mesh), max_lag=max_lag, max_ahead=max_ahead, stale_policy=policy, dispatch="inline"
+  )
+  try:
+    seen = _drive(source, 8)
+  finally:
+    source.close()
+  lags = [step - int(r.weight_version) for step, r in seen]
+  assert max(lags) <= (max_lag if policy == "drop" else max_ahead), lags
+  assert source.corrected == sum(lag > max_lag for lag in lags)
+  assert source.trained == 8 and source.produced - source.trained - source.dropped <= 2
+  if policy == "drop":
+    assert source.dropped > 0  # the buffer ran ahead of the bound
+  prompts = [tuple(np.asarray(r.prompt_tokens)[0]) for _, r in seen]
+  assert len(set(prompts)) == len(prompts)
+
+
+def test_inline_resume_state_points_after_the_last_consumed_batch(mesh):
+  source = AsyncRollouts(_engine(mesh), max_lag=1, dispatch="inline")
+  try:
+    _drive(source, 3)  # batches 3 and 4 are dispatched ahead and not consumed
+    state = source.resume_state()
+  finally:
+    source.close()
+  assert state["next_batch"] == 3 and source.produced == 5
+  straight, resumed = _prompts(), _prompts()
+  for _ in range(3):
+    next(straight)
+  resumed.set_state(state["data_state"])
+  assert next(resumed)["prompt"] == next(straight)["prompt"]
+
+
 def test_bad_async_settings_are_refused(mesh):
+  with pytest.raises(ValueError, match="dispatch must be one of auto, thread, inline"):
+    AsyncRollouts(_engine(mesh), max_lag=1, dispatch="process")
   with pytest.raises(ValueError, match="stale_policy must be one of drop, correct"):
     AsyncRollouts(_engine(mesh), max_lag=1, stale_policy="keep")
   with pytest.raises(ValueError, match="max_lag must be >= 0"):

@@ -46,8 +46,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor) mesh over all devices."""
-  return sharding.make_mesh((config.mesh.data, config.mesh.fsdp, config.mesh.tensor))
+  """The trainer's (data, fsdp, tensor) mesh: over all devices, or over those that
+  `rollout.devices` leaves (`sharding.split_devices`) when rollouts run on their own."""
+  apart = config.get("rollout", {}).get("devices", 0)
+  devices = sharding.split_devices(apart)[0] if apart else None
+  return sharding.make_mesh((config.mesh.data, config.mesh.fsdp, config.mesh.tensor), devices)
 
 
 def arch_config(arch: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:

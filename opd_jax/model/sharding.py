@@ -391,8 +391,8 @@ def relayout(tree, shardings):
 
   Arrays already on the shardings' devices go through a jitted identity, built once per layout
   and compiled once per input shape, so a loop that relayouts every step (each rollout onto
-  the train mesh) compiles it once, not once per call. Anything else (host arrays, arrays on
-  other devices) is a transfer (`jax.device_put`).
+  the train mesh) compiles it once, not once per call. Anything else is a transfer
+  (`transfer`): shard for shard between meshes of one shape, else `jax.device_put`.
   """
   leaves, treedef = jax.tree.flatten(shardings)
   devices = set().union(*(s.device_set for s in leaves))
@@ -401,7 +401,88 @@ def relayout(tree, shardings):
     for x in jax.tree.leaves(tree)
   ):
     return _identity_jit(treedef, tuple(leaves))(tree)
-  return jax.device_put(tree, shardings)
+  return jax.tree.map(transfer, tree, shardings)
+
+
+def split_devices(num_rollout: int, devices=None) -> tuple[list, list]:
+  """(training devices, rollout devices): `rollout.devices` set apart from the trainer's.
+
+  Each of the P processes gives its last num_rollout / P local devices to the rollouts and
+  keeps the others for training, in `devices` order. So the i-th training device and the i-th
+  rollout device belong to the same process whenever the two sets are equal halves, and
+  meshes of one shape over them are mirrors (`transfer` then copies shard for shard, inside
+  each process).
+
+  Raises:
+    ValueError: num_rollout not a multiple of the process count, or leaving a process no
+      training device.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  processes = sorted({d.process_index for d in devices})
+  if num_rollout < 1 or num_rollout % len(processes):
+    raise ValueError(
+      f"rollout.devices={num_rollout} must be a positive multiple of the process count "
+      f"({len(processes)}): every process gives the same number of its devices to rollouts"
+    )
+  per_process = num_rollout // len(processes)
+  train, rollout = [], []
+  for p in processes:
+    local = [d for d in devices if d.process_index == p]
+    if per_process >= len(local):
+      raise ValueError(
+        f"rollout.devices={num_rollout} takes {per_process} of each process's {len(local)} "
+        "devices, leaving none to train on; set fewer (half the devices is the usual split)"
+      )
+    train += local[: len(local) - per_process]
+    rollout += local[len(local) - per_process :]
+  return train, rollout
+
+
+def _mirror(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`x` copied shard for shard onto `target`'s mesh: same mesh shape and spec, other devices.
+
+  Each process copies only its own shards, to the device at the same mesh position, so no
+  data crosses processes (multi-controller JAX cannot `device_put` between device sets).
+  """
+  position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}
+  targets = list(target.mesh.devices.flat)
+  shards = []
+  for shard in x.addressable_shards:
+    device = targets[position[shard.device]]
+    if device.process_index != shard.device.process_index:
+      raise ValueError(
+        f"cannot copy a shard from {shard.device} to {device}: mirrored meshes must pair devices "
+        "of one process (use `split_devices` to place the rollout devices)"
+      )
+    shards.append(jax.device_put(shard.data, device))
+  return jax.make_array_from_single_device_arrays(x.shape, target, shards)
+
+
+def transfer(x, target):
+  """One array moved onto `target`, a sharding on other devices (the rollout devices).
+
+  Between two ("data", "fsdp", "tensor") meshes of one shape the copy is shard for shard
+  (`_mirror`), after relaying `x` out with `target`'s spec on its own mesh if it differs; this
+  is the only transfer that works across processes. Otherwise `jax.device_put`, which works
+  in one process.
+  """
+  source = getattr(x, "sharding", None)
+  if (
+    isinstance(source, NamedSharding)
+    and isinstance(target, NamedSharding)
+    and source.mesh.devices.shape == target.mesh.devices.shape
+    and source.mesh.axis_names == target.mesh.axis_names
+  ):
+    local = NamedSharding(source.mesh, target.spec)
+    if not source.is_equivalent_to(local, x.ndim):
+      x = _identity_jit(jax.tree.structure(0), (local,))(x)
+    return _mirror(x, target)
+  if jax.process_count() > 1 and isinstance(x, jax.Array):
+    raise ValueError(
+      f"cannot move an array from {source} to {target} across processes: the rollout mesh must "
+      "mirror the training mesh (rollout.devices = half the devices, rollout.mesh_* = 0)"
+    )
+  return jax.device_put(x, target)
 
 
 def tree_shardings(abstract_tree, mesh, rules: Rules = DEFAULT_RULES):

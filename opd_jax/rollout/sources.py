@@ -6,8 +6,9 @@ before each step. Two sources keep those two calls:
 
 * `SyncRollouts` samples every batch, in the trainer's thread, with the newest
   published weights (lag 0), or with the weights `stale_k` versions old.
-* `AsyncRollouts` samples ahead in a producer thread into a double buffer (a queue
-  of at most two batches), so sampling batch t + 1 overlaps training on batch t.
+* `AsyncRollouts` samples ahead into a double buffer (at most two batches), so sampling
+  batch t + 1 overlaps training on batch t: from a producer thread, or dispatched inline by
+  the trainer's thread (Dispatch, below).
 
 Each published version is transformed once, params_r = T(θ_v) (`inference.transform.engine_params`:
 bf16 cast, fp8 recipe, weight noise), and every rollout sampled from it carries v.
@@ -39,14 +40,32 @@ Weight-version semantics of the async loop (the same words are in the README):
   the trajectory when `max_lag > 0`) is not reproducible across runs; with
   `max_lag = 0` everything is.
 
-Devices. The producer is a Python thread that dispatches jitted sampler calls. JAX
-releases the GIL while XLA runs, so sampler and train-step programs run at the same
-time; on a CPU both compete for the same cores (each op already uses all of them), so
-the overlap is partial, while with separate device sets (`engine_shardings` on other
-devices) they run fully in parallel. `publish` makes an explicit device copy
-(`device_put(..., may_alias=False)`) of the trainer's params onto the engine's
-shardings before the train step donates them, so the engine never reads a donated
-buffer; the copy is dispatched asynchronously and the trainer does not wait for it.
+Dispatch. Who issues the sampling programs (`rollout.dispatch`):
+
+* `thread` (the default with one process): a producer thread dispatches the jitted sampler
+  and waits for it, while the trainer's thread dispatches train steps. JAX releases the GIL
+  while XLA runs, so the two run at the same time; on a CPU both compete for the same cores
+  (each op already uses all of them), so the overlap is partial, while with devices apart
+  they run fully in parallel.
+* `inline` (the default with several processes): a single controller. The trainer's thread
+  dispatches everything: `publish(θ_v)` waits for the engine's copy of the weights, then
+  enqueues T(θ_v) and the sampling of every batch the gate now admits, without waiting for
+  them, and returns; the train step of the batch in hand is dispatched next. JAX's
+  asynchronous dispatch runs the two at once when the rollouts have devices of their own
+  (`rollout.devices`): the sampler of batch n + 1 on the rollout devices while step n trains.
+  Every process issues the same programs in the same order, so their collectives (the
+  prompt exchange, the sampler's and the train step's) always pair up and cannot deadlock,
+  which two threads per process could. The gate, the lag bound, `stale_policy` and the
+  `rollout/*` metrics are the thread's; what differs is that nothing depends on timing, so a
+  run is reproducible at any `max_lag` (with `max_ahead = max_lag` every batch has lag
+  exactly `max_lag` once the run is under way).
+
+`publish` makes an explicit copy of the trainer's params for the engine
+(`RolloutWorker.engine_copy`): on the rollout devices when they are apart (a transfer between
+meshes, shard for shard between mirrored meshes), else `device_put(..., may_alias=False)` on
+the trainer's devices, so the engine never reads a buffer the next train step donates.
+`rollout/publish_seconds` is the time to finish that copy (inline) or the copy and T(θ)
+(thread, which takes versions as it needs them).
 
 Sharding. Rollouts are sampled SPMD on the mesh the engine's weights live on
 (`sharding.params_mesh`): the trainer's mesh with the training layout, or the rollout mesh
@@ -59,13 +78,13 @@ decodes prompts that another process also decodes (tensor-parallel peers of one 
 share its rows by design). With several processes, each process reads its own rows of
 every batch and the prompt token ids alone (B x P int32) are exchanged, so that every
 process can place every device's rows; each device then receives only its own. The
-rollout is laid out batch-sharded for the train step. The async source is
-single-process for now: two threads issuing multi-process programs in an order that
-differs between processes can deadlock their collectives.
+rollout is laid out batch-sharded for the train step (a transfer back to the training mesh
+when the rollouts run apart).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -81,6 +100,7 @@ from opd_jax.data.rollout_types import Rollout
 from opd_jax.rollout.worker import RolloutWorker
 
 STALE_POLICIES = ("drop", "correct")
+DISPATCH = ("auto", "thread", "inline")  # who issues the sampling programs (module docstring)
 
 
 QUEUE_SLOTS = 2  # the double buffer
@@ -223,7 +243,8 @@ class ProducerError(RuntimeError):
 
 
 class AsyncRollouts:
-  """A producer thread samples ahead into a two-slot queue; see the module docstring.
+  """Samples ahead into a two-slot buffer, from a producer thread or inline; see the module
+  docstring.
 
   Args:
     worker: the `RolloutWorker` that samples and scores each batch.
@@ -234,7 +255,10 @@ class AsyncRollouts:
     producer_timeout_s: `next()` raises TimeoutError when no batch arrives for this
       long while the trainer waits.
     engine_shardings: where the engine's copy of the weights lives (a pytree of
-      shardings like the params, or one sharding); None keeps the params' own.
+      shardings like the params, or one sharding); None = `worker.engine_copy` (the
+      rollout devices when `rollout.devices` sets them apart, else the params' own).
+    dispatch: "thread", "inline" or "auto" (thread with one process, inline with several);
+      Dispatch in the module docstring.
   """
 
   mode = "async"
@@ -248,6 +272,7 @@ class AsyncRollouts:
     first_batch: int = 0,
     producer_timeout_s: float = 600.0,
     engine_shardings=None,
+    dispatch: str = "auto",
   ):
     if max_lag < 0:
       raise ValueError(f"max_lag must be >= 0, got {max_lag}")
@@ -260,11 +285,15 @@ class AsyncRollouts:
       raise ValueError(f"max_ahead must be >= 0 (or None for max_lag), got {max_ahead}")
     if producer_timeout_s <= 0:
       raise ValueError(f"producer_timeout_s must be > 0, got {producer_timeout_s}")
-    if jax.process_count() > 1:
+    if dispatch not in DISPATCH:
+      raise ValueError(f"dispatch must be one of {', '.join(DISPATCH)}, got {dispatch!r}")
+    if dispatch == "thread" and jax.process_count() > 1:
       raise ValueError(
-        "rollout.mode=async runs in one process for now; use rollout.mode=sync for "
-        f"multi-process runs ({jax.process_count()} processes)"
+        f"rollout.dispatch='thread' runs in one process only ({jax.process_count()} "
+        "processes): two host threads issuing multi-process programs can deadlock their "
+        "collectives; use rollout.dispatch='auto' or 'inline'"
       )
+    self.threaded = dispatch == "thread" or (dispatch == "auto" and jax.process_count() == 1)
     self.worker = worker
     self.max_lag, self.max_ahead, self.stale_policy = max_lag, max_ahead, stale_policy
     self._timeout = producer_timeout_s
@@ -287,6 +316,11 @@ class AsyncRollouts:
     self._publish_seconds: list[float] = []
     self._time_in_queue: list[float] = []
     self.last_stats: dict[str, float] = {}
+    # Inline dispatch: the transformed newest version, the batches dispatched and not yet
+    # consumed (at most QUEUE_SLOTS), and the index of the next batch to dispatch.
+    self._inline_params: tuple | None = None
+    self._dispatched: collections.deque = collections.deque()
+    self._inline_index = first_batch
 
   # -- trainer side -------------------------------------------------------------
 
@@ -297,10 +331,13 @@ class AsyncRollouts:
     trainer may donate `params` to its next step right away; the copy is enqueued
     before that step, and the runtime orders the two.
     """
-    shardings = self._engine_shardings
-    if shardings is None:
-      shardings = jax.tree.map(lambda x: x.sharding, params)
-    copy = jax.device_put(params, shardings, may_alias=False)
+    if self._engine_shardings is None:
+      copy = self.worker.engine_copy(params)
+    else:
+      copy = jax.device_put(params, self._engine_shardings, may_alias=False)
+    if not self.threaded:
+      self._publish_inline(copy, version)
+      return
     with self._cond:
       self._pending = (copy, version)
       self.version = version
@@ -310,6 +347,8 @@ class AsyncRollouts:
     return self
 
   def __next__(self) -> Rollout:
+    if not self.threaded:
+      return self._next_inline()
     if self._thread is None:  # the producer starts when the trainer first asks
       if self.version < 0:
         raise RuntimeError("publish() weights before drawing rollouts")
@@ -319,21 +358,80 @@ class AsyncRollouts:
       item = self._get()
       if item is _END:
         raise StopIteration
-      lag = self.version - item.version
-      self._consumed_data_state = item.data_state
-      self._next_batch = item.index + 1
-      if lag > self.max_lag and self.stale_policy == "drop":
-        with self._cond:
-          self.dropped += 1
-          self._cond.notify_all()
-        continue
-      if lag > self.max_lag:
-        self.corrected += 1
-      self.trained += 1
-      self._lags.lags.append(lag)
-      self._time_in_queue.append(time.perf_counter() - item.produced_at)
-      self.last_stats = item.stats
-      return item.rollout
+      rollout = self._consume(item)
+      if rollout is not None:
+        return rollout
+
+  def _consume(self, item) -> Rollout | None:
+    """Applies the lag bound to a produced batch: the rollout to train on, or None when it
+    is dropped (both dispatch modes)."""
+    lag = self.version - item.version
+    self._consumed_data_state = item.data_state
+    self._next_batch = item.index + 1
+    if lag > self.max_lag and self.stale_policy == "drop":
+      with self._cond:
+        self.dropped += 1
+        self._cond.notify_all()
+      return None
+    if lag > self.max_lag:
+      self.corrected += 1
+    self.trained += 1
+    self._lags.lags.append(lag)
+    self._time_in_queue.append(time.perf_counter() - item.produced_at)
+    self.last_stats = item.stats
+    return item.rollout
+
+  # -- inline dispatch (one thread: the trainer's) -------------------------------
+
+  def _publish_inline(self, copy, version: int) -> None:
+    """Waits for the engine's copy of θ_version (its time is `rollout/publish_seconds`), then
+    dispatches T(θ_version) and every batch the gate now lets through (`_fill`)."""
+    start = time.perf_counter()
+    jax.block_until_ready(copy)
+    self._publish_seconds.append(time.perf_counter() - start)
+    self.version = version
+    self._inline_params = (self.worker.transform(copy, version), version)
+    self._fill()
+
+  def _fill(self) -> None:
+    """Dispatches batches while a slot is free and the gate of the next one holds: the same
+    gate as the producer thread's, n − dropped − max_ahead ≤ version, so the same batches get
+    the same versions; with one thread doing it, every process does it at the same point."""
+    while (
+      len(self._dispatched) < QUEUE_SLOTS
+      and (not self._dispatched or self._dispatched[-1] is not _END)
+      and self.version >= self._inline_index - self.dropped - self.max_ahead
+    ):
+      params_r, version_r = self._inline_params
+      try:
+        prompts = self.worker.draw_prompts()
+      except StopIteration:
+        self._dispatched.append(_END)
+        return
+      index = self._inline_index
+      pending = self.worker.dispatch(params_r, prompts, index, version_r)
+      self._dispatched.append(_Batch(pending, index, version_r, self.worker.data_state(), {}))
+      self.produced += 1
+      self._inline_index += 1
+
+  def _next_inline(self) -> Rollout:
+    if self._inline_params is None:
+      raise RuntimeError("publish() weights before drawing rollouts")
+    while True:
+      if not self._dispatched:
+        self._fill()  # after a drop: the gate holds for the next batch (see `_fill`)
+      item = self._dispatched.popleft()
+      if item is _END:
+        self._dispatched.appendleft(_END)
+        raise StopIteration
+      start = time.perf_counter()
+      item.rollout, item.stats = self.worker.finish(item.rollout)  # waits for the sampler
+      self._lags.queue_wait += time.perf_counter() - start
+      rollout = self._consume(item)
+      if rollout is not None:
+        return rollout
+
+  # -- producer thread -------------------------------------------------------------
 
   def _get(self):
     """The next queue item; raises the producer's error or a timeout."""
@@ -372,7 +470,7 @@ class AsyncRollouts:
     publish = self._publish_seconds
     in_queue = self._time_in_queue
     stats |= {
-      "rollout/queue_depth": float(self._queue.qsize()),
+      "rollout/queue_depth": float(self._queue.qsize() + len(self._dispatched)),
       "rollout/producer_wait_seconds": self._producer_wait,
       "rollout/publish_seconds": float(np.mean(publish)) if publish else 0.0,
       "rollout/time_in_queue_seconds": float(np.mean(in_queue)) if in_queue else 0.0,
@@ -384,7 +482,8 @@ class AsyncRollouts:
 
   def describe(self) -> str:
     return (
-      f"async, max_lag={self.max_lag}, max_ahead={self.max_ahead}, "
+      f"async ({'producer thread' if self.threaded else 'inline dispatch'}), "
+      f"max_lag={self.max_lag}, max_ahead={self.max_ahead}, "
       f"stale_policy={self.stale_policy}, engine {self.worker.engine_cfg.engine_id}"
     )
 
@@ -395,6 +494,8 @@ class AsyncRollouts:
   def close(self, timeout_s: float = 30.0) -> None:
     """Stops the producer and waits for it (a hung producer is left behind, as a daemon)."""
     self._stop.set()
+    self._dispatched.clear()
+    self._inline_params = None
     with self._cond:
       self._cond.notify_all()
     while True:  # unblock a producer waiting on a full queue

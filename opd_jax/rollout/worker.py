@@ -18,6 +18,7 @@ mesh `rollout_mesh` names.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import types
@@ -66,24 +67,44 @@ def _engine_params(params, cfg: transform.EngineConfig, rng):
 
 
 def rollout_mesh(config, train_mesh):
-  """The mesh `config.rollout.mesh_{data,fsdp,tensor}` names over the training mesh's
-  devices (-1 takes the devices the others leave), or None when all three are 0 (sample
-  on the training mesh).
+  """The mesh the rollouts run on, or None to sample on the training mesh.
+
+  `rollout.devices` = 0 (the default): the mesh `rollout.mesh_{data,fsdp,tensor}` names over the
+  training mesh's devices (-1 takes the devices the others leave), or None when all three are 0.
+  `rollout.devices` = n > 0: a mesh over the n devices set apart for rollouts
+  (`sharding.split_devices`, the last n / P of each process's), by default of the training
+  mesh's own shape when the sets are equal halves (a mirror: weights and rollouts then move
+  shard for shard, which is what several processes need) and all data-parallel otherwise.
 
   Raises:
-    ValueError: a shape that does not fit the devices, or a `data.batch_size` that its
-      data·fsdp shards do not divide (every shard must get whole rows of every batch).
+    ValueError: a shape that does not fit the devices, a `data.batch_size` that its data·fsdp
+      shards do not divide (every shard must get whole rows of every batch), or, with several
+      processes, a rollout mesh that does not mirror the training mesh.
   """
   r = config.rollout
   shape = (r.get("mesh_data", 0), r.get("mesh_fsdp", 0), r.get("mesh_tensor", 0))
-  if shape == (0, 0, 0):
+  apart = r.get("devices", 0)
+  if shape == (0, 0, 0) and not apart:
     return None
-  if 0 in shape:
+  if 0 in shape and shape != (0, 0, 0):
     raise ValueError(
       f"config.rollout.mesh_data/mesh_fsdp/mesh_tensor must all be 0 (the training mesh) "
       f"or all be set (positive or one -1), got {shape}"
     )
-  mesh = sharding.make_mesh(shape, devices=list(train_mesh.devices.flat))
+  if apart:
+    devices = sharding.split_devices(apart)[1]
+    if shape == (0, 0, 0):
+      same = len(devices) == train_mesh.size
+      shape = tuple(train_mesh.devices.shape) if same else (-1, 1, 1)
+  else:
+    devices = list(train_mesh.devices.flat)
+  mesh = sharding.make_mesh(shape, devices=devices)
+  if apart and jax.process_count() > 1 and mesh.devices.shape != train_mesh.devices.shape:
+    raise ValueError(
+      f"with {jax.process_count()} processes the rollout mesh {dict(mesh.shape)} must mirror "
+      f"the training mesh {dict(train_mesh.shape)}: set rollout.devices to half the devices "
+      f"({jax.device_count() // 2}) and leave rollout.mesh_* at 0"
+    )
   shards = sharding.batch_shards(mesh)
   if config.data.batch_size % shards:
     raise ValueError(
@@ -224,6 +245,20 @@ class RolloutWorker:
     self._noise_key = named_stream(rng, "rollout/noise")
     self._mesh = mesh
 
+  @property
+  def devices_apart(self) -> bool:
+    """Whether the rollouts run on devices of their own (`rollout.devices`)."""
+    mesh = self._rollout_mesh
+    return mesh is not None and not set(mesh.devices.flat) <= set(self._mesh.devices.flat)
+
+  def engine_copy(self, params):
+    """The copy of θ the engine reads: on the rollout devices when they are apart (a transfer
+    between meshes, `sharding.relayout`), else an explicit copy on the params' own devices
+    (`may_alias=False`). Either way the trainer may donate `params` to its next step."""
+    if self.devices_apart:
+      return _to_mesh(params, self._rollout_mesh)
+    return jax.device_put(params, jax.tree.map(lambda x: x.sharding, params), may_alias=False)
+
   def transform(self, params, version: int):
     """params_r = T(θ_version), computed once per version (laid out on the rollout mesh
     when there is one)."""
@@ -253,10 +288,16 @@ class RolloutWorker:
     return prompts if refs is None else (*prompts, refs)
 
   def sample(self, params_r, prompts, batch_index: int, version: int):
-    """Samples one batch; returns (train-sharded Rollout, per-batch stats).
+    """Samples one batch; returns (train-sharded Rollout, per-batch stats), waiting for it.
 
     The batch is decoded on the mesh `params_r` lives on, each data·fsdp shard its rows.
     """
+    return self.finish(self.dispatch(params_r, prompts, batch_index, version))
+
+  def dispatch(self, params_r, prompts, batch_index: int, version: int) -> Pending:
+    """Enqueues one batch's programs and returns without waiting for them (JAX dispatches
+    asynchronously; only the RL reward and GKD's reference rows read values on the host).
+    `finish` waits for it and returns (Rollout, stats)."""
     start = time.perf_counter()
     mesh = sharding.params_mesh(params_r)
     refs = None
@@ -293,14 +334,35 @@ class RolloutWorker:
         rollout = rollout.replace(teacher_logits=logits_bcv)
     if self._score_rewards:
       rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer))
-    num_tokens = int(jnp.sum(rollout.completion_mask))  # waits for the sampler
-    seconds = time.perf_counter() - start
+    num_tokens = jnp.sum(rollout.completion_mask)
+    return Pending(_shard_rollout(rollout, self._mesh), num_tokens, on_policy, start)
+
+  def finish(self, pending: Pending):
+    """(Rollout, stats) of a dispatched batch, once its sampler has finished.
+
+    `rollout/seconds` runs from the dispatch to the end of this wait: the sampling time when
+    `finish` follows `dispatch` at once (`sample`), and an upper bound on it otherwise.
+    """
+    rollout = pending.rollout
+    num_tokens = int(pending.num_tokens)  # waits for the sampler
+    seconds = time.perf_counter() - pending.start
     saturated = rollout.kv_saturated_fraction
     stats = {
       "rollout/kv_saturated_fraction": 0.0 if saturated is None else float(saturated),
       "rollout/seconds": seconds,
       "rollout/tokens_per_s": num_tokens / max(seconds, 1e-9),
       "rollout/mean_completion_len": num_tokens / rollout.batch_size,
-      "rollout/on_policy_fraction": on_policy,
+      "rollout/on_policy_fraction": pending.on_policy,
     }
-    return _shard_rollout(rollout, self._mesh), stats
+    return rollout, stats
+
+
+@dataclasses.dataclass
+class Pending:
+  """A dispatched batch (`RolloutWorker.dispatch`): its train-sharded rollout, still being
+  computed, and what `finish` needs for the stats."""
+
+  rollout: Rollout
+  num_tokens: jax.Array
+  on_policy: float
+  start: float

@@ -348,6 +348,12 @@ def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
     )
   rollout_worker.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
+  if r.mode == "async" and r.get("dispatch", "auto") == "thread" and jax.process_count() > 1:
+    raise ValueError(
+      f"rollout.dispatch='thread' runs in one process only ({jax.process_count()} processes): "
+      "two host threads issuing multi-process programs can deadlock their collectives; use "
+      "rollout.dispatch='auto' (inline with several processes) or 'inline'"
+    )
   rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
   if rows % (config.train.microbatches * batch_devices):
     raise ValueError(

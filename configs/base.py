@@ -96,11 +96,13 @@ def get_config(arg=None):
   c.rollout.top_k = 0  # 0 = off
   c.rollout.top_p = 1.0  # nucleus mass in (0, 1]
   c.rollout.max_new_tokens = 32  # completion budget
-  c.rollout.mode = "sync"  # sync (sample, then train) | async (producer thread samples ahead)
+  c.rollout.mode = "sync"  # sync (sample, then train) | async (sample ahead, double-buffered)
   c.rollout.max_lag = 1  # async: largest weight-version lag a batch is trained with
   c.rollout.max_ahead = -1  # async: versions the producer may run ahead; -1 = max_lag
   c.rollout.stale_policy = "drop"  # async, lag > max_lag: drop | correct (sampled loss only)
   c.rollout.producer_timeout_s = 600.0  # async: error when no batch arrives for this long
+  c.rollout.dispatch = "auto"  # async: thread | inline (one controller) | auto (by process count)
+  c.rollout.devices = 0  # devices set apart for rollouts (last n/P of each process's); 0 = shared
   c.rollout.score_teacher = False  # the engine scores rollouts with the frozen teacher
   c.rollout.stale_k = 0  # sync: sample with the weights k versions old (deterministic stale-k)
   # Rollout mesh (opd_jax/rollout/sources.py): the engine's weights on their own (data, fsdp,

@@ -182,6 +182,8 @@ RULES: dict[str, Any] = {
   "rollout.max_ahead": Num(lo=-1),
   "rollout.stale_policy": Choice(("drop", "correct")),
   "rollout.producer_timeout_s": Num(True, 0, lo_open=True),
+  "rollout.dispatch": Choice(("auto", "thread", "inline")),  # rollout/sources.py, Dispatch
+  "rollout.devices": NON_NEGATIVE,  # set apart for rollouts (model/sharding.split_devices)
   "rollout.stale_k": NON_NEGATIVE,
   "rollout.score_teacher": Kind(bool),
   "rollout.samples_per_prompt": POSITIVE,

@@ -10,7 +10,9 @@ table), and writes `study.json`, `report.md`, `budget.json` and PNG plots into t
 restarted study reuses every finished run and measurement. The runs and measurements keep their
 compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the first
 of its kind loads the sampler, train step and evaluation instead of compiling them (the same
-programs, so the same numbers). The logic is `opd_jax.experiments.study.run_study`.
+programs, so the same numbers). Each finished setting and run prints `i/n` with an ETA; on a
+terminal a status line under the log says where the study is. The logic is
+`opd_jax.experiments.study.run_study`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(argv):
 
   try:
     compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
-    study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, print)
+    study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, cli_flags.ProgressLog())
   except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 

@@ -25,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import sys
 import tempfile
 import textwrap
+import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import jax
 from absl import flags, logging
@@ -131,10 +134,88 @@ def add_teacher_cache_argument(parser, help_text: str) -> None:
 
 
 def log_for_json(target: str | None):
-  """The print function a command's readable lines use: stderr when its JSON goes to stdout."""
-  if target == "-":
-    return lambda *a: print(*a, file=sys.stderr, flush=True)
-  return lambda *a: print(*a, flush=True)
+  """The log function a command's readable lines use (a `ProgressLog`): stderr when its JSON
+  goes to stdout, else stdout."""
+  return ProgressLog(sys.stderr if target == "-" else sys.stdout)
+
+
+# "[3/44] ...", "  [3/44] ...", "setting 3/44: ...", "cold check 2/5: ...": item i of n is done.
+_COUNTER_RE = re.compile(r"^\s*(?:\[(\d+)/(\d+)\]|([a-z][a-z ]*?) (\d+)/(\d+)\b)")
+
+
+class ProgressLog:
+  """A command's log function that adds an ETA to its "item i of n" lines.
+
+  A line that starts with `[i/n]` (or `<what> i/n`, e.g. `setting 3/44`) says item i of n is
+  finished; the rate is measured by `metrics_writer.Progress` from the moment the counter was
+  first seen (counting that moment as item 0), and the line gets `| ETA 12m30s` appended. On a
+  terminal a status line (`setting 3/44 | 0m42s elapsed | ETA 12m30s`) also stays under the
+  latest line until the next one replaces it; in a log file only the lines are written.
+  """
+
+  def __init__(self, stream=None, clock=time.monotonic, tty: bool | None = None):
+    """Args:
+    stream: where lines go (default sys.stdout, looked up at each call).
+    clock: monotonic seconds; injectable for tests.
+    tty: force the terminal behaviour on or off (default: `stream.isatty()`).
+    """
+    self._stream, self._clock, self._tty = stream, clock, tty
+    self._start = clock()
+    self._counters: dict[tuple[str, int], Any] = {}
+    self._status = False
+
+  def _out(self):
+    return self._stream if self._stream is not None else sys.stdout
+
+  def _is_tty(self) -> bool:
+    if self._tty is not None:
+      return self._tty
+    isatty = getattr(self._out(), "isatty", None)
+    return bool(isatty and isatty())
+
+  def eta(self, what: str, done: int, total: int) -> str:
+    """Records that `done` of `total` `what` are finished; returns the formatted ETA."""
+    from opd_jax.io import metrics_writer
+
+    key = (what, total)
+    if key not in self._counters or done < self._counters[key][1]:
+      first = [self._start if key not in self._counters else self._clock()]
+      progress = metrics_writer.Progress(
+        max(total, 1), clock=lambda: first.pop() if first else self._clock()
+      )
+      progress.line(0 if key not in self._counters else done)
+      self._counters[key] = [progress, done]
+    progress = self._counters[key][0]
+    progress.line(done)
+    self._counters[key][1] = done
+    rate = progress.rate()
+    remaining = (total - done) / rate if rate == rate and rate > 0 else float("nan")
+    return metrics_writer.format_duration(max(remaining, 0.0) if done < total else 0.0)
+
+  def __call__(self, *args) -> None:
+    text = " ".join(str(a) for a in args)
+    out, status = self._out(), None
+    match = _COUNTER_RE.match(text.splitlines()[0]) if text else None
+    if match:
+      done, total = (int(match[1]), int(match[2])) if match[1] else (int(match[4]), int(match[5]))
+      what = (match[3] or "item").strip()
+      if 0 < done <= total:
+        eta = self.eta(what, done, total)
+        text += f" | ETA {eta}"
+        elapsed = self._clock() - self._start
+        from opd_jax.io import metrics_writer
+
+        status = (
+          f"{what} {done}/{total} | {metrics_writer.format_duration(elapsed)} elapsed | ETA {eta}"
+        )
+    if self._status:
+      out.write("\r\x1b[K")
+      self._status = False
+    out.write(text + "\n")
+    if status and self._is_tty() and "/".join(map(str, (done, total))) != f"{total}/{total}":
+      out.write(status)
+      self._status = True
+    out.flush()
 
 
 def command_help(doc: str | None) -> str:

@@ -1,9 +1,13 @@
-"""FP8 (e4m3) weight quantization as a pure transform of the params pytree.
+"""Low-precision weight formats (FP8 e4m3 and e5m2, INT8, INT4, FP4 e2m1) as a pure
+transform of the params pytree.
 
 Format
 ------
-A quantized matrix is a `QArray`: the weight stored as `float8_e4m3fn` plus an f32
-scale, so that W ≈ dequantize(Q) = f32(Q) · scale. e4m3 has 3 mantissa bits and a
+A quantized matrix is a `QArray`: the weight stored in the format's own dtype plus a
+scale, so that W ≈ dequantize(Q) = f32(Q) · scale. The default format, FP8 e4m3
+(`float8_e4m3fn`), is described first; the others (`WEIGHT_FORMATS`, "Other formats"
+below) change the storage dtype, the largest magnitude q_max and the rounding, and keep
+everything else. e4m3 has 3 mantissa bits and a
 max finite value of 448, so the scale maps each group's absolute maximum to 448:
 
     scale_g = max(max(|W_g|) / 448, tiny_f32),   Q_g = round_e4m3(clip(W_g / scale_g, ±448)).
@@ -28,8 +32,48 @@ Two groupings are offered, chosen by `QuantRecipe.block_size`:
   from outliers that are localised in both dimensions. Edge blocks that do not fill
   b×b get a scale of their own, computed over the entries they do hold.
 
+Two more groupings apply to every format:
+
+* per tensor (`QuantRecipe.per_tensor`): one scale for the whole matrix, stored as
+  [1, 1]: the cheapest metadata and the coarsest, since one outlier sets the step of
+  every element (what FP8 stacks with per-tensor scales do).
+* groups of g inputs (`QuantRecipe.group_size`): for each output column, every run of g
+  consecutive input rows gets its own scale, stored as [ceil(in/g), out] (the GPTQ/AWQ
+  layout of INT4 and INT8 weight-only kernels, and the MX block of FP4).
+
 The contraction ("in") axes are fixed by the params layout: axis 0 of `q_dnh`,
 `k_dkh`, `v_dkh`, `gate_df`, `up_df` and `down_fd`, and axes (n, h) of `o_nhd`.
+
+Other formats
+-------------
+`WEIGHT_FORMATS` names each format with its storage dtype and q_max; every format is
+symmetric (no zero point) and stores real values of its dtype:
+
+  fp8_e4m3   float8_e4m3fn, q_max 448: 3 mantissa bits, relative rounding error ≤ 2^-4.
+  fp8_e5m2   float8_e5m2, q_max 57344: 2 mantissa bits, relative error ≤ 2^-3 in the
+             normal range (twice e4m3's step: the format of gradients, rarely of weights),
+             absolute error ≤ 2^-17 · scale below its smallest normal 2^-14.
+  int8       int8, q_max 127: q = clip(round(W/s), ±127), |Ŵ − W| ≤ s/2.
+  int4       int4, q_max 7: q = clip(round(W/s), ±7) (−8 unused, so the grid is symmetric),
+             |Ŵ − W| ≤ s/2 with s = amax/7: an error up to amax/14 per element.
+  fp4_e2m1   float4_e2m1fn, values {0, 0.5, 1, 1.5, 2, 3, 4, 6}, q_max 6: 1 mantissa bit,
+             relative error ≤ 2^-2 for |W/s| ≥ 1, absolute error ≤ 0.25 · s below 1.
+
+Integer formats round half to even (`jnp.round`), float formats round to nearest even in
+the dtype conversion. Their scale is the f32 s_g = max(amax_g / q_max, tiny_f32).
+
+FP4 follows the OCP microscaling (MX) layout: a block of g inputs (32 in MXFP4) shares one
+power-of-two scale stored as `float8_e8m0fnu` (an 8-bit exponent, no mantissa):
+
+    s_g = 2^ceil(log2(amax_g / 6)),   Q_g = round_e2m1(W_g / s_g),
+
+so |W_g / s_g| ≤ 6 and no element saturates (the MX spec's floor(log2(amax)) − 2 rule can
+put amax above 6 and clip it; rounding the exponent up gives up up to half a bit of range
+instead). With a power-of-two scale the element error is
+
+    |Ŵ − W| ≤ s_g · max(2^-2 · |W / s_g|, 2^-2),
+
+up to a quarter of the scale per element: an order of magnitude more than FP8.
 
 What stays unquantized
 ----------------------
@@ -38,6 +82,17 @@ dtype (the embedding table's dtype unless `QuantRecipe.keep_dtype` says otherwis
 they are a small share of the bytes and the logits are most sensitive to them.
 A recipe adds whole layers (`bf16_layers`) to that list; the mismatch study shows
 some layers are much more sensitive to reduced precision than others.
+
+The output head
+---------------
+The final norm and the LM head stay out of the weight formats above. An engine may still
+run them at lower precision than the trainer: `HeadDtype("bfloat16")`, a static marker in
+the params (`params[HEAD_KEY]`, read by `model.unembed`), rounds the final norm's input,
+weight and output and the LM head's weight to bf16 and emits the logits in bf16 (a bf16
+GEMM's output, then f32 for the softmax), where the trainer computes the logits in f32.
+Rounding a logit z to bf16 moves it by up to 2^-9 · |z|, a shift of the log-probabilities
+of the same size; production RL stacks report it as a cause of rollout drift, and the
+usual fix is an f32 LM head in the engine.
 
 Compute
 -------
@@ -59,6 +114,9 @@ in one of two ways, chosen once per published weight version by
   decode at batch 16 and nothing measurable at the test sizes; most of the FP8
   engine's old slowdown (0.75× dense in CPU time at 58M, 0.22× on the tiny model)
   was the FP8 KV-cache write (see `kvcache._scatter_time`).
+  Formats other than e4m3, and e4m3 with group scales, always take this path on every
+  backend: e5m2, INT8, INT4 and FP4 are weight-only formats here (WxA16, the weight
+  dequantized where it is used, as weight-only kernels do).
 * W8A8, native (`has_native_fp8`: NVIDIA compute capability ≥ 8.9, i.e. Ada, L4,
   H100/H200 and later; TPU v7 Ironwood and later). The QArray is kept, marked
   `native_fp8=True`, and `fp8_matmul` runs `lax.dot_general` on e4m3 operands with
@@ -102,6 +160,21 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 SCALE_FLOOR = float(jnp.finfo(jnp.float32).tiny)  # guards all-zero groups
 
+# Weight formats: name -> (storage dtype, q_max: the magnitude a group's amax maps to).
+WEIGHT_FORMATS = {
+  "fp8_e4m3": (jnp.float8_e4m3fn, FP8_MAX),
+  "fp8_e5m2": (jnp.float8_e5m2, float(jnp.finfo(jnp.float8_e5m2).max)),  # 57344
+  "int8": (jnp.int8, 127.0),
+  "int4": (jnp.int4, 7.0),
+  "fp4_e2m1": (jnp.float4_e2m1fn, float(jnp.finfo(jnp.float4_e2m1fn).max)),  # 6
+}
+INT_FORMATS = ("int8", "int4")
+# Formats whose scales are powers of two stored as float8_e8m0fnu (the MX layout).
+POW2_SCALE_FORMATS = ("fp4_e2m1",)
+SCALE_E8M0 = jnp.float8_e8m0fnu
+# Storage width of each format in bits (4-bit formats count as packed two per byte).
+FORMAT_BITS = {"fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "int4": 4, "fp4_e2m1": 4}
+
 # Per-layer matrices that get quantized, with their number of leading contraction axes.
 LAYER_MATRICES = {
   "q_dnh": 1,
@@ -114,26 +187,96 @@ LAYER_MATRICES = {
 }
 KEEP_DTYPES = ("bfloat16", "float16", "float32")
 
+HEAD_KEY = "head_dtype"  # params[HEAD_KEY]: the engine's output-head dtype, when not float32
+HEAD_DTYPES = ("float32", "bfloat16")
+
+
+@jax.tree_util.register_static
+class HeadDtype:
+  """The dtype the final norm and LM head run in ("The output head" above): a static
+  params marker (no leaves, hashable), so jitted callers key their compilation on it."""
+
+  def __init__(self, name: str):
+    if name not in HEAD_DTYPES:
+      raise ValueError(f"unknown head dtype {name!r}; allowed: {', '.join(HEAD_DTYPES)}")
+    self.name = name
+
+  def __eq__(self, other):
+    return isinstance(other, HeadDtype) and other.name == self.name
+
+  def __hash__(self):
+    return hash(("HeadDtype", self.name))
+
+  def __repr__(self):
+    return f"HeadDtype({self.name!r})"
+
+
+def head_dtype_of(params) -> str:
+  """The dtype `params`' output head runs in: "float32" (the trainer's) unless marked."""
+  marker = params.get(HEAD_KEY)
+  return "float32" if marker is None else marker.name
+
+
+def _check_size(name: str, value) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+    raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+
+
+def _check_grouping(block_size, group_size, per_tensor) -> None:
+  """At most one of b×b blocks, groups of g inputs and one scale per tensor."""
+  _check_size("block_size", block_size)
+  _check_size("group_size", group_size)
+  if not isinstance(per_tensor, bool):
+    raise ValueError(f"per_tensor must be a bool, got {per_tensor!r}")
+  chosen = [
+    n
+    for n, on in (
+      ("block_size", block_size is not None),
+      ("group_size", group_size is not None),
+      ("per_tensor", per_tensor),
+    )
+    if on
+  ]
+  if len(chosen) > 1:
+    raise ValueError(
+      f"choose one scale grouping, not {' and '.join(chosen)}: per channel (none of them), "
+      "b×b blocks (block_size), groups of g inputs (group_size) or one per tensor (per_tensor)"
+    )
+
+
+def _check_format(fmt) -> None:
+  if fmt not in WEIGHT_FORMATS:
+    raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantRecipe:
-  """Static FP8 weight recipe (hashable, a jit static arg).
+  """Static weight recipe (hashable, a jit static arg).
 
   Attributes:
-    block_size: None for per-output-channel scales, else the edge b of b×b blocks.
+    block_size: the edge b of b×b blocks, or None.
     bf16_layers: indices of layers whose matrices stay unquantized.
     keep_dtype: dtype of every unquantized leaf, one of KEEP_DTYPES; None keeps the
       compute dtype of the original params (the embedding table's dtype).
+    fmt: the weight format, a key of `WEIGHT_FORMATS` (default FP8 e4m3).
+    group_size: g for one scale per g consecutive inputs of each output column, or None.
+    per_tensor: one scale per matrix.
+    With none of block_size, group_size and per_tensor: one scale per output channel.
   """
 
   block_size: int | None = None
   bf16_layers: tuple[int, ...] = ()
   keep_dtype: str | None = None
+  fmt: str = "fp8_e4m3"
+  group_size: int | None = None
+  per_tensor: bool = False
 
   def __post_init__(self):
     b = self.block_size
     if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
       raise ValueError(f"block_size must be None (per-channel) or a positive int, got {b!r}")
+    _check_grouping(self.block_size, self.group_size, self.per_tensor)
+    _check_format(self.fmt)
     layers = self.bf16_layers
     if not isinstance(layers, tuple) or any(
       isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers
@@ -147,8 +290,14 @@ class QuantRecipe:
       )
 
 
-def _expand_scale(scale, block_size: int | None, rows: int, cols: int) -> jax.Array:
-  """Broadcasts a [1, out] or [ceil(in/b), ceil(out/b)] scale to the [rows, cols] view."""
+def _expand_scale(
+  scale, block_size: int | None, rows: int, cols: int, group_size: int | None = None
+) -> jax.Array:
+  """Broadcasts a scale to the [rows, cols] view: [1, out] (per channel) and [1, 1] (per
+  tensor) broadcast as they are; [ceil(in/b), ceil(out/b)] (blocks) and [ceil(in/g), out]
+  (groups) are repeated and cut to size."""
+  if group_size is not None:
+    return jnp.repeat(scale, group_size, axis=0)[:rows]
   if block_size is None:
     return scale
   b = block_size
@@ -158,17 +307,20 @@ def _expand_scale(scale, block_size: int | None, rows: int, cols: int) -> jax.Ar
 
 @struct.dataclass
 class QArray:
-  """An fp8 weight with scales: W ≈ f32(value) · expand(scale).
+  """A quantized weight with scales: W ≈ f32(value) · expand(scale).
 
   Attributes:
-    value: float8_e4m3fn array with the original weight's shape.
-    scale: f32 scales of the 2-D [in, out] view: [1, out] per channel, or
-      [ceil(in/b), ceil(out/b)] for b×b blocks.
+    value: the weight's shape, in the format's dtype (`WEIGHT_FORMATS[fmt][0]`).
+    scale: scales of the 2-D [in, out] view: [1, out] per channel, [1, 1] per tensor,
+      [ceil(in/b), ceil(out/b)] for b×b blocks, [ceil(in/g), out] for groups of g inputs;
+      f32, or float8_e8m0fnu powers of two for the MX formats (`POW2_SCALE_FORMATS`).
     num_in_axes: static; the leading axes of `value` that are contracted (in).
-    block_size: static; None for per-channel scales, else the block edge b.
+    block_size: static; None unless b×b block scales, else the block edge b.
     native_fp8: static; False: matmuls dequantize the weight to the compute dtype
       (W8A16); True: they run as fp8 × fp8 dot_generals (W8A8, `fp8_matmul`). Set by
-      `prepare_for_compute` on hardware with FP8 matmuls.
+      `prepare_for_compute` on hardware with FP8 matmuls, for e4m3 weights only.
+    fmt: static; the format, a key of `WEIGHT_FORMATS`.
+    group_size: static; None unless group scales, else the group length g.
   """
 
   value: jax.Array
@@ -176,6 +328,8 @@ class QArray:
   num_in_axes: int = struct.field(pytree_node=False, default=1)
   block_size: int | None = struct.field(pytree_node=False, default=None)
   native_fp8: bool = struct.field(pytree_node=False, default=False)
+  fmt: str = struct.field(pytree_node=False, default="fp8_e4m3")
+  group_size: int | None = struct.field(pytree_node=False, default=None)
 
   @property
   def shape(self):
@@ -187,14 +341,18 @@ class QArray:
 
   @property
   def nbytes(self) -> int:
-    return int(self.value.nbytes + self.scale.nbytes)
+    """Bytes of the values at the format's width (4-bit formats packed two per byte) plus
+    the scales."""
+    values = math.ceil(math.prod(self.value.shape) * FORMAT_BITS[self.fmt] / 8)
+    return int(values + self.scale.nbytes)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """Returns f32(value) · expand(scale), cast to `dtype`, in the original shape."""
     shape = self.value.shape
     rows = math.prod(shape[: self.num_in_axes])
     w_io = self.value.reshape(rows, -1).astype(jnp.float32)
-    scale = _expand_scale(self.scale, self.block_size, *w_io.shape)
+    scale = self.scale.astype(jnp.float32)
+    scale = _expand_scale(scale, self.block_size, *w_io.shape, self.group_size)
     return (w_io * scale).astype(dtype).reshape(shape)
 
 
@@ -205,43 +363,96 @@ def as_dense(w, dtype) -> jax.Array:
   return w.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_in_axes", "block_size"))
-def quantize(w, num_in_axes: int = 1, block_size: int | None = None) -> QArray:
-  """Quantizes one weight to e4m3 with per-channel or block scales.
+def _group_amax(abs_io, block_size, group_size, per_tensor) -> jax.Array:
+  """max |W| per scale group of the [rows, cols] view, in the scale's stored shape."""
+  rows, cols = abs_io.shape
+  if per_tensor:
+    return jnp.max(abs_io, keepdims=True)  # [1, 1]
+  if group_size is not None:
+    g = group_size
+    rg = -(-rows // g)
+    padded = jnp.pad(abs_io, ((0, rg * g - rows), (0, 0)))  # zeros never win amax
+    return jnp.max(padded.reshape(rg, g, cols), axis=1)  # [ceil(in/g), out]
+  if block_size is None:
+    return jnp.max(abs_io, axis=0, keepdims=True)  # [1, out]
+  b = block_size
+  rb, cb = -(-rows // b), -(-cols // b)
+  padded = jnp.pad(abs_io, ((0, rb * b - rows), (0, cb * b - cols)))
+  return jnp.max(padded.reshape(rb, b, cb, b), axis=(1, 3))  # [ceil(in/b), ceil(out/b)]
 
-  The weight is viewed as W_io = reshape(w, [prod(shape[:num_in_axes]), -1]).
-  Per channel: scale_o = max(max_i |W_io|, ·) / 448. Blocks: scale_rc =
-  max(|W| over block (r, c)) / 448 for the b×b blocks of W_io (edge blocks partial).
-  Both are floored at `SCALE_FLOOR`; Q = round_e4m3(clip(W / scale, ±448)).
-  Jitted (one compile per shape and grouping), so eager `quantize_params` is cheap.
+
+def pow2_scale(amax, q_max: float) -> jax.Array:
+  """2^ceil(log2(max(amax / q_max, tiny_f32))), exactly (from the binary exponent, not a
+  floating-point log2), as f32: the smallest power of two s with amax / s ≤ q_max."""
+  mantissa, exponent = jnp.frexp(jnp.maximum(amax / q_max, SCALE_FLOOR))  # x = m · 2^e
+  exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)  # x = 2^(e-1) exactly
+  return jnp.ldexp(jnp.ones_like(amax), exponent)
+
+
+@functools.partial(
+  jax.jit, static_argnames=("num_in_axes", "block_size", "fmt", "group_size", "per_tensor")
+)
+def quantize(
+  w,
+  num_in_axes: int = 1,
+  block_size: int | None = None,
+  fmt: str = "fp8_e4m3",
+  group_size: int | None = None,
+  per_tensor: bool = False,
+) -> QArray:
+  """Quantizes one weight to `fmt` with per-channel, per-tensor, block or group scales.
+
+  The weight is viewed as W_io = reshape(w, [prod(shape[:num_in_axes]), -1]). For each
+  scale group G (a column, the matrix, a b×b block or g inputs of one column),
+  amax_G = max |W_G| and, with q_max = `WEIGHT_FORMATS[fmt][1]`,
+
+      s_G = max(amax_G / q_max, tiny_f32)                  (f32; fp8 and int formats)
+      s_G = 2^ceil(log2(max(amax_G / q_max, tiny_f32)))    (float8_e8m0fnu; fp4, MX)
+      Q = round(clip(W / s_G, ±q_max))                     (fp8, fp4: in the dtype's
+                                                            conversion, to nearest even)
+      Q = clip(round(W / s_G), ±q_max)                     (int8, int4: half to even)
+
+  Jitted (one compile per shape, format and grouping), so eager `quantize_params` is cheap.
 
   Args:
     w: a float array of rank > num_in_axes.
     num_in_axes: how many leading axes are contracted (the "in" side).
-    block_size: None for per-output-channel scales, else the block edge b.
+    block_size: b for b×b block scales, or None.
+    fmt: a key of `WEIGHT_FORMATS`.
+    group_size: g for one scale per g inputs of each output column, or None.
+    per_tensor: one scale for the whole matrix.
 
   Returns:
-    A QArray with value [w.shape] e4m3 and scale [1, out] or
-    [ceil(in/b), ceil(out/b)] f32.
+    A QArray with value [w.shape] in the format's dtype and the scale of its grouping
+    (`QArray.scale`).
   """
   if not 1 <= num_in_axes < w.ndim:
     raise ValueError(f"num_in_axes must be in [1, {w.ndim - 1}] for shape {w.shape}")
-  if block_size is not None and block_size <= 0:
-    raise ValueError(f"block_size must be None or a positive int, got {block_size!r}")
+  _check_grouping(block_size, group_size, per_tensor)
+  _check_format(fmt)
+  dtype, q_max = WEIGHT_FORMATS[fmt]
   rows = math.prod(w.shape[:num_in_axes])
-  abs_io = jnp.abs(w.reshape(rows, -1).astype(jnp.float32))
-  cols = abs_io.shape[1]
-  if block_size is None:
-    amax = jnp.max(abs_io, axis=0, keepdims=True)  # [1, out]
+  w_io = w.reshape(rows, -1).astype(jnp.float32)
+  cols = w_io.shape[1]
+  amax = _group_amax(jnp.abs(w_io), block_size, group_size, per_tensor)
+  if fmt in POW2_SCALE_FORMATS:
+    scale = pow2_scale(amax, q_max)
   else:
-    b = block_size
-    rb, cb = -(-rows // b), -(-cols // b)
-    padded = jnp.pad(abs_io, ((0, rb * b - rows), (0, cb * b - cols)))  # zeros never win amax
-    amax = jnp.max(padded.reshape(rb, b, cb, b), axis=(1, 3))  # [ceil(in/b), ceil(out/b)]
-  scale = jnp.maximum(amax / FP8_MAX, SCALE_FLOOR)
-  q_io = w.reshape(rows, -1).astype(jnp.float32) / _expand_scale(scale, block_size, rows, cols)
-  value = jnp.clip(q_io, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
-  return QArray(value=value, scale=scale, num_in_axes=num_in_axes, block_size=block_size)
+    scale = jnp.maximum(amax / q_max, SCALE_FLOOR)
+  q_io = w_io / _expand_scale(scale, block_size, rows, cols, group_size)
+  if fmt in INT_FORMATS:
+    q_io = jnp.round(q_io)
+  value = jnp.clip(q_io, -q_max, q_max).astype(dtype).reshape(w.shape)
+  if fmt in POW2_SCALE_FORMATS:
+    scale = scale.astype(SCALE_E8M0)
+  return QArray(
+    value=value,
+    scale=scale,
+    num_in_axes=num_in_axes,
+    block_size=block_size,
+    fmt=fmt,
+    group_size=group_size,
+  )
 
 
 def _is_qarray(x) -> bool:
@@ -249,7 +460,7 @@ def _is_qarray(x) -> bool:
 
 
 def quantize_params(params, recipe: QuantRecipe):
-  """FP8 params for the rollout engine: a pure transform, jittable with a static recipe.
+  """Quantized params for the rollout engine: a pure transform, jittable with a static recipe.
 
   Every matrix in `LAYER_MATRICES` of every layer not in `recipe.bf16_layers`
   becomes a `QArray`; every other leaf (embeddings, LM head, norms, biases, the
@@ -277,7 +488,14 @@ def quantize_params(params, recipe: QuantRecipe):
     new = {}
     for name, w in layer.items():
       if name in LAYER_MATRICES and i not in recipe.bf16_layers:
-        new[name] = quantize(w, LAYER_MATRICES[name], recipe.block_size)
+        new[name] = quantize(
+          w,
+          LAYER_MATRICES[name],
+          recipe.block_size,
+          recipe.fmt,
+          recipe.group_size,
+          recipe.per_tensor,
+        )
       else:
         new[name] = cast(w)
     out["layers"].append(new)
@@ -298,7 +516,8 @@ def dequantize_params(qparams, dtype=jnp.float32):
 
 
 def params_nbytes(params) -> int:
-  """Bytes the params occupy, counting a QArray as its e4m3 values plus f32 scales."""
+  """Bytes the params occupy, counting a QArray as its values at the format's width plus
+  its scales (`QArray.nbytes`)."""
   leaves = jax.tree.leaves(params, is_leaf=_is_qarray)
   return int(sum(x.nbytes for x in leaves))
 
@@ -344,13 +563,15 @@ def has_native_fp8(device=None) -> bool:
 
 
 def prepare_for_compute(qparams, dtype=None, native_fp8: bool | None = None):
-  """The params the engine samples with: FP8 matrices laid out for this hardware's matmuls.
+  """The params the engine samples with: quantized matrices laid out for this hardware.
 
   Without FP8 matmuls every QArray W becomes dense: as_dense(W, dtype) =
   dtype(f32(Q) · scale), the exact computation the model would otherwise repeat in
   every decode step, so the logits are unchanged and the dequantization runs once per
   weight version. With FP8 matmuls every QArray is kept and marked `native_fp8=True`,
-  so `model.linear` multiplies it with `fp8_matmul` (W8A8). Plain leaves pass through.
+  so `model.linear` multiplies it with `fp8_matmul` (W8A8). A QArray of another format
+  (e5m2, INT8, INT4, FP4) or with group scales is made dense on every backend: those are
+  weight-only formats here. Plain leaves pass through.
 
   Args:
     qparams: a params pytree from `quantize_params` (plain params pass through).
@@ -373,7 +594,7 @@ def prepare_for_compute(qparams, dtype=None, native_fp8: bool | None = None):
   def prepare(x):
     if not _is_qarray(x):
       return x
-    if native:
+    if native and x.fmt == "fp8_e4m3" and x.group_size is None:
       return dataclasses.replace(x, native_fp8=True)
     return x.dequantize(jnp.float32).astype(compute)
 
@@ -400,7 +621,7 @@ def fp8_matmul(x, w: QArray) -> jax.Array:
   With x viewed as [M, I] (its last `w.num_in_axes` axes flattened) and W as its
   [I, O] view:
 
-      per channel:  y_mo = s_m · scale_o · Σ_i X̂_mi Q_io
+      per channel:  y_mo = s_m · scale_o · Σ_i X̂_mi Q_io     (per tensor: scale_o = s)
       b×b blocks:   y_mo = s_m · Σ_r scale_{r, o//b} · Σ_{i in block r} X̂_mi Q_io
 
   where (X̂, s) = `quantize_activations(x)`. Rows of the last partial block are padded
@@ -413,6 +634,11 @@ def fp8_matmul(x, w: QArray) -> jax.Array:
   Returns:
     y [..., *w.shape[w.num_in_axes:]] in f32.
   """
+  if w.fmt != "fp8_e4m3" or w.group_size is not None:
+    raise ValueError(
+      f"fp8_matmul multiplies e4m3 weights with channel, tensor or block scales; got {w.fmt} "
+      f"with group_size={w.group_size} (dequantize it: `prepare_for_compute`)"
+    )
   n = w.num_in_axes
   in_shape, out_shape = w.shape[:n], w.shape[n:]
   if tuple(x.shape[x.ndim - n :]) != tuple(in_shape):

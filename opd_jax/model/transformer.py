@@ -207,11 +207,17 @@ def compute_dtype(params):
 def unembed(params, x_btd, cfg: ModelConfig):
   """Final norm and LM head; logits [B, T, V_real] in f32 (bf16 operands under bf16_matmul).
 
+  An engine's bf16 head (`quant.HeadDtype`, params[quant.HEAD_KEY]) runs the final norm
+  and the LM head in bf16 and rounds the logits to bf16 before returning them in f32.
+
   V_real = `cfg.real_vocab_size`: with a padded embedding table (`cfg.logical_vocab_size`
   > 0) the logits of the padded rows are sliced off after the full-width matmul, so no
   softmax downstream sees them and no sampler can pick them. The matmul itself keeps the
   table's full width (and its vocabulary sharding); only its output is cut.
   """
+  low_head = quant.head_dtype_of(params) == "bfloat16"
+  if low_head:
+    x_btd = x_btd.astype(jnp.bfloat16)
   x_btd = rms_norm(x_btd, params["final_norm_d"], cfg.rms_norm_eps)
   if kernel_of(params) == "bf16_matmul":
     x_btd = x_btd.astype(jnp.bfloat16)
@@ -221,6 +227,8 @@ def unembed(params, x_btd, cfg: ModelConfig):
   else:
     head = as_dense(params["lm_head_dv"], x_btd.dtype)
     logits_btv = jnp.einsum("btd,dv->btv", x_btd, head, preferred_element_type=jnp.float32)
+  if low_head:  # a bf16 GEMM's output
+    logits_btv = logits_btv.astype(jnp.bfloat16).astype(jnp.float32)
   if cfg.real_vocab_size < cfg.vocab_size:
     logits_btv = logits_btv[..., : cfg.real_vocab_size]
   return logits_btv

@@ -12,11 +12,16 @@ parses flags and calls `run_admission`. For each candidate, with no training:
    T(θ) (weights, KV numerics, noise, sampling settings) and scores the same tokens under the
    trainer's student θ (`measure_candidate`: the procedure the budget's records must be
    measured with, so the study calls it too);
-3. `budget.admit(measurement, budget)` gives the verdict, the margin and the reasons; the
-   measurement names the candidate's sources (`candidates.candidate_source`: "noise",
-   "stale+fp8_kv"), so a budget with per-source fits holds it to the strictest of their limits;
-   a measurement inside the band of its limit (the limit at the two ends of the bootstrap
-   intervals) is marked "too close" in the "call" column: only a full run can tell there;
+3. `candidate_verdict` gives the verdict, the margin and the reasons: it names the candidate's
+   sources (`candidates.candidate_source`, what its engine changes against the trainer's:
+   "noise", "stale+fp8_kv"), measures each part of a combination alone when the budget's rule
+   reads parts (`candidates.source_parts`), and applies the rule the budget file records
+   (`budget.apply_rule`, docs/budget_rules.md) — the one path the live guard and the study
+   take too. `--conservative` sets the rule's "conservative" parameter (every limit at the lower
+   end of its interval), which is then not the rule the file was validated with; the summary
+   line names the rule and what it scored. A measurement inside the band of its limit (the
+   limit at the two ends of the bootstrap intervals) is marked "too close" in the "call"
+   column: only a full run can tell there;
 4. a table is printed, the same rows go to `--json`, and one JSON line per candidate is
    appended to `<workdir>/admission_log.jsonl` (configuration → measurement).
 
@@ -108,6 +113,7 @@ from opd_jax.mismatch.candidates import (
   Candidate,
   candidate_source,
   parse_candidate,
+  source_parts,
 )
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import setup as setup_lib
@@ -239,6 +245,63 @@ def _measure_args(candidate, setup, prompts, student_params, behaviour_params=No
   )
 
 
+def with_conservative(rule: budget_lib.Rule, conservative: bool) -> budget_lib.Rule:
+  """`rule`, with its "conservative" parameter set when `conservative` (a flag asks for the
+  lower ends): a rule whose parameters changed keeps no validation, since it was not the one
+  tested."""
+  if not conservative or rule.conservative:
+    return rule
+  return budget_lib.Rule(rule.name, {**rule.params, "conservative": True}, None)
+
+
+def candidate_verdict(
+  candidate: Candidate,
+  base: ml_collections.ConfigDict,
+  measurement: dict,
+  budget: budget_lib.Budget,
+  measure_part: Callable[[str, Candidate], float] | None,
+  rule: budget_lib.Rule | None = None,
+) -> tuple[dict, budget_lib.Verdict]:
+  """The verdict on one measured candidate: the path the admission check, the live guard and
+  the study share.
+
+  Names the candidate's sources in the measurement ("source", `candidate_source`); when the
+  rule reads parts (`Rule.needs_parts`) and the candidate has two or more sources, adds
+  "mismatch/kl/part/<s>" = `measure_part(s, part)` for each part (`source_parts` against
+  `base`, the config the candidate modifies) that the measurement does not already hold; then
+  applies the rule (`budget.apply_rule`).
+
+  Args:
+    candidate: the parsed candidate.
+    base: the config it modifies (its parts are specs against it).
+    measurement: `measure_candidate`'s dict for the whole candidate (not modified).
+    budget: the loaded Budget.
+    measure_part: (source, part candidate) -> that part's mismatch/kl; None when the
+      measurement already holds every part it needs.
+    rule: the rule to apply; None: the budget's (`budget.apply_rule`).
+
+  Returns:
+    (the measurement with "source" and the parts, the Verdict).
+
+  Raises:
+    ValueError: a part needed but neither held nor measurable.
+  """
+  rule = budget.rule if rule is None else rule
+  out = {**measurement, budget_lib.SOURCE_KEY: candidate_source(candidate)}
+  if rule is not None and rule.needs_parts:
+    for source, spec in source_parts(candidate, base).items():
+      key = f"{budget_lib.PART_KL_PREFIX}{source}"
+      if key in out:
+        continue
+      if measure_part is None:
+        raise ValueError(
+          f"candidate {candidate.spec!r}: the {rule.name} rule needs its {source} part "
+          f"({spec!r}) measured alone, and no measurement of it was given"
+        )
+      out[key] = float(measure_part(source, parse_candidate(spec, base)))
+  return out, budget_lib.apply_rule(out, budget, rule)
+
+
 def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:
   """Why `candidate`'s lag cannot be measured with this history (None when it can)."""
   k = candidate.lag
@@ -292,6 +355,7 @@ def candidate_row(
     "engine_id": candidate.engine_id,
     "lag": candidate.lag,
     "source": measurement.get("source", ""),
+    "rule": verdict.rule,
   }
   if candidate.lag:
     row["behaviour_step"] = student_step - candidate.lag
@@ -410,7 +474,7 @@ def run_admission(
       `config.teacher.cache_dir` is empty; a teacher missing there would be bootstrapped into
       it, as the trainer does).
     force: check against a stale budget (its reasons are still reported).
-    conservative: admit against the lower end of the budget's interval (`budget.admit`).
+    conservative: set the rule's "conservative" parameter (`with_conservative`).
     json_path: also write the result as JSON there.
     log: progress and the table go here.
 
@@ -472,14 +536,20 @@ def run_admission(
   if stale:
     log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
 
+  rule = with_conservative(budget.rule or budget_lib.POOLED, conservative)
+
+  def measure_one(c: Candidate) -> dict:
+    behaviour = history.params(student_step - c.lag) if c.lag else None
+    return measure_candidate(c, setup, (tokens_bp, lens_b), student_params, behaviour)
+
   rows, entries, measure_seconds = [], [], []
   for c in candidates:
-    behaviour = history.params(student_step - c.lag) if c.lag else None
     t0 = time.perf_counter()
-    measurement = measure_candidate(c, setup, (tokens_bp, lens_b), student_params, behaviour)
+    whole = measure_one(c)
+    measurement, verdict = candidate_verdict(
+      c, config, whole, budget, lambda _, part: measure_one(part)[budget_lib.KL_KEY], rule
+    )
     measure_seconds.append(time.perf_counter() - t0)
-    measurement["source"] = candidate_source(c, config)
-    verdict = budget_lib.admit(measurement, budget, conservative=conservative)
     row = candidate_row(c, measurement, verdict, student_step)
     if history is not None and trained_with(c, history.run_config):
       row.update(training_time_kl(params_from, c.lag) or {})
@@ -493,7 +563,9 @@ def run_admission(
         "engine_id": c.engine_id,
         "sampler": dataclasses.asdict(candidate_sampler_config(c, setup)),
         "measurement": {k: v for k, v in row.items() if k.startswith(("mismatch/", "measure/"))},
-        "verdict": {k: row[k] for k in ("admitted", "max_kl", "margin", "too_close", "reasons")},
+        "verdict": {
+          k: row[k] for k in ("rule", "admitted", "max_kl", "margin", "too_close", "reasons")
+        },
         "num_prompts": num_prompts,
         "student": student,
         "budget_file": os.path.abspath(budget_path),
@@ -512,6 +584,7 @@ def run_admission(
       "tolerance": budget.tolerance,
       "censored": budget.censored,
       "conservative": conservative,
+      "rule": budget_file.rule_dict(rule),
     },
     "student": student,
     "num_prompts": num_prompts,
@@ -528,8 +601,8 @@ def run_admission(
   interval = ", ".join(f"{v:.4g}" for v in budget.interval)
   log(
     f"budget {budget_path}: max_kl {budget.max_kl:.4g} nats/token (interval [{interval}], "
-    f"tolerance {budget.tolerance:.4g}, censored {budget.censored}); student: "
-    f"{student['source']}; {num_prompts} calibration prompts"
+    f"tolerance {budget.tolerance:.4g}, censored {budget.censored}); rule: {rule.describe()}; "
+    f"student: {student['source']}; {num_prompts} calibration prompts"
   )
   log(format_table(rows))
   if json_path:

@@ -3,8 +3,28 @@
 A candidate is a comma-separated list of `rollout.<key>=<value>` overrides
 (`--candidate=rollout.weights=fp8,rollout.kv_cache=fp8`), applied to a copy of the run config
 and validated like any config (`parse_candidate`), so a misspelt key gets the same "did you
-mean" as `main`. Its mismatch sources (`candidate_source`, `source_parts`: "noise",
-"stale+fp8_kv") decide which of a budget's per-source limits it is held to.
+mean" as `main`. A tuple of strings may be typed unquoted (`rollout.noise_modules=(mlp, o)`).
+
+Sources by what the engine does. A candidate's mismatch sources ("noise", "stale+fp8_kv") are
+read from the difference between its engine and the trainer's (`engine_sources`), not from the
+keys that were typed: the engine is `train.setup.engine_config` of its config (an
+`inference.transform.EngineConfig`) plus its weight-version lag k (`candidate_lag`), and the
+trainer's engine is the identity transform with the KV cache in the trainer's compute dtype and
+k = 0 (`reference_engine`). Every field of the engine belongs to one source (ENGINE_SOURCES,
+with a test that fails when EngineConfig gains a field it does not map):
+
+  weights format and recipe   weights, weight_block_size, bf16_layers, …   "<format>_weights"
+  KV cache format             kv.dtype, kv.granularity, kv.bf16_layers, …  "<format>_kv"
+  weight noise                noise_sigma, noise_layers, noise_modules     "noise"
+  kernel                      kernel                                       "kernel"
+  staleness                   k > 0 (rollout.stale_k, or max_lag in async) "stale"
+
+A qualifier counts only where it acts (ACTIVE_WHEN: a block size only for quantized weights, a
+KV granularity only for a quantized cache), and the KV cache is a source only when it is stored
+below the engine's own compute dtype (a bf16-cast engine keeps its cache in bf16 under
+`kv_cache=auto`: that is the cast's, not a KV source). A difference in a field no source owns,
+or a format no source is named for, is refused with a message saying so. The sources are
+"+"-joined in SOURCE_ORDER; a candidate whose engine is the trainer's is "reference".
 """
 
 from __future__ import annotations
@@ -12,6 +32,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,27 +44,84 @@ from ml_collections.config_flags import tuple_parser
 from opd_jax.config import check as config_check
 from opd_jax.inference import transform
 from opd_jax.mismatch import budget as budget_lib
+from opd_jax.model import kvcache
 from opd_jax.train import setup as setup_lib
 
 CANDIDATE_PREFIX = "rollout."
 
+# Roles of the engine's fields; a role's source name may depend on the engine (WEIGHTS, KV).
+WEIGHTS, KV, NOISE, KERNEL, STALE = "weights", "kv", "noise", "kernel", "stale"
 
-# Which override makes a candidate belong to which mismatch source (the budget's per-source
-# limits), checked in this order.
-SOURCE_OF_KEY = (
-  ("rollout.noise_sigma", "noise"),
-  ("rollout.stale_k", "stale"),
-  ("rollout.max_lag", "stale"),
-  ("rollout.weights", "fp8_weights"),
-  ("rollout.kv_cache", "fp8_kv"),
-  ("rollout.kernel", "kernel"),
-)
+# Each field of EngineConfig (nested dataclasses as "kv.<field>") -> the role it belongs to.
+ENGINE_SOURCES = {
+  "weights": WEIGHTS,
+  "weight_block_size": WEIGHTS,
+  "bf16_layers": WEIGHTS,
+  "noise_sigma": NOISE,
+  "noise_layers": NOISE,
+  "noise_modules": NOISE,
+  "kernel": KERNEL,
+  "kv.dtype": KV,
+  "kv.granularity": KV,
+  "kv.bf16_layers": KV,
+  "kv.tensor_headroom": KV,
+}
+
+# The source a weights format is (EngineConfig.weights; "trainer" is no source).
+WEIGHT_SOURCES = {
+  "bf16": "bf16_weights",
+  "fp8": "fp8_weights",
+  "int8": "int8_weights",
+  "int4": "int4_weights",
+  "fp4": "fp4_weights",
+}
+
+# The source a KV cache dtype is when it is below the engine's compute dtype.
+KV_SOURCES = {
+  "bfloat16": "bf16_kv",
+  "float16": "fp16_kv",
+  "float8_e4m3fn": "fp8_kv",
+  "float8_e5m2": "fp8_kv",
+  "float4_e2m1fn": "fp4_kv",
+}
+
+# The roles in the order their sources are joined ("noise+stale+fp8_weights+fp8_kv+kernel").
+SOURCE_ORDER = (NOISE, STALE, WEIGHTS, KV, KERNEL)
+
+# The rollout keys that set the weight-version lag: they belong to the "stale" source.
+LAG_KEYS = ("rollout.stale_k", "rollout.max_lag", "rollout.mode", "rollout.max_ahead")
+
+_UNQUANTIZED = ("trainer", "bf16")
+_FULL_KV = ("float32", "bfloat16", "float16")
 
 
-# A cast to bf16 is not FP8: it is a source of its own (with no fit, the pooled budget applies).
-CAST_SOURCES = {
-  ("rollout.weights", "bf16"): "bf16_weights",
-  ("rollout.kv_cache", "bf16"): "bf16_kv",
+def _quantized_weights(e: transform.EngineConfig) -> bool:
+  return e.weights not in _UNQUANTIZED
+
+
+def _quantized_kv(e: transform.EngineConfig) -> bool:
+  return e.kv.dtype not in _FULL_KV
+
+
+# A qualifier field -> when it acts; elsewhere its value changes nothing the engine does.
+ACTIVE_WHEN: dict[str, Callable[[transform.EngineConfig], bool]] = {
+  "weight_block_size": _quantized_weights,
+  "bf16_layers": _quantized_weights,
+  "noise_layers": lambda e: e.noise_sigma > 0,
+  "noise_modules": lambda e: e.noise_sigma > 0,
+  "kv.granularity": _quantized_kv,
+  "kv.bf16_layers": _quantized_kv,
+  "kv.tensor_headroom": lambda e: _quantized_kv(e) and e.kv.granularity == "tensor",
+}
+
+# The rollout overrides that switch a role off (the trainer's engine for it): a combination's
+# part is measured with every other source switched off (`source_parts`).
+SWITCH_OFF = {
+  NOISE: {"noise_sigma": 0.0, "noise_layers": (), "noise_modules": ()},
+  WEIGHTS: {"weights": "trainer"},
+  KV: {"kv_cache": "auto"},
+  KERNEL: {"kernel": "reference"},
+  STALE: {"stale_k": 0, "max_lag": 0, "max_ahead": -1},
 }
 
 
@@ -105,7 +184,8 @@ def parse_value(raw: str, current):
   """Parses `raw` as ml_collections' `--config.key=raw` would for a field now holding `current`.
 
   int, float and bool fields use absl's parsers ("1" becomes 1.0 for a float field), tuple
-  fields `ast.literal_eval` with a single value wrapped ("0" -> (0,), "(0,1)" -> (0, 1)), str
+  fields `ast.literal_eval` with a single value wrapped ("0" -> (0,), "(0,1)" -> (0, 1)) and
+  bare words in brackets taken as strings ("(mlp,)" -> ("mlp",), `_bracketed_tuple`), str
   fields keep the text; a field of another type (or an unknown key) takes a Python literal,
   else the text.
 
@@ -118,12 +198,55 @@ def parse_value(raw: str, current):
     (float, absl_flags.FloatParser()),
     (tuple, tuple_parser.TupleParser()),
   )
+  if isinstance(current, tuple) and not isinstance(current, bool):
+    bracketed = _bracketed_tuple(raw)
+    if bracketed is not None:
+      return bracketed
   for kind, parser in parsers:
     if isinstance(current, kind):
       return parser.parse(raw)
   if isinstance(current, str):
     return raw
   return _literal(raw)
+
+
+_BARE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _bracketed_tuple(raw: str) -> tuple | None:
+  """A bracketed tuple "(a, b)" or "[a, b]" whose strings may be unquoted: each item a Python
+  literal, else a bare word taken as a string ("(mlp,)" -> ("mlp",)); None when `raw` is not
+  bracketed.
+
+  Raises:
+    ValueError: an item that is neither, with the quoted form to type instead.
+  """
+  text = raw.strip()
+  if len(text) < 2 or (text[0], text[-1]) not in (("(", ")"), ("[", "]")):
+    return None
+  try:
+    value = ast.literal_eval(text)
+  except (SyntaxError, ValueError):
+    value = None
+  if isinstance(value, tuple | list):
+    return tuple(value)
+  inner = text[1:-1].strip()
+  tokens = [t.strip() for t in split_spec(inner)] if inner else []
+  if tokens and tokens[-1] == "":
+    tokens = tokens[:-1]  # "(mlp,)": the trailing comma of a 1-tuple
+  items = []
+  for token in tokens:
+    try:
+      items.append(ast.literal_eval(token))
+    except (SyntaxError, ValueError):
+      if not _BARE_WORD.fullmatch(token):
+        quoted = "(" + ", ".join(repr(t) for t in tokens) + ("," if len(tokens) == 1 else "") + ")"
+        raise ValueError(
+          f"{raw!r} is not a tuple: {token!r} is neither a value nor a bare word; quote the "
+          f"strings: {quoted}"
+        ) from None
+      items.append(token)
+  return tuple(items)
 
 
 def _refuse_non_rollout(spec: str, key: str) -> None:
@@ -212,69 +335,228 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
   )
 
 
-def candidate_source(candidate: Candidate, reference: ml_collections.ConfigDict) -> str:
-  """The mismatch sources a candidate changes against the config it modifies (`config_source`)."""
-  return config_source(candidate.config, reference, candidate.lag)
-
-
-# Which source a candidate key belongs to when a combination is split into its parts
-# (`source_parts`): each source's own key (SOURCE_OF_KEY) and the keys that only qualify it; a
-# key not listed here goes with every part.
-PART_OF_KEY = {
-  **dict(SOURCE_OF_KEY),
-  "rollout.mode": "stale",
-  "rollout.weight_block_size": "fp8_weights",
-  "rollout.bf16_layers": "fp8_weights",
-  "rollout.kv_granularity": "fp8_kv",
+# Which source a rollout key's override belongs to when a combination is split into its parts
+# (`source_parts`). The keys that change neither the engine nor the lag (NEUTRAL_KEYS) go with
+# every part; a key in neither table is placed by what resetting it changes in the engine.
+ROLE_OF_KEY = {
+  "rollout.weights": WEIGHTS,
+  "rollout.weight_block_size": WEIGHTS,
+  "rollout.bf16_layers": WEIGHTS,
+  "rollout.kv_cache": KV,
+  "rollout.kv_granularity": KV,
+  "rollout.kv_bf16_layers": KV,
+  "rollout.noise_sigma": NOISE,
+  "rollout.noise_layers": NOISE,
+  "rollout.noise_modules": NOISE,
+  "rollout.kernel": KERNEL,
+  "rollout.stale_policy": STALE,
+  **dict.fromkeys(LAG_KEYS, STALE),
 }
+NEUTRAL_KEYS = (
+  "rollout.temperature",
+  "rollout.top_k",
+  "rollout.top_p",
+  "rollout.max_new_tokens",
+  "rollout.producer_timeout_s",
+  "rollout.score_teacher",
+  "rollout.samples_per_prompt",
+  "rollout.mesh_data",
+  "rollout.mesh_fsdp",
+  "rollout.mesh_tensor",
+)
 
 
-def source_parts(candidate: Candidate, reference: ml_collections.ConfigDict) -> dict[str, str]:
-  """A combination's parts: source -> the candidate spec of that source's overrides alone
-  (with the overrides no source owns), in the candidate's source order; {} when the candidate
-  changes fewer than two sources. What `budget.admit(..., per_part=True)` holds each source's
-  limit against, measured as "mismatch/kl/part/<source>".
+def compute_dtype(config: ml_collections.ConfigDict) -> str:
+  """The trainer's compute dtype name (`config.student.dtype`)."""
+  return jnp.dtype(config.student.dtype).name
+
+
+def reference_engine(config: ml_collections.ConfigDict) -> transform.EngineConfig:
+  """The trainer's own engine for `config`'s student: the identity transform, the reference
+  kernel, no noise, the KV cache in the trainer's compute dtype (lag 0)."""
+  return transform.EngineConfig(kv=kvcache.KVCacheSpec(dtype=compute_dtype(config)))
+
+
+def engine_fields(engine) -> dict[str, Any]:
+  """Every field of an EngineConfig, nested dataclasses flattened as "<field>.<sub>"."""
+  out = {}
+  for field in dataclasses.fields(engine):
+    value = getattr(engine, field.name)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      out.update({f"{field.name}.{k}": v for k, v in engine_fields(value).items()})
+    else:
+      out[field.name] = value
+  return out
+
+
+def _engine_dtype(engine: transform.EngineConfig, trainer_dtype: str) -> str:
+  """The dtype the engine computes in: bf16 for a bf16 cast, else the trainer's."""
+  return "bfloat16" if engine.weights == "bf16" else trainer_dtype
+
+
+def effective_fields(engine: transform.EngineConfig, trainer_dtype: str) -> dict[str, Any]:
+  """`engine_fields` with what changes nothing the engine does put back to its default: a
+  qualifier where it does not act (ACTIVE_WHEN), and a KV dtype equal to the engine's own
+  compute dtype (shown as None: no KV source)."""
+  fields = engine_fields(engine)
+  defaults = engine_fields(transform.EngineConfig())
+  for name, active in ACTIVE_WHEN.items():
+    if name in fields and not active(engine):
+      fields[name] = defaults[name]
+  if fields.get("kv.dtype") == _engine_dtype(engine, trainer_dtype):
+    fields["kv.dtype"] = None
+  return fields
+
+
+def _role_source(role: str, engine: transform.EngineConfig) -> str:
+  """The source name of `role` for `engine` (ValueError for a format no source is named for)."""
+  if role == WEIGHTS:
+    if engine.weights not in WEIGHT_SOURCES:
+      raise ValueError(
+        f"the engine's weights format {engine.weights!r} belongs to no known mismatch source "
+        f"(known: {', '.join(WEIGHT_SOURCES)}); name its source in candidates.WEIGHT_SOURCES"
+      )
+    return WEIGHT_SOURCES[engine.weights]
+  if role == KV:
+    if engine.kv.dtype not in KV_SOURCES:
+      raise ValueError(
+        f"the engine's KV cache dtype {engine.kv.dtype!r} belongs to no known mismatch source "
+        f"(known: {', '.join(KV_SOURCES)}); name its source in candidates.KV_SOURCES"
+      )
+    return KV_SOURCES[engine.kv.dtype]
+  return role
+
+
+def engine_roles(
+  engine: transform.EngineConfig, lag: int, reference: transform.EngineConfig
+) -> list[str]:
+  """The roles (SOURCE_ORDER) in which `engine` with lag k differs from `reference` (lag 0).
 
   Raises:
-    ValueError: a part that is not one source of the candidate's own (a key PART_OF_KEY puts
-      with the wrong group).
+    ValueError: a field that differs and that no source owns (ENGINE_SOURCES), naming it.
   """
-  sources = candidate_source(candidate, reference).split("+")
+  trainer_dtype = reference.kv.dtype
+  mine = effective_fields(engine, trainer_dtype)
+  theirs = effective_fields(reference, trainer_dtype)
+  changed = [name for name in mine if mine[name] != theirs.get(name)]
+  unowned = [name for name in changed if name not in ENGINE_SOURCES]
+  if unowned:
+    raise ValueError(
+      f"the engine {engine.engine_id!r} differs from the trainer's in "
+      f"{', '.join(f'{n}={mine[n]!r}' for n in unowned)}, which belongs to no known mismatch "
+      "source, so no budget limit applies to it; map the field in candidates.ENGINE_SOURCES"
+    )
+  roles = {ENGINE_SOURCES[name] for name in changed}
+  if lag > 0:
+    roles.add(STALE)
+  unordered = sorted(roles - set(SOURCE_ORDER))
+  return [r for r in SOURCE_ORDER if r in roles] + unordered
+
+
+def engine_sources(
+  engine: transform.EngineConfig, lag: int, reference: transform.EngineConfig
+) -> str:
+  """The mismatch sources of `engine` with weight-version lag k against the trainer's engine
+  `reference` (module docstring), "+"-joined in SOURCE_ORDER, or "reference" when none.
+
+  Raises:
+    ValueError: a difference that belongs to no known source (a field ENGINE_SOURCES does not
+      map, or a weights or KV format that WEIGHT_SOURCES or KV_SOURCES does not name).
+  """
+  sources = [_role_source(r, engine) for r in engine_roles(engine, lag, reference)]
+  return "+".join(dict.fromkeys(sources)) or budget_lib.REFERENCE_SOURCE
+
+
+def config_source(config: ml_collections.ConfigDict) -> str:
+  """The mismatch sources of the engine a run config builds (`setup.engine_config`, lag
+  `candidate_lag`) against the trainer's (`reference_engine`)."""
+  engine = setup_lib.engine_config(config, compute_dtype(config))
+  return engine_sources(engine, candidate_lag(config), reference_engine(config))
+
+
+def candidate_source(candidate: Candidate) -> str:
+  """The mismatch sources of a candidate's engine against the trainer's (`engine_sources`)."""
+  return engine_sources(candidate.engine_cfg, candidate.lag, reference_engine(candidate.config))
+
+
+def _key_roles(key: str, candidate: Candidate, base: ml_collections.ConfigDict) -> set[str]:
+  """The roles an override of `key` belongs to: ROLE_OF_KEY, none for NEUTRAL_KEYS, else the
+  roles whose engine fields change when the key is put back to the base config's value."""
+  if key in ROLE_OF_KEY:
+    return {ROLE_OF_KEY[key]}
+  if key in NEUTRAL_KEYS:
+    return set()
+  leaf = key[len(CANDIDATE_PREFIX) :]
+  probe = ml_collections.ConfigDict(candidate.config.to_dict())
+  probe.rollout[leaf] = base.rollout[leaf]
+  try:
+    engine = setup_lib.engine_config(probe, compute_dtype(probe))
+  except ValueError as e:
+    raise ValueError(
+      f"candidate {candidate.spec!r}: cannot tell which source {key} belongs to ({e}); add it "
+      "to candidates.ROLE_OF_KEY"
+    ) from e
+  roles = set(engine_roles(candidate.engine_cfg, candidate.lag, engine))
+  return roles | ({STALE} if candidate_lag(probe) != candidate.lag else set())
+
+
+def source_parts(candidate: Candidate, base: ml_collections.ConfigDict) -> dict[str, str]:
+  """A combination's parts: source -> the candidate spec (against `base`, the config the
+  candidate modifies) of that source alone, in the candidate's source order; {} when the
+  candidate has fewer than two sources. What the per_part and sum_of_fractions rules read,
+  measured as "mismatch/kl/part/<source>".
+
+  The part of source s holds the candidate's overrides of s (ROLE_OF_KEY), those of no source
+  (NEUTRAL_KEYS), and the overrides that switch off each other source the base config itself
+  has (SWITCH_OFF: a noise part on an async base sets max_lag=0), so that it changes s alone.
+
+  Raises:
+    ValueError: a part that does not come out as source s alone (naming the part).
+  """
+  sources = candidate_source(candidate).split("+")
   if len(sources) < 2:
     return {}
-  groups: dict[str, list[str]] = {}
+  roles = engine_roles(candidate.engine_cfg, candidate.lag, reference_engine(candidate.config))
+  base_roles = [r for r in engine_roles_of(base) if r in SWITCH_OFF]
+  groups: dict[str, list[str]] = {r: [] for r in roles}
   shared = []
   for item in split_spec(candidate.spec):
     key = item.partition("=")[0].strip().removeprefix("config.")
-    owner = PART_OF_KEY.get(key)
-    if owner is None:
+    owners = _key_roles(key, candidate, base)
+    if not owners:
       shared.append(item.strip())
-    else:
-      groups.setdefault(owner, []).append(item.strip())
+    for role in owners & set(groups):
+      groups[role].append(item.strip())
   parts = {}
-  for items in groups.values():
-    spec = ",".join(items + shared)
-    source = candidate_source(parse_candidate(spec, reference), reference)
-    if source not in sources:
+  for role, items in groups.items():
+    typed = {it.partition("=")[0].strip().removeprefix("config.") for it in items + shared}
+    off = [
+      f"rollout.{k}={_spec_value(v)}"
+      for r in base_roles
+      if r != role
+      for k, v in SWITCH_OFF[r].items()
+      if f"rollout.{k}" not in typed and base.rollout.get(k) != v and k in base.rollout
+    ]
+    # A part the base config alone gives (its own staleness, say): a no-op override names it.
+    spec = ",".join(items + shared + off) or f"rollout.mode={base.rollout.mode}"
+    source = candidate_source(parse_candidate(spec, base))
+    if source != _role_source(role, candidate.engine_cfg):
       raise ValueError(
-        f"candidate {candidate.spec!r}: its part {spec!r} changes {source!r}, not one of "
-        f"its sources {sources}"
+        f"candidate {candidate.spec!r}: its part {spec!r} changes {source!r}, not "
+        f"{_role_source(role, candidate.engine_cfg)!r} alone"
       )
     parts[source] = spec
   return {s: parts[s] for s in sources if s in parts}
 
 
-def config_source(config, reference, lag: int) -> str:
-  """The mismatch sources `config` changes against `reference`, "+"-joined in SOURCE_OF_KEY
-  order ("noise+stale"), or "reference" when it changes none of them. Staleness is the lag
-  the engine trains with (`lag` > 0: stale_k, or an async engine's lag bound), whatever the
-  reference's own mode."""
-  found = []
-  for key, source in SOURCE_OF_KEY:
-    section, leaf = key.split(".")
-    value = config[section][leaf]
-    changed = lag > 0 if source == "stale" else value != reference[section][leaf]
-    source = CAST_SOURCES.get((key, value), source)
-    if changed and source not in found:
-      found.append(source)
-  return "+".join(found) or budget_lib.REFERENCE_SOURCE
+def engine_roles_of(config: ml_collections.ConfigDict) -> list[str]:
+  """The roles of the engine a run config builds against the trainer's (`engine_roles`)."""
+  engine = setup_lib.engine_config(config, compute_dtype(config))
+  return engine_roles(engine, candidate_lag(config), reference_engine(config))
+
+
+def _spec_value(value) -> str:
+  """A value as a candidate spec writes it: tuples as "(a, b)", others by str."""
+  if isinstance(value, tuple):
+    return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+  return str(value)

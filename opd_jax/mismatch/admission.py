@@ -245,15 +245,6 @@ def _measure_args(candidate, setup, prompts, student_params, behaviour_params=No
   )
 
 
-def with_conservative(rule: budget_lib.Rule, conservative: bool) -> budget_lib.Rule:
-  """`rule`, with its "conservative" parameter set when `conservative` (a flag asks for the
-  lower ends): a rule whose parameters changed keeps no validation, since it was not the one
-  tested."""
-  if not conservative or rule.conservative:
-    return rule
-  return budget_lib.Rule(rule.name, {**rule.params, "conservative": True}, None)
-
-
 def candidate_verdict(
   candidate: Candidate,
   base: ml_collections.ConfigDict,
@@ -474,7 +465,7 @@ def run_admission(
       `config.teacher.cache_dir` is empty; a teacher missing there would be bootstrapped into
       it, as the trainer does).
     force: check against a stale budget (its reasons are still reported).
-    conservative: set the rule's "conservative" parameter (`with_conservative`).
+    conservative: set the rule's "conservative" parameter (`budget.Rule.with_params`).
     json_path: also write the result as JSON there.
     log: progress and the table go here.
 
@@ -536,7 +527,8 @@ def run_admission(
   if stale:
     log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
 
-  rule = with_conservative(budget.rule or budget_lib.POOLED, conservative)
+  rule = budget.rule or budget_lib.POOLED
+  rule = rule.with_params(conservative=True) if conservative else rule
 
   def measure_one(c: Candidate) -> dict:
     behaviour = history.params(student_step - c.lag) if c.lag else None

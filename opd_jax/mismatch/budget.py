@@ -216,6 +216,14 @@ class Rule:
   def conservative(self) -> bool:
     return bool(self.params["conservative"])
 
+  def with_params(self, **params) -> Rule:
+    """The rule with `params` changed; it keeps its validation only when nothing changed (a
+    rule with other parameters is not the one that was tested)."""
+    merged = {**self.params, **params}
+    if merged == self.params:
+      return self
+    return Rule(self.name, merged, None)
+
   def describe(self) -> str:
     """One line: the name, a non-default parameter, and what it scored where it was tested."""
     text = self.name + (" (conservative)" if self.conservative else "")

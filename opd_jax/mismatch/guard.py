@@ -16,14 +16,18 @@ draw changes every version), so the guard compares a bias-corrected exponential 
 
   m_n = α m_{n−1} + (1 − α) kl_n,   m_0 = 0,   ema_n = m_n / (1 − α^n)       (α = budget.smoothing)
 
-with the budget's limit for the rung the run is on (`budget.admit` decides, as the admission check
-does), on the training-time axis: the budget's `training` fit when the file has one (the study
-writes it; `budget`, "Two axes"), else the check-axis budget itself, which is lenient, since the
-check reads higher than training. The limit is, with `budget.per_source` (the default), the
-strictest per-source limit of the rung's sources (`rung_sources`: what its engine changes against
-the exact engine, with the check's source names; the check itself names what a candidate changes
-against the run's config, which is the same thing when that config is the exact engine, as the
-study's is), else the pooled max_kl; the interval's lower end of either with `budget.conservative`.
+with the budget's limit for the rung the run is on, on the training-time axis: the budget's
+`training` fit when the file has one (the study writes it; `budget`, "Two axes"), else the
+check-axis budget itself, which is lenient, since the check reads higher than training. The
+verdict is the budget file's rule (`budget.apply_rule`, the function the admission check and the
+study reach theirs through; docs/budget_rules.md) on a measurement that names the rung's sources
+(`rung_sources`: what its engine changes against the trainer's, as the check names a candidate's).
+`budget.per_source=False` replaces the file's rule by the pooled one, and `budget.conservative`
+sets its "conservative" parameter (every limit at its interval's lower end). A training step logs
+only the whole combination's mismatch, not its parts, so a rule that reads parts takes the whole's
+value for each part there (`unmeasured_parts="whole"`: per_part then holds the whole to the
+strictest part's limit, sum_of_fractions to Σ_s kl / L_s ≤ 1); `adaptive`'s measurements, made
+with the check's procedure, measure each part alone as the check does.
 A step is *over budget* when ema_n > limit; `budget.patience` counts consecutive over-budget steps
 (one step within budget resets it to 0), and the action fires when the count reaches patience.
 α = 0.9 averages over about 10 steps; α = 0 compares the per-step value. The bias correction keeps
@@ -42,8 +46,9 @@ Actions.
 * `adaptive`: at the start, every `budget.recheck_every` steps, and early when the count reaches
   patience, measure the ladder's configurations cheapest first with the admission check's
   measurement (`admission.measure_candidate`: calibration prompts, the current student θ_t,
-  behaviour T(θ_{t−k}) for a stale rung) and run on the cheapest one whose measured mismatch is
-  within the check-axis budget (the safest rung when none is). A periodic re-check may go back to a
+  behaviour T(θ_{t−k}) for a stale rung; each part of a combination alone when the rule reads
+  parts, `admission.candidate_verdict`) and run on the cheapest one whose measurement is within
+  the check-axis budget (the safest rung when none is). A periodic re-check may go back to a
   cheaper rung; an early re-check only looks at rungs safer than the current one, whose own training
   mismatch just went over budget. Measurement stops at the first admitted rung.
 
@@ -95,6 +100,7 @@ import ml_collections
 from opd_jax.config import check as config_check
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.train import trainer
 
 ACTIONS = ("warn", "fallback", "adaptive")
@@ -171,21 +177,11 @@ def rung_lag(config: ml_collections.ConfigDict) -> int:
   return int(r.max_lag) if r.mode == "async" else int(r.stale_k)
 
 
-# The engine with no mismatch source: the trainer's own weights and KV dtype, the reference
-# kernel, no noise (staleness is read from the lag).
-EXACT_ENGINE = {"weights": "trainer", "kv_cache": "auto", "noise_sigma": 0.0, "kernel": "reference"}
-
-
 def rung_sources(config: ml_collections.ConfigDict, ladder: tuple[Rung, ...]) -> tuple[str, ...]:
-  """The mismatch sources of each rung's engine against EXACT_ENGINE, "+"-joined as the
-  admission check names a candidate's (`candidates_lib.config_source`): the budget's per-source
+  """The mismatch sources of each rung's engine against the trainer's, "+"-joined as the
+  admission check names a candidate's (`candidates.config_source`): the budget's per-source
   limits apply to them."""
-  from opd_jax.mismatch import candidates as candidates_lib
-
-  exact = ml_collections.ConfigDict(config.to_dict())
-  exact.rollout.update(EXACT_ENGINE)
-  configs = [apply_rung(config, rung) for rung in ladder]
-  return tuple(candidates_lib.config_source(c, exact, rung_lag(c)) for c in configs)
+  return tuple(candidates_lib.config_source(apply_rung(config, rung)) for rung in ladder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,11 +221,13 @@ class Guard:
     patience: consecutive over-budget steps before acting (>= 1).
     smoothing: α in [0, 1) of the moving average compared with the budget (0 = per step).
     recheck_every: adaptive: steps between periodic re-measurements (>= 1).
-    conservative: compare with the lower end of the budget's interval (`budget.admit`).
+    conservative: set the rule's "conservative" parameter (every limit at the lower end of
+      its interval).
     rung: the rung the run is on (a resumed run's).
     sources: the mismatch sources of each rung (`rung_sources`), for per-source limits; None
-      compares every rung with the pooled budget.
-    per_source: hold a rung to its sources' limits (`budget.admit`) when `sources` is given.
+      names no source, so that every rule holds a rung to the pooled limit.
+    per_source: False replaces the rule by the pooled one.
+    rule: the admission rule (`budget.Rule`); None: the budget's (`budget.apply_rule`).
   """
 
   def __init__(
@@ -244,6 +242,7 @@ class Guard:
     rung: int = 0,
     sources: tuple[str, ...] | None = None,
     per_source: bool = True,
+    rule: budget_lib.Rule | None = None,
   ):
     if action not in ACTIONS:
       raise ValueError(f"budget.action must be one of {', '.join(ACTIONS)}; got {action!r}")
@@ -262,6 +261,9 @@ class Guard:
     self.recheck_every, self.conservative = recheck_every, conservative
     self.rung = rung
     self.sources, self.per_source = sources, per_source
+    rule = rule or budget.rule or budget_lib.POOLED
+    rule = rule if per_source else budget_lib.POOLED
+    self.rule = rule.with_params(conservative=True) if conservative else rule
     self.over_steps = 0
     self.margin = math.nan  # limit − the step's mismatch/kl
     self.margin_smoothed = math.nan  # limit − the moving average
@@ -279,13 +281,21 @@ class Guard:
       return self.budget.training
     return self.budget
 
-  def verdict(self, kl: float, rung: int, axis: str = "training") -> budget_lib.Verdict:
-    """`budget.admit` of a mismatch/kl on `axis` of `rung`'s engine."""
-    measurement = {KL_KEY: kl}
+  def verdict(self, kl, rung: int, axis: str = "training") -> budget_lib.Verdict:
+    """The rule's verdict (`budget.apply_rule`) on a mismatch on `axis` of `rung`'s engine.
+
+    Args:
+      kl: the whole combination's mismatch/kl (a float), or a measurement (a mapping with
+        "mismatch/kl" and any "mismatch/kl/part/<s>" measured); a part not given is taken as
+        the whole (module docstring).
+      rung: the rung whose sources name the measurement.
+      axis: "training" or "check" (`on_axis`).
+    """
+    measurement = dict(kl) if isinstance(kl, Mapping) else {KL_KEY: kl}
     if self.sources is not None:
       measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
-    return budget_lib.admit(
-      measurement, self.on_axis(axis), conservative=self.conservative, per_source=self.per_source
+    return budget_lib.apply_rule(
+      measurement, self.on_axis(axis), self.rule, unmeasured_parts="whole"
     )
 
   def limit_of(self, rung: int, axis: str = "training") -> float:
@@ -297,8 +307,9 @@ class Guard:
     """The training-time kl the guard admits on the current rung."""
     return self.limit_of(self.rung)
 
-  def admits(self, kl: float, rung: int | None = None, axis: str = "training") -> bool:
-    """Whether a mismatch/kl on `axis` of `rung` (default: the current one) is within budget."""
+  def admits(self, kl, rung: int | None = None, axis: str = "training") -> bool:
+    """Whether a mismatch on `axis` of `rung` (default: the current one) is within budget
+    (`kl` as for `verdict`)."""
     return self.verdict(kl, self.rung if rung is None else rung, axis).admitted
 
   def _restart(self) -> None:
@@ -378,7 +389,8 @@ class Guard:
     Args:
       step: the current step.
       decision: the "recheck" Decision being settled.
-      measured: rung -> measured mismatch/kl; every candidate up to the chosen one.
+      measured: rung -> its measured mismatch/kl, or its measurement with the parts the rule
+        reads (`verdict`); every candidate up to the chosen one.
     """
     if decision.kind != "recheck":
       raise ValueError(f"choose settles a recheck, got a {decision.kind!r} decision")
@@ -387,9 +399,9 @@ class Guard:
     for rung in decision.candidates:
       if rung not in measured:
         break
-      margin = self.limit_of(rung, "check") - measured[rung]
-      verdicts.append(f"rung {rung}: {measured[rung]:.4g} (margin {margin:.4g})")
-      if self.admits(measured[rung], rung, "check"):
+      verdict = self.verdict(measured[rung], rung, "check")
+      verdicts.append(f"rung {rung}: {verdict.measured_kl:.4g} (margin {verdict.margin:.4g})")
+      if verdict.admitted:
         pick, admitted = rung, True
         break
     if pick == self.rung:
@@ -510,6 +522,7 @@ class LiveGuard:
       rung=rung,
       sources=rung_sources(config, ladder),
       per_source=b.per_source,
+      rule=budget.rule,
     )
     live = cls(config, setup, guard, make_source, prompt_iter, writer, log)
     rungs = "; ".join(
@@ -525,7 +538,8 @@ class LiveGuard:
       "higher than training (docs/study), so this is lenient"
     )
     log(
-      f"budget guard: {b.file}, limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
+      f"budget guard: {b.file}, rule {guard.rule.describe()}, "
+      f"limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
       f"interval [{budget.interval[0]:.4g}, {budget.interval[1]:.4g}]), action {b.action}, "
       f"patience {b.patience}, smoothing {b.smoothing}; training-time mismatch/kl is compared "
       f"with {axis}; ladder: {rungs}; on rung {rung}"
@@ -595,11 +609,11 @@ class LiveGuard:
     self._log(f"step {step}: rollouts now: {new.describe()}")
     return new
 
-  def _measure(self, decision: Decision, step: int, state) -> dict[int, float]:
-    """Adaptive: mismatch/kl of the candidate rungs, cheapest first, up to the first within
-    budget, with the admission check's measurement at the current student."""
+  def _measure(self, decision: Decision, step: int, state) -> dict[int, dict]:
+    """Adaptive: the measurements of the candidate rungs (with their parts when the rule reads
+    parts: `admission.candidate_verdict`), cheapest first, up to the first within budget, with
+    the admission check's procedure at the current student."""
     from opd_jax.mismatch import admission
-    from opd_jax.mismatch import candidates as candidates_lib
 
     m = self.setup.models
     if self._prompts is None:
@@ -613,19 +627,32 @@ class LiveGuard:
       spec = ",".join(f"rollout.{k}={v}" for k, v in rung.overrides.items())
       spec = spec or f"rollout.weights={self.base_config.rollout.weights}"  # rung 0: as is
       candidate = candidates_lib.parse_candidate(spec, self.base_config)
-      behaviour = None
-      if candidate.lag and self._history:
-        older = [p for s, p in self._history if s <= step - candidate.lag]
-        behaviour = older[-1] if older else self._history[0][1]
-      measurement = admission.measure_candidate(
-        candidate, self.setup, self._prompts, state.params, behaviour
+
+      def measure(c, state=state):
+        behaviour = None
+        if c.lag and self._history:
+          older = [p for s, p in self._history if s <= step - c.lag]
+          behaviour = older[-1] if older else self._history[0][1]
+        return admission.measure_candidate(c, self.setup, self._prompts, state.params, behaviour)
+
+      measurement, _ = admission.candidate_verdict(
+        candidate,
+        self.base_config,
+        measure(candidate),
+        self.guard.on_axis("check"),
+        lambda _, part: measure(part)[KL_KEY],
+        self.guard.rule,
       )
-      measured[index] = float(measurement[KL_KEY])
+      measured[index] = {
+        k: float(v)
+        for k, v in measurement.items()
+        if k == KL_KEY or k.startswith(budget_lib.PART_KL_PREFIX)
+      }
       within = self.guard.admits(measured[index], index, "check")  # the rung's own limit
       self._log(
         f"step {step}: budget guard measured {rung.describe()}: mismatch/kl "
-        f"{measured[index]:.4g} ({'within' if within else 'over'} "
-        f"{self.guard.limit_of(index, 'check'):.4g})"
+        f"{measured[index][KL_KEY]:.4g} ({'within' if within else 'over'} "
+        f"{self.guard.limit_of(index, 'check'):.4g}; {self.guard.rule.name} rule)"
       )
       if within:
         break

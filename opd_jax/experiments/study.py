@@ -23,17 +23,22 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    each of `borderline_seeds`, and so is every setting of a role in `rerun_all_roles`,
    borderline or not (one run's label has a heavy tail, docs/study). `budget.fit_budget(records,
    τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
-   its mean) gives the budget, pooled and per source, saved as `DIR/budget.json` with the
-   fingerprint of θ_P and the teacher. The same fit on the same runs with each run's
-   training-time mean mismatch/kl as x is the budget's training-axis fit (`budget.Budget.
-   training`, "Two axes"), which the live guard compares a run's per-step values with.
-5. **Validate.** For each held-out setting, `budget.admit(measurement, budget)` is the verdict
-   the check would have given (with its sources named when `per_source`, so the strictest
-   per-source limit applies; the pooled budget's verdict is kept beside it); the full run says
-   whether quality was kept: d ≤ τ, with d over all its runs. The confusion table and the
-   agreement rate go to the report, beside the single-run and the pooled ones, and so does the
-   table of the verdicts that are not too close to call (`Verdict.too_close`): how many the
-   check calls, and how often it is right when it does.
+   its mean) gives the budget, pooled and per source. The same fit on the same runs with each
+   run's training-time mean mismatch/kl as x is the budget's training-axis fit
+   (`budget.Budget.training`, "Two axes"), which the live guard compares a run's per-step
+   values with.
+5. **Validate.** The admission rule is fixed in the config before anything runs (`study_rule`:
+   `rule`, else "per_part" with `per_part`, "whole" with `per_source`, "pooled" without).
+   For each setting, `admission.candidate_verdict` with that rule is the verdict the check
+   would have given (the same function `python -m opd_jax.admit` and the live guard use; the
+   parts it reads are measured in step 2), and the pooled rule's verdict is kept beside it; the
+   full run says whether quality was kept: d ≤ τ, with d over all its runs. The confusion
+   table and the agreement rate go to the report, beside the single-run ones, every other rule
+   of the registry (`rule_variants`: for comparison, not pre-set), and the table of the
+   verdicts that are not too close to call (`Verdict.too_close`): how many the check calls,
+   and how often it is right when it does. The budget is saved as `DIR/budget.json` with the
+   fingerprint of θ_P and the teacher and its rule, with the held-out result as the rule's
+   validation (`rule_validation`).
 6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
    (`study_report`). The check's mismatch is also set beside each run's training-time mean
    `mismatch/kl` (agreement of the two x-axes).
@@ -127,9 +132,7 @@ def study_settings(config: ml_collections.ConfigDict) -> list[Setting]:
       seen.add(spec)
       candidate = candidates_lib.parse_candidate(spec, config.run)
       out.append(
-        Setting(
-          setting_name(spec), spec, source_of(candidate, config.run), role, int(config.seeds[0])
-        )
+        Setting(setting_name(spec), spec, source_of(candidate), role, int(config.seeds[0]))
       )
   return out
 
@@ -356,28 +359,64 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   }
 
 
-RULES = {  # admission rule -> budget.admit keyword arguments
-  "pooled": {"per_source": False},
-  "per_source": {"per_source": True},
-  "per_part": {"per_source": True, "per_part": True},
-  "pooled_conservative": {"per_source": False, "conservative": True},
-  "per_source_conservative": {"per_source": True, "conservative": True},
+# The rules every study scores beside its configured one: each rule of the registry, and the
+# pooled and whole ones at the lower ends of their intervals.
+RULES = {
+  **{name: budget.Rule(name) for name in budget.RULE_NAMES},
+  "pooled_conservative": budget.Rule("pooled", {"conservative": True}),
+  "whole_conservative": budget.Rule("whole", {"conservative": True}),
 }
 
 
-CROSSING_VARIANTS = (1, 2)  # min_crossing_records of the per-source variants refitted beside
+CROSSING_VARIANTS = (1, 2)  # min_crossing_records of the whole-rule variants refitted beside
 
 
-def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float) -> dict:
-  """The confusion table of every admission rule in RULES on the same (held-out) rows, so the
+def study_rule(config) -> budget.Rule:
+  """The admission rule the study validates, fixed by its config: `config.rule` (a name of
+  `budget.RULE_NAMES`) when set, else "per_part" with `per_part`, "whole" with `per_source`,
+  "pooled" without (no validation yet: `rule_validation` adds it).
+
+  Raises:
+    ValueError: an unknown rule name.
+  """
+  if config.get("rule", ""):
+    return budget.Rule(config.rule)
+  if config.get("per_part", False):
+    return budget.Rule("per_part")
+  return budget.Rule("whole" if config.get("per_source", False) else "pooled")
+
+
+def rule_validation(held_out_confusion: dict, tolerance: float) -> dict:
+  """The validation a study gives its configured rule: its confusion table on the held-out
+  settings (none of which the budget was fitted on), labelled by their full runs."""
+  return {
+    **held_out_confusion,
+    "tolerance": tolerance,
+    "label": "a held-out setting kept quality iff its mean drop over its runs <= tolerance",
+  }
+
+
+def verdicts(rows: Sequence[dict], config, fitted: budget.Budget, rule: budget.Rule) -> list:
+  """The verdict of `rule` on every row (a setting's measurement, with its parts), through
+  `admission.candidate_verdict`: the admission check's own path."""
+  out = []
+  for r in rows:
+    candidate = candidates_lib.parse_candidate(r["spec"], config.run)
+    out.append(admission.candidate_verdict(candidate, config.run, r, fitted, None, rule)[1])
+  return out
+
+
+def rule_variants(rows: Sequence[dict], config, fitted: budget.Budget, tolerance: float) -> dict:
+  """The confusion table of every rule in RULES on the same (held-out) rows, so the
   configured rule can be read beside the others; only the configured one is a pre-set test.
 
-  Also "per_source_min_crossing_<c>" for each c of CROSSING_VARIANTS other than the budget's
-  own: the per-source rule on the same records refitted with min_crossing_records = c."""
+  Also "whole_min_crossing_<c>" for each c of CROSSING_VARIANTS other than the budget's own:
+  the whole rule on the same records refitted with min_crossing_records = c."""
   out = {}
-  for name, kwargs in RULES.items():
-    verdicts = [{**r, "admitted": budget.admit(r, fitted, **kwargs).admitted} for r in rows]
-    out[name] = confusion(verdicts, tolerance, LABEL_DROP)
+  for name, rule in RULES.items():
+    judged = verdicts(rows, config, fitted, rule)
+    labelled = [{**r, "admitted": v.admitted} for r, v in zip(rows, judged, strict=True)]
+    out[name] = confusion(labelled, tolerance, LABEL_DROP)
   for c in CROSSING_VARIANTS:
     if c == fitted.min_crossing_records:
       continue
@@ -389,8 +428,9 @@ def rule_variants(rows: Sequence[dict], fitted: budget.Budget, tolerance: float)
       seed=fitted.seed,
       min_crossing_records=c,
     )
-    verdicts = [{**r, "admitted": budget.admit(r, refit, per_source=True).admitted} for r in rows]
-    out[f"per_source_min_crossing_{c}"] = confusion(verdicts, tolerance, LABEL_DROP)
+    judged = verdicts(rows, config, refit, RULES["whole"])
+    labelled = [{**r, "admitted": v.admitted} for r, v in zip(rows, judged, strict=True)]
+    out[f"whole_min_crossing_{c}"] = confusion(labelled, tolerance, LABEL_DROP)
   return out
 
 
@@ -479,6 +519,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   start = time.time()
   os.makedirs(workdir, exist_ok=True)
   config_check.validate(config.run)
+  rule = study_rule(config)  # fixed before anything runs
   settings = study_settings(config)
   extra, _, every = rerun_plan(config)  # checked before anything trains
   workers = _workers(config)
@@ -522,19 +563,23 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     fitted = dataclasses.replace(fitted, training=on_training)
   except ValueError as e:  # e.g. runs that logged no mismatch/kl: the guard then uses the check's
     log(f"no training-axis budget: {e}")
-  budget_path = os.path.join(workdir, BUDGET_FILE)
-  budget_file.save_budget(budget_path, fitted, fingerprint)
   per_source = bool(config.get("per_source", False))
   per_part = bool(config.get("per_part", False))
-  for row in rows:
-    verdict = budget.admit(row, fitted, per_source=per_source, per_part=per_part)
+  judged = verdicts(rows, config, fitted, rule)
+  pooled_judged = verdicts(rows, config, fitted, budget.POOLED)
+  for row, verdict, pooled in zip(rows, judged, pooled_judged, strict=True):
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
     row.update(limit=verdict.limit, limit_source=verdict.limit_source)
     row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
-    pooled = budget.admit(row, fitted, per_source=False)
     row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]
+  validated = confusion(held_out, tolerance, LABEL_DROP)
+  if held_out:
+    rule = dataclasses.replace(rule, validation=rule_validation(validated, tolerance))
+  fitted = dataclasses.replace(fitted, rule=rule)
+  budget_path = os.path.join(workdir, BUDGET_FILE)
+  budget_file.save_budget(budget_path, fitted, fingerprint)
 
   result: dict[str, Any] = {
     "workdir": os.path.abspath(workdir),
@@ -576,17 +621,18 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
         },
       },
     },
+    "rule": budget_file.rule_dict(rule),
     "per_source": per_source,
     "min_crossing_records": min_crossing,
     "per_part": per_part,
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "rerun_all_roles": list(config.get("rerun_all_roles", ())),
-    "confusion": confusion(held_out, tolerance, LABEL_DROP),
+    "confusion": validated,
     "confusion_single_run": confusion(held_out, tolerance),
     "confusion_called": confusion(
       [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
     ),
-    "rule_variants": rule_variants(held_out, fitted, tolerance),
+    "rule_variants": rule_variants(held_out, config, fitted, tolerance),
     "check_vs_training": agreement(rows),
     "rows": rows,
     "curves": {s.name: results[s.name].get("curve", []) for s in settings},

@@ -217,16 +217,21 @@ def _counts(c: dict) -> str:
 
 RULE_TEXT = {
   "per_part": "per-part limits",
-  "per_source": "per-source limits",
+  "whole": "the whole combination against per-source limits",
+  "sum_of_fractions": "the parts' fractions of their limits summed",
   "pooled": "the pooled budget",
 }
 
 
 def configured_rule(result: dict) -> str:
-  """The study's configured admission rule: "per_part", "per_source" or "pooled"."""
+  """The study's configured admission rule (`budget.RULE_NAMES`): the result's "rule", or for a
+  result written before rules were recorded, "per_part", "whole" (per-source limits on the
+  whole combination) or "pooled" from its flags."""
+  if result.get("rule"):
+    return result["rule"]["name"]
   if result.get("per_part"):
     return "per_part"
-  return "per_source" if result.get("per_source") else "pooled"
+  return "whole" if result.get("per_source") else "pooled"
 
 
 def findings(result: dict) -> list[str]:
@@ -281,7 +286,7 @@ def findings(result: dict) -> list[str]:
     f"{_pct(conf['agreement'])} % ({_counts(conf)})."
   )
   pooled = result.get("rule_variants", {}).get("pooled")
-  if pooled and result.get("per_source"):
+  if pooled and configured_rule(result) != "pooled":
     out.append(
       f"The pooled budget alone on the same settings: agreement {_pct(pooled['agreement'])} % "
       f"({_counts(pooled)})."
@@ -387,7 +392,7 @@ def markdown(result: dict) -> str:
     "",
     *(
       ["The pooled budget alone:", "", *confusion_table(result["rule_variants"]["pooled"]), ""]
-      if result.get("per_source") and "pooled" in result.get("rule_variants", {})
+      if configured_rule(result) != "pooled" and "pooled" in result.get("rule_variants", {})
       else []
     ),
     *rules_table(result),

@@ -224,9 +224,10 @@ def command_help(doc: str | None) -> str:
   lines = [(doc or "").strip(), "", "flags:"]
   by_module = flags.FLAGS.flags_by_module_dict()
   shown = set()
+  main_file = getattr(sys.modules.get("__main__"), "__file__", None)
   for module in sorted(by_module, key=lambda m: (m != __name__, m)):
-    if module.startswith("absl"):
-      continue
+    if module not in (__name__, main_file, sys.argv[0]) and not module.startswith("opd_jax"):
+      continue  # absl's own flags and those of libraries (orbax): --helpfull lists them
     for flag in sorted(by_module[module], key=lambda f: f.name):
       if flag.name in shown:
         continue

@@ -82,9 +82,14 @@ def get_config(arg=None):
 
   # Rollout engine: how the behaviour policy differs from the trainer.
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.weights = "trainer"  # trainer (identical weights) | bf16 (cast) | fp8 (quantized)
-  c.rollout.weight_block_size = 0  # fp8 scales: 0 = per output channel, else block edge
-  c.rollout.bf16_layers = ()  # layers kept unquantized in the fp8 recipe
+  # Weights (opd_jax/model/quant.py): trainer (identical) | bf16 (cast) | quantized: fp8 (e4m3),
+  # fp8_e5m2, int8, int4 (symmetric), fp4 (e2m1, MX power-of-two block scales).
+  c.rollout.weights = "trainer"  # trainer | bf16 | fp8 | fp8_e5m2 | int8 | int4 | fp4
+  c.rollout.weight_block_size = 0  # quantized scales: 0 = per output channel, else b×b blocks
+  c.rollout.weight_group_size = 0  # quantized scales: g > 0 = one per g inputs (fp4 needs it: 32)
+  c.rollout.weight_per_tensor = False  # quantized scales: one per weight matrix
+  c.rollout.bf16_layers = ()  # layers kept unquantized in the quantized recipe
+  c.rollout.head_dtype = "float32"  # final norm + LM head: float32 (trainer's) | bfloat16 (logits)
   c.rollout.kv_cache = "auto"  # auto (compute dtype) | bf16 | fp8
   c.rollout.kv_granularity = "token_head"  # fp8 KV scales: token_head | tensor
   c.rollout.kv_bf16_layers = ()  # layers whose KV cache stays BF16

@@ -2,12 +2,15 @@
 
 The dry runs are checked token by token (each printed line is parsed back with `shlex`), the
 SLURM one against JAX's own resolution of a fake 2-node allocation. The slow test runs
-`configs/bf16_sync.py:tiny` as 1 process x 8 CPU devices and as 2 processes x 4 devices through
-`launch/local_multiprocess.sh`, and compares the two `metrics.jsonl` files step by step.
+`configs/bf16_sync.py:tiny` and the main job `configs/fp8_async.py:tiny` (rollouts on the
+trainer's devices and on devices of their own) as 1 process x 8 CPU devices and as 2 processes x
+4 devices through `launch/local_multiprocess.sh`, and compares the `metrics.jsonl` files step by
+step.
 """
 
 import json
 import os
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -17,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.config import check as config_check
+from opd_jax.train import setup
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.is_file()) + [ROOT / ".ci" / "run"]
@@ -186,6 +191,46 @@ def test_slurm_dry_run_resolves_every_process_of_a_two_node_allocation(port_env,
     assert cli_flags.distributed_args(shown_env) == {"num_processes": 8, "process_id": task}
 
 
+# -- the dry runs' configs are accepted for their process counts -----------------
+
+
+def _printed_config(argv: list[str]):
+  """The run config a printed `python -m opd_jax.main ... --config=...` line would load."""
+  (arg,) = [a for a in argv if a.startswith("--config=")]
+  path, _, variant = arg.removeprefix("--config=").partition(":")
+  if str(ROOT / "configs") not in sys.path:
+    sys.path.insert(0, str(ROOT / "configs"))
+  module = runpy.run_path(str(ROOT / path))
+  return module["get_config"](variant or None)
+
+
+@pytest.mark.parametrize(
+  ("script", "env", "num_processes"),
+  [
+    ("launch/gpu_multihost.sh", {"COORDINATOR": "h:1", "NUM_PROCESSES": "2", "PROCESS_ID": "0"}, 2),
+    ("launch/slurm_gpu.sbatch", FAKE_ALLOCATION, 8),
+    ("launch/tpu_pod.sh", {"TPU_NAME": "v5p-64", "ZONE": "z", "PROJECT": "p"}, 8),
+  ],
+)
+def test_dry_runs_print_the_main_job_that_the_config_check_accepts(script, env, num_processes):
+  """Every launcher prints `configs/fp8_async.py` (async rollouts), and the config passes the
+  checks that depend on the process count; the same config with the producer thread forced
+  is refused for that count, naming what to use instead. (A v5p-64 slice has 8 hosts.)"""
+  proc = _run(["bash", script, "--dry-run", "--config=configs/fp8_async.py"], env)
+  assert proc.returncode == 0, proc.stderr
+  line = [ln for ln in proc.stdout.splitlines() if "opd_jax.main" in ln][0]
+  argv = shlex.split(line)
+  if argv[-1].startswith("--command="):  # tpu_pod.sh: one gcloud ssh running the command
+    argv = shlex.split(argv[-1].removeprefix("--command="))
+  config = _printed_config(argv)
+  assert config.rollout.mode == "async"
+  config_check.validate(config)
+  assert setup.process_count_errors(config, num_processes) == []
+  config.rollout.dispatch = "thread"
+  (error,) = setup.process_count_errors(config, num_processes)
+  assert "rollout.dispatch='thread' runs in one process only" in error and "'inline'" in error
+
+
 # -- local processes -------------------------------------------------------------
 
 
@@ -249,16 +294,38 @@ COMPARED = (
 )
 
 
+# (config, flags of both runs, flags of the one-process run only). Async runs dispatch inline in
+# both (the default with several processes, asked for with one), so neither depends on timing.
+LAUNCHED = {
+  "bf16_sync": (["--config=bf16_sync.py:tiny"], []),
+  "fp8_async": (["--config=fp8_async.py:tiny"], ["--config.rollout.dispatch=inline"]),
+  "fp8_async_devices_apart": (
+    ["--config=fp8_async.py:tiny", "--config.rollout.devices=4"],
+    ["--config.rollout.dispatch=inline"],
+  ),
+}
+
+
+@pytest.fixture(scope="module")
+def launch_teacher_cache(tmp_path_factory):
+  return tmp_path_factory.mktemp("launch_teacher_cache")
+
+
 @pytest.mark.slow
-def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
+@pytest.mark.parametrize("case", sorted(LAUNCHED))
+def test_two_processes_of_four_devices_match_one_process_of_eight(
+  tmp_path, launch_teacher_cache, case
+):
   """launch/local_multiprocess.sh end to end: the same curve from 2 processes x 4 CPU devices
-  as from 1 x 8, only process 0 writes, and the checkpoints are those of the one-process run."""
-  teacher_cache = tmp_path / "teacher_cache"
-  flags = ["--config=bf16_sync.py:tiny", f"--config.teacher.cache_dir={teacher_cache}"]
+  as from 1 x 8, only process 0 writes, and the checkpoints are those of the one-process run.
+  For the main job (fp8_async: FP8 engine, async rollouts scored by the teacher), with the
+  rollouts on the trainer's devices and on 4 devices of their own (2 of each process's)."""
+  config_flags, single_only = LAUNCHED[case]
+  flags = [*config_flags, f"--config.teacher.cache_dir={launch_teacher_cache}"]
   one, two = tmp_path / "one", tmp_path / "two"
   devices = "--xla_force_host_platform_device_count="
   single = _run(
-    [sys.executable, "-m", "opd_jax.main", *flags, f"--workdir={one}"],
+    [sys.executable, "-m", "opd_jax.main", *flags, *single_only, f"--workdir={one}"],
     {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{devices}8"},
     timeout=900,
   )
@@ -291,3 +358,8 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
         assert row_b[name] == pytest.approx(row_a[name], rel=RTOL, abs=1e-9), (row_a["step"], name)
         compared += 1
   assert compared == 3 * 4 + 3  # three logged training steps, three evaluations
+  if "async" in case:
+    assert "async (inline dispatch)" in multi.stdout
+    lags = [row["rollout/version_lag_mean"] for row in b if "rollout/version_lag_mean" in row]
+    assert lags == [0.5, 1.0, 1.0]  # max_lag = 1: lag 0 for the first batch, then 1
+    assert all(row["rollout/publish_seconds"] > 0 for row in b if "rollout/publish_seconds" in row)

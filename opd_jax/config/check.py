@@ -158,8 +158,11 @@ RULES: dict[str, Any] = {
   "data.overlong": Choice(("truncate_left", "drop", "error")),
   "data.eval_file": Kind(str),  # held-out JSONL (opd_jax/train/evaluate.py)
   "data.eval_metric": Rule(metric_problem),  # importable: checked by preflight
-  "rollout.weights": Choice(("trainer", "bf16", "fp8")),
+  "rollout.weights": Choice(("trainer", "bf16", "fp8", "fp8_e5m2", "int8", "int4", "fp4")),
   "rollout.weight_block_size": NON_NEGATIVE,
+  "rollout.weight_group_size": NON_NEGATIVE,  # quantized weights (opd_jax/model/quant.py)
+  "rollout.weight_per_tensor": Kind(bool),
+  "rollout.head_dtype": Choice(("float32", "bfloat16")),  # model/quant.py HEAD_DTYPES
   "rollout.bf16_layers": Kind(tuple),
   "rollout.kv_cache": Choice(("auto", "bf16", "fp8")),
   "rollout.kv_granularity": Choice(("token_head", "tensor")),
@@ -265,6 +268,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       )
   errors += _rollout_mesh_errors(config)
   errors += _rollout_errors(config)
+  errors += _weight_format_errors(config)
   errors += _rl_errors(config)
   errors += _budget_errors(config)
   errors += _on_policy_fraction_errors(config)
@@ -309,6 +313,37 @@ def _rollout_errors(config: ml_collections.ConfigDict) -> list[str]:
     errors.append(
       f"config.rollout.stale_k={r.stale_k} is the synchronous stale-k setting; in async mode "
       "staleness comes from rollout.max_lag (set stale_k=0)"
+    )
+  return errors
+
+
+def _weight_format_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """The scale grouping of quantized weights: at most one of blocks, groups and per tensor,
+  only for a quantized format, and a group for fp4 (its MX block)."""
+  r = config.get("rollout")
+  keys = {"weights", "weight_block_size", "weight_group_size", "weight_per_tensor"}
+  if r is None or not keys <= set(r):
+    return []
+  errors = []
+  chosen = [
+    f"{k}={r[k]!r}"
+    for k in ("weight_block_size", "weight_group_size", "weight_per_tensor")
+    if r[k] not in (0, False)
+  ]
+  if r.weights in ("trainer", "bf16") and (r.weight_group_size or r.weight_per_tensor):
+    errors.append(
+      f"config.rollout.{' and '.join(chosen)} sets the scales of quantized weights, but "
+      f"rollout.weights={r.weights!r} is not quantized (use fp8, fp8_e5m2, int8, int4 or fp4)"
+    )
+  if len(chosen) > 1:
+    errors.append(
+      f"config.rollout sets {' and '.join(chosen)}: choose one scale grouping (none of them = "
+      "per output channel)"
+    )
+  if r.weights == "fp4" and not r.weight_group_size:
+    errors.append(
+      "config.rollout.weights='fp4' shares one power-of-two scale per block of inputs (MX): "
+      "set rollout.weight_group_size (MXFP4 uses 32)"
     )
   return errors
 

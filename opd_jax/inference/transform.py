@@ -1,18 +1,29 @@
 """The rollout engine's weights as a pure transform of the trainer's weights.
 
-    params_r = T(θ_v),   T ∈ {identity, cast to bf16, fp8 recipe, + noise σ, kernel}
+    params_r = T(θ_v),   T ∈ {identity, cast to bf16, quantized recipe, + noise σ, kernel,
+                              bf16 head}
 
 Staleness is not a transform: the async loop hands the engine an older θ_v. The KV
 cache numerics (`kvcache.KVCacheSpec`) and the sampling settings live in the
 sampler's config; `EngineConfig` gathers everything that defines one rollout
 configuration so the admission check and the logs can name it (`engine_id`).
 
-The fp8 transform is quantize-then-prepare: `quant.quantize_params` (the recipe, the
-numerics) followed by `quant.prepare_for_compute` (the layout for this hardware's
+The quantized transform is quantize-then-prepare: `quant.quantize_params` (the recipe,
+the numerics) followed by `quant.prepare_for_compute` (the layout for this hardware's
 matmuls: dense compute-dtype weights where there are no FP8 matmuls, native fp8
 QArrays where there are). T runs once per published version, so the dequantization
 is paid once per version rather than in every decode step; `engine_id` names the
 recipe, not the layout, so it is the same on every backend.
+
+Weight formats (`weights`, `quant` module docstring for each format's equation and error):
+"fp8" (e4m3), "fp8_e5m2", "int8", "int4" and "fp4" (e2m1 with MX power-of-two scales).
+Each takes one scale grouping: per output channel (the default), b×b blocks
+(`weight_block_size`), groups of g inputs per output column (`weight_group_size`; fp4
+needs it, MX uses 32) or one scale per matrix (`weight_per_tensor`).
+
+The output head (`head_dtype`): "bfloat16" runs the final norm and the LM head in bf16 and
+rounds the logits to bf16 (`quant.HeadDtype`, read by `model.unembed`), where the trainer
+computes them in f32; the engine marks params_r with it, like the kernel.
 
 Weight noise follows the study: every matrix becomes W + σ · rms(W) · ε with
 ε ~ N(0, I), so σ is relative to each matrix's own scale. It may be limited to some
@@ -42,7 +53,15 @@ from opd_jax.model import quant
 from opd_jax.model import transformer as model
 from opd_jax.model.kvcache import KVCacheSpec
 
-WEIGHT_MODES = ("trainer", "bf16", "fp8")
+# rollout weights -> the quant format it stores ("trainer" and "bf16" are not quantized).
+QUANT_WEIGHTS = {
+  "fp8": "fp8_e4m3",
+  "fp8_e5m2": "fp8_e5m2",
+  "int8": "int8",
+  "int4": "int4",
+  "fp4": "fp4_e2m1",
+}
+WEIGHT_MODES = ("trainer", "bf16", *QUANT_WEIGHTS)
 NOISE_MODULES = ("q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head")
 NOISE_MODULE_GROUPS = {
   "attention": ("q", "k", "v", "o"),
@@ -83,18 +102,39 @@ def _check_layers(name: str, layers) -> None:
 class EngineConfig:
   """One rollout configuration: weight transform plus KV-cache numerics."""
 
-  weights: str = "trainer"  # trainer | bf16 | fp8
-  weight_block_size: int | None = None  # fp8 scales: None per channel, else block edge
-  bf16_layers: tuple[int, ...] = ()  # fp8 recipe: layers left unquantized
+  weights: str = "trainer"  # one of WEIGHT_MODES
+  weight_block_size: int | None = None  # quantized weights: b×b block scales, None = off
+  bf16_layers: tuple[int, ...] = ()  # quantized recipe: layers left unquantized
   noise_sigma: float = 0.0  # relative weight noise σ
   kv: KVCacheSpec = KVCacheSpec()
   noise_layers: tuple[int, ...] = ()  # noise only these decoder layers; () = all
   noise_modules: tuple[str, ...] = ()  # noise only these module types or groups; () = all
   kernel: str = "reference"  # numerical path, one of model.KERNELS
+  weight_group_size: int | None = None  # quantized weights: one scale per g inputs, None = off
+  weight_per_tensor: bool = False  # quantized weights: one scale per matrix
+  head_dtype: str = "float32"  # final norm and LM head: float32 (the trainer's) | bfloat16
 
   def __post_init__(self):
     if self.weights not in WEIGHT_MODES:
       raise ValueError(f"unknown weights mode {self.weights!r}; allowed: {', '.join(WEIGHT_MODES)}")
+    if self.head_dtype not in quant.HEAD_DTYPES:
+      raise ValueError(
+        f"unknown head_dtype {self.head_dtype!r}; allowed: {', '.join(quant.HEAD_DTYPES)}"
+      )
+    if self.weights not in QUANT_WEIGHTS and (
+      self.weight_group_size is not None or self.weight_per_tensor
+    ):
+      raise ValueError(
+        f"weight_group_size/weight_per_tensor set the scales of quantized weights, but "
+        f"weights={self.weights!r} is not quantized (one of {', '.join(QUANT_WEIGHTS)})"
+      )
+    if self.weights == "fp4" and self.weight_group_size is None:
+      raise ValueError(
+        "weights='fp4' shares one power-of-two scale per block of inputs (MX): set "
+        "weight_group_size (MXFP4 uses 32)"
+      )
+    if self.weights in QUANT_WEIGHTS:
+      self.quant_recipe()  # refuses two scale groupings at once
     if self.noise_sigma < 0:
       raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")
     if self.kernel not in model.KERNELS:
@@ -114,14 +154,35 @@ class EngineConfig:
         "matrix: the embeddings belong to no decoder layer"
       )
 
+  def quant_recipe(self) -> quant.QuantRecipe:
+    """The `quant.QuantRecipe` of quantized weights (ValueError for trainer or bf16)."""
+    if self.weights not in QUANT_WEIGHTS:
+      raise ValueError(f"weights={self.weights!r} is not a quantized format")
+    return quant.QuantRecipe(
+      block_size=self.weight_block_size,
+      bf16_layers=self.bf16_layers,
+      fmt=QUANT_WEIGHTS[self.weights],
+      group_size=self.weight_group_size,
+      per_tensor=self.weight_per_tensor,
+    )
+
   @property
   def engine_id(self) -> str:
-    """A short stable name, e.g. 'w=fp8/ch+bf16[0],kv=fp8/tensor,noise=0', with
-    '@L[i,..]' and '@<modules>' after a restricted noise and ',kernel=<name>' for a
-    kernel variant."""
+    """A short stable name, e.g. 'w=fp8/ch+bf16[0],kv=fp8/tensor,noise=0'. Quantized
+    weights name their scales: /ch per channel, /b<b> blocks, /g<g> groups, /t per tensor
+    ('w=int4/g32', 'w=fp8_e5m2/t'). After a restricted noise come '@L[i,..]' and
+    '@<modules>', then ',kernel=<name>' for a kernel variant and ',head=bf16' for a bf16
+    output head."""
     w = self.weights
-    if w == "fp8":
-      w += "/ch" if self.weight_block_size is None else f"/b{self.weight_block_size}"
+    if w in QUANT_WEIGHTS:
+      if self.weight_block_size is not None:
+        w += f"/b{self.weight_block_size}"
+      elif self.weight_group_size is not None:
+        w += f"/g{self.weight_group_size}"
+      elif self.weight_per_tensor:
+        w += "/t"
+      else:
+        w += "/ch"
       if self.bf16_layers:
         w += f"+bf16{list(self.bf16_layers)}"
     kv = self.kv.dtype
@@ -135,7 +196,8 @@ class EngineConfig:
     if self.noise_modules:
       noise += "@" + "+".join(self.noise_modules)
     kernel = "" if self.kernel == "reference" else f",kernel={self.kernel}"
-    return f"w={w},kv={kv},{noise}{kernel}"
+    head = "" if self.head_dtype == "float32" else ",head=bf16"
+    return f"w={w},kv={kv},{noise}{kernel}{head}"
 
 
 def _leaf_place(path) -> tuple[int | None, str]:
@@ -193,20 +255,23 @@ def engine_params(params, cfg: EngineConfig, rng):
     rng: key for the weight noise (unused when σ = 0).
 
   Returns:
-    A params pytree for `sampler.sample`. For fp8: dense compute-dtype matrices equal
-    to the dequantized recipe on hardware without FP8 matmuls, native `quant.QArray`
-    leaves on hardware with them (`quant.has_native_fp8`). A kernel variant adds the
-    static marker `params_r[model.KERNEL_KEY] = model.Kernel(cfg.kernel)`.
+    A params pytree for `sampler.sample`. For quantized weights: dense compute-dtype
+    matrices equal to the dequantized recipe, except e4m3 weights without group scales on
+    hardware with FP8 matmuls, which stay native `quant.QArray` leaves
+    (`quant.prepare_for_compute`). A kernel variant adds the static marker
+    `params_r[model.KERNEL_KEY] = model.Kernel(cfg.kernel)`, a bf16 head
+    `params_r[quant.HEAD_KEY] = quant.HeadDtype("bfloat16")`.
   """
-  if model.KERNEL_KEY in params:
-    raise ValueError("params already carry a kernel marker: engine_params takes the trainer's")
+  if model.KERNEL_KEY in params or quant.HEAD_KEY in params:
+    raise ValueError("params already carry an engine marker: engine_params takes the trainer's")
   if cfg.noise_sigma > 0:
     params = add_weight_noise(params, cfg.noise_sigma, rng, cfg.noise_layers, cfg.noise_modules)
   if cfg.weights == "bf16":
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  elif cfg.weights == "fp8":
-    recipe = quant.QuantRecipe(block_size=cfg.weight_block_size, bf16_layers=cfg.bf16_layers)
-    params = quant.prepare_for_compute(quant.quantize_params(params, recipe))
+  elif cfg.weights in QUANT_WEIGHTS:
+    params = quant.prepare_for_compute(quant.quantize_params(params, cfg.quant_recipe()))
   if cfg.kernel != "reference":
     params = {**params, model.KERNEL_KEY: model.Kernel(cfg.kernel)}
+  if cfg.head_dtype != "float32":
+    params = {**params, quant.HEAD_KEY: quant.HeadDtype(cfg.head_dtype)}
   return params

@@ -17,6 +17,7 @@ with a test that fails when EngineConfig gains a field it does not map):
   KV cache format             kv.dtype, kv.granularity, kv.bf16_layers, …  "<format>_kv"
   weight noise                noise_sigma, noise_layers, noise_modules     "noise"
   kernel                      kernel                                       "kernel"
+  output head                 head_dtype                                   "bf16_head"
   staleness                   k > 0 (rollout.stale_k, or max_lag in async) "stale"
 
 A qualifier counts only where it acts (ACTIVE_WHEN: a block size only for quantized weights, a
@@ -51,12 +52,16 @@ CANDIDATE_PREFIX = "rollout."
 
 # Roles of the engine's fields; a role's source name may depend on the engine (WEIGHTS, KV).
 WEIGHTS, KV, NOISE, KERNEL, STALE = "weights", "kv", "noise", "kernel", "stale"
+HEAD = "bf16_head"  # the output head (final norm, LM head, logits) below the trainer's f32
 
 # Each field of EngineConfig (nested dataclasses as "kv.<field>") -> the role it belongs to.
 ENGINE_SOURCES = {
   "weights": WEIGHTS,
   "weight_block_size": WEIGHTS,
   "bf16_layers": WEIGHTS,
+  "weight_group_size": WEIGHTS,
+  "weight_per_tensor": WEIGHTS,
+  "head_dtype": HEAD,
   "noise_sigma": NOISE,
   "noise_layers": NOISE,
   "noise_modules": NOISE,
@@ -71,6 +76,7 @@ ENGINE_SOURCES = {
 WEIGHT_SOURCES = {
   "bf16": "bf16_weights",
   "fp8": "fp8_weights",
+  "fp8_e5m2": "fp8_e5m2_weights",
   "int8": "int8_weights",
   "int4": "int4_weights",
   "fp4": "fp4_weights",
@@ -86,7 +92,7 @@ KV_SOURCES = {
 }
 
 # The roles in the order their sources are joined ("noise+stale+fp8_weights+fp8_kv+kernel").
-SOURCE_ORDER = (NOISE, STALE, WEIGHTS, KV, KERNEL)
+SOURCE_ORDER = (NOISE, STALE, WEIGHTS, KV, KERNEL, HEAD)
 
 # The rollout keys that set the weight-version lag: they belong to the "stale" source.
 LAG_KEYS = ("rollout.stale_k", "rollout.max_lag", "rollout.mode", "rollout.max_ahead")
@@ -107,6 +113,8 @@ def _quantized_kv(e: transform.EngineConfig) -> bool:
 ACTIVE_WHEN: dict[str, Callable[[transform.EngineConfig], bool]] = {
   "weight_block_size": _quantized_weights,
   "bf16_layers": _quantized_weights,
+  "weight_group_size": _quantized_weights,
+  "weight_per_tensor": _quantized_weights,
   "noise_layers": lambda e: e.noise_sigma > 0,
   "noise_modules": lambda e: e.noise_sigma > 0,
   "kv.granularity": _quantized_kv,
@@ -121,6 +129,7 @@ SWITCH_OFF = {
   WEIGHTS: {"weights": "trainer"},
   KV: {"kv_cache": "auto"},
   KERNEL: {"kernel": "reference"},
+  HEAD: {"head_dtype": "float32"},
   STALE: {"stale_k": 0, "max_lag": 0, "max_ahead": -1},
 }
 
@@ -342,6 +351,9 @@ ROLE_OF_KEY = {
   "rollout.weights": WEIGHTS,
   "rollout.weight_block_size": WEIGHTS,
   "rollout.bf16_layers": WEIGHTS,
+  "rollout.weight_group_size": WEIGHTS,
+  "rollout.weight_per_tensor": WEIGHTS,
+  "rollout.head_dtype": HEAD,
   "rollout.kv_cache": KV,
   "rollout.kv_granularity": KV,
   "rollout.kv_bf16_layers": KV,

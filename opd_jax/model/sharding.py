@@ -467,6 +467,10 @@ def transfer(x, target):
   in one process.
   """
   source = getattr(x, "sharding", None)
+  if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
+    # A process-local value (a scalar each process put on its own default device): every
+    # process holds it, so it is placed like a host value.
+    return jax.device_put(np.asarray(x), target)
   if (
     isinstance(source, NamedSharding)
     and isinstance(target, NamedSharding)

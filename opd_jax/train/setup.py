@@ -59,6 +59,9 @@ def engine_config(config, compute_dtype: str) -> transform.EngineConfig:
     noise_layers=tuple(r.noise_layers),
     noise_modules=tuple(r.noise_modules),
     kernel=r.kernel,
+    weight_group_size=r.weight_group_size or None,
+    weight_per_tensor=r.weight_per_tensor,
+    head_dtype=r.head_dtype,
   )
 
 
@@ -333,6 +336,29 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   return params
 
 
+def process_count_errors(config, num_processes: int) -> list[str]:
+  """What a config cannot do with `num_processes` processes, each naming what to use instead
+  (checked before any weights load; the launch scripts' dry runs are held to it)."""
+  r, errors = config.rollout, []
+  if num_processes > 1 and r.mode == "async" and r.get("dispatch", "auto") == "thread":
+    errors.append(
+      f"rollout.dispatch='thread' runs in one process only ({num_processes} processes): two "
+      "host threads issuing multi-process programs can deadlock their collectives; use "
+      "rollout.dispatch='auto' (inline with several processes) or 'inline'"
+    )
+  if config.data.batch_size % num_processes:
+    errors.append(
+      f"data.batch_size={config.data.batch_size} must be a multiple of the process count "
+      f"({num_processes}): every process reads its own rows of each batch"
+    )
+  if r.get("devices", 0) % num_processes:
+    errors.append(
+      f"rollout.devices={r.devices} must be a multiple of the process count ({num_processes}): "
+      "every process gives the same number of its devices to rollouts"
+    )
+  return errors
+
+
 def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
   """Refuses settings that would silently truncate completions or not shard."""
   r = config.rollout
@@ -341,6 +367,9 @@ def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"rollout.max_new_tokens={r.max_new_tokens} is shorter than the task's longest "
       f"completion ({task_cfg.max_completion_tokens} tokens with eos)"
     )
+  errors = process_count_errors(config, jax.process_count())
+  if errors:
+    raise ValueError("; ".join(errors))
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
   if config.data.batch_size % int(np.lcm(batch_devices, jax.process_count())):
     raise ValueError(
@@ -348,12 +377,6 @@ def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
       f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
     )
   rollout_worker.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
-  if r.mode == "async" and r.get("dispatch", "auto") == "thread" and jax.process_count() > 1:
-    raise ValueError(
-      f"rollout.dispatch='thread' runs in one process only ({jax.process_count()} processes): "
-      "two host threads issuing multi-process programs can deadlock their collectives; use "
-      "rollout.dispatch='auto' (inline with several processes) or 'inline'"
-    )
   rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
   if rows % (config.train.microbatches * batch_devices):
     raise ValueError(

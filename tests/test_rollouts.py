@@ -356,18 +356,25 @@ def test_bad_async_settings_are_refused(mesh):
 
 @pytest.mark.slow
 def test_engine_on_separate_devices_gives_the_same_rollouts():
-  """Trainer on device 0, producer and sampler on device 1 (2 forced CPU devices): the same
+  """8 forced CPU devices. Trainer on device 0, producer and sampler on device 1: the same
   rollouts as on one device at max_lag = 0 (the reproducible loop), and at max_lag = 1 every
-  batch within the lag bound and handed to the trainer's device."""
+  batch within the lag bound and handed to the trainer's device. And `rollout.devices` = 4:
+  trainer on devices 0-3, sampler on 4-7, inline at max_lag = 1, token for token the rollouts
+  of the same run with the sampler on the trainer's devices."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
   script = Path(__file__).with_name("_separate_devices_check.py")
   proc = subprocess.run(
     [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
   )
   assert proc.returncode == 0, proc.stderr[-4000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["devices"] == 2
+  assert result["devices"] == 8
+  assert result["apart_same"], result
+  assert result["apart_versions"] == [0, 0, 1, 2]
+  assert result["apart_engine_devices"] == [4, 5, 6, 7]
+  assert result["shared_engine_devices"] == result["apart_rollout_on_train_devices"] == [0, 1, 2, 3]
+  assert result["apart_publish_seconds"] > 0
   assert result["same"], result  # at max_lag = 0: placement changes no token
   assert result["versions"] == [0, 1, 2, 3]
   assert result["rollout_devices"] == result["ahead_rollout_devices"] == [0]  # on the trainer's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax.budget import fit_budget, save_budget
+from opd_jax.budget import Rule, fit_budget, save_budget
+from opd_jax.config import check as config_check
+from opd_jax.inference import transform
 from opd_jax.io import compile_cache, run_history
 from opd_jax.mismatch import admission
 from opd_jax.mismatch import candidates as candidates_lib
@@ -39,6 +42,7 @@ RECORDS = [
 MAX_KL = 1e-3 + (0.1 - 0.04) / (0.2 - 0.04) * 1e-3
 EXACT = "rollout.weights=trainer"
 NOISE = "rollout.noise_sigma=1.0"
+COMBO = "rollout.noise_sigma=1.0,rollout.kv_cache=bf16"  # two sources: noise and bf16_kv
 PROMPTS = 8
 
 
@@ -74,19 +78,21 @@ def test_the_warm_started_student_is_cached_bit_identical(config, fingerprint, t
 @pytest.fixture(scope="module")
 def budget_path(fingerprint, tmp_path_factory):
   path = tmp_path_factory.mktemp("budget") / "budget.json"
-  save_budget(path, fit_budget(RECORDS, 0.1, num_bootstrap=20), fingerprint)
+  fitted = fit_budget(RECORDS, 0.1, num_bootstrap=20)
+  save_budget(path, dataclasses.replace(fitted, rule=Rule("per_part")), fingerprint)
   return path
 
 
 @pytest.fixture(scope="module")
 def checked(config, budget_path, tmp_path_factory):
-  """One check of the exact and the destructive candidate: (result, printed lines, workdir)."""
+  """One check of the exact, the destructive and a combined candidate under the per_part rule:
+  (result, printed lines, workdir)."""
   workdir = tmp_path_factory.mktemp("admit")
   lines = []
   result = admission.run_admission(
     config,
     str(budget_path),
-    [EXACT, NOISE],
+    [EXACT, NOISE, COMBO],
     num_prompts=PROMPTS,
     workdir=str(workdir),
     json_path=str(workdir / "out.json"),
@@ -137,17 +143,138 @@ def test_a_combination_splits_into_one_part_per_source(config):
     "fp8_weights": "rollout.weights=fp8,rollout.weight_block_size=64",
     "fp8_kv": "rollout.kv_cache=fp8,rollout.kv_granularity=tensor",
   }
-  # An async lag is the stale part; bf16_layers goes with the weights; a key no source owns
-  # (the KV's BF16 layers) goes with every part.
+  # An async lag is the stale part; bf16_layers goes with the weights; the KV's BF16 layers,
+  # which do nothing with a full-precision cache, with no part; a sampling setting, which no
+  # source owns, with every part.
   assert parts(
     "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.mode=async,rollout.max_lag=1,"
-    "rollout.kv_bf16_layers=(1,)"
+    "rollout.kv_bf16_layers=(1,),rollout.temperature=0.8"
   ) == {
-    "stale": "rollout.mode=async,rollout.max_lag=1,rollout.kv_bf16_layers=(1,)",
-    "fp8_weights": "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.kv_bf16_layers=(1,)",
+    "stale": "rollout.mode=async,rollout.max_lag=1,rollout.temperature=0.8",
+    "fp8_weights": "rollout.weights=fp8,rollout.bf16_layers=(0,),rollout.temperature=0.8",
   }
   assert parts("rollout.noise_sigma=0.3") == {}  # one source: no parts
   assert parts("rollout.kv_cache=fp8,rollout.kv_granularity=tensor") == {}
+
+
+def test_a_noise_part_on_an_async_base_switches_the_bases_lag_off(config):
+  base = copy.deepcopy(config)
+  base.rollout.mode, base.rollout.max_lag = "async", 1
+  candidate = candidates_lib.parse_candidate("rollout.noise_sigma=0.1", base)
+  assert candidates_lib.candidate_source(candidate) == "noise+stale"
+  parts = candidates_lib.source_parts(candidate, base)
+  assert parts == {
+    "noise": "rollout.noise_sigma=0.1,rollout.max_lag=0",
+    "stale": "rollout.mode=async",  # the base's own lag: a no-op override names it
+  }
+  for source, spec in parts.items():
+    part = candidates_lib.parse_candidate(spec, base)
+    assert candidates_lib.candidate_source(part) == source
+  assert candidates_lib.parse_candidate(parts["stale"], base).lag == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources by what the engine does
+
+
+def test_every_engine_field_belongs_to_a_source():
+  fields = candidates_lib.engine_fields(transform.EngineConfig())
+  unmapped = sorted(set(fields) - set(candidates_lib.ENGINE_SOURCES))
+  assert not unmapped, (
+    f"EngineConfig fields {unmapped} belong to no mismatch source: map each in "
+    "opd_jax/mismatch/candidates.py ENGINE_SOURCES (and its value-named formats in "
+    "WEIGHT_SOURCES / KV_SOURCES)"
+  )
+  roles = set(candidates_lib.ENGINE_SOURCES.values())
+  assert roles <= set(candidates_lib.SOURCE_ORDER)
+  assert set(candidates_lib.SWITCH_OFF) == set(candidates_lib.SOURCE_ORDER)
+  # Every weights format and quantized KV dtype the engine accepts is named.
+  assert set(transform.WEIGHT_MODES) - {"trainer"} <= set(candidates_lib.WEIGHT_SOURCES)
+
+
+def test_every_rollout_key_goes_with_a_source_or_with_none():
+  keys = {k for k in config_check.RULES if k.startswith(candidates_lib.CANDIDATE_PREFIX)}
+  placed = set(candidates_lib.ROLE_OF_KEY) | set(candidates_lib.NEUTRAL_KEYS)
+  assert not keys - placed, (
+    f"rollout keys {sorted(keys - placed)} are in neither candidates.ROLE_OF_KEY (the source "
+    "whose part they go with) nor candidates.NEUTRAL_KEYS (engine and lag unchanged)"
+  )
+  assert not set(candidates_lib.ROLE_OF_KEY) & set(candidates_lib.NEUTRAL_KEYS)
+
+
+def with_rollout(config, **rollout):
+  out = copy.deepcopy(config)
+  out.rollout.update(rollout)
+  return out
+
+
+@pytest.mark.parametrize(
+  "base, spec, sources",
+  [
+    # A qualifier alone is its source's where it acts, and nothing where it does not.
+    ({"weights": "fp8"}, "rollout.weight_block_size=32", "fp8_weights"),
+    ({"weights": "fp8"}, "rollout.bf16_layers=(0,)", "fp8_weights"),
+    ({}, "rollout.weights=fp8,rollout.weight_block_size=32", "fp8_weights"),
+    ({}, "rollout.weight_block_size=32", "reference"),
+    ({"kv_cache": "fp8"}, "rollout.kv_granularity=tensor", "fp8_kv"),
+    ({"kv_cache": "fp8"}, "rollout.kv_bf16_layers=(0,)", "fp8_kv"),
+    ({}, "rollout.kv_granularity=tensor", "reference"),
+    ({"noise_sigma": 0.1}, "rollout.noise_layers=(0,)", "noise"),
+    ({"noise_sigma": 0.1}, "rollout.noise_modules=(mlp,)", "noise"),
+    # Against the trainer, not the --config base: the base's own sources count.
+    ({"weights": "fp8"}, "rollout.kv_cache=fp8", "fp8_weights+fp8_kv"),
+    ({"mode": "async", "max_lag": 2}, "rollout.kernel=bf16_matmul", "stale+kernel"),
+    (
+      {"weights": "fp8", "kv_cache": "fp8"},
+      "rollout.weights=trainer,rollout.kv_cache=auto",
+      "reference",
+    ),
+    # A bf16 cast keeps its cache in its own dtype (kv_cache=auto): one source; a bf16 cache
+    # under an f32 trainer is a KV source.
+    ({}, "rollout.weights=bf16", "bf16_weights"),
+    ({}, "rollout.kv_cache=bf16", "bf16_kv"),
+    ({}, "rollout.weights=bf16,rollout.kv_cache=fp8", "bf16_weights+fp8_kv"),
+    ({}, "rollout.mode=async,rollout.max_lag=0", "reference"),
+    # Each weight format is a source of its own; its scale grouping qualifies it.
+    ({}, "rollout.weights=fp8_e5m2", "fp8_e5m2_weights"),
+    ({}, "rollout.weights=int4,rollout.weight_group_size=32", "int4_weights"),
+    ({"weights": "int8"}, "rollout.weight_per_tensor=true", "int8_weights"),
+    ({}, "rollout.head_dtype=bfloat16", "bf16_head"),
+    ({"noise_sigma": 0.1}, "rollout.head_dtype=bfloat16", "noise+bf16_head"),
+    ({}, "rollout.temperature=0.7", "reference"),
+  ],
+)
+def test_sources_come_from_what_the_engine_does(config, base, spec, sources):
+  assert config.student.dtype == "float32"
+  c = candidates_lib.parse_candidate(spec, with_rollout(config, **base))
+  assert candidates_lib.candidate_source(c) == sources
+
+
+def test_an_engine_change_that_belongs_to_no_source_is_refused(config, monkeypatch):
+  reference = transform.EngineConfig()
+  monkeypatch.delitem(candidates_lib.ENGINE_SOURCES, "head_dtype")  # a field no source owns
+  with pytest.raises(ValueError, match=r"head_dtype='bfloat16', which belongs to no known"):
+    candidates_lib.engine_sources(transform.EngineConfig(head_dtype="bfloat16"), 0, reference)
+  assert candidates_lib.engine_sources(transform.EngineConfig(), 0, reference) == "reference"
+  monkeypatch.delitem(candidates_lib.WEIGHT_SOURCES, "fp8")
+  c = candidates_lib.parse_candidate("rollout.weights=fp8", config)
+  with pytest.raises(ValueError, match=r"weights format 'fp8' belongs to no known mismatch"):
+    candidates_lib.candidate_source(c)
+
+
+def test_strings_in_a_tuple_may_be_typed_unquoted(config):
+  def modules(text):
+    spec = f"rollout.noise_sigma=0.1,rollout.noise_modules={text}"
+    return candidates_lib.parse_candidate(spec, config).engine_cfg.noise_modules
+
+  assert modules("(mlp,)") == ("mlp",)
+  assert modules("(mlp, attention)") == ("mlp", "attention")
+  assert modules("('mlp', 'o')") == ("mlp", "o")
+  assert modules("mlp") == ("mlp",)
+  with pytest.raises(ValueError, match=r"quote the strings: \('mlp', '1x'\)"):
+    modules("(mlp, 1x)")
+  with pytest.raises(ValueError, match=r"unknown 'attn'; allowed: .*attention"):
+    modules("(mlp, attn)")
 
 
 def test_misspelt_key_gets_the_nearest_valid_key(config):
@@ -199,6 +326,25 @@ def test_exact_candidate_is_admitted_with_margin_max_kl(checked):
   assert not exact["too_close"] and exact["call"] == "clear"  # 0 is below the whole band
 
 
+def test_a_combination_is_judged_by_the_files_rule_with_its_parts_measured_alone(checked):
+  result, lines, _ = checked
+  noise, combo = result["rows"][1], result["rows"][2]
+  assert result["budget"]["rule"] == {
+    "name": "per_part",
+    "params": {"conservative": False},
+    "validation": None,
+  }
+  assert any("rule: per_part, not validated" in line for line in lines)
+  assert combo["source"] == "noise+bf16_kv" and combo["rule"] == "per_part"
+  # The noise part alone is the noise candidate: the same engine, prompts and key.
+  assert combo["mismatch/kl/part/noise"] == noise["mismatch/kl"]
+  assert 0 < combo["mismatch/kl/part/bf16_kv"] < MAX_KL  # bf16 KV under an f32 trainer
+  # The noise part binds (its margin is the least) and is over its limit.
+  assert (combo["limit_from"], combo["admitted"]) == ("noise", False)
+  assert combo["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
+  assert combo["reasons"][0].startswith("its noise part alone: ")
+
+
 def test_destructive_candidate_is_rejected_with_a_reason(checked):
   noise = checked[0]["rows"][1]
   assert noise["engine_id"] == "w=trainer,kv=float32,noise=1"
@@ -234,7 +380,7 @@ def test_json_output_matches_the_table(checked):
 def test_log_gets_one_line_per_candidate(checked, fingerprint):
   result, _, workdir = checked
   entries = [json.loads(line) for line in (workdir / admission.LOG_FILE).read_text().splitlines()]
-  assert len(entries) == 2
+  assert len(entries) == 3
   for entry, row in zip(entries, result["rows"], strict=True):
     assert entry["config"]["candidate"] == row["candidate"]
     assert entry["config"]["overrides"] == row["overrides"]
@@ -246,7 +392,7 @@ def test_log_gets_one_line_per_candidate(checked, fingerprint):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["time"])
   # A second check appends.
   admission.append_log(str(workdir), [{"time": "t"}])
-  assert len((workdir / admission.LOG_FILE).read_text().splitlines()) == 3
+  assert len((workdir / admission.LOG_FILE).read_text().splitlines()) == 4
 
 
 def test_stale_budget_is_refused_naming_what_changed_and_accepted_with_force(

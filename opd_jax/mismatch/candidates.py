@@ -87,7 +87,7 @@ KV_SOURCES = {
   "bfloat16": "bf16_kv",
   "float16": "fp16_kv",
   "float8_e4m3fn": "fp8_kv",
-  "float8_e5m2": "fp8_kv",
+  "float8_e5m2": "fp8_e5m2_kv",
   "float4_e2m1fn": "fp4_kv",
 }
 
@@ -375,6 +375,8 @@ NEUTRAL_KEYS = (
   "rollout.mesh_data",
   "rollout.mesh_fsdp",
   "rollout.mesh_tensor",
+  "rollout.devices",
+  "rollout.dispatch",
 )
 
 

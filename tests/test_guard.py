@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from opd_jax.io import metrics_writer
 from opd_jax.mismatch import admission, budget_file
 from opd_jax.mismatch import guard as guard_lib
-from opd_jax.mismatch.budget import fit_budget
+from opd_jax.mismatch.budget import Rule, fit_budget
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
 
@@ -277,8 +277,8 @@ def test_each_rung_is_named_by_the_sources_its_engine_changes():
   assert guard_lib.rung_sources(full_config(), ladder) == (
     "noise+stale+fp8_weights+fp8_kv",  # as configured
     "noise+stale+fp8_weights+bf16_kv",  # KV in bf16: not the trainer's own (f32 here), not FP8
-    "stale+bf16_weights+bf16_kv",  # weights in bf16, no noise
-    "bf16_weights+bf16_kv",  # no staleness
+    "stale+bf16_weights",  # weights in bf16 (the cache in the bf16 engine's own dtype), no noise
+    "bf16_weights",  # no staleness
   )
   exact = base.get_config()
   assert guard_lib.rung_sources(exact, guard_lib.fallback_ladder(exact.rollout)) == ("reference",)
@@ -287,17 +287,69 @@ def test_each_rung_is_named_by_the_sources_its_engine_changes():
 def test_per_source_guard_holds_each_rung_to_its_sources_limits():
   ladder = guard_lib.fallback_ladder(FULL)
   sources = guard_lib.rung_sources(full_config(), ladder)
-  guard = guard_lib.Guard(SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  # A budget that names no rule is held to the pooled limit on every rung.
+  unnamed = guard_lib.Guard(SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  assert unnamed.rule.name == "pooled"
+  assert [unnamed.limit_of(i) for i in range(4)] == pytest.approx([POOLED] * 4)
+  whole = dataclasses.replace(SOURCED, rule=Rule("whole"))
+  guard = guard_lib.Guard(whole, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  assert guard.rule == Rule("whole")
   assert [guard.limit_of(i) for i in range(4)] == pytest.approx([0.15, 0.15, POOLED, POOLED])
   decisions = feed(guard, [0.16] * 6)  # over noise's .15, within the pooled .1833
   assert [(s, d.rung) for s, d in decisions.items()] == [(2, 1), (4, 2)]
   assert guard.rung == 2 and guard.margin == pytest.approx(POOLED - 0.16)
   pooled = guard_lib.Guard(
-    SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources, per_source=False
+    whole, ladder, "fallback", 2, smoothing=0.0, sources=sources, per_source=False
   )
+  assert pooled.rule.name == "pooled"
   assert feed(pooled, [0.16] * 6) == {} and pooled.limit == pytest.approx(POOLED)
   with pytest.raises(ValueError, match="3 rung sources for a ladder of 4 rungs"):
     guard_lib.Guard(SOURCED, ladder, "warn", 2, sources=sources[:3])
+
+
+def test_a_rule_that_reads_parts_takes_the_whole_for_an_unmeasured_part():
+  # Rung 0 is noise+stale+fp8_weights+fp8_kv: L = .15 (noise), .3 (stale), POOLED (the FP8
+  # sources have no fit). A training step logs only the whole: per_part then holds it to the
+  # strictest part's limit; sum_of_fractions to Σ_s kl / L_s ≤ 1.
+  ladder = guard_lib.fallback_ladder(FULL)
+  sources = guard_lib.rung_sources(full_config(), ladder)
+
+  def guard(name, **kwargs):
+    return guard_lib.Guard(
+      dataclasses.replace(SOURCED, rule=Rule(name)),
+      ladder,
+      "adaptive",
+      2,
+      sources=sources,
+      **kwargs,
+    )
+
+  assert guard("per_part").limit == pytest.approx(0.15)
+  fractions = 1 / 0.15 + 1 / 0.3 + 2 / POOLED  # Σ 1/L_s: the whole at kl = 1 / that is F = 1
+  assert guard("sum_of_fractions").verdict(0.05, 0).fraction == pytest.approx(0.05 * fractions)
+  assert guard("sum_of_fractions").admits(0.99 / fractions)
+  assert not guard("sum_of_fractions").admits(1.01 / fractions)
+  # A measurement with its parts (adaptive's, on the check's axis) is judged part by part: the
+  # whole at .25 is over .15, its noise part alone (.1) and the others are within their own.
+  measured = {
+    "mismatch/kl": 0.25,
+    "mismatch/kl/part/noise": 0.1,
+    "mismatch/kl/part/stale": 0.2,
+    "mismatch/kl/part/fp8_weights": 0.001,
+    "mismatch/kl/part/fp8_kv": 0.002,
+  }
+  per_part = guard("per_part")
+  assert per_part.admits(measured, 0, "check") and not per_part.admits(0.25, 0, "check")
+  decision = per_part.start(0)
+  assert per_part.choose(0, decision, {0: measured}) is None  # rung 0 is within: stays
+  assert not guard("sum_of_fractions").admits(measured, 0, "check")  # .67 + .67 + … > 1
+  # budget.conservative sets the rule's parameter, and the result is no longer the tested rule.
+  tested = Rule("per_part", validation={"n": 12, "agreement": 11 / 12})
+  strict = guard_lib.Guard(
+    dataclasses.replace(SOURCED, rule=tested), ladder, "warn", 2, sources=sources, conservative=True
+  )
+  assert strict.rule == Rule("per_part", {"conservative": True})
+  assert strict.rule.validation is None
 
 
 # The two axes: a training-axis fit on the same runs read at half the check's KL, so its
@@ -462,9 +514,10 @@ def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
   tiny_setup, teacher_cache, tmp_path
 ):
   """Per-source limits differ between rungs: FP8 KV crosses τ at 1e-7 (records (0, 0) and
-  (1e-6, 1), tolerance 0.1), FP8 weights and BF16 KV never cross it up to 1.0. Rung 0 (FP8
-  weights + FP8 KV) is held to 1e-7 and rung 1 (FP8 weights + BF16 KV) to 1.0, so the initial
-  check stops at rung 1: within its own limit, though over rung 0's."""
+  (1e-6, 1), tolerance 0.1), FP8 weights and BF16 KV never cross it up to 1.0. Under the
+  budget's per_part rule each rung's parts are measured alone: rung 0's FP8 KV part is held to
+  1e-7, rung 1's parts (FP8 weights, BF16 KV) to 1.0, so the initial check stops at rung 1:
+  within its own limits, though over rung 0's."""
   _, setup, student = tiny_setup
   records = [
     {"source": "reference", "mismatch/kl": 0.0, "quality_drop": 0.0},
@@ -473,7 +526,7 @@ def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
     {"source": "bf16_kv", "mismatch/kl": 1.0, "quality_drop": 0.0},
   ]
   path = tmp_path / "budget.json"
-  fitted = fit_budget(records, 0.1, num_bootstrap=20)
+  fitted = dataclasses.replace(fit_budget(records, 0.1, num_bootstrap=20), rule=Rule("per_part"))
   budget_file.save_budget(path, fitted, admission.current_fingerprint(setup, student))
   config = tiny_fp8_config(teacher_cache, path, action="adaptive")
   lines = []
@@ -482,9 +535,10 @@ def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
   measured = [line for line in lines if "budget guard measured" in line]
   assert len(measured) == 2, text  # rung 2 is never measured
   assert "measured rung 0 (as configured): mismatch/kl" in measured[0]
-  assert measured[0].endswith("(over 1e-07)")
+  assert measured[0].endswith("(over 1e-07; per_part rule)")
   assert "measured rung 1 (kv bf16: rollout.kv_cache='bf16'): mismatch/kl" in measured[1]
-  assert measured[1].endswith("(within 1)")
+  assert measured[1].endswith("(within 1; per_part rule)")
+  assert "rule per_part, not validated" in text
   assert "step 0: budget guard: switch rung 0 -> rung 1" in text
 
 

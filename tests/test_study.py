@@ -332,8 +332,9 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert {"reference_seed0", "reference_seed1", "noise_sigma-0.5", "stale_k-1"} <= names
   assert result["confusion"]["n"] == len(config.held_out)
   assert config.min_crossing_records == result["min_crossing_records"] == 2
-  assert sorted(result["rule_variants"]) == sorted([*study.RULES, "per_source_min_crossing_1"])
-  assert result["rule_variants"]["per_source"] == result["confusion"]  # the configured rule
+  assert sorted(result["rule_variants"]) == sorted([*study.RULES, "whole_min_crossing_1"])
+  assert result["rule"]["name"] == "per_part"  # the configured rule, fixed before the runs
+  assert result["rule_variants"]["per_part"] == result["confusion"]
   held_pooled = [{**r, "admitted": r["admitted_pooled"]} for r in result["rows"]]
   held_pooled = [r for r in held_pooled if r["role"] == "held_out"]
   assert result["rule_variants"]["pooled"] == study.confusion(
@@ -362,6 +363,13 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert max(abs(k) for k in reference_kl) < 1e-6 < noisy_kl[0]  # an exact engine reads ~0
   saved, fingerprint = budget_file.load_budget(str(workdir / "budget.json"))
   assert saved.max_kl == pytest.approx(result["budget"]["max_kl"])
+  # the budget records the rule the study validated, with its held-out result
+  assert budget_file.rule_dict(saved.rule) == result["rule"]
+  assert saved.rule.validation == {
+    **result["confusion"],
+    "tolerance": result["tolerance"],
+    "label": "a held-out setting kept quality iff its mean drop over its runs <= tolerance",
+  }
   # every run's wall time counts, the re-runs' too
   assert result["num_runs"] == sum(len(r["accuracy_runs"]) for r in result["rows"])
   assert result["train_seconds"] == pytest.approx(
@@ -431,6 +439,45 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   )
   assert not any(r["name"] == settings[held].name for r in records)  # held out: never fitted
   assert len(records) == len(config.seeds) + len(config.calibration) + 2
+
+
+def test_the_study_rule_is_the_configs():
+  assert study.study_rule(study_config.get_config()) == budget.Rule("per_part")
+  assert study.study_rule(study_config.get_config("round6")) == budget.Rule("whole")
+  assert study.study_rule({"per_source": False}) == budget.Rule("pooled")
+  named = study_config.get_config()
+  named.rule = "sum_of_fractions"
+  assert study.study_rule(named) == budget.Rule("sum_of_fractions")
+  named.rule = "per_parts"
+  with pytest.raises(ValueError, match="unknown admission rule 'per_parts'; known: pooled"):
+    study.study_rule(named)
+
+
+def test_study_verdicts_go_through_the_checks_path_with_the_parts_measured():
+  """`study.verdicts` judges a row as the admission check does: per_part reads the parts the
+  study measured; a row without them is refused, not judged on its whole."""
+  config = study_config.get_config()
+  records = [
+    {"source": "reference", "mismatch/kl": 0.0, "quality_drop": 0.0},
+    {"source": "noise", "mismatch/kl": 0.1, "quality_drop": 0.0},
+    {"source": "noise", "mismatch/kl": 0.2, "quality_drop": 1.0},
+    {"source": "stale", "mismatch/kl": 0.1, "quality_drop": 0.0},
+    {"source": "stale", "mismatch/kl": 0.3, "quality_drop": 0.2},
+  ]
+  fitted = budget.fit_budget(records, 0.5, num_bootstrap=20)
+  row = {
+    "spec": "rollout.noise_sigma=0.1,rollout.stale_k=2",
+    "mismatch/kl": 0.25,
+    "mismatch/kl/part/noise": 0.1,
+    "mismatch/kl/part/stale": 0.2,
+  }
+  (per_part,) = study.verdicts([row], config, fitted, budget.Rule("per_part"))
+  (whole,) = study.verdicts([row], config, fitted, budget.Rule("whole"))
+  assert (per_part.admitted, per_part.limit_source, per_part.measured_kl) == (True, "noise", 0.1)
+  assert not whole.admitted and whole.measured_kl == 0.25
+  unmeasured = {k: v for k, v in row.items() if k != "mismatch/kl/part/stale"}
+  with pytest.raises(ValueError, match="needs its stale part"):
+    study.verdicts([unmeasured], config, fitted, budget.Rule("per_part"))
 
 
 def test_bad_workers_are_refused_before_anything_trains(tmp_path):

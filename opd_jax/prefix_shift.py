@@ -49,12 +49,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   target = _JSON.value or os.path.join(flags.FLAGS.workdir, "prefix_shift.json")
   try:
+    if _SOURCES.value:
+      cli_flags.warn_deprecated("--source", "--candidate=rollout.<key>=<value>[,...]")
     sources = list(_CANDIDATES.value or [])
     for spec in sources:
       candidates.parse_candidate(spec, flags.FLAGS.config)  # a bad key or value fails here
-    if _SOURCES.value:
-      cli_flags.warn_deprecated("--source", "--candidate=rollout.<key>=<value>[,...]")
-      sources += _SOURCES.value
+    sources += _SOURCES.value or []
     if not sources:
       raise ValueError("give at least one --candidate=rollout.<key>=<value>[,...]")
     with cli_flags.json_output(target) as json_path:

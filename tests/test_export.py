@@ -176,7 +176,7 @@ def test_workdir_without_checkpoints_is_named(tmp_path):
 
 def test_command_exits_with_the_error(tmp_path):
   proc = subprocess.run(
-    [sys.executable, "-m", "opd_jax.export", f"--workdir={tmp_path}", f"--out={tmp_path}/o"],
+    [sys.executable, "-m", "opd_jax.export", f"--params-from={tmp_path}", f"--out={tmp_path}/o"],
     capture_output=True,
     text=True,
     cwd=ROOT,

@@ -18,7 +18,7 @@ import pytest
 from opd_jax.data import pipeline as data
 from opd_jax.io import checkpointing, metrics_writer
 from opd_jax.train import setup as setup_lib
-from opd_jax.train import trainer
+from opd_jax.train import signals, trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -397,6 +397,45 @@ def test_sigterm_stops_an_async_run_with_a_checkpoint_that_resumes(teacher_cache
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {stopped}" in resumed.stdout
   assert max(metrics_writer.read_jsonl(workdir)) == 60
+
+
+def test_check_raises_only_inside_a_signalled_stop_context():
+  signals.check("nowhere")  # no StopOnSignal active: a no-op
+  with signals.StopOnSignal() as stop:
+    signals.check("setup")  # not signalled
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert stop.received == signal.SIGTERM
+    with pytest.raises(signals.Interrupted, match="SIGTERM received during the warm start"):
+      signals.check("the warm start")
+  signals.check("after")  # the context is gone
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_teacher_bootstrap_exits_0_and_the_same_command_finishes(tmp_path):
+  """A SIGTERM while the teacher is being trained (a fresh cache): exit 0 at the next
+  supervised step, no half-written teacher cache, no checkpoint; the same command then
+  bootstraps the teacher and trains to the end."""
+  workdir, cache = tmp_path / "w", tmp_path / "fresh_teacher_cache"
+  cmd = [*_main_cmd(workdir, cache)[:-4], "--config.train.steps=2", "--config.train.eval_every=0"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  lines = []
+  for line in proc.stdout:  # wait until the bootstrap is under way
+    lines.append(line)
+    if "sft step" in line:
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, out[-3000:]
+  assert re.search(r"SIGTERM received during supervised step \d+/\d+: stopped before training", out)
+  assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
+  assert not any(p.name.startswith("teacher-") for p in cache.glob("*")), list(cache.glob("*"))
+  again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "bootstrapping teacher" in again.stdout and "'end_step': 2" in again.stdout
 
 
 def test_all_finite_finds_one_bad_entry_in_any_floating_leaf():

@@ -30,7 +30,7 @@ from opd_jax.data import task
 from opd_jax.io import build, hf
 from opd_jax.model import sharding
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import train_step
+from opd_jax.train import signals, train_step
 
 
 def supervised_train(
@@ -61,6 +61,7 @@ def supervised_train(
   batch_sharding = sharding.batch_sharding(mesh, 2)
   start = time.time()
   for s in range(steps):
+    signals.check(f"supervised step {s + 1}/{steps}")  # SIGTERM: stop here (`train.signals`)
     examples = [
       task.make_example(seed, s * batch_size + i, "train", task_cfg) for i in range(batch_size)
     ]

@@ -17,16 +17,16 @@ built-in task's split when the task is trained. `train.eval_every=0` runs no eva
 greedy decodes), and the run's summary then has no quality fields. Everything written
 (TensorBoard, metrics.jsonl, checkpoints' JSON) comes from process 0 only.
 
-SIGTERM and SIGINT stop the run at the next step boundary: it saves a checkpoint, stops the
-rollout producer and returns (a second SIGINT interrupts at once). The same command resumes.
+SIGTERM and SIGINT stop the run at any point (`train.signals`): in the loop at the next step
+boundary, where it saves a checkpoint, stops the rollout producer and returns; during setup at
+the next phase boundary or supervised step, keeping what finished (a second SIGINT interrupts at
+once). The same command resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 import time
 
 import jax
@@ -43,7 +43,7 @@ from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
 from opd_jax.rollout import sources
 from opd_jax.rollout import worker as rollout_worker
-from opd_jax.train import evaluate, hooks, preflight, rl, train_step
+from opd_jax.train import evaluate, hooks, preflight, rl, signals, train_step
 from opd_jax.train.export import export_student
 from opd_jax.train.setup import (
   Setup,
@@ -60,6 +60,7 @@ from opd_jax.train.setup import (
   schedule_length,
   task_config,
 )
+from opd_jax.train.signals import StopOnSignal
 
 
 def _scalars(metrics) -> dict[str, float]:
@@ -128,9 +129,31 @@ def run(
   start = time.time()
   is_main = jax.process_index() == 0
   log = log if is_main else (lambda *a, **k: None)
+  with StopOnSignal() as stop:  # SIGTERM at any point stops cleanly (`train.signals`)
+    try:
+      return _run(config, workdir, log, step_hook, start, stop)
+    except signals.Interrupted as e:
+      by = f" by process {e.process}" if jax.process_count() > 1 else ""
+      log(
+        f"{e.signal_name} received{by} during {e.phase}: stopped before training; what "
+        "finished is kept (cached teacher, warm start, checkpoints), rerun to resume"
+      )
+      return {
+        "start_step": None,
+        "end_step": None,
+        "stopped_by": e.signal_name,
+        "stopped_in": e.phase,
+        "wall_seconds": time.time() - start,
+      }
+
+
+def _run(config, workdir, log, step_hook, start, stop) -> dict:
+  """`run` inside its signal handler: setup, then the loop (`_train`)."""
   checked = preflight.check(config, workdir, log)  # everything checkable before weights load
   check_shapes(config, task_config(config), checked.plan.mesh)
+  signals.check("the preflight check")
   setup = prepare_models(config, workdir, log, checked.plan, checked.eval_prompts, checked.scorer)
+  signals.check("the teacher bootstrap")
   m, t = setup.models, config.train
   log(build.summary(m))
   source = checked.train_prompts
@@ -147,12 +170,13 @@ def run(
   from opd_jax.io import checkpointing
 
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
-  writer = metrics_writer.MetricsWriter(workdir, enabled=is_main)
+  writer = metrics_writer.MetricsWriter(workdir, enabled=jax.process_index() == 0)
   try:
     resumed = {}
     state, next_batch = initial_state(
       config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
     )
+    signals.check("the warm start")
     schedule_steps = schedule_length(config, resumed, log)
     if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
       tx = train_step.make_optimizer(
@@ -185,6 +209,7 @@ def run(
         log,
         hook,
         schedule_steps=schedule_steps,
+        stop=stop,
       )
     finally:
       source.close()
@@ -232,52 +257,6 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   )
 
 
-class StopOnSignal(contextlib.AbstractContextManager):
-  """Turns SIGTERM and the first SIGINT into a flag the loop checks at step boundaries.
-
-  A second SIGINT raises KeyboardInterrupt as usual. Outside the main thread (where
-  Python cannot install handlers) it installs nothing and never fires.
-
-  In a multi-process run the signal may reach one process only (a maintenance event on one
-  host, `kill` of one task), so the loop asks `agreed()`, which every process calls at the
-  same step boundary: it gathers each process's flag (one int32 per process) and all of them
-  stop at that step when any of them was signalled.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.received: int | None = None
-    self._old = {}
-
-  def _handle(self, signum, frame):
-    if self.received == signal.SIGINT and signum == signal.SIGINT:
-      raise KeyboardInterrupt
-    self.received = signum
-
-  def agreed(self) -> tuple[str, int] | None:
-    """(signal name, index of the first signalled process), the same on every process, or
-    None when no process was signalled. A collective when there are several processes: every
-    process must call it at the same point of the loop."""
-    if jax.process_count() == 1:
-      return None if self.received is None else (signal.Signals(self.received).name, 0)
-    flags_p = np.asarray(multihost_utils.process_allgather(np.int32(self.received or 0)))
-    signalled = np.flatnonzero(flags_p)
-    if not signalled.size:
-      return None
-    first = int(signalled[0])
-    return signal.Signals(int(flags_p[first])).name, first
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-    return self
-
-  def __exit__(self, *exc_info):
-    for s, handler in self._old.items():
-      signal.signal(s, handler)
-
-
 class _LagBreakdown:
   """`mismatch/*` means per version lag over a log window: mismatch/kl/lag_k, ...
 
@@ -313,6 +292,7 @@ def _train(
   log,
   hook=None,
   schedule_steps: int | None = None,
+  stop: StopOnSignal | None = None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
 
@@ -369,7 +349,7 @@ def _train(
   lag_breakdown = _LagBreakdown()
   loop_start, first_step, stopped_by = time.time(), step, None
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
-  with StopOnSignal() as stop:
+  with contextlib.nullcontext(stop) if stop else StopOnSignal() as stop:
     while step < t.steps:
       signalled = stop.agreed()  # the same answer on every process
       if signalled is not None or 0 < t.stop_after <= step:

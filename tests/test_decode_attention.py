@@ -195,20 +195,21 @@ def _while_bodies(hlo: str) -> set[str]:
   return set(re.findall(r"while\(.*?body=(%[\w.\-]+)", hlo))
 
 
-@pytest.mark.parametrize("granularity", ["token_head", "tensor"])
-def test_compiled_decode_loop_neither_copies_nor_dequantizes_the_cache(granularity):
-  """The sampler's compiled program (prefill + decode while loop) on an FP8 cache of 600
-  slots (three blocks): no instruction anywhere produces a dequantized cache ([B, S, K, H]
-  in f32, bf16 or f16), and inside the loops the only cache-sized instructions are the
-  in-place scatters of the new token (no copy, no bit-cast pass over the buffer)."""
+@pytest.mark.parametrize("kv", ["bf16", "fp8_token_head", "fp8_tensor"])
+def test_compiled_decode_loop_neither_copies_nor_dequantizes_the_cache(kv):
+  """The sampler's compiled program (prefill + decode while loop) on a BF16 or FP8 cache of
+  600 slots (three blocks): no instruction anywhere produces the cache in a value dtype
+  ([B, S, K, H] in f32, bf16, f16 or e4m3: a conversion of the whole cache), only in its
+  integer storage, and inside the loops the only cache-sized instructions are the in-place
+  scatters of the new token (no copy, no bit-cast pass over the buffer)."""
   params = model.init_params(jax.random.key(0), CFG)
-  spec = kvcache.KVCacheSpec(dtype=FP8, granularity=granularity)
+  spec = SPECS[kv]
   scfg = sampler.SamplerConfig(max_new_tokens=4, temperature=0.0, kv=spec, cache_len=_S)
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [1], [3, 3]]
   hlo = sampler.sample_program(params, prompts, jax.random.key(0), scfg, CFG).compile().as_text()
   ops = _cache_sized(hlo)
   assert ops, "the detector found no cache-sized instruction at all"
-  assert {d for _, d, _, _ in ops} == {"u8"}, ops
+  assert {d for _, d, _, _ in ops} == {"u16" if kv == "bf16" else "u8"}, ops
   bodies = _while_bodies(hlo)
   in_loop = [op for op in ops if op[0] in bodies]
   # One scatter per layer for K and V: the decode step's write.

@@ -47,7 +47,7 @@ def test_init_cache_layout_with_bf16_layers(granularity):
       assert entry[name + "_scale"].shape == scale_shape
       assert entry[name + "_scale"].dtype == jnp.float32
   assert set(cache[1]) == {"k", "v"}
-  assert cache[1]["k"].shape == (B, S, 2, 16) and cache[1]["k"].dtype == jnp.bfloat16
+  assert cache[1]["k"].shape == (B, S, 2, 16) and cache[1]["k"].dtype == jnp.uint16  # bf16 bits
   # Non-fp8 caches ignore bf16_layers: every layer has the one dtype.
   f32 = kvcache.init_cache(CFG, B, S, kvcache.KVCacheSpec(dtype="float32", bf16_layers=(1,)))
   assert all(set(e) == {"k", "v"} and e["v"].dtype == jnp.float32 for e in f32)
@@ -268,6 +268,16 @@ def test_fp8_storage_holds_the_e4m3_bytes(granularity):
   np.testing.assert_array_equal(stored, expected.view(np.uint8))
   k_all, _ = kvcache.read(entry, jnp.float32)
   np.testing.assert_array_equal(np.asarray(k_all[0, 2:5]), expected.astype(np.float32) * scale[0])
+
+
+def test_bf16_storage_holds_the_bf16_bits():
+  spec = kvcache.KVCacheSpec(dtype="bfloat16")
+  entry = kvcache.init_cache(CFG, B, S, spec)[0]
+  k = jax.random.normal(jax.random.key(4), (B, 2, 2, 16))
+  entry = kvcache.write(entry, k, k, jnp.array([0, 6]), spec)
+  stored = np.asarray(entry["k"][1, 6:8])
+  np.testing.assert_array_equal(stored, np.asarray(k[1].astype(jnp.bfloat16)).view(np.uint16))
+  assert not np.any(np.asarray(entry["k"][1, :6]))  # 0 bits: bf16 zeros
 
 
 def test_token_head_write_adds_no_counter():

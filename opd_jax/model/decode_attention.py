@@ -54,15 +54,15 @@ def _slice_slots(x_bs, start, size: int) -> jax.Array:
 def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
   """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, size, K, H] in `dtype`.
 
-  FP8 entries (uint8 e4m3 bits, `kvcache` module docstring) dequantize as
-  f32(e4m3(k)) · k_scale then cast to `dtype`, per element the value `kvcache.read` gives.
+  Stored bits are bit-cast to their values (`kvcache.as_values`); FP8 entries dequantize as
+  f32(e4m3(k)) · k_scale then cast to `dtype`: per element the value `kvcache.read` gives.
   """
-  k = _slice_slots(entry["k"], start, size)
-  v = _slice_slots(entry["v"], start, size)
+  k = kvcache.as_values(_slice_slots(entry["k"], start, size))
+  v = kvcache.as_values(_slice_slots(entry["v"], start, size))
   if "k_scale" not in entry:
     return k.astype(dtype), v.astype(dtype)
-  k = kvcache.as_fp8(k).astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
-  v = kvcache.as_fp8(v).astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
+  k = k.astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
+  v = v.astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
   return k.astype(dtype), v.astype(dtype)
 
 

@@ -2,22 +2,24 @@
 
 Layout. `init_cache` returns a list with one dict per layer:
 
-    {"k": [B, S, K, H], "v": [B, S, K, H]}                      # bf16 / f32 layers
-    {"k": [B, S, K, H] uint8, "v": [B, S, K, H] uint8,          # e4m3 bit patterns
+    {"k": [B, S, K, H], "v": [B, S, K, H]}                      # f32 layers
+    {"k": [B, S, K, H] uint16, "v": [B, S, K, H] uint16}        # bf16 layers: bf16 bits
+    {"k": [B, S, K, H] uint8, "v": [B, S, K, H] uint8,          # fp8 layers: e4m3 bits
      "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # fp8 layers
                                   # (s, k) = (S, K) for "token_head", (1, 1) for "tensor"
 
 Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
-at position p attends to slots 0..p. FP8 entries dequantize as f32(e4m3(k)) · k_scale
-(`as_fp8` reads the bits as e4m3).
+at position p attends to slots 0..p. `as_values` reads stored bits as their values (a
+bit-cast); FP8 entries dequantize as f32(e4m3(k)) · k_scale.
 
-Why uint8. An FP8 layer stores the bytes of its e4m3 values in a uint8 array, so that a
-write updates the stored buffer in place. XLA:CPU lowers a scatter or dynamic_update_slice
-into an e4m3 buffer by converting the whole buffer to f16 and back, and a bit-cast of the
-whole buffer to uint8 and back is itself a pass over it: either way a decode step would
-touch every slot of every layer. With uint8 storage only the new tokens are bit-cast, and
-`decode_attention` bit-casts each block it reads (tests/test_decode_attention.py checks
-the compiled decode loop for any whole-cache copy or conversion).
+Why integer storage. A BF16 or FP8 layer stores the bits of its values in a uint16 or uint8
+array, so that a write updates the stored buffer in place. XLA:CPU lowers a scatter into a
+bf16 buffer by converting the whole buffer to f32 and back (an e4m3 one via f16), and a
+bit-cast of the whole buffer and back is itself a pass over it: either way a decode step
+would touch every slot of every layer. With integer storage only the new tokens are
+bit-cast, and `decode_attention` bit-casts each block it reads (tests/test_decode_attention.py
+checks the compiled decode loop for any whole-cache copy or conversion). The bytes are
+those of the values, so capacity (`bytes_per_token`) is unchanged.
 
 Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob:
 
@@ -83,14 +85,29 @@ class KVCacheSpec:
     return self.dtype
 
 
+# Storage dtype of each cache dtype (module docstring, "Why integer storage").
+_STORAGE = {"float32": jnp.float32, "bfloat16": jnp.uint16, "float8_e4m3fn": jnp.uint8}
+_VALUES = {jnp.dtype(jnp.uint16): jnp.bfloat16, jnp.dtype(jnp.uint8): FP8_DTYPE}
+
+
 def storage_dtype(dtype: str):
-  """The array dtype a cache of `dtype` (one of KV_DTYPES) is stored in: uint8 for e4m3."""
-  return jnp.uint8 if dtype == "float8_e4m3fn" else jnp.dtype(dtype)
+  """The array dtype a cache of `dtype` (one of KV_DTYPES) is stored in."""
+  return _STORAGE[dtype]
 
 
-def as_fp8(x):
-  """The e4m3 values of stored FP8 cache bytes (a bit-cast: no arithmetic, same bytes)."""
-  return jax.lax.bitcast_convert_type(x, FP8_DTYPE)
+def as_values(x):
+  """The values of stored cache entries: uint16 bits as bf16, uint8 bits as e4m3, f32 as is
+  (a bit-cast: same bytes, no arithmetic)."""
+  value_dtype = _VALUES.get(jnp.dtype(x.dtype))
+  return x if value_dtype is None else jax.lax.bitcast_convert_type(x, value_dtype)
+
+
+def _as_stored(x, stored_dtype):
+  """x (f32 / bf16 / e4m3 values) in a cache's storage dtype: cast, then bit-cast to bits."""
+  value_dtype = _VALUES.get(jnp.dtype(stored_dtype))
+  if value_dtype is None:
+    return x.astype(stored_dtype)
+  return jax.lax.bitcast_convert_type(x.astype(value_dtype), stored_dtype)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) -> list[dict]:
@@ -103,8 +120,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
     spec: the cache numerics.
 
   Returns:
-    L dicts with "k", "v" [B, S, K, H] (uint8 e4m3 bits on fp8 layers) and, on fp8 layers,
-    "k_scale", "v_scale"
+    L dicts with "k", "v" [B, S, K, H] (f32; uint16 bf16 bits; uint8 e4m3 bits) and, on fp8
+    layers, "k_scale", "v_scale"
     ([B, S, K, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
   """
   out_of_range = [i for i in spec.bf16_layers if i >= cfg.num_layers]
@@ -114,7 +131,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
   cache = []
   for layer in range(cfg.num_layers):
     dtype = spec.layer_dtype(layer)
-    stored = storage_dtype(dtype)  # the bits of e4m3 0.0 are 0
+    stored = storage_dtype(dtype)  # the bits of 0.0 are 0 in every format
     entry = {"k": jnp.zeros(shape, stored), "v": jnp.zeros(shape, stored)}
     if dtype == "float8_e4m3fn":
       if spec.granularity == "token_head":
@@ -167,12 +184,10 @@ def _quantize_rows(x_btkh: jax.Array, scale) -> jax.Array:
 def _scatter_time(dst_bs, src_bt, start_b):
   """dst[b, start_b : start_b + T] = src[b] for every b, in place.
 
-  e4m3 sources are bit-cast to the uint8 storage of an fp8 cache (module docstring); only
-  the T new tokens are converted, never the buffer.
+  The source is cast to the cache's value dtype and bit-cast to its integer storage (module
+  docstring); only the T new tokens are converted, never the buffer.
   """
-  if src_bt.dtype == FP8_DTYPE:
-    src_bt = jax.lax.bitcast_convert_type(src_bt, jnp.uint8)
-  src_bt = src_bt.astype(dst_bs.dtype)
+  src_bt = _as_stored(src_bt, dst_bs.dtype)
 
   def one(d, s, start):
     idx = (start,) + (0,) * (d.ndim - 1)
@@ -250,10 +265,11 @@ def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
   materializes the whole cache in `dtype`: the reference path of
   `transformer.forward_with_cache` (attention="reference"); the blockwise one reads blocks.
   """
+  k, v = as_values(entry["k"]), as_values(entry["v"])
   if "k_scale" not in entry:
-    return entry["k"].astype(dtype), entry["v"].astype(dtype)
-  k = as_fp8(entry["k"]).astype(jnp.float32) * entry["k_scale"]
-  v = as_fp8(entry["v"]).astype(jnp.float32) * entry["v_scale"]
+    return k.astype(dtype), v.astype(dtype)
+  k = k.astype(jnp.float32) * entry["k_scale"]
+  v = v.astype(jnp.float32) * entry["v_scale"]
   return k.astype(dtype), v.astype(dtype)
 
 

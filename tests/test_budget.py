@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import types
+import warnings
 
 import jax
 import numpy as np
@@ -324,6 +325,130 @@ def test_per_part_holds_each_source_of_a_combination_to_its_own_limit():
 
 
 # ---------------------------------------------------------------------------------------------
+# Rules
+
+
+COMBO = {  # a noise+stale combination whose parts were measured alone
+  "mismatch/kl": 0.25,
+  "source": "noise+stale",
+  "mismatch/kl/part/noise": 0.06,
+  "mismatch/kl/part/stale": 0.12,
+}
+
+
+def test_each_rule_applies_its_equation():
+  # SOURCED: L_noise = .15, L_stale = .3 (above: its own x_m), L = .1 + .5/.6 · .1 = .1833.
+  b = fit_budget(SOURCED, 0.5)
+  verdicts = {name: budget_api.apply_rule(COMBO, b, budget_api.Rule(name)) for name in RULES}
+  # pooled: .25 > L.
+  assert not verdicts["pooled"].admitted
+  assert verdicts["pooled"].limit == pytest.approx(OVERALL) and verdicts["pooled"].rule == "pooled"
+  # whole: .25 > min(.15, .3).
+  assert not verdicts["whole"].admitted and verdicts["whole"].limit == pytest.approx(0.15)
+  # per_part: noise .06 ≤ .15 (margin .09), stale .12 ≤ .3 (margin .18): noise binds.
+  per_part = verdicts["per_part"]
+  assert per_part.admitted and per_part.limit_source == "noise"
+  assert per_part.margin == pytest.approx(0.09, abs=1e-15)
+  # sum_of_fractions: F = .06/.15 + .12/.3 = .4 + .4 = .8 ≤ 1; limit = .25/.8 = .3125.
+  fractions = verdicts["sum_of_fractions"]
+  assert fractions.admitted and fractions.fraction == pytest.approx(0.8, abs=1e-15)
+  assert fractions.limit == pytest.approx(0.3125) and fractions.margin == pytest.approx(0.0625)
+  assert fractions.limit_source in ("noise", "stale")
+  # Parts at .09 and .18: each within its limit (.6 of it), together F = 1.2 > 1.
+  heavier = {**COMBO, "mismatch/kl/part/noise": 0.09, "mismatch/kl/part/stale": 0.18}
+  assert budget_api.apply_rule(heavier, b, budget_api.Rule("per_part")).admitted
+  over = budget_api.apply_rule(heavier, b, budget_api.Rule("sum_of_fractions"))
+  assert not over.admitted and over.fraction == pytest.approx(1.2)
+  assert over.reasons == ("Σ part/limit = noise 0.09/0.15 + stale 0.18/0.3 = 1.2 > 1",)
+  assert over.margin == pytest.approx(0.25 / 1.2 - 0.25)
+
+
+RULES = budget_lib.RULE_NAMES
+
+
+def test_a_single_source_is_its_own_part_and_no_source_is_the_pooled_limit():
+  b = fit_budget(SOURCED, 0.5)
+  single = {"mismatch/kl": 0.16, "source": "noise"}
+  anonymous = {"mismatch/kl": 0.16}
+  for name in ("whole", "per_part", "sum_of_fractions"):
+    v = budget_api.apply_rule(single, b, budget_api.Rule(name))
+    assert not v.admitted and v.limit == pytest.approx(0.15), name  # .16 > L_noise
+    assert budget_api.apply_rule(anonymous, b, budget_api.Rule(name)).admitted, name  # ≤ L
+  assert budget_api.apply_rule(single, b, budget_api.Rule("pooled")).admitted
+
+
+def test_the_budgets_own_rule_applies_and_none_is_the_pooled_one():
+  b = fit_budget(SOURCED, 0.5)
+  assert budget_api.apply_rule(COMBO, b) == budget_api.apply_rule(COMBO, b, budget_lib.POOLED)
+  named = dataclasses.replace(b, rule=budget_api.Rule("per_part"))
+  assert (
+    budget_api.apply_rule(COMBO, named).admitted
+    and budget_api.apply_rule(COMBO, named).rule == "per_part"
+  )
+  # The rule given overrides the budget's.
+  assert not budget_api.apply_rule(COMBO, named, budget_api.Rule("whole")).admitted
+
+
+def test_conservative_takes_every_limit_at_its_lower_end():
+  b = fit_budget(SOURCED, 0.5)
+  for name in RULES:
+    v = budget_api.apply_rule(COMBO, b, budget_api.Rule(name, {"conservative": True}))
+    assert v.conservative, name
+    assert v.limit <= budget_api.apply_rule(COMBO, b, budget_api.Rule(name)).limit + 1e-15, name
+  lower = budget_api.apply_rule(COMBO, b, budget_api.Rule("per_part", {"conservative": True}))
+  assert lower.limit == b.source_limit(lower.limit_source, end="lower")
+
+
+def test_a_part_not_measured_is_refused_or_taken_as_the_whole():
+  b = fit_budget(SOURCED, 0.5)
+  whole_only = {"mismatch/kl": 0.12, "source": "noise+stale"}
+  for name in ("per_part", "sum_of_fractions"):
+    with pytest.raises(ValueError, match=rf"the {name} rule needs each source's part measured"):
+      budget_api.apply_rule(whole_only, b, budget_api.Rule(name))
+  # "whole": kl_s = .12 for both parts: per_part is the whole rule (.12 ≤ .15) ...
+  stand_in = budget_api.apply_rule(
+    whole_only, b, budget_api.Rule("per_part"), unmeasured_parts="whole"
+  )
+  assert (
+    stand_in.admitted == budget_api.apply_rule(whole_only, b, budget_api.Rule("whole")).admitted
+  )
+  assert stand_in.limit == pytest.approx(0.15)
+  # ... and sum_of_fractions reads .12/.15 + .12/.3 = 1.2 > 1.
+  summed = budget_api.apply_rule(
+    whole_only, b, budget_api.Rule("sum_of_fractions"), unmeasured_parts="whole"
+  )
+  assert not summed.admitted and summed.fraction == pytest.approx(1.2)
+  # A measured part is kept; the whole only stands in for the missing one.
+  half = {**whole_only, "mismatch/kl/part/noise": 0.03}
+  kept = budget_api.apply_rule(
+    half, b, budget_api.Rule("sum_of_fractions"), unmeasured_parts="whole"
+  )
+  assert kept.fraction == pytest.approx(0.03 / 0.15 + 0.12 / 0.3)
+  with pytest.raises(ValueError, match="unmeasured_parts='guess'"):
+    budget_api.apply_rule(whole_only, b, unmeasured_parts="guess")
+
+
+def test_bad_rules_are_refused_by_name():
+  with pytest.raises(ValueError, match="unknown admission rule 'per_parts'; known: pooled, whole"):
+    budget_api.Rule("per_parts")
+  with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['tau'\]"):
+    budget_api.Rule("whole", {"tau": 1})
+  with pytest.raises(ValueError, match="conservative must be true or false"):
+    budget_api.Rule("whole", {"conservative": "yes"})
+  with pytest.raises(ValueError, match="validation must be a mapping or None"):
+    budget_api.Rule("whole", validation=0.9)
+  with pytest.raises(ValueError, match="rule must be a Rule"):
+    budget_api.apply_rule({"mismatch/kl": 0.1}, fit_budget(STEP, 0.5), "pooled")
+  tested = budget_api.Rule("per_part", validation={"n": 12, "agreement": 11 / 12})
+  assert tested.describe() == "per_part, validated 11/12"
+  assert tested.with_params(conservative=False) is tested
+  changed = tested.with_params(conservative=True)
+  assert (
+    changed.validation is None and changed.describe() == "per_part (conservative), not validated"
+  )
+
+
+# ---------------------------------------------------------------------------------------------
 # Admission
 
 
@@ -626,6 +751,39 @@ def test_a_training_axis_fit_round_trips_and_is_absent_by_default(tmp_path, setu
   assert (
     "training" not in json.loads(budget_file.budget_to_json(fit_budget(SOURCED, 0.5), fp))["budget"]
   )
+
+
+def test_the_rule_round_trips_and_a_file_without_one_is_read_pooled_with_a_warning(tmp_path, setup):
+  fp = setup[2]
+  rule = budget_api.Rule("per_part", validation={"n": 12, "agreement": 11 / 12, "tolerance": 0.04})
+  b = dataclasses.replace(fit_budget(SOURCED, 0.5), rule=rule)
+  path = tmp_path / "budget.json"
+  budget_file.save_budget(path, b, fp)
+  doc = json.loads(path.read_text())
+  assert doc["rule"] == {
+    "name": "per_part",
+    "params": {"conservative": False},
+    "validation": rule.validation,
+  }
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    loaded, _ = budget_file.load_budget(path)
+  assert loaded == b and loaded.rule == rule
+  del doc["rule"]  # as written before rules were recorded
+  path.write_text(json.dumps(doc))
+  with pytest.warns(
+    UserWarning,
+    match=rf"budget file {path} names no admission rule, so it is read with the pooled limit",
+  ):
+    older, _ = budget_file.load_budget(path)
+  assert older.rule is None
+  assert budget_api.apply_rule(COMBO, older).rule == "pooled"
+  doc["rule"] = {"name": "everything", "params": {}}
+  path.write_text(json.dumps(doc))
+  with pytest.raises(
+    ValueError, match=rf"budget file {path}: rule: unknown admission rule 'everything'"
+  ):
+    budget_file.load_budget(path)
 
 
 def test_weights_hash_follows_the_documented_recipe_and_tree_order():

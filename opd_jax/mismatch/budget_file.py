@@ -365,8 +365,9 @@ class _Reader:
       num_records=self.integer(obj, "num_records", where),
     )
 
-  def rule(self, doc: Mapping) -> budget_lib.Rule:
-    """The document's "rule"; the pooled rule, with a warning, when it names none."""
+  def rule(self, doc: Mapping) -> budget_lib.Rule | None:
+    """The document's "rule"; None (which `budget.apply_rule` reads as the pooled rule), with a
+    warning, when it names none."""
     if "rule" not in doc:
       warnings.warn(
         f"budget file {self.source} names no admission rule, so it is read with the pooled "
@@ -376,7 +377,7 @@ class _Reader:
         UserWarning,
         stacklevel=4,
       )
-      return budget_lib.POOLED
+      return None
     entry = self.obj(doc, "rule", "top level")
     name = self.name(entry, "name", "rule")
     params = entry.get("params", {})
@@ -438,8 +439,8 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
   """Parses a budget file's text; `source` names it in errors.
 
   Returns:
-    (Budget, fingerprint dict); the Budget's `rule` is the file's, or the pooled rule (with a
-    UserWarning naming the file) when the file names none.
+    (Budget, fingerprint dict); the Budget's `rule` is the file's, or None (the pooled rule for
+    `budget.apply_rule`), with a UserWarning naming the file, when the file names none.
 
   Raises:
     ValueError: text that is not JSON, an unknown rule or rule parameter, another schema or

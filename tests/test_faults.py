@@ -1,4 +1,5 @@
-"""Faults and bad input: each row of the README's fault table is a test here or named there.
+"""Faults and bad input: each row of the fault table in docs/guides/multihost.md is a test here
+or named there.
 
 Kills are real signals to real subprocesses; two-process runs go through
 launch/local_multiprocess.sh (or its environment, when a peer must survive the launcher).

@@ -140,7 +140,7 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert got["engine_id"].startswith("w=trainer,kv=float32,")  # bf16 weights, f32 cache
   assert len(got["completions"][0]) == 4
 
-  # The README's line: fp8 weights and an fp8 KV cache.
+  # The line in docs/guides/fp8_async.md: fp8 weights and an fp8 KV cache.
   readme = base_argv + ["--weights", "fp8", "--kv-cache", "fp8", "--json"]
   assert generate.main(readme) == 0
   fp8 = json.loads(capsys.readouterr().out)

@@ -1,4 +1,4 @@
-"""The README's "Distill your own checkpoints" walkthrough, command by command: toy HF
+"""The toy-checkpoint walkthrough of docs/guides/own_checkpoints.md, command by command: toy HF
 checkpoints with padded vocabularies and a chat tokenizer, a run on a JSONL prompt file
 with an eval file, and the exported student loaded and run by `transformers`."""
 

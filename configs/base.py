@@ -66,7 +66,8 @@ def get_config(arg=None):
   # Prompts: the built-in task or a JSONL file with a "prompt" field.
   c.data = ml_collections.ConfigDict()
   c.data.prompt_file = ""  # JSONL with {"prompt": ...}; "" = built-in task
-  c.data.num_operands = 3  # built-in task: operands per problem
+  c.data.task = "sum"  # built-in task: sum (short) | chain (a+d*n=, n counted steps: long)
+  c.data.num_operands = 3  # built-in task: operands per problem (chain: steps n; 32 ≈ 200 tokens)
   c.data.max_operand = 99  # built-in task: largest operand
   c.data.train_size = 200_000  # built-in task: training prompts per epoch
   c.data.eval_size = 256  # held-out prompts for quality/*

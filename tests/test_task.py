@@ -148,15 +148,81 @@ def test_bad_arguments():
     task.make_example(0, 0, "validation")
 
 
-@pytest.mark.slow
-def test_tiny_transformer_learns_the_task():
-  """A 2-layer d=128 model reaches ≥ 90% held-out greedy exact match in ~600 steps (~35 s on CPU).
+CHAIN = task.TaskConfig(num_operands=32, kind="chain")
+
+
+def test_chain_hand_example_and_score():
+  ex = task.solve_chain(37, 8, 3)
+  assert ex == task.Example(prompt="37+8*3=", completion="3:45;2:53;1:61>61", answer="61")
+  assert task.score("37+8*3=", "3:45;2:53;1:61>61")
+  assert task.score("37+8*3=", "3:45;2:50;1:61>61")  # the steps are not checked
+  assert not task.score("37+8*3=", "3:45;2:53;1:61>60")
+  assert not task.score("37+8*3=", "3:45;2:53;1:61")
+  with pytest.raises(ValueError, match="not a task prompt"):
+    task.score("37*8+3=", ">61")
+
+
+def test_chain_examples_are_long_and_within_the_stated_bounds():
+  """Completions of n = 32 steps run 186-219 tokens with eos; the bounds are attained."""
+  assert (CHAIN.min_completion_tokens, CHAIN.max_completion_tokens) == (186, 219)
+  assert CHAIN.max_prompt_tokens == 9 and CHAIN.seq_len == 228
+  lengths = []
+  for i in range(3000):
+    ex = task.make_example(0, i, "train", CHAIN)
+    start, step, count = (int(x) for x in task._CHAIN_RE.fullmatch(ex.prompt).groups())
+    assert count == 32 and 10 <= start <= 99 and 1 <= step <= 9
+    assert ex.answer == str(start + step * count) and task.score(ex.prompt, ex.completion)
+    lengths.append(len(ex.completion) + 1)
+  assert CHAIN.min_completion_tokens <= min(lengths) and max(lengths) <= 219
+  longest = task.solve_chain(99, 9, 32)
+  assert len(longest.completion) + 1 == CHAIN.max_completion_tokens
+  assert len(task.solve_chain(10, 1, 32).completion) + 1 == CHAIN.min_completion_tokens
+  heldout = {task.make_example(0, i, "heldout", CHAIN).prompt for i in range(50)}
+  train = {task.make_example(0, i, "train", CHAIN).prompt for i in range(500)}
+  assert not heldout & train
+
+
+def test_task_kind_keeps_the_sum_task_cache_key():
+  """The teacher cache keys on repr(TaskConfig): the sum task's is the one it always was,
+  and the chain's differs from it."""
+  assert repr(task.TaskConfig()) == (
+    "TaskConfig(num_operands=3, min_operand=10, max_operand=99, heldout_fraction=0.1)"
+  )
+  assert "kind='chain'" in repr(CHAIN)
+  with pytest.raises(ValueError, match="kind must be one of sum, chain"):
+    task.TaskConfig(kind="product")
+  with pytest.raises(ValueError, match="max_step must be an int in"):
+    task.TaskConfig(kind="chain", max_step=10)
+
+
+def test_chain_task_from_the_run_config():
+  import sys
+  from pathlib import Path
+
+  from opd_jax.config import check as config_check
+  from opd_jax.train import setup as setup_lib
+
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
+  import base
+
+  config = base.get_config()
+  config.data.task = "chain"
+  config.data.num_operands = 32
+  config_check.validate(config)
+  assert setup_lib.task_config(config) == CHAIN
+  config.data.task = "product"
+  with pytest.raises(ValueError, match="config.data.task must be one of sum, chain"):
+    config_check.validate(config)
+
+
+def learn_and_score(tc: task.TaskConfig, max_steps: int, batch: int, stop_at: float, log=None):
+  """Trains a 2-layer d=128 model on `tc` and returns (steps, held-out greedy exact match).
 
   Scored through an exponential moving average of the weights, which removes most of the
-  step-to-step noise of the climb from ~40% to ~95%. Training stops as soon as the average gets
-  ≥ 92% of a validation draw of held-out prompts right under teacher forcing (a lower bound of
-  greedy exact match that costs one forward pass), at the latest after `max_steps`; the
-  assertion then decodes 256 other held-out prompts greedily and scores them with `task.score`.
+  step-to-step noise of the climb. Training stops as soon as the average gets ≥ `stop_at` of
+  a validation draw of held-out prompts right under teacher forcing (a lower bound of greedy
+  exact match that costs one forward pass), at the latest after `max_steps`; then 256 other
+  held-out prompts are decoded greedily and scored with `task.score`.
   """
   import jax
   import jax.numpy as jnp
@@ -165,7 +231,7 @@ def test_tiny_transformer_learns_the_task():
   from opd_jax.model import transformer as model
   from opd_jax.model.config import ModelConfig
 
-  tok, tc = CharTokenizer(), task.TaskConfig()
+  tok = CharTokenizer()
   cfg = ModelConfig(
     model_type="llama",
     vocab_size=tok.vocab_size,
@@ -176,7 +242,7 @@ def test_tiny_transformer_learns_the_task():
     num_kv_heads=4,
     head_dim=32,
   )
-  max_steps, batch, check_every, ema_decay, stop_at = 800, 32, 25, 0.97, 0.92
+  check_every, ema_decay = 25, 0.97
   params = model.init_params(jax.random.key(0), cfg)
   opt = optax.chain(
     optax.clip_by_global_norm(1.0),
@@ -218,23 +284,27 @@ def test_tiny_transformer_learns_the_task():
 
     return jax.lax.fori_loop(tc.max_prompt_tokens, tc.seq_len, body, tokens_bt)
 
-  val = task.TaskSource("heldout", 256, seed=1)  # disjoint from the scored seed-0 prompts
+  val = task.TaskSource("heldout", 256, seed=1, config=tc)  # disjoint from the scored prompts
   val_b = task.encode_batch([val[i] for i in range(len(val))], tok, tc.seq_len)
   val_inputs = (val_b["tokens"], val_b["loss_mask"])
-  train = task.TaskSource("train", max_steps * batch, seed=0)
+  train = task.TaskSource("train", max_steps * batch, seed=0, config=tc)
   state = (params, opt.init(params), params)  # params, optimizer state, EMA of params
   for step in range(check_every, max_steps + 1, check_every):
     examples = [train[i] for i in range((step - check_every) * batch, step * batch)]
     b = task.encode_batch(examples, tok, tc.seq_len)
     shape = (check_every, batch, tc.seq_len)
     state = train_steps(state, b["tokens"].reshape(shape), b["loss_mask"].reshape(shape))
-    if teacher_forced_exact(state[2], *val_inputs) >= stop_at:
+    exact = teacher_forced_exact(state[2], *val_inputs)
+    if log is not None:
+      log(f"step {step}: teacher-forced exact match {float(exact):.3f}")
+    if exact >= stop_at:
       break
   ema = state[2]
 
-  heldout = task.TaskSource("heldout", 256, seed=0)
+  heldout = task.TaskSource("heldout", 256, seed=0, config=tc)
   prompts = [heldout[i]["prompt"] for i in range(len(heldout))]
   prompt_bp, _ = task.encode_prompts(prompts, tok, tc.max_prompt_tokens)
+  assert prompt_bp.shape[1] == tc.max_prompt_tokens  # every prompt has the same length
   tokens = np.zeros((len(prompts), tc.seq_len), np.int32)
   tokens[:, : tc.max_prompt_tokens] = prompt_bp
   out = np.asarray(greedy(ema, jnp.asarray(tokens)))
@@ -242,4 +312,12 @@ def test_tiny_transformer_learns_the_task():
     [task.score(p, tok.decode(out[i, tc.max_prompt_tokens :])) for i, p in enumerate(prompts)]
   )
   print(f"stopped at step {step}, held-out greedy exact match {accuracy:.4f}")
+  return step, accuracy
+
+
+@pytest.mark.slow
+def test_tiny_transformer_learns_the_task():
+  """A 2-layer d=128 model reaches ≥ 90% held-out greedy exact match in ~600 steps (~35 s on
+  CPU), from ~40% to ~95% (`learn_and_score`)."""
+  step, accuracy = learn_and_score(task.TaskConfig(), max_steps=800, batch=32, stop_at=0.92)
   assert accuracy >= 0.9, (step, accuracy)

@@ -149,6 +149,7 @@ RULES: dict[str, Any] = {
   "teacher.cache_dir": Kind(str),
   "teacher.temperature": Num(True, 0, lo_open=True),  # τ_T (opd_jax/model/teacher_topk.py)
   "data.prompt_file": Kind(str),
+  "data.task": Choice(("sum", "chain")),  # opd_jax/data/task.py KINDS
   "data.num_operands": Num(lo=2),
   "data.max_operand": POSITIVE,
   "data.train_size": POSITIVE,

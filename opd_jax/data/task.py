@@ -1,4 +1,5 @@
-"""The embedded synthetic task: multi-operand addition with written intermediate steps.
+"""The embedded synthetic task: multi-operand addition with written intermediate steps, and a
+long-completion variant (a counted chain of additions).
 
 A prompt lists `num_operands` integers to add; the unique correct completion adds
 them left to right, writing every partial sum, then states the answer after `>`:
@@ -17,6 +18,22 @@ Learnability: a 2-layer d=128 Llama-style model trained from scratch with AdamW
 (greedy) after 500 steps, 95% after 750 and 99% after 1000: about 4 minutes on 2 busy
 CPU cores. `TaskConfig(num_operands=5, min_operand=0, max_operand=9)` is easier
 (100% after 500 steps); more or wider operands make it harder.
+
+The chain variant (`TaskConfig(kind="chain")`) writes hundreds of tokens per completion, where
+KV-cache error has that many positions to accumulate over. A prompt `a+d*n=` asks for
+a + d·n; the completion adds d to a running value n times, each step counting down and
+writing the new value, then states the answer:
+
+    prompt      37+8*3=
+    completion  3:45;2:53;1:61>61            (then <eos>)
+    answer      61
+
+a is drawn from [min_operand, max_operand], d from [1, max_step] and n = num_operands. Each
+step reads only the step before it (decrement the counter, add d, copied from the prompt),
+so the chain is as easy per step at n = 40 as at n = 3, and a mistake in one step carries to
+the answer. With n = 32 and the default operands, completions run 186-219 tokens with
+`<eos>` (6-7 characters a step). Learnability: see `docs/sources.md` (the check's
+command and its result).
 
 Examples are a pure function of `(seed, split, index)`. The train/held-out split is
 decided by a hash of the prompt, so the two splits never share a prompt whatever
@@ -38,23 +55,40 @@ import numpy as np
 from opd_jax.data import padding
 
 SPLITS = ("train", "heldout")
+KINDS = ("sum", "chain")
 ANSWER_MARKER = ">"
 STEP_SEPARATOR = ";"
+COUNT_MARKER = ":"  # chain: "<steps left>:<value>"
 _PROMPT_RE = re.compile(r"\d+(\+\d+)+=")
+_CHAIN_RE = re.compile(r"(\d+)\+(\d+)\*(\d+)=")
 _ANSWER_RE = re.compile(r"-?\d+")
 _MAX_DRAWS = 1000
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class TaskConfig:
-  """Shape of the synthetic addition task."""
+  """Shape of the synthetic addition task (sum) or of its long variant (chain)."""
 
-  num_operands: int = 3  # integers to add (≥ 2); one written step per addition
-  min_operand: int = 10  # smallest operand (≥ 0)
-  max_operand: int = 99  # largest operand
+  num_operands: int = 3  # sum: integers to add (≥ 2); chain: steps n (≥ 2)
+  min_operand: int = 10  # smallest operand (≥ 0); chain: of the start a
+  max_operand: int = 99  # largest operand; chain: of the start a
   heldout_fraction: float = 0.1  # share of prompts (by hash) reserved for the held-out split
+  kind: str = "sum"  # sum | chain (module docstring)
+  max_step: int = 9  # chain: largest step d (1..9, one digit)
+
+  def __repr__(self) -> str:
+    """The fields, with kind and max_step only when they are not the defaults: the teacher
+    cache keys on this string (`pretrain`), so the sum task's keys predate the chain."""
+    fields = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)]
+    if self.kind == "sum" and self.max_step == 9:
+      fields = fields[:4]
+    return f"TaskConfig({', '.join(fields)})"
 
   def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"TaskConfig.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+    if not isinstance(self.max_step, int) or not 1 <= self.max_step <= 9:
+      raise ValueError(f"TaskConfig.max_step must be an int in [1, 9], got {self.max_step!r}")
     if not isinstance(self.num_operands, int) or self.num_operands < 2:
       raise ValueError(f"TaskConfig.num_operands must be an int ≥ 2, got {self.num_operands!r}")
     if not 0 <= self.min_operand <= self.max_operand:
@@ -68,10 +102,13 @@ class TaskConfig:
       )
 
   def _chars(self, operand: int) -> tuple[int, int]:
-    """(prompt chars, completion chars) when every operand equals `operand`.
+    """(prompt chars, completion chars) when every operand equals `operand` (chain: the start
+    a = `operand` with d = max_step for the longest, d = 1 for the shortest).
 
     Both are nondecreasing in the operand, so the min/max operand give exact bounds.
     """
+    if self.kind == "chain":
+      return self._chain_chars(operand)
     n, width = self.num_operands, len(str(operand))
     prompt = n * width + (n - 1) + 1
     steps = sum(
@@ -79,6 +116,12 @@ class TaskConfig:
     )
     completion = steps + (n - 2) + 1 + len(str(n * operand))
     return prompt, completion
+
+  def _chain_chars(self, start: int) -> tuple[int, int]:
+    n = self.num_operands
+    d = self.max_step if start == self.max_operand else 1
+    prompt = len(format_chain_prompt(start, self.max_step, n))
+    return prompt, len(solve_chain(start, d, n).completion)
 
   @property
   def max_prompt_chars(self) -> int:
@@ -120,6 +163,24 @@ class Example:
   prompt: str
   completion: str
   answer: str
+
+
+def format_chain_prompt(start: int, step: int, count: int) -> str:
+  """'37+8*3=' for start 37, step 8, 3 steps."""
+  return f"{int(start)}+{int(step)}*{int(count)}="
+
+
+def solve_chain(start: int, step: int, count: int) -> Example:
+  """The chain variant's unique correct example: `count` steps "k:v", k counting down from
+  `count` to 1 and v = start + step · (count − k + 1), then the answer start + step · count."""
+  steps, value = [], int(start)
+  for k in range(int(count), 0, -1):
+    value += int(step)
+    steps.append(f"{k}{COUNT_MARKER}{value}")
+  completion = STEP_SEPARATOR.join(steps) + ANSWER_MARKER + str(value)
+  return Example(
+    prompt=format_chain_prompt(start, step, count), completion=completion, answer=str(value)
+  )
 
 
 def format_prompt(operands) -> str:
@@ -169,6 +230,12 @@ def make_example(
     raise ValueError(f"example index must be ≥ 0, got {index}")
   rng = np.random.default_rng([seed, SPLITS.index(split), index])
   for _ in range(_MAX_DRAWS):
+    if config.kind == "chain":
+      start = int(rng.integers(config.min_operand, config.max_operand + 1))
+      step = int(rng.integers(1, config.max_step + 1))
+      if split_of(format_chain_prompt(start, step, config.num_operands), config) == split:
+        return solve_chain(start, step, config.num_operands)
+      continue
     operands = rng.integers(config.min_operand, config.max_operand + 1, size=config.num_operands)
     if split_of(format_prompt(operands), config) == split:
       return solve(operands)
@@ -216,19 +283,24 @@ def score(prompt: str, completion_text: str) -> bool:
   """Exact match of the final answer.
 
   Args:
-    prompt: a task prompt such as '37+58+21='.
+    prompt: a task prompt such as '37+58+21=' (sum) or '37+8*3=' (chain).
     completion_text: the decoded completion (text before `<eos>`).
 
   Returns:
-    True iff the completion holds exactly one '>' followed by exactly the decimal sum
-    of the prompt's operands (no sign, spaces or leading zeros). Intermediate steps
-    are not checked. Anything malformed scores False.
+    True iff the completion holds exactly one '>' followed by exactly the decimal value
+    of the prompt's expression (the operands' sum; a + d·n for a chain) with no sign,
+    spaces or leading zeros. Intermediate steps are not checked. Anything malformed
+    scores False.
 
   Raises:
     ValueError: when `prompt` is not a task prompt.
   """
+  chain = _CHAIN_RE.fullmatch(prompt)
+  if chain:
+    start, step, count = (int(g) for g in chain.groups())
+    return parse_answer(completion_text) == str(start + step * count)
   if not _PROMPT_RE.fullmatch(prompt):
-    raise ValueError(f"{prompt!r} is not a task prompt like '37+58+21='")
+    raise ValueError(f"{prompt!r} is not a task prompt like '37+58+21=' or '37+8*3='")
   truth = str(sum(int(x) for x in prompt[:-1].split("+")))
   return parse_answer(completion_text) == truth
 

@@ -35,7 +35,11 @@ from opd_jax.train import mismatch_metrics as mismatch
 
 
 def task_config(config) -> task.TaskConfig:
-  return task.TaskConfig(num_operands=config.data.num_operands, max_operand=config.data.max_operand)
+  return task.TaskConfig(
+    num_operands=config.data.num_operands,
+    max_operand=config.data.max_operand,
+    kind=config.data.get("task", "sum"),
+  )
 
 
 def engine_config(config, compute_dtype: str) -> transform.EngineConfig:

@@ -157,6 +157,21 @@ def test_a_combination_splits_into_one_part_per_source(config):
   assert parts("rollout.kv_cache=fp8,rollout.kv_granularity=tensor") == {}
 
 
+def test_a_key_in_no_table_goes_with_the_source_its_reset_changes(config, monkeypatch):
+  spec = "rollout.weights=fp8,rollout.weight_block_size=32,rollout.noise_sigma=0.1"
+  placed = candidates_lib.source_parts(candidates_lib.parse_candidate(spec, config), config)
+  monkeypatch.delitem(candidates_lib.ROLE_OF_KEY, "rollout.weight_block_size")
+  probed = candidates_lib.source_parts(candidates_lib.parse_candidate(spec, config), config)
+  assert (
+    probed
+    == placed
+    == {
+      "noise": "rollout.noise_sigma=0.1",
+      "fp8_weights": "rollout.weights=fp8,rollout.weight_block_size=32",
+    }
+  )
+
+
 def test_a_noise_part_on_an_async_base_switches_the_bases_lag_off(config):
   base = copy.deepcopy(config)
   base.rollout.mode, base.rollout.max_lag = "async", 1

@@ -13,12 +13,14 @@ trainer's engine is the identity transform with the KV cache in the trainer's co
 k = 0 (`reference_engine`). Every field of the engine belongs to one source (ENGINE_SOURCES,
 with a test that fails when EngineConfig gains a field it does not map):
 
-  weights format and recipe   weights, weight_block_size, bf16_layers, …   "<format>_weights"
-  KV cache format             kv.dtype, kv.granularity, kv.bf16_layers, …  "<format>_kv"
-  weight noise                noise_sigma, noise_layers, noise_modules     "noise"
-  kernel                      kernel                                       "kernel"
-  output head                 head_dtype                                   "bf16_head"
-  staleness                   k > 0 (rollout.stale_k, or max_lag in async) "stale"
+  weights format and recipe   weights, weight_block_size, weight_group_size,   "<format>_weights"
+                              weight_per_tensor, bf16_layers
+  KV cache format             kv.dtype, kv.granularity, kv.bf16_layers,        "<format>_kv"
+                              kv.tensor_headroom
+  weight noise                noise_sigma, noise_layers, noise_modules         "noise"
+  kernel                      kernel                                           "kernel"
+  output head                 head_dtype                                       "bf16_head"
+  staleness                   k > 0 (rollout.stale_k, or max_lag in async)     "stale"
 
 A qualifier counts only where it acts (ACTIVE_WHEN: a block size only for quantized weights, a
 KV granularity only for a quantized cache), and the KV cache is a source only when it is stored
@@ -50,7 +52,8 @@ from opd_jax.train import setup as setup_lib
 
 CANDIDATE_PREFIX = "rollout."
 
-# Roles of the engine's fields; a role's source name may depend on the engine (WEIGHTS, KV).
+# Roles of the engine's fields; the WEIGHTS and KV roles' source names depend on the format
+# (WEIGHT_SOURCES, KV_SOURCES), the others are their source's name.
 WEIGHTS, KV, NOISE, KERNEL, STALE = "weights", "kv", "noise", "kernel", "stale"
 HEAD = "bf16_head"  # the output head (final norm, LM head, logits) below the trainer's f32
 
@@ -442,14 +445,19 @@ def _role_source(role: str, engine: transform.EngineConfig) -> str:
 
 
 def engine_roles(
-  engine: transform.EngineConfig, lag: int, reference: transform.EngineConfig
+  engine: transform.EngineConfig,
+  lag: int,
+  reference: transform.EngineConfig,
+  trainer_dtype: str | None = None,
 ) -> list[str]:
-  """The roles (SOURCE_ORDER) in which `engine` with lag k differs from `reference` (lag 0).
+  """The roles (SOURCE_ORDER) in which `engine` with lag k differs from `reference` (lag 0),
+  both read by `effective_fields` with the trainer's compute dtype (default: the reference's KV
+  dtype, which it is for `reference_engine`).
 
   Raises:
     ValueError: a field that differs and that no source owns (ENGINE_SOURCES), naming it.
   """
-  trainer_dtype = reference.kv.dtype
+  trainer_dtype = trainer_dtype or reference.kv.dtype
   mine = effective_fields(engine, trainer_dtype)
   theirs = effective_fields(reference, trainer_dtype)
   changed = [name for name in mine if mine[name] != theirs.get(name)]
@@ -510,7 +518,7 @@ def _key_roles(key: str, candidate: Candidate, base: ml_collections.ConfigDict) 
       f"candidate {candidate.spec!r}: cannot tell which source {key} belongs to ({e}); add it "
       "to candidates.ROLE_OF_KEY"
     ) from e
-  roles = set(engine_roles(candidate.engine_cfg, candidate.lag, engine))
+  roles = set(engine_roles(candidate.engine_cfg, candidate.lag, engine, compute_dtype(probe)))
   return roles | ({STALE} if candidate_lag(probe) != candidate.lag else set())
 
 

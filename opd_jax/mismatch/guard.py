@@ -621,20 +621,20 @@ class LiveGuard:
         self.base_config, m.tokenizer, self.setup.task_cfg, self.base_config.budget.prompts
       )
       self._prompts = (tokens_bp, lens_b)
+
+    def measure(c):
+      behaviour = None
+      if c.lag and self._history:
+        older = [p for s, p in self._history if s <= step - c.lag]
+        behaviour = older[-1] if older else self._history[0][1]
+      return admission.measure_candidate(c, self.setup, self._prompts, state.params, behaviour)
+
     measured = {}
     for index in decision.candidates:
       rung = self.guard.ladder[index]
       spec = ",".join(f"rollout.{k}={v}" for k, v in rung.overrides.items())
       spec = spec or f"rollout.weights={self.base_config.rollout.weights}"  # rung 0: as is
       candidate = candidates_lib.parse_candidate(spec, self.base_config)
-
-      def measure(c, state=state):
-        behaviour = None
-        if c.lag and self._history:
-          older = [p for s, p in self._history if s <= step - c.lag]
-          behaviour = older[-1] if older else self._history[0][1]
-        return admission.measure_candidate(c, self.setup, self._prompts, state.params, behaviour)
-
       measurement, _ = admission.candidate_verdict(
         candidate,
         self.base_config,

@@ -8,8 +8,9 @@
 A candidate is a rollout configuration in the config's own terms, e.g.
 `--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
 measured on N calibration prompts against the trainer's student, with no training, and
-screened against the budget; the table goes to stdout, the rows to --json (a file, or `-` for
-stdout, the table then on stderr), and one line per candidate to
+judged by the admission rule the budget file records (docs/budget_rules.md; a combination's
+parts are measured alone when the rule reads them); the table goes to stdout, the rows to
+--json (a file, or `-` for stdout, the table then on stderr), and one line per candidate to
 <workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are `opd_jax.main`'s
 own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
 """
@@ -52,7 +53,10 @@ _FAST_COMPILE = flags.DEFINE_bool(
   "(compile_cache.fast_compilation).",
 )
 _CONSERVATIVE = flags.DEFINE_bool(
-  "conservative", False, "Admit against the lower end of the budget's interval."
+  "conservative",
+  False,
+  "Take every limit of the file's rule at the lower end of its interval (then no longer the "
+  "rule the file was validated with).",
 )
 
 

@@ -68,12 +68,13 @@ power-of-two scale stored as `float8_e8m0fnu` (an 8-bit exponent, no mantissa):
     s_g = 2^ceil(log2(amax_g / 6)),   Q_g = round_e2m1(W_g / s_g),
 
 so |W_g / s_g| ≤ 6 and no element saturates (the MX spec's floor(log2(amax)) − 2 rule can
-put amax above 6 and clip it; rounding the exponent up gives up up to half a bit of range
-instead). With a power-of-two scale the element error is
+put amax above 6 and clip it; rounding the exponent up instead costs at most one bit of
+precision, a scale up to twice the smallest that would do). The element error is
 
     |Ŵ − W| ≤ s_g · max(2^-2 · |W / s_g|, 2^-2),
 
-up to a quarter of the scale per element: an order of magnitude more than FP8.
+four times e4m3's relative bound, and up to a quarter of the scale for the elements far
+below the block's maximum.
 
 What stays unquantized
 ----------------------

@@ -257,6 +257,23 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   )
 
 
+def make_step_fn(config, setup: Setup, state_shardings, tx, schedule_steps: int | None = None):
+  """The jitted OPD train step, (state, teacher_params, rollout) -> (state, metrics), with the
+  state donated and laid out as `state_shardings`."""
+  m, t = setup.models, config.train
+  return train_step.jit_step(
+    train_step.train_step,
+    state_shardings,
+    tx=tx,
+    student_cfg=m.student_cfg,
+    teacher_cfg=m.teacher_cfg,
+    loss_cfg=loss_config(config),
+    microbatches=t.microbatches,
+    remat=t.remat,
+    lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
+  )
+
+
 class _LagBreakdown:
   """`mismatch/*` means per version lag over a log window: mismatch/kl/lag_k, ...
 
@@ -304,18 +321,7 @@ def _train(
   publish, adds `budget/*` to them and may switch the rollout source it returns.
   """
   m, t = setup.models, config.train
-  loss_cfg = loss_config(config)
-  step_fn = train_step.jit_step(
-    train_step.train_step,
-    state_shardings,
-    tx=tx,
-    student_cfg=m.student_cfg,
-    teacher_cfg=m.teacher_cfg,
-    loss_cfg=loss_cfg,
-    microbatches=t.microbatches,
-    remat=t.remat,
-    lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
-  )
+  step_fn = make_step_fn(config, setup, state_shardings, tx, schedule_steps)
   step = int(state.step)
   rollouts.publish(state.params, step)
   if hook:

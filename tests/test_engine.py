@@ -211,3 +211,19 @@ def test_rollout_config_keys_reach_the_engine():
   config.rollout.kernel = "flash"
   with pytest.raises(ValueError, match="config.rollout.kernel must be one of"):
     config_check.validate(config)
+
+
+@pytest.mark.parametrize("spec", ["rollout.stale_k=64", "rollout.mode=async,rollout.max_lag=64"])
+def test_staleness_up_to_64_is_accepted_and_its_checkpoints_named(spec):
+  """No config bound stops k = 64; measuring it needs θ_t and θ_(t−64), which the admission
+  check asks for by name before anything is built."""
+  from opd_jax.mismatch import admission
+  from opd_jax.mismatch import candidates as candidates_lib
+
+  config = base.get_config("tiny")
+  candidate = candidates_lib.parse_candidate(spec, config)
+  assert candidate.lag == 64
+  assert candidates_lib.candidate_source(candidate) == "stale"
+  problem = admission.stale_lag_problem(candidate, None)
+  assert "--params-from=RUN with checkpoints at steps t and t-64" in problem
+  assert "--config.train.keep_checkpoints=65 or more" in problem

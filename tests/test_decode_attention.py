@@ -237,3 +237,28 @@ def test_reference_attention_materializes_the_dequantized_cache():
   f32_copy = _B * _S * CFG.num_kv_heads * CFG.head_dim * 4
   assert reference.memory_analysis().temp_size_in_bytes >= 2 * f32_copy
   assert blockwise.memory_analysis().temp_size_in_bytes < f32_copy
+
+
+def test_decode_scaling_ratios_hand_computed():
+  """The bench's goal ratios from hand-made rows: S = 4096 over S = 256 at t = 32, and BF16
+  ms over FP8 ms at S = 4096, t ≥ 1024 (rows at other positions or capacities ignored)."""
+  from opd_jax.bench import decode_scaling
+
+  def row(kv, slots, t, ms, batch=1):
+    return dict(
+      attention="blockwise", kv=kv, batch=batch, capacity=slots, position=t, ms_per_step=ms
+    )
+
+  rows = [
+    row("bf16", 256, 32, 10.0),
+    row("bf16", 4096, 32, 12.0),
+    row("bf16", 4096, 1024, 20.0),
+    row("bf16", 4096, 256, 15.0),
+    row("fp8_tensor", 4096, 1024, 25.0),
+    row("fp8_tensor", 4096, 256, 1.0),
+    row("fp8_tensor", 1024, 32, 1.0),
+  ]
+  assert decode_scaling.ratios(rows) == {
+    "s4096_over_s256_at_t32": {"blockwise/bf16/b1": 1.2},
+    "fp8_over_bf16_speed": {"blockwise/fp8_tensor/b1/t1024": 0.8},
+  }

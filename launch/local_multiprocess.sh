@@ -2,7 +2,11 @@
 # Rehearses a multi-host launch on one machine: N CPU processes, each with its own slice of
 # every batch and of the mesh, talking through a local coordinator.
 #
-#   launch/local_multiprocess.sh 2 --config=configs/bf16_sync.py:tiny --workdir=/tmp/opd_mp
+#   launch/local_multiprocess.sh 2 --config=configs/fp8_async.py:tiny --workdir=/tmp/opd_mp
+#
+# The main job (async rollouts) runs with any number of processes: its rollouts are dispatched
+# inline by the trainer's thread (rollout.dispatch=auto). XLA_FLAGS=...device_count=4 and
+# --config.rollout.devices=4 give the rollouts 2 devices of each process.
 #
 # Each process sees the CPU devices XLA gives it: one by default, d with
 # XLA_FLAGS=--xla_force_host_platform_device_count=d (then the mesh has N x d devices).

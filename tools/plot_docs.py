@@ -111,7 +111,7 @@ MAIN_JOB_PANELS = (
   ("mismatch/kl", "mismatch/kl_p95", "mismatch/kl (nats/token)"),
   ("mismatch/abs_logp_diff", "mismatch/abs_logp_diff_p95", "abs log-prob diff (nats)"),
   ("rollout/version_lag_mean", "rollout/version_lag_max", "weight-version lag"),
-  ("rollout/queue_wait_seconds", "rollout/producer_wait_seconds", "waiting (s per log window)"),
+  ("rollout/queue_wait_seconds", "rollout/producer_wait_seconds", "waiting (s)"),
   ("rollout/tokens_per_s", None, "rollout tokens/s"),
   ("quality/student_accuracy", "quality/student_teacher_kl", "held-out accuracy; KL to teacher"),
 )

@@ -166,3 +166,17 @@ def test_progress_log_adds_an_eta_and_a_terminal_status_line():
   log("[1/2] a")
   log("next line")
   assert tty.getvalue() == "[1/2] a | ETA 5s\nitem 1/2 | 5s elapsed | ETA 5s\r\x1b[Knext line\n"
+
+
+def test_sensitivity_old_scan_flags_warn_and_still_parse():
+  proc = _command(
+    "opd_jax.sensitivity",
+    "--config=configs/bf16_sync.py:tiny",
+    "--sources=fp8_kv",
+    "--noise-sigma=0.1",
+    "--layers=x",  # refused after the flags are read, before anything loads
+  )
+  assert proc.returncode == 1
+  assert "--sources is deprecated" in proc.stderr and "use --candidate" in proc.stderr
+  assert "--noise-sigma is deprecated" in proc.stderr
+  assert "--layers takes layer indices, got ['x']" in proc.stderr

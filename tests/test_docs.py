@@ -36,7 +36,7 @@ def test_readme_is_an_entry_point_under_200_lines_without_history():
   assert len(lines) < 200, len(lines)
   assert not re.search(r"\b[0-9a-f]{7,40}\b", README.replace("arXiv:2611.11450", ""))  # no hashes
   assert not re.search(r"\bround \d", README, re.IGNORECASE)  # no study history
-  for words in ("Limitations", "emulated on the CPU", "one process", "measured on CPUs"):
+  for words in ("Limitations", "emulated on the CPU", "dispatch inline", "measured on CPUs"):
     assert words in README, words
 
 

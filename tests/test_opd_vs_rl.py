@@ -60,6 +60,46 @@ def test_method_overrides_and_setting_names():
   )
 
 
+def test_arms_like_for_like_overrides():
+  """The sampled-OPD arms are bf16_sync_sampled.py's recipe over bf16_sync.py (but the run's
+  batch); the GRPO arms sample as many completions per step as the run, in groups."""
+  import bf16_sync
+  import bf16_sync_sampled
+
+  full, sampled = bf16_sync.get_config(), bf16_sync_sampled.get_config()
+  for key, value in opd_vs_rl.SAMPLED_OPD.items():
+    section, name = key.split(".")
+    assert sampled[section][name] == value, key
+  assert full.train.loss == "reverse_kl_full"
+  assert opd_vs_rl.method_overrides("opd_sampled", 1e-4, 2.0)["train.is_clip"] == 0.0
+  assert opd_vs_rl.method_overrides("opd_sampled_tis", 1e-4, 2.0)["train.is_clip"] == 2.0
+  grpo = opd_vs_rl.method_overrides("grpo", 1e-4, 2.0, batch_size=32, group_size=4, grpo_lr=3e-4)
+  assert grpo["data.batch_size"] * grpo["rollout.samples_per_prompt"] == 32
+  assert (grpo["train.loss"], grpo["train.lr"], grpo["train.mismatch_correction"]) == (
+    "grpo",
+    3e-4,
+    "none",
+  )
+  assert grpo["train.ppo_minibatches"] == 2  # K = 2: the clip acts
+  for correction in ("tis", "mis", "seq_tis", "seq_mis"):
+    arm = opd_vs_rl.method_overrides(f"grpo_{correction}", 1e-4, 2.0)
+    assert (arm["train.mismatch_correction"], arm["train.mismatch_clip"]) == (correction, 2.0)
+  with pytest.raises(ValueError, match="divide the run's 30"):
+    opd_vs_rl.method_overrides("grpo", 1e-4, 2.0, batch_size=30, group_size=4)
+  with pytest.raises(ValueError, match="> 1 for grpo"):
+    opd_vs_rl.method_overrides("grpo_tis", 1e-4, 1.0)
+  with pytest.raises(ValueError, match="unknown method 'grpo_geo'"):
+    opd_vs_rl.method_overrides("grpo_geo", 1e-4, 2.0)
+  config = opd_vs_rl_config.get_config("tiny")
+  config.methods = opd_vs_rl.METHODS
+  from opd_jax.config import check as config_check
+
+  for method, _, _, _, run_config in opd_vs_rl.plan(config):
+    config_check.validate(run_config)  # every arm is a valid run
+    if method.startswith("grpo"):
+      assert run_config.data.batch_size * run_config.rollout.samples_per_prompt == 8
+
+
 def test_plan_covers_every_method_and_setting_and_refuses_bad_specs():
   config = opd_vs_rl_config.get_config("tiny")
   plan = opd_vs_rl.plan(config)

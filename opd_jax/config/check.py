@@ -194,8 +194,16 @@ RULES: dict[str, Any] = {
   "train.steps": POSITIVE,
   "train.stop_after": NON_NEGATIVE,
   "train.seed": Num(False, -1),
-  "train.loss": Choice(("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd", "reinforce")),
+  "train.loss": Choice(
+    ("reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd", "reinforce", "grpo")
+  ),
   "train.is_clip": Num(True),
+  "train.group_std_normalize": Kind(bool),  # grpo (opd_jax/train/rl.py)
+  "train.ppo_clip": Num(True, 0, 1, lo_open=True),  # grpo: ε
+  "train.ppo_epochs": POSITIVE,  # grpo
+  "train.ppo_minibatches": POSITIVE,  # grpo: divides B·n (_rl_errors)
+  "train.mismatch_correction": Choice(("none", "tis", "mis", "seq_tis", "seq_mis")),  # grpo
+  "train.mismatch_clip": Num(True, 1, lo_open=True),  # grpo: C > 1
   "train.advantage_clip": Num(True, 0),
   "train.advantage_baseline": Choice(("none", "batch_mean")),
   "train.jsd_beta": Num(True, 0, 1),
@@ -350,21 +358,45 @@ def _weight_format_errors(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
-  """The RL baseline (train.loss='reinforce') scores the built-in task's answers on sampled
-  rollouts: it needs the task's prompts and a temperature above 0."""
+  """The RL baselines (train.loss='reinforce' or 'grpo') score the built-in task's answers on
+  sampled rollouts: they need the task's prompts and a temperature above 0. GRPO also needs
+  groups (rollout.samples_per_prompt >= 2), minibatches that divide the batch and no
+  gradient-accumulation micro-batches (its group baseline couples rows)."""
   r, t, d = config.get("rollout"), config.get("train"), config.get("data")
-  if r is None or t is None or d is None or t.get("loss") != "reinforce":
+  loss = t.get("loss") if t is not None else None
+  if r is None or d is None or loss not in ("reinforce", "grpo"):
     return []
   errors = []
   if not r.get("temperature", 1.0) > 0:
     errors.append(
-      "config.train.loss='reinforce' needs sampled rollouts: rollout.temperature must be > 0 "
+      f"config.train.loss={loss!r} needs sampled rollouts: rollout.temperature must be > 0 "
       f"(got {r.get('temperature')!r})"
     )
   if d.get("prompt_file"):
     errors.append(
-      "config.train.loss='reinforce' rewards the built-in task's exact-match answers; "
+      f"config.train.loss={loss!r} rewards the built-in task's exact-match answers; "
       f"data.prompt_file={d.get('prompt_file')!r} has no reward (set it to '')"
+    )
+  if loss != "grpo":
+    return errors
+  n = r.get("samples_per_prompt", 1)
+  if isinstance(n, int) and n < 2:
+    errors.append(
+      f"config.train.loss='grpo' compares completions of the same prompt: "
+      f"rollout.samples_per_prompt must be >= 2 (got {n}); with 1 every advantage is 0"
+    )
+  rows = d.get("batch_size", 1) * n if isinstance(n, int) else None
+  m = t.get("ppo_minibatches", 1)
+  if isinstance(m, int) and m >= 1 and rows and rows % m:
+    errors.append(
+      f"config.train.ppo_minibatches={m} must divide the batch: data.batch_size x "
+      f"rollout.samples_per_prompt = {rows} completions"
+    )
+  if t.get("microbatches", 1) != 1:
+    errors.append(
+      f"config.train.microbatches={t.get('microbatches')} cannot split loss 'grpo' (its group "
+      "baseline couples rows); use train.microbatches=1 (train.ppo_minibatches sets the "
+      "update size)"
     )
   return errors
 
@@ -375,7 +407,7 @@ def _on_policy_fraction_errors(config: ml_collections.ConfigDict) -> list[str]:
   samples, and their importance ratio needs a behaviour probability the data does not have."""
   t = config.get("train")
   fraction = t.get("on_policy_fraction", 1.0) if t is not None else 1.0
-  on_policy_losses = ("reverse_kl_sampled", "reinforce")  # need y ~ π_θ (off_policy.py)
+  on_policy_losses = ("reverse_kl_sampled", "reinforce", "grpo")  # need y ~ π_θ (off_policy.py)
   if not isinstance(fraction, (int, float)) or fraction >= 1:
     return []
   if t.get("loss") not in on_policy_losses:

@@ -2,12 +2,21 @@
 
 The study behind this project claims that on-policy distillation stays stable under rollout
 configurations (FP8, staleness, weight noise) that destabilise RL. This comparison trains, for
-the reference engine and each mismatch setting, three methods from the same teacher, warm
-start and prompts (`configs/opd_vs_rl.py`):
+the reference engine and each mismatch setting, the methods of `config.methods` (arms) from the
+same teacher, warm start and prompts (`configs/opd_vs_rl.py`):
 
-    opd     the run config unchanged (the bf16_sync recipe, reverse_kl_full)
-    rl      REINFORCE on the task reward (`opd_jax.train.rl`), importance ratio 1
-    rl_is   REINFORCE with the truncated ratio min(π_θ/π_b, C)
+    opd              the run config unchanged (the bf16_sync recipe, reverse_kl_full)
+    opd_sampled      the sampled-token estimator with bf16_sync_sampled.py's recipe, ratio 1
+    opd_sampled_tis  the same with the truncated ratio min(π_θ/π_b, C)
+    rl               REINFORCE on the task reward (`opd_jax.train.rl`), importance ratio 1
+    rl_is            REINFORCE with the truncated ratio min(π_θ/π_b, C)
+    grpo             GRPO (`rl.grpo`): groups of `group_size` completions per prompt (as many
+                     completions per step as the run), two PPO updates per batch, no correction
+    grpo_tis, grpo_mis, grpo_seq_tis, grpo_seq_mis
+                     GRPO with that correction of π_old/π_b at threshold C (`rl.mismatch_weights`)
+
+C is `config.is_clip` for every arm. The GRPO arms train at `config.grpo_lr` (GRPO_LR when the
+config has no such key) and the RL arms at `config.rl_lr`.
 
 and tabulates, per run: the final held-out accuracy, its drop against the same method's
 reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
@@ -39,27 +48,83 @@ from opd_jax.io import metrics_writer
 from opd_jax.mismatch import candidates as candidates_lib
 
 REFERENCE = "reference"
-METHODS = ("opd", "rl", "rl_is")
+METHODS = (
+  "opd",
+  "opd_sampled",
+  "opd_sampled_tis",
+  "rl",
+  "rl_is",
+  "grpo",
+  "grpo_tis",
+  "grpo_mis",
+  "grpo_seq_tis",
+  "grpo_seq_mis",
+)
+# configs/bf16_sync_sampled.py's recipe over bf16_sync.py (tests/test_opd_vs_rl.py holds the two
+# files to it); the arms keep the run's batch so that every arm samples as many completions.
+SAMPLED_OPD = {
+  "train.loss": "reverse_kl_sampled",
+  "train.lr": 5e-4,
+  "train.advantage_clip": 0.5,
+  "train.advantage_baseline": "batch_mean",
+  "rollout.temperature": 1.0,
+}
+GRPO_LR = 1e-4  # GRPO's peak lr when the config has no grpo_lr (configs/grpo_sync.py's)
+GROUP_SIZE = 4  # GRPO's completions per prompt when the config has no group_size
 REPORT_NAME = "opd_vs_rl"  # <workdir>/opd_vs_rl.{md,json,png}
 F32_ROUNDING_KL = (
   1e-7  # mismatch/kl below this is f32 rounding (the reference engine): plotted at 0
 )
 
 
-def method_overrides(method: str, rl_lr: float, is_clip: float) -> dict[str, Any]:
-  """The config overrides that turn the OPD run into `method`.
+def method_overrides(
+  method: str,
+  rl_lr: float,
+  is_clip: float,
+  *,
+  batch_size: int = 32,
+  group_size: int = GROUP_SIZE,
+  grpo_lr: float = GRPO_LR,
+) -> dict[str, Any]:
+  """The config overrides that turn the OPD run into `method` (the module docstring's arms).
+
+  `batch_size` is the run's completions per step (`data.batch_size`); a GRPO arm samples
+  batch_size / group_size prompts `group_size` times each, so it samples as many.
 
   Raises:
-    ValueError: an unknown method or a non-positive is_clip for rl_is.
+    ValueError: an unknown method, a non-positive is_clip for an arm that corrects (for a
+      GRPO correction, C must be > 1), or a group size that does not divide the batch.
   """
+  corrected = method in ("rl_is", "opd_sampled_tis") or (
+    method.startswith("grpo_") and method in METHODS
+  )
+  if corrected and not is_clip > (1 if method.startswith("grpo") else 0):
+    raise ValueError(f"method {method} needs is_clip > 0 (> 1 for grpo), got {is_clip!r}")
   if method == "opd":
     return {}
+  if method in ("opd_sampled", "opd_sampled_tis"):
+    return dict(SAMPLED_OPD, **{"train.is_clip": float(is_clip) if corrected else 0.0})
   if method == "rl":
     return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": 0.0}
   if method == "rl_is":
-    if not is_clip > 0:
-      raise ValueError(f"method rl_is needs is_clip > 0, got {is_clip!r}")
     return {"train.loss": "reinforce", "train.lr": rl_lr, "train.is_clip": float(is_clip)}
+  if method in METHODS and method.startswith("grpo"):
+    if group_size < 2 or batch_size % group_size:
+      raise ValueError(
+        f"GRPO groups of {group_size} must be >= 2 and divide the run's {batch_size} "
+        "completions per step"
+      )
+    return {
+      "train.loss": "grpo",
+      "train.lr": grpo_lr,
+      "data.batch_size": batch_size // group_size,
+      "rollout.samples_per_prompt": group_size,
+      "rollout.temperature": 1.0,
+      "train.ppo_epochs": 1,
+      "train.ppo_minibatches": 2,
+      "train.mismatch_correction": method.removeprefix("grpo_") if corrected else "none",
+      "train.mismatch_clip": float(is_clip) if corrected else 2.0,
+    }
   raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
@@ -224,7 +289,7 @@ def plot(rows: Sequence[dict], path: str) -> bool:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
   positive = [kl(r) for r in cells if kl(r) > 0]
   linthresh = min(positive) / 2 if positive else 1e-4
-  for method, marker in zip(METHODS, "osD", strict=True):
+  for method, marker in zip(METHODS, "osDv^<>ph*", strict=True):
     mine = sorted((r for r in cells if r["method"] == method), key=kl)
     if not mine:
       continue
@@ -309,9 +374,17 @@ def plan(
   for seed in seeds:
     for (spec, rollout_overrides), name in zip(settings, names, strict=True):
       for method in methods:
+        arm = method_overrides(
+          method,
+          config.rl_lr,
+          config.is_clip,
+          batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
+          group_size=config.get("group_size", GROUP_SIZE),
+          grpo_lr=config.get("grpo_lr", GRPO_LR),
+        )
         overrides = dict(
           rollout_overrides,
-          **method_overrides(method, config.rl_lr, config.is_clip),
+          **arm,
           **({} if seed == own_seed else {"train.seed": seed}),
         )
         out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))

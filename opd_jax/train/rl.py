@@ -1,11 +1,12 @@
-"""The RL baseline: REINFORCE on the task's exact-match reward (`train.loss="reinforce"`).
+"""The RL baselines on the task's reward: REINFORCE (`train.loss="reinforce"`) and GRPO
+(`train.loss="grpo"`).
 
-The on-policy distillation losses learn from a dense per-token teacher signal; this loss
-learns from one sparse scalar per sequence, the task's verdict on the decoded completion
+The on-policy distillation losses learn from a dense per-token teacher signal; these losses
+learn from one sparse scalar per sequence, the task's verdict on the decoded completion
 (`task.score`), so the two can be run under the same rollout mismatch and compared.
 
-With B sequences in the batch, y_b the b-th sampled completion, r_b ∈ {0, 1} its reward,
-m_bt its completion mask and sg the stop-gradient:
+REINFORCE. With B sequences in the batch, y_b the b-th sampled completion, r_b ∈ {0, 1} its
+reward, m_bt its completion mask and sg the stop-gradient:
 
     A_b   = r_b − (Σ_{j≠b} r_j) / (B − 1)                       leave-one-out baseline
     ρ_bt  = sg(min(exp(log π_θ(y_bt) − log π_b(y_bt)), C))      truncated IS ratio, or 1
@@ -17,18 +18,41 @@ Without importance correction (`is_clip=None`) ρ = 1: the behaviour policy's to
 trained as if the trainer had sampled them. With it, each token is reweighted by the
 truncated ratio against the rollout's `behaviour_logprobs` (truncated IS, as in IMPALA's
 V-trace and the TIS fix for FP8/vLLM rollouts); ρ = 1 exactly when the engine equals the
-trainer.
+trainer. The leave-one-out batch mean does not depend on y_b, so the gradient stays
+unbiased; the loss is normalised per token, the aggregation the distillation losses use.
 
-The baseline. Prompts are not repeated in a batch (the data pipeline draws B distinct
-prompts), so a GRPO group mean would need the pipeline to duplicate prompts; the
-leave-one-out batch mean needs nothing new. It does not depend on y_b, so the gradient
-stays unbiased, and on this task every prompt has the same shape (three two-digit
-operands), so prompt difficulty varies little and a batch baseline removes most of
-what a per-prompt one would. The loss is normalised per token (every counted token of
-the batch weighs the same), the aggregation the distillation losses use.
+GRPO. Each prompt is sampled G times (`rollout.samples_per_prompt`: G adjacent rows,
+`rollout.worker`), and a row's advantage is its reward against its own group g(b):
 
-The reward is computed on the host from the decoded texts (`rollout_rewards`) by the
-rollout engine, which holds the tokenizer, and travels in `Rollout.reward_b`.
+    A_b = r_b − mean_{j∈g(b)} r_j,   optionally ÷ (std_{j∈g(b)} r_j + 1e-6)   (sample std)
+
+The batch is then used for K = epochs × minibatches updates (`train_step.grpo_updates`).
+π_old is the student at the start of the batch's updates (its log-probs computed once, no
+gradient), π_θ the student being updated and π_b the engine that sampled. Two ratios are kept
+apart:
+
+    r_bt = π_θ(y_bt) / π_old(y_bt)                   the PPO ratio (1 at the first update)
+    w_bt = sg(correction of π_old(y_bt) / π_b(y_bt))  the engine-mismatch correction
+    ℓ_bt = −w_bt · min(r_bt A_b, clip(r_bt, 1 − ε, 1 + ε) A_b)
+    loss = Σ_bt k_bt ℓ_bt / max(Σ_bt k_bt, 1),   k_bt = m_bt · keep_bt
+
+With K = 1 the ratio is r = exp(log π_θ − sg(log π_θ)) = 1, the clip is inactive and the
+gradient is the plain policy gradient −Σ k w A ∇log π_θ / Σ k. The correction
+(`mismatch_weights`, threshold C = `mismatch_clip`, 2.0 by default), with
+δ_bt = log π_old(y_bt) − log π_b(y_bt) and Δ_b = Σ_t m_bt δ_bt (the log of the product of the
+sequence's token ratios):
+
+    none      w = 1,                      keep = 1
+    tis       w = min(e^δ_bt, C),         keep = 1        token-level truncated IS
+    mis       w = 1,                      keep = [1/C ≤ e^δ_bt ≤ C]   token-level masked IS
+    seq_tis   w = min(e^Δ_b, C),          keep = 1        sequence-level truncated IS
+    seq_mis   w = 1,                      keep = [1/C ≤ e^Δ_b ≤ C]    sequence-level masked IS
+
+A masked token leaves both the loss's numerator and its denominator. An engine identical to
+the trainer gives δ = 0: every correction is 1 and nothing is masked.
+
+Rewards are computed on the host from the decoded texts (`data.rewards.rollout_rewards`) by
+the rollout engine, which holds the tokenizer, and travel in `Rollout.reward_b`.
 """
 
 from __future__ import annotations
@@ -39,11 +63,15 @@ import jax.numpy as jnp
 from opd_jax.train import losses
 
 LOSS_NAME = "reinforce"
+GRPO = "grpo"
+RL_LOSSES = (LOSS_NAME, GRPO)  # the losses that read Rollout.reward_b and no teacher
+MISMATCH_CORRECTIONS = ("none", "tis", "mis", "seq_tis", "seq_mis")
+STD_EPS = 1e-6  # ε of the group-std normalisation
 
 
 def needs_reward(loss_name: str) -> bool:
   """Whether the loss `loss_name` reads `Rollout.reward_b` (the engine must fill it)."""
-  return loss_name == LOSS_NAME
+  return loss_name in RL_LOSSES
 
 
 def leave_one_out_baseline(reward_b):
@@ -134,5 +162,219 @@ def reinforce(student_logits, tokens, mask, reward_b, behaviour_logprobs, is_cli
     "loss/is_clip_frac": losses.masked_mean(clipped, mask),
     "loss/num_tokens": jnp.sum(counted),
     "per_token/advantage_bc": advantage_bt * counted,
+  }
+  return loss, metrics
+
+
+def check_grpo_settings(
+  group_size: int,
+  clip_eps: float,
+  epochs: int,
+  minibatches: int,
+  correction: str,
+  correction_clip: float,
+) -> None:
+  """Raises ValueError naming the first bad GRPO setting (the module docstring's symbols)."""
+  if not isinstance(group_size, int) or group_size < 2:
+    raise ValueError(
+      f"grpo needs groups of at least 2 completions per prompt (rollout.samples_per_prompt), "
+      f"got {group_size!r}: with one, every advantage r − mean(r) is 0"
+    )
+  if not 0 < clip_eps < 1:
+    raise ValueError(f"the PPO clip ε (train.ppo_clip) must be in (0, 1), got {clip_eps!r}")
+  for name, value in (("ppo_epochs", epochs), ("ppo_minibatches", minibatches)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"train.{name} must be an int >= 1, got {value!r}")
+  if correction not in MISMATCH_CORRECTIONS:
+    raise ValueError(
+      f"train.mismatch_correction must be one of {', '.join(MISMATCH_CORRECTIONS)}, "
+      f"got {correction!r}"
+    )
+  if not correction_clip > 1:
+    raise ValueError(
+      f"train.mismatch_clip C must be > 1 (the band [1/C, C] must hold ratio 1), "
+      f"got {correction_clip!r}"
+    )
+
+
+def group_advantages(reward_b, group_size: int, std_normalize: bool):
+  """A_b = r_b − mean_{g(b)} r, ÷ (std_{g(b)} r + 1e-6) when `std_normalize`; f32 [B].
+
+  The groups are G = `group_size` adjacent rows (the rollout worker's layout of
+  `rollout.samples_per_prompt`); std is the sample standard deviation (ddof 1), as in TRL's
+  and verl's GRPO. A group whose rewards are all equal gets A = 0.
+
+  Raises:
+    ValueError: a reward that is not [B], G < 2, or G not dividing B.
+  """
+  if reward_b.ndim != 1:
+    raise ValueError(f"the group baseline needs a [B] reward, got {reward_b.shape}")
+  b = reward_b.shape[0]
+  if group_size < 2 or b % group_size:
+    raise ValueError(f"groups of {group_size} rows must be >= 2 and divide the batch ({b} rows)")
+  r_gn = reward_b.astype(jnp.float32).reshape(b // group_size, group_size)
+  centred_gn = r_gn - jnp.mean(r_gn, axis=1, keepdims=True)
+  if std_normalize:
+    std_g1 = jnp.std(r_gn, axis=1, keepdims=True, ddof=1)
+    centred_gn = centred_gn / (std_g1 + STD_EPS)
+  return centred_gn.reshape(b)
+
+
+def mismatch_weights(old_lp_bt, behaviour_lp_bt, mask_bt, correction: str, clip: float):
+  """The engine-mismatch correction w_bt and keep_bt of the module docstring's table.
+
+  δ_bt = log π_old − log π_b on counted tokens (0 elsewhere, so padding reads ratio 1);
+  Δ_b = Σ_t δ_bt, the log of the product of the sequence's token ratios. Comparisons are
+  made in log space (|δ| ≤ log C), so a long sequence's product cannot overflow. Both
+  outputs carry no gradient.
+
+  Args:
+    old_lp_bt: [B, T] log π_old(y_bt).
+    behaviour_lp_bt: [B, T] log π_b(y_bt) (`Rollout.behaviour_logprobs`).
+    mask_bt: [B, T] completion mask.
+    correction: none | tis | mis | seq_tis | seq_mis.
+    clip: C > 1.
+
+  Returns:
+    (weight_bt f32, keep_bt f32 in {0, 1}): w (1 where masking applies) and the keep flag
+    (1 for every token under none/tis/seq_tis); both 0 outside the mask.
+  """
+  check_grpo_settings(2, 0.5, 1, 1, correction, clip)
+  counted = mask_bt > 0
+  m = counted.astype(jnp.float32)
+  delta_bt = jnp.where(
+    counted,
+    jax.lax.stop_gradient(old_lp_bt).astype(jnp.float32) - behaviour_lp_bt.astype(jnp.float32),
+    0.0,
+  )
+  log_c = jnp.log(jnp.float32(clip))
+  ones = jnp.ones_like(delta_bt)
+  if correction == "none":
+    return m, m
+  if correction == "tis":
+    return jnp.exp(jnp.minimum(delta_bt, log_c)) * m, m
+  if correction == "mis":
+    return m, (jnp.abs(delta_bt) <= log_c).astype(jnp.float32) * m
+  seq_b = jnp.sum(delta_bt, axis=1)
+  if correction == "seq_tis":
+    return jnp.exp(jnp.minimum(seq_b, log_c))[:, None] * m, m
+  keep_b = (jnp.abs(seq_b) <= log_c).astype(jnp.float32)  # seq_mis
+  return ones * m, keep_b[:, None] * m
+
+
+def ppo_clip_loss(student_lp_bt, old_lp_bt, advantage_b, weight_bt, keep_bt, clip_eps: float):
+  """−Σ k·w·min(r A, clip(r, 1 − ε, 1 + ε) A) / max(Σ k, 1), with r = exp(log π_θ − sg(log π_old)).
+
+  Args:
+    student_lp_bt: [B, T] log π_θ(y_bt) (differentiated).
+    old_lp_bt: [B, T] log π_old(y_bt) (gradient stopped here).
+    advantage_b: [B] A_b.
+    weight_bt, keep_bt: the mismatch correction (`mismatch_weights`); keep_bt also carries
+      the completion mask.
+    clip_eps: ε.
+
+  Returns:
+    (loss f32 [], ratio_bt f32, clip_active_bt f32: 1 where the clipped term is the min and
+    passes no gradient, i.e. A > 0 with r > 1 + ε or A < 0 with r < 1 − ε).
+  """
+  keep_bt = jax.lax.stop_gradient(keep_bt.astype(jnp.float32))
+  weight_bt = jax.lax.stop_gradient(weight_bt.astype(jnp.float32))
+  counted = keep_bt > 0
+  # log-ratio 0 off the kept set, so padding (possibly -inf under a kept-set filter) cannot
+  # reach the exp or the gradient
+  log_ratio = jnp.where(
+    counted, student_lp_bt.astype(jnp.float32) - jax.lax.stop_gradient(old_lp_bt), 0.0
+  )
+  ratio_bt = jnp.exp(log_ratio)
+  adv_bt = jnp.broadcast_to(jax.lax.stop_gradient(advantage_b)[:, None], ratio_bt.shape)
+  unclipped = ratio_bt * adv_bt
+  clipped = jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps) * adv_bt
+  surrogate_bt = jnp.minimum(unclipped, clipped)
+  loss = -losses.masked_mean(weight_bt * surrogate_bt, keep_bt)
+  active = ((adv_bt > 0) & (ratio_bt > 1 + clip_eps)) | ((adv_bt < 0) & (ratio_bt < 1 - clip_eps))
+  return loss, ratio_bt, active.astype(jnp.float32)
+
+
+def grpo(
+  student_logits,
+  tokens,
+  mask,
+  advantage_b,
+  behaviour_logprobs,
+  old_logprobs=None,
+  *,
+  clip_eps: float = 0.2,
+  correction: str = "none",
+  correction_clip: float = 2.0,
+):
+  """GRPO's clipped surrogate with the engine-mismatch correction (module docstring).
+
+  Args:
+    student_logits: [B, T, V] π_θ's logits at the sampler's temperature and filter.
+    tokens: int [B, T] sampled completion tokens.
+    mask: [B, T] completion mask.
+    advantage_b: [B] group advantages (`group_advantages`, over the whole batch).
+    behaviour_logprobs: [B, T] log π_b(y_t).
+    old_logprobs: [B, T] log π_old(y_t) from the start of the batch's updates, or None for
+      the first (and only) update: π_old = sg(π_θ), so the ratio is exactly 1.
+    clip_eps: ε of the PPO clip.
+    correction, correction_clip: the mismatch correction and its threshold C.
+
+  Returns:
+    (loss f32 [], metrics): loss/grpo, loss/student_logprob, loss/num_tokens (counted tokens),
+    rl/ppo_ratio_mean, rl/ppo_ratio_abs_dev_max (max |r − 1| over kept tokens),
+    rl/ppo_clip_frac, rl/correction_weight_mean (over kept tokens), rl/correction_masked_frac
+    (the counted tokens a masked correction drops), rl/correction_clip_frac (truncated
+    tokens of tis/seq_tis).
+
+  Raises:
+    ValueError: shapes that disagree or a bad setting (`check_grpo_settings`).
+  """
+  check_grpo_settings(2, clip_eps, 1, 1, correction, correction_clip)
+  if student_logits.ndim != 3 or student_logits.shape[:2] != mask.shape:
+    raise ValueError(
+      f"student logits {student_logits.shape} must be [B, T, V] over mask {mask.shape}"
+    )
+  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
+    raise ValueError(
+      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
+      f"{mask.shape} must all be [B, T]"
+    )
+  if advantage_b.shape != mask.shape[:1]:
+    raise ValueError(f"advantage {advantage_b.shape} must be [B] with B = {mask.shape[0]}")
+  counted = (mask > 0).astype(jnp.float32)
+  student_lp = losses.token_logprobs(student_logits, tokens)
+  student_lp = jnp.where(mask > 0, student_lp, 0.0)  # padding may sit outside the kept set
+  if old_logprobs is None:
+    old_lp = jax.lax.stop_gradient(student_lp)
+  else:
+    if old_logprobs.shape != mask.shape:
+      raise ValueError(f"old_logprobs {old_logprobs.shape} must be [B, T] = {mask.shape}")
+    old_lp = jnp.where(mask > 0, jax.lax.stop_gradient(old_logprobs).astype(jnp.float32), 0.0)
+  weight_bt, keep_bt = mismatch_weights(
+    old_lp, behaviour_logprobs, mask, correction, correction_clip
+  )
+  loss, ratio_bt, active_bt = ppo_clip_loss(
+    student_lp, old_lp, advantage_b, weight_bt, keep_bt, clip_eps
+  )
+  truncated = correction in ("tis", "seq_tis")
+  log_c = jnp.log(jnp.float32(correction_clip))
+  delta_bt = jnp.where(mask > 0, old_lp - behaviour_logprobs.astype(jnp.float32), 0.0)
+  over_bt = jnp.sum(delta_bt, 1, keepdims=True) if correction == "seq_tis" else delta_bt
+  sg_ratio = jax.lax.stop_gradient(ratio_bt)
+  metrics = {
+    "loss/grpo": loss,
+    "loss/student_logprob": losses.masked_mean(jax.lax.stop_gradient(student_lp), mask),
+    "loss/num_tokens": jnp.sum(counted),
+    "rl/ppo_ratio_mean": losses.masked_mean(sg_ratio, keep_bt),
+    "rl/ppo_ratio_abs_dev_max": jnp.max(jnp.abs(sg_ratio - 1.0) * keep_bt),
+    "rl/ppo_clip_frac": losses.masked_mean(active_bt, keep_bt),
+    "rl/correction_weight_mean": losses.masked_mean(weight_bt, keep_bt),
+    "rl/correction_masked_frac": losses.masked_mean(1.0 - keep_bt, mask),
+    "rl/correction_clip_frac": (
+      losses.masked_mean((over_bt > log_c).astype(jnp.float32) * counted, mask)
+      if truncated
+      else jnp.zeros((), jnp.float32)
+    ),
   }
   return loss, metrics

@@ -96,6 +96,13 @@ def loss_config(config) -> train_step.LossConfig:
     temperature=config.rollout.temperature,
     teacher_top_k=t.teacher_top_k,
     teacher_temperature=config.teacher.temperature,
+    group_size=config.rollout.samples_per_prompt,
+    group_std_normalize=t.group_std_normalize,
+    ppo_clip=t.ppo_clip,
+    ppo_epochs=t.ppo_epochs,
+    ppo_minibatches=t.ppo_minibatches,
+    mismatch_correction=t.mismatch_correction,
+    mismatch_clip=t.mismatch_clip,
   )
 
 

@@ -100,7 +100,7 @@ class LossConfig:
   """Static choice of the OPD loss (hashable: a jit static argument)."""
 
   name: str = "reverse_kl_sampled"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
-  # (or reinforce: the RL baseline on the task reward, opd_jax.train.rl)
+  # (or reinforce | grpo: the RL baselines on the task reward, opd_jax.train.rl)
   is_clip: float | None = 2.0  # truncation C of the importance ratio; None disables
   advantage_clip: float | None = None  # reverse_kl_sampled: clip A_t to [-c, c]; None = off
   advantage_baseline: str = "none"  # reverse_kl_sampled: none | batch_mean
@@ -108,6 +108,14 @@ class LossConfig:
   temperature: float = 1.0  # the sampler's temperature; student logits are divided by it
   teacher_top_k: int = 0  # k > 0: the teacher as its top-k + a tail bucket; 0 = full vocabulary
   teacher_temperature: float = 1.0  # τ_T: π_T = softmax(teacher logits / τ_T), full or sparse
+  # grpo only (opd_jax.train.rl; ignored by the other losses):
+  group_size: int = 1  # G: completions per prompt, adjacent rows (rollout.samples_per_prompt)
+  group_std_normalize: bool = True  # A ÷ (std of the group's rewards + 1e-6)
+  ppo_clip: float = 0.2  # ε of the clip of π_θ/π_old
+  ppo_epochs: int = 1  # passes over the batch
+  ppo_minibatches: int = 1  # updates per pass (divides B); K = epochs × minibatches updates
+  mismatch_correction: str = "none"  # none | tis | mis | seq_tis | seq_mis (of π_old/π_b)
+  mismatch_clip: float = 2.0  # C: truncation (tis) or band [1/C, C] (mis)
 
   def __post_init__(self):
     teacher_topk.check_top_k(self.teacher_top_k)
@@ -117,9 +125,23 @@ class LossConfig:
       "reverse_kl_full",
       "forward_kl",
       "jsd",
-      rl.LOSS_NAME,
+      *rl.RL_LOSSES,
     ):
       raise ValueError(f"unknown loss {self.name!r}")
+    if self.name == rl.GRPO:
+      rl.check_grpo_settings(
+        self.group_size,
+        self.ppo_clip,
+        self.ppo_epochs,
+        self.ppo_minibatches,
+        self.mismatch_correction,
+        self.mismatch_clip,
+      )
+
+  @property
+  def updates_per_batch(self) -> int:
+    """K: optimizer updates per rollout batch (grpo's epochs × minibatches; 1 otherwise)."""
+    return self.ppo_epochs * self.ppo_minibatches if self.name == rl.GRPO else 1
 
 
 def support_mask(rollout: Rollout, vocab_size: int):
@@ -258,7 +280,7 @@ def opd_loss(
   student_bcv = student_policy_logits(raw_bcv, rollout)  # greedy rollouts carry no kept set
   entropy_bc = losses.token_entropy(jax.lax.stop_gradient(student_bcv))
   entropy = {"student/entropy": losses.masked_mean(entropy_bc, mask_bc)}
-  if loss_cfg.name == rl.LOSS_NAME:  # the task's reward instead of the teacher: no teacher pass
+  if loss_cfg.name in rl.RL_LOSSES:  # the task's reward instead of the teacher: no teacher pass
     loss, metrics = rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
     return loss, metrics | entropy
   teacher = teacher_scores(teacher_params, rollout, teacher_cfg, loss_cfg)
@@ -381,24 +403,66 @@ def topk_teacher_loss(student_bcv, teacher, rollout: Rollout, loss_cfg: LossConf
 
 
 def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig):
-  """The RL baseline's loss (`rl.reinforce`, reward `rollout.reward_b`) and its metrics,
-  with the same `mismatch/*` as the distillation losses; the teacher is not scored.
+  """The RL baselines' loss (`rl.reinforce`, or `rl.grpo` with its single update: π_old =
+  sg(π_θ)), reward `rollout.reward_b`, and its metrics, with the same `mismatch/*` as the
+  distillation losses; the teacher is not scored.
 
   Raises:
     ValueError: greedy rollouts (temperature 0): a point-mass policy has no gradient.
   """
   if loss_cfg.temperature == 0:
-    raise ValueError("loss 'reinforce' needs sampled rollouts (rollout.temperature > 0)")
-  loss, metrics = rl.reinforce(
-    student_bcv,
-    tokens_bc,
-    mask_bc,
-    rollout.reward_b,
-    rollout.behaviour_logprobs,
-    is_clip=loss_cfg.is_clip,
-  )
+    raise ValueError(f"loss {loss_cfg.name!r} needs sampled rollouts (rollout.temperature > 0)")
+  if loss_cfg.name == rl.GRPO:
+    advantage_b, reward_metrics = grpo_advantages(rollout, loss_cfg)
+    loss, metrics = rl.grpo(
+      student_bcv,
+      tokens_bc,
+      mask_bc,
+      advantage_b,
+      rollout.behaviour_logprobs,
+      clip_eps=loss_cfg.ppo_clip,
+      correction=loss_cfg.mismatch_correction,
+      correction_clip=loss_cfg.mismatch_clip,
+    )
+    counted = (mask_bc > 0).astype(jnp.float32)
+    metrics = dict(metrics, **reward_metrics)
+    metrics["per_token/advantage_bc"] = advantage_b[:, None] * counted
+  else:
+    loss, metrics = rl.reinforce(
+      student_bcv,
+      tokens_bc,
+      mask_bc,
+      rollout.reward_b,
+      rollout.behaviour_logprobs,
+      is_clip=loss_cfg.is_clip,
+    )
   metrics.update(mismatch.mismatch_metrics(jax.lax.stop_gradient(student_bcv), rollout))
   return loss, metrics
+
+
+def grpo_advantages(rollout: Rollout, loss_cfg: LossConfig):
+  """The whole batch's group advantages A_b (`rl.group_advantages`) and the reward metrics
+  rl/reward_mean, rl/advantage_abs_mean and rl/group_all_equal_frac (the share of groups
+  whose rewards are all equal, which train nothing).
+
+  Raises:
+    ValueError: a rollout without `reward_b`.
+  """
+  if rollout.reward_b is None:
+    raise ValueError(
+      "loss 'grpo' needs Rollout.reward_b: the rollout engine fills it when built with "
+      "score_rewards=True (the trainer does this for train.loss='grpo')"
+    )
+  reward_b = rollout.reward_b.astype(jnp.float32)
+  g = loss_cfg.group_size
+  advantage_b = rl.group_advantages(reward_b, g, loss_cfg.group_std_normalize)
+  r_gn = reward_b.reshape(-1, g)
+  flat_g = jnp.all(r_gn == r_gn[:, :1], axis=1).astype(jnp.float32)
+  return advantage_b, {
+    "rl/reward_mean": jnp.mean(reward_b),
+    "rl/advantage_abs_mean": jnp.mean(jnp.abs(advantage_b)),
+    "rl/group_all_equal_frac": jnp.mean(flat_g),
+  }
 
 
 def _apply(state: TrainState, grads, tx, loss, metrics):
@@ -446,7 +510,21 @@ def train_step(
   Returns:
     (new state, metrics): f32 scalars under loss/*, teacher/*, mismatch/*, student/*,
     opt/*, perf/*, and per-token arrays [B, C] under per_token/*.
+
+  GRPO with K = `loss_cfg.updates_per_batch` > 1 makes K optimizer updates on the batch
+  (`grpo_updates`); with K = 1 it takes the path of every other loss.
   """
+  if loss_cfg.updates_per_batch > 1:
+    check_microbatches(loss_cfg, microbatches, rollout.batch_size)
+    return grpo_updates(
+      state,
+      rollout,
+      tx=tx,
+      student_cfg=student_cfg,
+      loss_cfg=loss_cfg,
+      remat=remat,
+      lr_schedule=lr_schedule,
+    )
   grad_fn = jax.value_and_grad(opd_loss, has_aux=True)
   args = (student_cfg, teacher_cfg, loss_cfg, remat)
   if microbatches == 1:
@@ -480,7 +558,8 @@ def check_microbatches(loss_cfg: LossConfig, microbatches: int, batch_size: int)
 
   Raises:
     ValueError: K < 1, K not dividing the batch, or a loss whose per-token terms depend
-      on other rows (the `batch_mean` baseline, `reinforce`'s leave-one-out baseline).
+      on other rows (the `batch_mean` baseline, `reinforce`'s leave-one-out baseline,
+      `grpo`'s group baseline).
   """
   if microbatches < 1 or batch_size % microbatches:
     raise ValueError(
@@ -489,7 +568,7 @@ def check_microbatches(loss_cfg: LossConfig, microbatches: int, batch_size: int)
     )
   if microbatches == 1:
     return
-  coupled = loss_cfg.name == rl.LOSS_NAME or (
+  coupled = loss_cfg.name in rl.RL_LOSSES or (
     loss_cfg.name == "reverse_kl_sampled" and loss_cfg.advantage_baseline != "none"
   )
   if coupled:
@@ -500,13 +579,14 @@ def check_microbatches(loss_cfg: LossConfig, microbatches: int, batch_size: int)
     )
 
 
-def split_microbatches(rollout: Rollout, microbatches: int) -> Rollout:
+def split_microbatches(rollout: Rollout, microbatches: int, batch_size: int | None = None):
   """The rollout as K micro-batches stacked on a new leading axis: leaves [K, B/K, ...].
 
   Row j·K + k goes to micro-batch k (a strided split), so each micro-batch takes the same
-  share of every device's contiguous block of rows. Scalars are repeated K times.
+  share of every device's contiguous block of rows. Scalars are repeated K times. Any pytree
+  whose leaves are [B, ...] or scalars splits the same way when `batch_size` gives B.
   """
-  k, b = microbatches, rollout.batch_size
+  k, b = microbatches, rollout.batch_size if batch_size is None else batch_size
 
   def split(x):
     if x.ndim == 0:
@@ -540,6 +620,125 @@ def combine_microbatch_metrics(metrics_k: dict, w_k, sampled_w_k=None) -> dict:
     else:
       out[key] = jnp.sum(w_k * x_k)
   return out
+
+
+def grpo_policy_loss(
+  params, rollout: Rollout, advantage_b, old_lp_bc, student_cfg, loss_cfg: LossConfig, remat
+):
+  """`rl.grpo` of the student on (a minibatch of) `rollout` against log π_old = `old_lp_bc`;
+  returns (loss, scalar metrics)."""
+  raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
+    params, rollout, student_cfg, loss_cfg.temperature, remat
+  )
+  student_bcv = student_policy_logits(raw_bcv, rollout)
+  return rl.grpo(
+    student_bcv,
+    tokens_bc,
+    mask_bc,
+    advantage_b,
+    rollout.behaviour_logprobs,
+    old_lp_bc,
+    clip_eps=loss_cfg.ppo_clip,
+    correction=loss_cfg.mismatch_correction,
+    correction_clip=loss_cfg.mismatch_clip,
+  )
+
+
+def _is_schedule_state(x) -> bool:
+  import optax
+
+  return isinstance(x, optax.ScaleByScheduleState)
+
+
+def _schedule_counts(opt_state, like, increment: int = 0):
+  """`opt_state` with every learning-rate schedule's step count taken from `like` (+ increment),
+  the other leaves (Adam's moments and its own count) unchanged."""
+  return jax.tree.map(
+    lambda s, r: r._replace(count=r.count + increment) if _is_schedule_state(s) else s,
+    opt_state,
+    like,
+    is_leaf=_is_schedule_state,
+  )
+
+
+def grpo_updates(
+  state: TrainState,
+  rollout: Rollout,
+  *,
+  tx,
+  student_cfg,
+  loss_cfg: LossConfig,
+  remat: str = "none",
+  lr_schedule=None,
+):
+  """K = epochs × minibatches GRPO updates on one batch, in one jitted program.
+
+  1. log π_old(y) of the student at the start (`state.params`): one forward pass, no
+     gradient, which also gives the step's `mismatch/*` and `student/entropy`.
+  2. A_b over the whole batch (`grpo_advantages`: groups stay whole whatever the split).
+  3. A `jax.lax.scan` over the K updates: update i takes minibatch i mod M (M =
+     `ppo_minibatches`, the strided split of `split_microbatches`) and applies
+     `rl.grpo`'s clipped loss against π_old, then one `tx` update. Each minibatch's loss is
+     its own token mean (over its kept tokens), as PPO implementations do.
+
+  The learning-rate schedule advances once per train step, not once per update: every one
+  of the K updates of step s uses lr(s) (Adam's own step count, its bias correction,
+  advances K times). So `train.steps` and `opt/lr` keep their meaning.
+
+  Returns:
+    (new state, metrics): the scalars of the K updates averaged (`perf/grad_norm` the mean
+    pre-clip norm, `perf/grad_norm_max` the largest; `rl/ppo_ratio_abs_dev_max` the
+    largest), `rl/*` reward metrics, `mismatch/*` and `student/entropy` of π_old, and
+    per_token/advantage_bc [B, C].
+  """
+  import optax
+
+  advantage_b, reward_metrics = grpo_advantages(rollout, loss_cfg)
+  raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
+    state.params, rollout, student_cfg, loss_cfg.temperature, remat
+  )
+  old_bcv = jax.lax.stop_gradient(student_policy_logits(raw_bcv, rollout))
+  old_lp_bc = jnp.where(mask_bc > 0, losses.token_logprobs(old_bcv, tokens_bc), 0.0)
+  fixed = {"student/entropy": losses.masked_mean(losses.token_entropy(old_bcv), mask_bc)}
+  fixed.update(mismatch.mismatch_metrics(old_bcv, rollout))
+  del raw_bcv, old_bcv
+  m = loss_cfg.ppo_minibatches
+  parts = split_microbatches((rollout, advantage_b, old_lp_bc), m, rollout.batch_size)
+  grad_fn = jax.value_and_grad(grpo_policy_loss, has_aux=True)
+  start_opt = state.opt_state
+
+  def update(carry, i):
+    params, opt_state = carry
+    part, adv_b, old_bc = jax.tree.map(lambda x: x[i % m], parts)
+    (loss, metrics), grads = grad_fn(params, part, adv_b, old_bc, student_cfg, loss_cfg, remat)
+    opt_state = _schedule_counts(opt_state, start_opt)  # every update at lr(step)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), (loss, metrics, optax.tree.norm(grads))
+
+  k = loss_cfg.updates_per_batch
+  (params, opt_state), (loss_k, metrics_k, norm_k) = jax.lax.scan(
+    update, (state.params, state.opt_state), jnp.arange(k)
+  )
+  opt_state = _schedule_counts(opt_state, start_opt, increment=1)
+  metrics = {
+    key: (jnp.max(x_k) if key.endswith("_max") else jnp.mean(x_k)) for key, x_k in metrics_k.items()
+  }
+  metrics.update(fixed, **reward_metrics)
+  metrics.update(
+    {
+      "loss/total": jnp.mean(loss_k),
+      "loss/num_tokens": jnp.sum((mask_bc > 0).astype(jnp.float32)),
+      "perf/grad_norm": jnp.mean(norm_k),
+      "perf/grad_norm_max": jnp.max(norm_k),
+      "rl/ppo_updates": jnp.asarray(k, jnp.float32),
+      "per_token/advantage_bc": advantage_b[:, None] * (mask_bc > 0),
+    }
+  )
+  if lr_schedule is not None:
+    metrics["opt/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+  new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+  return new_state, metrics
 
 
 def sft_loss(params, tokens_bt, loss_mask_bt, cfg: ModelConfig):

@@ -1,0 +1,48 @@
+"""RL baseline: synchronous GRPO on the task's exact-match reward (`opd_jax/train/rl.py`).
+
+The same run as `rl_sync.py` (teacher bootstrap, warm-started student, rollout engine identical
+to the trainer) with REINFORCE replaced by GRPO: each of 8 prompts per step is sampled 4 times
+(`rollout.samples_per_prompt`; 32 completions per step, as many as `bf16_sync.py` samples), a
+row's advantage is its reward minus its group's mean, divided by the group's std, and the
+batch is used for two PPO updates (`train.ppo_minibatches = 2` of 16 completions) with the
+clip ε = 0.2 against π_old, the student at the start of the step. The engine-mismatch
+correction (`train.mismatch_correction`: tis | mis | seq_tis | seq_mis, threshold
+`train.mismatch_clip`) is off: with this engine π_old = π_b, and every correction reads 1.
+Switch a mismatch source on to use one, e.g.
+`--config.rollout.weights=fp8 --config.rollout.kv_cache=fp8 --config.train.mismatch_correction=tis`.
+
+Command:  python -m opd_jax.main --config=configs/grpo_sync.py --workdir=/tmp/grpo_ref
+Tiny:     python -m opd_jax.main --config=configs/grpo_sync.py:tiny --workdir=/tmp/grpo_tiny
+          (seconds of training after compilation; checks the wiring, not quality).
+Expected: unmeasured at this size. The warm-started student starts at 43.4 % greedy held-out
+          accuracy (as in rl_sync.py); whether GRPO at lr 1e-4 improves on it in 1,000 steps,
+          and at which learning rate it learns fastest, is what the learning-rate sweep of the
+          OPD-vs-RL comparison has to measure. The short learning check in tests/test_grpo.py
+          (a smaller model on a two-operand task) shows the training reward rising.
+"""
+
+import base
+
+VARIANTS = ("tiny",)
+
+
+def get_config(arg=None):
+  """The GRPO reference config; `arg="tiny"` gives the seconds-long wiring check."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of grpo_sync.py; known: {', '.join(VARIANTS)}")
+  c = base.get_config(arg)
+  c.rollout.weights = "trainer"  # engine identical to the trainer
+  c.rollout.kv_cache = "auto"  # the engine's compute dtype
+  c.rollout.mode = "sync"  # sample, then train
+  c.rollout.temperature = 1.0  # on-policy sampling
+  c.rollout.samples_per_prompt = 4  # G: completions per prompt, the group of the baseline
+  c.data.batch_size = 4 if arg == "tiny" else 8  # prompts per step (x G completions)
+  c.train.loss = "grpo"  # group baseline, PPO clip (opd_jax/train/rl.py)
+  c.train.group_std_normalize = True  # A ÷ (group std + 1e-6)
+  c.train.ppo_clip = 0.2  # ε
+  c.train.ppo_epochs = 1  # passes over each batch
+  c.train.ppo_minibatches = 2  # two updates per step, so π_θ/π_old ≠ 1 in the second
+  c.train.mismatch_correction = "none"  # the engine is the trainer: nothing to correct
+  c.train.mismatch_clip = 2.0  # C of a correction when one is switched on
+  c.train.lr = 1e-4  # peak AdamW lr: unmeasured for GRPO (rl_sync.py's REINFORCE uses 3e-5)
+  return c

@@ -1,6 +1,7 @@
 """How the cost of one decode step grows with the cache capacity S and the position t.
 
-Command (CPU, 2 cores: about 4 minutes; `--quick` about 1):
+Command (CPU; the default run compiles 36 step programs and times 84 rows, most of its time in
+the batch-16 reference rows at S = 4096; `--quick` keeps batch 1 only):
 
     python -m opd_jax.bench.decode_scaling            # readable table and the goal ratios
     python -m opd_jax.bench.decode_scaling --json     # {"rows": [...], "ratios": {...}} only

@@ -1,7 +1,9 @@
 """The RL baseline (opd_jax/train/rl.py) against hand-computed values."""
 
+import dataclasses
 import math
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -195,3 +197,29 @@ def test_config_check_names_reinforce_settings():
   with pytest.raises(ValueError, match="temperature must be > 0") as e:
     config_check.validate(c)
   assert "data.prompt_file" in str(e.value)
+
+
+def test_train_step_dispatches_single_update_grpo_and_refuses_greedy():
+  """GRPO with K = 1 goes through `opd_loss` like reinforce: its loss is `rl.grpo` on the
+  student's logits with the group advantages of the whole batch, and it needs the reward."""
+  assert rl.needs_reward("grpo") and rl.needs_reward("reinforce")
+  assert not rl.needs_reward("reverse_kl_full")
+  cfg = tiny_model_cfg(vocab_size=21)
+  params = model.init_params(jax.random.key(0), cfg)
+  prompts = ["37+58+21=", "37+58+21=", "10+10+10=", "10+10+10="]
+  texts = ["37+58=95;95+21=116>116", "1>2", "1>3", "10+10=20;20+10=30>30"]
+  rollout, _ = _text_rollout(prompts, texts)
+  loss_cfg = train_step.LossConfig(name="grpo", group_size=2, mismatch_correction="tis")
+  with pytest.raises(ValueError, match="needs Rollout.reward_b"):
+    train_step.opd_loss(params, None, rollout, cfg, None, loss_cfg)
+  rollout = rollout.replace(reward_b=jnp.asarray([1.0, 0.0, 0.0, 1.0]))
+  loss, metrics = train_step.opd_loss(params, None, rollout, cfg, None, loss_cfg)
+  logits, tokens, mask = teacher_forcing.completion_logits(params, rollout, cfg)
+  advantage_b = rl.group_advantages(rollout.reward_b, 2, True)
+  want, _ = rl.grpo(logits, tokens, mask, advantage_b, rollout.behaviour_logprobs, correction="tis")
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  np.testing.assert_allclose(metrics["rl/group_all_equal_frac"], 0.0)
+  assert "mismatch/k3" in metrics and metrics["per_token/advantage_bc"].shape == mask.shape
+  greedy = dataclasses.replace(loss_cfg, temperature=0.0)
+  with pytest.raises(ValueError, match="needs sampled rollouts"):
+    train_step.check_rollout_loss(types.SimpleNamespace(temperature=0.0), greedy)

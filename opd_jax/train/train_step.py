@@ -213,7 +213,8 @@ def check_rollout_loss(sampler_cfg, loss_cfg: LossConfig) -> None:
 
   - `loss_cfg.temperature` must equal the sampler's temperature (π_θ is scored at it).
   - Greedy rollouts (T = 0) cannot carry an importance ratio: π_b is a point mass, so
-    `reverse_kl_sampled` with `is_clip` is refused (use is_clip=None, or T > 0). Greedy
+    `reverse_kl_sampled` with `is_clip` is refused (use is_clip=None, or T > 0), and so are
+    the RL losses (a point mass has no policy gradient). Greedy
     rollouts only choose the prefixes: the losses score the student at T = 1,
     unfiltered (a point mass has no gradient).
   - With a top-k/top-p filter (any top_k > 0 or top_p < 1 counts) π_θ is zero outside
@@ -234,6 +235,11 @@ def check_rollout_loss(sampler_cfg, loss_cfg: LossConfig) -> None:
       f"temperature={temperature}; the student must be scored at the rollout's temperature"
     )
   if temperature == 0:
+    if loss_cfg.name in rl.RL_LOSSES:
+      raise ValueError(
+        f"loss {loss_cfg.name!r} needs sampled rollouts (rollout.temperature > 0): a "
+        "point-mass policy has no gradient"
+      )
     if loss_cfg.name == "reverse_kl_sampled" and loss_cfg.is_clip is not None:
       raise ValueError(
         "greedy rollouts (temperature 0) cannot carry an importance ratio: the behaviour "
@@ -693,6 +699,8 @@ def grpo_updates(
   """
   import optax
 
+  if loss_cfg.temperature == 0:
+    raise ValueError("loss 'grpo' needs sampled rollouts (rollout.temperature > 0)")
   advantage_b, reward_metrics = grpo_advantages(rollout, loss_cfg)
   raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
     state.params, rollout, student_cfg, loss_cfg.temperature, remat

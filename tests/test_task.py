@@ -321,3 +321,14 @@ def test_tiny_transformer_learns_the_task():
   CPU), from ~40% to ~95% (`learn_and_score`)."""
   step, accuracy = learn_and_score(task.TaskConfig(), max_steps=800, batch=32, stop_at=0.92)
   assert accuracy >= 0.9, (step, accuracy)
+
+
+@pytest.mark.slow
+def test_tiny_transformer_learns_the_chain():
+  """The long variant (n = 32 steps, 186-219 completion tokens) is learnable by the same
+  2-layer d=128 model (`learn_and_score`): each step reads only the one before it. Measured:
+  teacher-forced exact match 0.92 after 1,125 steps of batch 16, greedy exact match 0.9375 on
+  256 held-out prompts; about 25 minutes on 2 busy CPU cores, a third of it the uncached
+  greedy decode."""
+  step, accuracy = learn_and_score(CHAIN, max_steps=1500, batch=16, stop_at=0.9)
+  assert accuracy >= 0.85, (step, accuracy)

@@ -32,8 +32,9 @@ a is drawn from [min_operand, max_operand], d from [1, max_step] and n = num_ope
 step reads only the step before it (decrement the counter, add d, copied from the prompt),
 so the chain is as easy per step at n = 40 as at n = 3, and a mistake in one step carries to
 the answer. With n = 32 and the default operands, completions run 186-219 tokens with
-`<eos>` (6-7 characters a step). Learnability: see `docs/sources.md` (the check's
-command and its result).
+`<eos>` (6-7 characters a step). Learnability: the 2-layer d=128 model above, batch 16,
+reached 94% held-out greedy exact match at n = 32 after 1,125 steps (about 25 minutes on 2
+busy CPU cores; `tests/test_task.py`, slow).
 
 Examples are a pure function of `(seed, split, index)`. The train/held-out split is
 decided by a hash of the prompt, so the two splits never share a prompt whatever

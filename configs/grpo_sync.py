@@ -13,12 +13,15 @@ Switch a mismatch source on to use one, e.g.
 
 Command:  python -m opd_jax.main --config=configs/grpo_sync.py --workdir=/tmp/grpo_ref
 Tiny:     python -m opd_jax.main --config=configs/grpo_sync.py:tiny --workdir=/tmp/grpo_tiny
-          (seconds of training after compilation; checks the wiring, not quality).
-Expected: unmeasured at this size. The warm-started student starts at 43.4 % greedy held-out
-          accuracy (as in rl_sync.py); whether GRPO at lr 1e-4 improves on it in 1,000 steps,
-          and at which learning rate it learns fastest, is what the learning-rate sweep of the
-          OPD-vs-RL comparison has to measure. The short learning check in tests/test_grpo.py
-          (a smaller model on a two-operand task) shows the training reward rising.
+          (about 30 s on 2 CPU cores; its student never answers right, so every advantage
+          is 0: it checks the wiring, not learning).
+Expected: unmeasured at lr 1e-5. The warm-started student starts at 43.4 % greedy held-out
+          accuracy (as in rl_sync.py). Measured once: at lr 1e-4 (4 prompts × 8 per step, 60
+          steps, a tiny teacher) GRPO collapsed this student from 42 % to 6 % greedy held-out
+          accuracy (128 prompts) and its training reward from 0.065 to 0.03; lr 1e-5 is a
+          guess 10x below that, and the learning-rate sweep of the OPD-vs-RL comparison has to
+          find the rate at which it learns. On a smaller model and a two-operand task GRPO does
+          raise the training reward (tests/test_grpo.py, the slow learning check).
 """
 
 import base
@@ -44,5 +47,5 @@ def get_config(arg=None):
   c.train.ppo_minibatches = 2  # two updates per step, so π_θ/π_old ≠ 1 in the second
   c.train.mismatch_correction = "none"  # the engine is the trainer: nothing to correct
   c.train.mismatch_clip = 2.0  # C of a correction when one is switched on
-  c.train.lr = 1e-4  # peak AdamW lr: unmeasured for GRPO (rl_sync.py's REINFORCE uses 3e-5)
+  c.train.lr = 1e-5  # peak AdamW lr: unmeasured (1e-4 collapsed this student; docstring)
   return c

@@ -288,3 +288,37 @@ def test_grpo_sync_config_validates():
     c = grpo_sync.get_config(arg)
     config_check.validate(c)
     assert c.train.loss == "grpo" and c.rollout.samples_per_prompt >= 2
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_training_reward(tmp_path):
+  """A short real run: grpo_sync.py:tiny's model on a two-operand task (12+15=), warm-started
+  for 400 supervised steps, then 300 GRPO steps of 4 prompts × G = 8 completions, two updates
+  per step, at lr 3e-4. The training reward of the last 75 steps is at least 0.05 above that of
+  the first 75. (The same prompts and keys with the student frozen, lr 1e-9, read 0.370 and
+  0.374 in the two quarters: the prompts alone do not move it by 0.05.)"""
+  from opd_jax.io import metrics_writer
+  from opd_jax.train import trainer
+
+  c = grpo_sync.get_config("tiny")
+  c.data.num_operands, c.data.max_operand = 2, 19
+  c.data.batch_size, c.data.eval_size = 4, 64
+  c.rollout.samples_per_prompt, c.rollout.max_new_tokens = 8, 16
+  c.student.warmup_steps, c.student.warmup_lr = 400, 3e-3
+  c.teacher.cache_dir = str(tmp_path / "cache")
+  c.train.steps, c.train.lr, c.train.warmup_steps = 300, 3e-4, 0
+  c.train.ppo_epochs, c.train.ppo_minibatches = 1, 2
+  c.train.log_every, c.train.eval_every, c.train.checkpoint_every = 1, 300, 300
+  c.export.dir = "none"
+  result = trainer.run(c, str(tmp_path / "run"), log=lambda *a: None)
+  rows = metrics_writer.read_jsonl(str(tmp_path / "run"))
+  reward = np.asarray(
+    [rows[k]["rl/reward_mean"] for k in sorted(rows) if "rl/reward_mean" in rows[k]]
+  )
+  first, last = reward[:75].mean(), reward[-75:].mean()
+  print(
+    f"GRPO learning check: training reward first 75 steps {first:.3f}, last 75 {last:.3f}; "
+    f"greedy held-out accuracy {result['student_accuracy_before']:.3f} -> "
+    f"{result['student_accuracy_after']:.3f}"
+  )
+  assert len(reward) == 300 and last > first + 0.05

@@ -69,7 +69,7 @@ SAMPLED_OPD = {
   "train.advantage_baseline": "batch_mean",
   "rollout.temperature": 1.0,
 }
-GRPO_LR = 1e-4  # GRPO's peak lr when the config has no grpo_lr (configs/grpo_sync.py's)
+GRPO_LR = 1e-5  # GRPO's peak lr when the config has no grpo_lr (configs/grpo_sync.py's)
 GROUP_SIZE = 4  # GRPO's completions per prompt when the config has no group_size
 REPORT_NAME = "opd_vs_rl"  # <workdir>/opd_vs_rl.{md,json,png}
 F32_ROUNDING_KL = (

@@ -328,10 +328,11 @@ def _rollout_errors(config: ml_collections.ConfigDict) -> list[str]:
 
 def _weight_format_errors(config: ml_collections.ConfigDict) -> list[str]:
   """The scale grouping of quantized weights: at most one of blocks, groups and per tensor,
-  only for a quantized format, and a group for fp4 (its MX block)."""
+  and a group for fp4 (its MX block). With unquantized weights (trainer, bf16) the grouping
+  keys act on nothing, like bf16_layers, so that a fallback to bf16 keeps them."""
   r = config.get("rollout")
   keys = {"weights", "weight_block_size", "weight_group_size", "weight_per_tensor"}
-  if r is None or not keys <= set(r):
+  if r is None or not keys <= set(r) or r.weights in ("trainer", "bf16"):
     return []
   errors = []
   chosen = [
@@ -339,15 +340,10 @@ def _weight_format_errors(config: ml_collections.ConfigDict) -> list[str]:
     for k in ("weight_block_size", "weight_group_size", "weight_per_tensor")
     if r[k] not in (0, False)
   ]
-  if r.weights in ("trainer", "bf16") and (r.weight_group_size or r.weight_per_tensor):
-    errors.append(
-      f"config.rollout.{' and '.join(chosen)} sets the scales of quantized weights, but "
-      f"rollout.weights={r.weights!r} is not quantized (use fp8, fp8_e5m2, int8, int4 or fp4)"
-    )
   if len(chosen) > 1:
     errors.append(
-      f"config.rollout sets {' and '.join(chosen)}: choose one scale grouping (none of them = "
-      "per output channel)"
+      f"config.rollout sets {' and '.join(chosen)}: choose one scale grouping for "
+      f"rollout.weights={r.weights!r} (none of them = per output channel)"
     )
   if r.weights == "fp4" and not r.weight_group_size:
     errors.append(

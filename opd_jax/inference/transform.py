@@ -110,6 +110,7 @@ class EngineConfig:
   noise_layers: tuple[int, ...] = ()  # noise only these decoder layers; () = all
   noise_modules: tuple[str, ...] = ()  # noise only these module types or groups; () = all
   kernel: str = "reference"  # numerical path, one of model.KERNELS
+  # The scale groupings act only on quantized weights (like weight_block_size, bf16_layers).
   weight_group_size: int | None = None  # quantized weights: one scale per g inputs, None = off
   weight_per_tensor: bool = False  # quantized weights: one scale per matrix
   head_dtype: str = "float32"  # final norm and LM head: float32 (the trainer's) | bfloat16
@@ -120,13 +121,6 @@ class EngineConfig:
     if self.head_dtype not in quant.HEAD_DTYPES:
       raise ValueError(
         f"unknown head_dtype {self.head_dtype!r}; allowed: {', '.join(quant.HEAD_DTYPES)}"
-      )
-    if self.weights not in QUANT_WEIGHTS and (
-      self.weight_group_size is not None or self.weight_per_tensor
-    ):
-      raise ValueError(
-        f"weight_group_size/weight_per_tensor set the scales of quantized weights, but "
-        f"weights={self.weights!r} is not quantized (one of {', '.join(QUANT_WEIGHTS)})"
       )
     if self.weights == "fp4" and self.weight_group_size is None:
       raise ValueError(

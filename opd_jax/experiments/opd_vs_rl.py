@@ -423,13 +423,17 @@ def run_comparison(
     "eval_size": config.run.data.eval_size,
     "opd_lr": config.run.train.lr,
     "rl_lr": config.rl_lr,
+    "grpo_lr": config.get("grpo_lr", GRPO_LR),
+    "group_size": config.get("group_size", GROUP_SIZE),
     "is_clip": config.is_clip,
     "teacher_cache_dir": config.run.teacher.cache_dir,
     "seeds": sorted({seed for _, _, _, seed, _ in todo}),
     "planned": [run_name(m, s, seed) for m, s, _, seed, _ in todo],
     "summary": (
       f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
-      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, rl_is C={config.is_clip}. "
+      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, grpo lr "
+      f"{config.get('grpo_lr', GRPO_LR)} (groups of {config.get('group_size', GROUP_SIZE)}), "
+      f"C={config.is_clip} for every corrected arm. "
       "drop = the method's reference accuracy minus this run's (points); mismatch/kl is the "
       "mean over the logged training steps; grad-norm is pre-clip, over the logged steps."
     ),

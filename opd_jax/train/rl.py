@@ -185,15 +185,19 @@ def check_grpo_settings(
   for name, value in (("ppo_epochs", epochs), ("ppo_minibatches", minibatches)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"train.{name} must be an int >= 1, got {value!r}")
+  check_correction(correction, correction_clip)
+
+
+def check_correction(correction: str, clip: float) -> None:
+  """Raises ValueError for an unknown mismatch correction or a threshold C <= 1."""
   if correction not in MISMATCH_CORRECTIONS:
     raise ValueError(
       f"train.mismatch_correction must be one of {', '.join(MISMATCH_CORRECTIONS)}, "
       f"got {correction!r}"
     )
-  if not correction_clip > 1:
+  if not clip > 1:
     raise ValueError(
-      f"train.mismatch_clip C must be > 1 (the band [1/C, C] must hold ratio 1), "
-      f"got {correction_clip!r}"
+      f"train.mismatch_clip C must be > 1 (the band [1/C, C] must hold ratio 1), got {clip!r}"
     )
 
 
@@ -239,7 +243,7 @@ def mismatch_weights(old_lp_bt, behaviour_lp_bt, mask_bt, correction: str, clip:
     (weight_bt f32, keep_bt f32 in {0, 1}): w (1 where masking applies) and the keep flag
     (1 for every token under none/tis/seq_tis); both 0 outside the mask.
   """
-  check_grpo_settings(2, 0.5, 1, 1, correction, clip)
+  check_correction(correction, clip)
   counted = mask_bt > 0
   m = counted.astype(jnp.float32)
   delta_bt = jnp.where(
@@ -330,7 +334,9 @@ def grpo(
   Raises:
     ValueError: shapes that disagree or a bad setting (`check_grpo_settings`).
   """
-  check_grpo_settings(2, clip_eps, 1, 1, correction, correction_clip)
+  if not 0 < clip_eps < 1:
+    raise ValueError(f"the PPO clip ε (train.ppo_clip) must be in (0, 1), got {clip_eps!r}")
+  check_correction(correction, correction_clip)
   if student_logits.ndim != 3 or student_logits.shape[:2] != mask.shape:
     raise ValueError(
       f"student logits {student_logits.shape} must be [B, T, V] over mask {mask.shape}"

@@ -10,6 +10,10 @@ params, optimizer state, step) plus that key. The teacher is passed as frozen da
 it is never in the optimizer state and never checkpointed. The step functions are
 pure; the caller jits them with explicit shardings and donates the state.
 
+GRPO with more than one update per batch (`LossConfig.updates_per_batch` = K > 1) takes
+`grpo_updates` from `train_step`: K optimizer updates against π_old in one program, with the
+same signature and state.
+
 The student's policy π_θ is scored under the rollout's own sampling transform, in
 one place (`student_policy_logits`): divided by the rollout's temperature and
 restricted to the engine's kept set (`Rollout.support_ids`) when the sampler

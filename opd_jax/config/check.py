@@ -177,6 +177,7 @@ RULES: dict[str, Any] = {
     ("q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head", "attention", "mlp", "embeddings")
   ),
   "rollout.kernel": Choice(("reference", "bf16_attention", "bf16_matmul")),
+  "rollout.decode_attention": Choice(("blockwise", "pallas", "reference")),  # model.ATTENTIONS
   "rollout.temperature": Num(True, 0),
   "rollout.top_k": NON_NEGATIVE,
   "rollout.top_p": Num(True, 0, 1, lo_open=True),

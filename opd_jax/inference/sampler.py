@@ -110,6 +110,9 @@ class SamplerConfig:
     return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
       with their tail mass, −1 the full behaviour distribution [B, C, V]
       (`train.mismatch_metrics.default_return_topk(V)` picks one from the vocabulary size).
+    attention: the attention over the cache, one of `transformer.ATTENTIONS`: "blockwise"
+      (XLA, the filled prefix in blocks), "pallas" (the same as a Pallas kernel for decode
+      steps; interpret mode on CPU) or "reference" (the whole cache); equal to f32 rounding.
   """
 
   max_new_tokens: int
@@ -120,6 +123,7 @@ class SamplerConfig:
   cache_len: int | None = None
   kv: kvcache.KVCacheSpec | None = None
   return_topk: int = 0
+  attention: str = "blockwise"
 
   def __post_init__(self):
     def integer(name, lowest, hint):
@@ -145,6 +149,10 @@ class SamplerConfig:
     object.__setattr__(self, "stop_tokens", stops)
     if self.kv is not None and not isinstance(self.kv, kvcache.KVCacheSpec):
       raise ValueError(f"kv must be a kvcache.KVCacheSpec or None, got {type(self.kv).__name__}")
+    if self.attention not in model.ATTENTIONS:
+      raise ValueError(
+        f"unknown attention {self.attention!r}; allowed: {', '.join(model.ATTENTIONS)}"
+      )
 
 
 def _sortable_u32(x_bv):
@@ -429,7 +437,14 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
   cache = _constrain_cache(kvcache.init_cache(model_cfg, b, s, spec), mesh)
   t_prefill = min(p, s)  # every prompt fits in s, so columns ≥ s are padding
   _, cache = model.forward_with_cache(
-    params, tokens_bp[:, :t_prefill], jnp.zeros((b,), jnp.int32), cache, model_cfg, spec, lens_b
+    params,
+    tokens_bp[:, :t_prefill],
+    jnp.zeros((b,), jnp.int32),
+    cache,
+    model_cfg,
+    spec,
+    lens_b,
+    attention=cfg.attention,
   )
   cache = _constrain_cache(cache, mesh)
   # K/V elements one token writes to the FP8 layers, and the clipped ones so far.
@@ -448,7 +463,7 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
     i, cache, token_b, done_b, out, (clipped, written) = state
     pos_b = jnp.minimum(lens_b - 1 + i, s - 1)  # finished rows may run past the cache
     logits_b1v, cache = model.forward_with_cache(
-      params, token_b[:, None], pos_b, cache, model_cfg, spec
+      params, token_b[:, None], pos_b, cache, model_cfg, spec, attention=cfg.attention
     )
     cache = _constrain_cache(cache, mesh)
     logits_b1v = _constrain(logits_b1v, mesh, "btv")

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax.model import decode_attention, kvcache, quant
+from opd_jax.model import decode_attention, kvcache, pallas_decode, quant
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray, as_dense
 
@@ -296,7 +296,7 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None, remat: str =
   return unembed(params, x, cfg)
 
 
-ATTENTIONS = ("blockwise", "reference")  # forward_with_cache's attention over the cache
+ATTENTIONS = ("blockwise", "reference", "pallas")  # forward_with_cache's attention over the cache
 
 
 def forward_with_cache(
@@ -320,6 +320,10 @@ def forward_with_cache(
   is consumed: a step costs O(position), not O(S). attention="reference" reads the whole
   cache (`kvcache.read`, a dense copy in the compute dtype) and runs `attend` over all S
   slots; the two agree to f32 rounding (tests/test_decode_attention.py).
+  attention="pallas" (`pallas_decode.attend_cache`) runs the same blockwise online softmax as
+  a Pallas kernel for steps of T ≤ `pallas_decode.MAX_QUERIES` tokens, in interpret mode on
+  CPU; longer calls (prefill) and the kernel variant "bf16_attention" (two passes) take the
+  blockwise path. It equals the blockwise path to f32 rounding (tests/test_pallas_decode.py).
 
   Args:
     params: the params pytree.
@@ -349,7 +353,9 @@ def forward_with_cache(
     def attn_fn(q, k, v, entry=entry):
       updated = kvcache.write(entry, k, v, start_b, spec, valid_len_b)
       new_cache.append(updated)
-      if attention == "blockwise":
+      if attention == "pallas" and t <= pallas_decode.MAX_QUERIES and kernel != "bf16_attention":
+        return pallas_decode.attend_cache(q, updated, positions_bt, cfg, block)
+      if attention != "reference":
         return decode_attention.attend_cache(q, updated, positions_bt, cfg, kernel, block)
       keys, values = kvcache.read(updated, k.dtype)
       slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])

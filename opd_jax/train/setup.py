@@ -82,6 +82,7 @@ def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec, vocab_size: int
     stop_tokens=(eos_id,),
     kv=kv,
     return_topk=top,
+    attention=r.get("decode_attention", "blockwise"),
   )
 
 

@@ -1,0 +1,165 @@
+"""The Pallas decode-attention kernel (`model/pallas_decode.py`), run in Pallas' interpret mode
+on the CPU, against the XLA blockwise path; its selection through `rollout.decode_attention`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import base
+from opd_jax.config import check as config_check
+from opd_jax.inference import sampler
+from opd_jax.model import decode_attention, kvcache, pallas_decode
+from opd_jax.model import transformer as model
+from opd_jax.model.config import ModelConfig
+from opd_jax.train import setup as setup_lib
+
+# GQA: N = 4 query heads over K = 2 KV heads (G = 2), head_dim 16 ≠ D / N.
+CFG = ModelConfig(
+  model_type="qwen3",
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  qk_norm=True,
+)
+FP8 = "float8_e4m3fn"
+SPECS = {
+  "f32": kvcache.KVCacheSpec(dtype="float32"),
+  "bf16": kvcache.KVCacheSpec(dtype="bfloat16"),
+  "fp8_token_head": kvcache.KVCacheSpec(dtype=FP8, granularity="token_head"),
+  "fp8_tensor": kvcache.KVCacheSpec(dtype=FP8, granularity="tensor"),
+}
+
+
+def _filled_entry(spec, batch, slots, seed):
+  """One layer's cache with random keys and values written to every slot."""
+  rng = np.random.default_rng(seed)
+  entry = kvcache.init_cache(CFG, batch, slots, spec)[0]
+  shape = (batch, slots, CFG.num_kv_heads, CFG.head_dim)
+  k = jnp.asarray(rng.standard_normal(shape), jnp.float32) * 2.0
+  v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return kvcache.write(entry, k, v, jnp.zeros(batch, jnp.int32), spec)
+
+
+def _queries(batch, tokens, seed, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal((batch, tokens, CFG.num_heads, CFG.head_dim)), dtype)
+
+
+def _f32(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("driver", pallas_decode.DRIVERS)
+@pytest.mark.parametrize("kv", list(SPECS))
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_kernel_equals_blockwise(kv, tokens, driver):
+  """20 slots in blocks of 8 (three blocks; the last one clamped to slots 12..19 by the
+  "loop" driver, read past the end and masked by the "grid" one), three rows stopping in
+  different blocks, one in the first: equal to the blockwise path to f32 rounding. A query
+  one position short differs (the comparison can fail)."""
+  entry = _filled_entry(SPECS[kv], 3, 20, seed=0)
+  q = _queries(3, tokens, seed=1)
+  last_b = np.array([19, 6, 13])
+  q_pos_bt = jnp.asarray(last_b[:, None] - np.arange(tokens)[::-1][None, :], jnp.int32)
+  want = decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8)
+  got = pallas_decode.attend_cache(q, entry, q_pos_bt, CFG, block=8, driver=driver)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+  short = pallas_decode.attend_cache(q, entry, q_pos_bt - 1, CFG, block=8, driver=driver)
+  assert np.abs(np.asarray(short) - np.asarray(want)).max() > 1e-3
+
+
+@pytest.mark.parametrize("driver", pallas_decode.DRIVERS)
+def test_bf16_activations_equal_blockwise(driver):
+  """bf16 queries over an FP8 cache: each block dequantized and rounded to bf16 as in the
+  blockwise path, the output rounded to bf16; equal to one bf16 ulp."""
+  entry = _filled_entry(SPECS["fp8_token_head"], 2, 20, seed=2)
+  q16 = _queries(2, 1, seed=3, dtype=jnp.bfloat16)
+  q_pos_bt = jnp.asarray([[17], [9]], jnp.int32)
+  want = decode_attention.attend_cache(q16, entry, q_pos_bt, CFG, block=8)
+  got = pallas_decode.attend_cache(q16, entry, q_pos_bt, CFG, block=8, driver=driver)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(_f32(got), _f32(want), atol=8e-3, rtol=8e-3)
+
+
+@pytest.mark.parametrize("driver", pallas_decode.DRIVERS)
+def test_unvisited_and_stale_slots_are_never_read(driver):
+  """Slots after each row's position hold NaN bits (bf16 storage): the kernel's result stays
+  finite and equals the blockwise one on the clean cache. Row 1 stops in its first block, so
+  the other slots of that block are masked and their values zeroed before P·V."""
+  entry = _filled_entry(SPECS["bf16"], 2, 24, seed=4)
+  q_pos_bt = jnp.asarray([[15], [3]], jnp.int32)
+  nan_bits = jax.lax.bitcast_convert_type(jnp.bfloat16(jnp.nan), jnp.uint16)
+  after_bs = np.arange(24)[None, :] > np.asarray(q_pos_bt)
+  poison = jnp.asarray(after_bs)[:, :, None, None]
+  poisoned = dict(
+    entry, k=jnp.where(poison, nan_bits, entry["k"]), v=jnp.where(poison, nan_bits, entry["v"])
+  )
+  q = _queries(2, 1, seed=5)
+  got = pallas_decode.attend_cache(q, poisoned, q_pos_bt, CFG, block=8, driver=driver)
+  want = decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_forward_with_cache_runs_the_kernel_for_decode_only():
+  """attention="pallas" puts a pallas_call in a one-token step and none in a prefill of more
+  than MAX_QUERIES tokens (which keeps the blockwise path)."""
+  params = model.init_params(jax.random.key(0), CFG, scale=0.3)
+  cache = kvcache.init_cache(CFG, 2, 16, SPECS["bf16"])
+
+  def program(tokens):
+    def step(params, cache):
+      start = jnp.zeros(2, jnp.int32)
+      return model.forward_with_cache(params, tokens, start, cache, CFG, attention="pallas")
+
+    return str(jax.make_jaxpr(step)(params, cache))
+
+  assert "pallas_call" in program(jnp.zeros((2, 1), jnp.int32))
+  assert "pallas_call" not in program(jnp.zeros((2, pallas_decode.MAX_QUERIES + 1), jnp.int32))
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_tensor"])
+def test_greedy_sampler_tokens_identical_to_blockwise(kv):
+  """The jitted sampler (prefill, then the decode while loop) on ragged prompts, greedy,
+  12 new tokens in a 32-slot cache: identical tokens and model log-probabilities equal to f32
+  rounding with SamplerConfig(attention="pallas") and "blockwise"."""
+  params = model.init_params(jax.random.key(0), CFG, scale=0.3)
+  prompts = [[5, 9], [3, 1, 4, 1, 5, 9, 2], [7] * 11]
+  runs = {}
+  for attention in ("blockwise", "pallas"):
+    cfg = sampler.SamplerConfig(
+      max_new_tokens=12, temperature=0.0, cache_len=32, kv=SPECS[kv], attention=attention
+    )
+    runs[attention] = sampler.sample(params, prompts, jax.random.key(1), cfg, CFG)
+  got, want = runs["pallas"], runs["blockwise"]
+  np.testing.assert_array_equal(
+    np.asarray(got.completion_tokens), np.asarray(want.completion_tokens)
+  )
+  np.testing.assert_allclose(
+    np.asarray(got.model_logprobs), np.asarray(want.model_logprobs), atol=1e-4, rtol=0
+  )
+  assert len(np.unique(np.asarray(want.completion_tokens))) > 3  # not one repeated token
+
+
+def test_config_key_selects_and_refuses():
+  """rollout.decode_attention reaches the SamplerConfig; an unknown value is refused by the
+  config check and by SamplerConfig itself."""
+  config = base.get_config()
+  assert config.rollout.decode_attention == "blockwise"
+  config.rollout.decode_attention = "pallas"
+  config_check.validate(config)
+  scfg = setup_lib.sampler_config(config, 0, SPECS["bf16"], 64)
+  assert scfg.attention == "pallas"
+  hash(scfg)  # a jit static argument
+  config.rollout.decode_attention = "flash"
+  with pytest.raises(ValueError, match="config.rollout.decode_attention must be one of"):
+    config_check.validate(config)
+  with pytest.raises(ValueError, match="unknown attention 'flash'"):
+    sampler.SamplerConfig(max_new_tokens=1, attention="flash")

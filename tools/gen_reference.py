@@ -64,6 +64,12 @@ METRICS: list[tuple[str, str, str, str]] = [
   ),
   ("loss/jsd", "nats/token", "Generalised Jensen–Shannon divergence with `train.jsd_beta`.", ""),
   (
+    "loss/grpo",
+    "nats/token",
+    "GRPO's clipped surrogate loss (`train.loss=grpo`), averaged over the kept tokens.",
+    "verl `actor/pg_loss`",
+  ),
+  (
     "loss/reinforce",
     "per sequence",
     "REINFORCE loss of the RL baseline (`train.loss=reinforce`).",
@@ -214,6 +220,12 @@ METRICS: list[tuple[str, str, str, str]] = [
     "Global gradient norm before clipping.",
     "TRL `grad_norm`; verl `actor/grad_norm`",
   ),
+  (
+    "perf/grad_norm_max",
+    "",
+    "GRPO: the largest pre-clip gradient norm over a step's minibatch updates.",
+    "",
+  ),
   ("perf/steps_per_s", "steps/s", "OPD steps per second since the loop started.", ""),
   ("perf/train_seconds", "s", "Time in the train step, summed.", ""),
   ("perf/train_wall_seconds", "s", "Loop wall time without evaluations and checkpoints.", ""),
@@ -297,7 +309,50 @@ METRICS: list[tuple[str, str, str, str]] = [
   (
     "rl/advantage_abs_mean",
     "reward",
-    "Mean absolute advantage after the leave-one-out baseline.",
+    "Mean absolute advantage after the baseline (leave-one-out, or GRPO's group mean).",
+    "",
+  ),
+  (
+    "rl/group_all_equal_frac",
+    "fraction",
+    "GRPO: share of prompt groups whose completions all got the same reward (zero advantage).",
+    "verl `critic/score/...` per group",
+  ),
+  (
+    "rl/ppo_updates",
+    "updates",
+    "GRPO: minibatch updates per train step (epochs x minibatches).",
+    "",
+  ),
+  ("rl/ppo_ratio_mean", "ratio", "GRPO: mean ratio π_θ/π_old over the kept tokens.", ""),
+  (
+    "rl/ppo_ratio_abs_dev_max",
+    "ratio",
+    "GRPO: largest |π_θ/π_old − 1| over the kept tokens (0 with one update per step).",
+    "",
+  ),
+  (
+    "rl/ppo_clip_frac",
+    "fraction",
+    "GRPO: share of kept tokens where the PPO clip is active.",
+    "verl `actor/pg_clipfrac`",
+  ),
+  (
+    "rl/correction_weight_mean",
+    "ratio",
+    "GRPO: mean engine-mismatch weight (TIS/MIS, token or sequence) over the kept tokens.",
+    "",
+  ),
+  (
+    "rl/correction_masked_frac",
+    "fraction",
+    "GRPO + MIS: share of tokens dropped for a ratio π_old/π_engine outside the band.",
+    "",
+  ),
+  (
+    "rl/correction_clip_frac",
+    "fraction",
+    "GRPO + TIS: share of tokens (or sequences) whose ratio was truncated at the threshold.",
     "",
   ),
 ]

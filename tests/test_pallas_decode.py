@@ -129,7 +129,8 @@ def test_forward_with_cache_runs_the_kernel_for_decode_only():
 def test_greedy_sampler_tokens_identical_to_blockwise(kv):
   """The jitted sampler (prefill, then the decode while loop) on ragged prompts, greedy,
   12 new tokens in a 32-slot cache: identical tokens and model log-probabilities equal to f32
-  rounding with SamplerConfig(attention="pallas") and "blockwise"."""
+  rounding with SamplerConfig(attention="pallas") and "blockwise". The pallas program holds
+  the kernel (its name is in the lowered program's locations); the blockwise one does not."""
   params = model.init_params(jax.random.key(0), CFG, scale=0.3)
   prompts = [[5, 9], [3, 1, 4, 1, 5, 9, 2], [7] * 11]
   runs = {}
@@ -138,6 +139,9 @@ def test_greedy_sampler_tokens_identical_to_blockwise(kv):
       max_new_tokens=12, temperature=0.0, cache_len=32, kv=SPECS[kv], attention=attention
     )
     runs[attention] = sampler.sample(params, prompts, jax.random.key(1), cfg, CFG)
+    program = sampler.sample_program(params, prompts, jax.random.key(1), cfg, CFG)
+    kernels = program.as_text(debug_info=True).count("opd_decode_attention")
+    assert (kernels > 0) == (attention == "pallas")
   got, want = runs["pallas"], runs["blockwise"]
   np.testing.assert_array_equal(
     np.asarray(got.completion_tokens), np.asarray(want.completion_tokens)

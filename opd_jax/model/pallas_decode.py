@@ -48,7 +48,11 @@ both drivers. Neither has been lowered or run by Triton, Mosaic GPU or Mosaic TP
 points for a real lowering: Triton wants power-of-two block shapes (block, H and R are; the
 "loop" driver's ref spans all S slots, which Triton may require to be a power of two too); FP8
 bit-casts and e4m3 → f32 conversion need hardware support (recent GPUs; TPU generations vary);
-the f32 matmuls request `Precision.HIGHEST` so that a GPU does not drop to TF32.
+the f32 matmuls request `Precision.HIGHEST` so that a GPU does not drop to TF32. Under a
+sharded sampler (`sampler.sample(..., mesh=)`) the call is not wrapped in `shard_map`: the
+interpreter's plain HLO is partitioned like any other, a compiled kernel would need the wrapper.
+The interpreter emulates the block specs by slicing, so the "loop" driver there copies each
+row's [S, H] stored bits per step: its cost on CPU says nothing about the kernel's.
 """
 
 from __future__ import annotations

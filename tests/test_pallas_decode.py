@@ -3,6 +3,8 @@ on the CPU, against the XLA blockwise path; its selection through `rollout.decod
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,24 @@ def test_kernel_equals_blockwise(kv, tokens, driver):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
   short = pallas_decode.attend_cache(q, entry, q_pos_bt - 1, CFG, block=8, driver=driver)
   assert np.abs(np.asarray(short) - np.asarray(want)).max() > 1e-3
+
+
+@pytest.mark.parametrize("driver", pallas_decode.DRIVERS)
+def test_one_kv_head_and_a_block_larger_than_the_cache(driver):
+  """MQA (K = 1, G = 4 query heads on it) over an fp8 tensor-scaled cache of 12 slots read
+  as one block (block 256 > S), T = 2: equal to the blockwise path."""
+  mqa = dataclasses.replace(CFG, num_kv_heads=1)
+  spec = SPECS["fp8_tensor"]
+  rng = np.random.default_rng(6)
+  shape = (2, 12, 1, CFG.head_dim)
+  entry = kvcache.init_cache(mqa, 2, 12, spec)[0]
+  k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+  entry = kvcache.write(entry, k, v, jnp.zeros(2, jnp.int32), spec)
+  q = _queries(2, 2, seed=7)
+  q_pos_bt = jnp.asarray([[10, 11], [2, 3]], jnp.int32)
+  want = decode_attention.attend_cache(q, entry, q_pos_bt, mqa)
+  got = pallas_decode.attend_cache(q, entry, q_pos_bt, mqa, driver=driver)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("driver", pallas_decode.DRIVERS)

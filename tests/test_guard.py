@@ -108,6 +108,20 @@ def test_ladder_skips_rungs_that_change_nothing():
   assert len(guard_lib.fallback_ladder(rollout(mode="async", max_lag=0))) == 1
 
 
+@pytest.mark.parametrize("weights", ["fp8_e5m2", "int8", "int4", "fp4"])
+def test_every_quantized_weight_format_and_a_bf16_head_have_a_rung_back(weights):
+  """The weights rung removes any quantized format, not only FP8, and a BF16 output head, each
+  as a validated config (a grouped format's group size may stay: it acts on quantized weights
+  only)."""
+  config = base.get_config()
+  config.rollout.weights, config.rollout.head_dtype = weights, "bfloat16"
+  config.rollout.weight_group_size = 32
+  ladder = guard_lib.fallback_ladder(config.rollout)
+  assert [r.overrides for r in ladder] == [{}, {"weights": "bf16", "head_dtype": "float32"}]
+  switched = guard_lib.apply_rung(config, ladder[1])
+  assert (switched.rollout.weights, switched.rollout.head_dtype) == ("bf16", "float32")
+
+
 def test_apply_rung_gives_a_validated_copy():
   config = base.get_config()
   config.rollout.weights, config.rollout.kv_cache = "fp8", "fp8"

@@ -56,8 +56,9 @@ The fallback ladder. Rung 0 is the run's own rollout config; every later rung ad
 of one step, skipping a step that changes nothing for this config:
 
   1. KV cache FP8 -> BF16 (`kv_cache="bf16"`), when `kv_cache="fp8"`;
-  2. weights FP8 -> BF16 (`weights="bf16"`) and no weight noise (`noise_sigma=0`), when either
-     applies: the noise models a perturbation of the engine's weights, so the rung that
+  2. quantized weights (FP8, FP8 E5M2, INT8, INT4, FP4) -> BF16 (`weights="bf16"`), a BF16
+     output head back to f32 (`head_dtype="float32"`) and no weight noise (`noise_sigma=0`),
+     when any applies: the noise models a perturbation of the engine's weights, so the rung that
      restores the weights removes it too;
   3. no staleness: `stale_k=0` in sync mode; `max_lag=0` (and `max_ahead=-1`, i.e. max_lag) in
      async mode, the synchronous loop batch for batch.
@@ -146,8 +147,10 @@ def fallback_ladder(rollout: Mapping[str, Any]) -> tuple[Rung, ...]:
   if rollout["kv_cache"] == "fp8":
     steps.append(("kv bf16", {"kv_cache": "bf16"}))
   weights = {}
-  if rollout["weights"] == "fp8":
+  if rollout["weights"] not in ("trainer", "bf16"):  # any quantized format: fp8, int4, fp4, ...
     weights["weights"] = "bf16"
+  if rollout.get("head_dtype", "float32") != "float32":
+    weights["head_dtype"] = "float32"
   if rollout["noise_sigma"] > 0:
     weights["noise_sigma"] = 0.0
   if weights:

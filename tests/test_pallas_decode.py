@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
+from jax.experimental.pallas import tpu as pltpu
 
 from configs import base
 from opd_jax.config import check as config_check
@@ -80,8 +82,9 @@ def test_kernel_equals_blockwise(kv, tokens, driver):
 
 @pytest.mark.parametrize("driver", pallas_decode.DRIVERS)
 def test_one_kv_head_and_a_block_larger_than_the_cache(driver):
-  """MQA (K = 1, G = 4 query heads on it) over an fp8 tensor-scaled cache of 12 slots read
-  as one block (block 256 > S), T = 2: equal to the blockwise path."""
+  """MQA (K = 1, G = 4 query heads on it) over an fp8 tensor-scaled cache of 12 slots with
+  block 256 > S (the kernel's blocks: 8 slots, the power of two below S, the second clamped
+  to slots 4..11), T = 2: equal to the blockwise path (one block of 12)."""
   mqa = dataclasses.replace(CFG, num_kv_heads=1)
   spec = SPECS["fp8_tensor"]
   rng = np.random.default_rng(6)
@@ -126,6 +129,50 @@ def test_unvisited_and_stale_slots_are_never_read(driver):
   got = pallas_decode.attend_cache(q, poisoned, q_pos_bt, CFG, block=8, driver=driver)
   want = decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", list(SPECS))
+def test_grid_driver_under_the_tpu_interpreter(kv):
+  """The "grid" driver under Pallas' TPU interpreter, which simulates Mosaic's memories and
+  the pipeline's copies: an out-of-bounds read raises (the last block of 20 slots in blocks
+  of 8 runs past S and must be handled as an edge block) and uninitialised memory reads as
+  NaN. Equal to the blockwise path, GQA, ragged rows, T = 2."""
+  params = pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan")
+  entry = _filled_entry(SPECS[kv], 3, 20, seed=8)
+  q = _queries(3, 2, seed=9)
+  q_pos_bt = jnp.asarray([[18, 19], [5, 6], [12, 13]], jnp.int32)
+  want = decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8)
+  got = pallas_decode.attend_cache(
+    q, entry, q_pos_bt, CFG, block=8, driver="grid", interpret=params
+  )
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", list(SPECS))
+@pytest.mark.parametrize(
+  ("platform", "driver", "custom_call"),
+  [("tpu", "grid", "tpu_custom_call"), ("cuda", "loop", "__gpu$xla.gpu.triton")],
+)
+def test_kernels_lower_for_their_hardware(kv, platform, driver, custom_call):
+  """`jax.export` for a platform this jaxlib cannot run lowers the "grid" driver through
+  Pallas' Mosaic TPU rules and the "loop" driver through its Triton rules (tiling and
+  power-of-two shape checks included) to their custom calls: 40 slots in blocks of 16, the
+  last one partial. Only the lowering is checked: Mosaic and Triton themselves do not run."""
+  entry = _filled_entry(SPECS[kv], 2, 40, seed=10)
+  q = _queries(2, 1, seed=11, dtype=jnp.bfloat16)
+  q_pos_bt = jnp.asarray([[39], [6]], jnp.int32)
+
+  def attend(q, entry, q_pos_bt):
+    return pallas_decode.attend_cache(
+      q, entry, q_pos_bt, CFG, block=16, driver=driver, interpret=False
+    )
+
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # no stable ABI
+  exported = export.export(jax.jit(attend), platforms=[platform], disabled_checks=[triton])(
+    q, entry, q_pos_bt
+  )
+  text = exported.mlir_module()
+  assert f"stablehlo.custom_call @{custom_call}" in text
 
 
 def test_forward_with_cache_runs_the_kernel_for_decode_only():

@@ -20,9 +20,10 @@ whatever the compute dtype; q and each dequantized block are rounded to the comp
 as in the blockwise path, so the two agree to f32 rounding (tests/test_pallas_decode.py).
 
 Layout inside the kernel. The T queries of a row and the G query heads of one KV head form
-R = T·G query rows (row r = t·G + g), padded to a multiple of `ROW_TILE` = 16 so that the two
-matmuls per block, [R, H]·[H, block] and [R, block]·[block, H], have the operand sizes Triton's
-`dot` requires (≥ 16) and a whole number of TPU sublane tiles. Padded rows repeat the last
+R = T·G query rows (row r = t·G + g), padded to a power of two of at least `MIN_ROWS` = 16 so
+that the two matmuls per block, [R, H]·[H, block] and [R, block]·[block, H], have the operand
+sizes Triton requires (powers of two, ≥ 16 for `dot`) and a whole number of TPU sublane tiles
+(H and the block must be powers of two for Triton as well). Padded rows repeat the last
 row's position and are dropped from the output. Block slots are masked where s < j·block
 (a clamped last block re-reading earlier slots), s > the row's position, or s ≥ S; values of
 masked slots are zeroed so that stale or uninitialised slots cannot leak a NaN into P·V.
@@ -43,16 +44,22 @@ Two drivers share the per-block update (`_block_update`):
 
 Default driver: "grid" on TPU, "loop" elsewhere. Default `interpret`: True on CPU.
 
-Where it has run. Only in Pallas' interpret mode on CPU (`pallas_call(..., interpret=True)`),
-both drivers. Neither has been lowered or run by Triton, Mosaic GPU or Mosaic TPU. Known open
-points for a real lowering: Triton wants power-of-two block shapes (block, H and R are; the
-"loop" driver's ref spans all S slots, which Triton may require to be a power of two too); FP8
-bit-casts and e4m3 → f32 conversion need hardware support (recent GPUs; TPU generations vary);
-the f32 matmuls request `Precision.HIGHEST` so that a GPU does not drop to TF32. Under a
-sharded sampler (`sampler.sample(..., mesh=)`) the call is not wrapped in `shard_map`: the
-interpreter's plain HLO is partitioned like any other, a compiled kernel would need the wrapper.
-The interpreter emulates the block specs by slicing, so the "loop" driver there copies each
-row's [S, H] stored bits per step: its cost on CPU says nothing about the kernel's.
+Where it has run. Only on CPU, and the numbers only from Pallas' interpret modes: both
+drivers under the generic interpreter (`interpret=True`), and the "grid" driver also under the
+TPU interpreter (`pltpu.InterpretParams`), which simulates Mosaic's memories and the
+pipeline's copies and raises on an out-of-bounds read. Neither has run on a GPU or TPU. What is
+checked beyond that (tests/test_pallas_decode.py): `jax.export` for platform "tpu" lowers the
+"grid" driver to a Mosaic custom call, and for "cuda" the "loop" driver to Triton IR
+(`pltriton.CompilerParams`: Triton, not Mosaic GPU), with a CPU-only jaxlib; the compilers
+behind them (Mosaic in libtpu, Triton in XLA:GPU) never ran, so whether they accept the kernels,
+and how fast they are, is not known. Triton's rule that every array's size is a power of two is
+why a block holds a power of two of slots (`block` rounded down); FP8 bit-casts and e4m3 → f32
+conversion need hardware support (recent GPUs; TPU generations vary); the f32 matmuls request
+`Precision.HIGHEST` so that a GPU does not drop to TF32. Under a sharded sampler
+(`sampler.sample(..., mesh=)`) the call is not wrapped in `shard_map`: the interpreter's plain
+HLO is partitioned like any other, a compiled kernel would need the wrapper. The interpreter
+emulates the block specs by slicing, so the "loop" driver there copies each row's [S, H] stored
+bits per step: its cost on CPU says nothing about the kernel's.
 """
 
 from __future__ import annotations
@@ -63,12 +70,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 BLOCK = 256  # cache slots per block (a power of two, a multiple of the TPU sublane tiles)
-ROW_TILE = 16  # query rows per KV head are padded to a multiple of this
+MIN_ROWS = 16  # query rows per KV head are padded to a power of two ≥ this
 MAX_QUERIES = 8  # forward_with_cache uses the kernel for T ≤ this; longer (prefill) is blockwise
 DRIVERS = ("loop", "grid")
 _MASKED = jnp.finfo(jnp.float32).min  # the score of an invisible slot, as in decode_attention
@@ -161,7 +169,9 @@ def _loop_kernel(q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bool, tensor
   o_ref[...] = (o_rh / l_r1).astype(o_ref.dtype)
 
 
-def _grid_kernel(last_ref, q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bool, kv_heads: int):
+def _grid_kernel(
+  last_ref, q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bool, tensor_scale: bool, kv_heads
+):
   """The "grid" driver's program (b, j): refs q [K, R, H], pos [R, 1], k/v [size, K, H], optional
   scales [size, K, 1] or [1, 1, 1], output [K, R, H]; scratch m, l [K, R, 1] and o [K, R, H]."""
   if scaled:
@@ -182,8 +192,9 @@ def _grid_kernel(last_ref, q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bo
     pos_r1 = pos_ref[...]
     for head in range(kv_heads):  # static: K is small and Mosaic prefers 2-D matmuls
       k_scale = v_scale = None
-      if scaled:
-        k_scale, v_scale = ks_ref[:, head, :], vs_ref[:, head, :]
+      if scaled:  # one [1, 1] scale for every head, or the head's [size, 1] column
+        which = 0 if tensor_scale else head
+        k_scale, v_scale = ks_ref[:, which, :], vs_ref[:, which, :]
       state = (m_ref[head], l_ref[head], acc_ref[head])
       q_rh = q_ref[head].astype(jnp.float32)
       m_r1, l_r1, o_rh = _block_update(
@@ -219,7 +230,8 @@ def attend_cache(
     entry: one layer's cache dict (`kvcache` layout), already holding the new tokens.
     q_pos_bt: int positions [B, T] of the queries; query (b, t) sees slots ≤ q_pos[b, t].
     cfg: the model config (K, G).
-    block: slots per block (a block of min(block, S) slots).
+    block: slots per block; a block holds min(block, S) rounded down to a power of two
+      (Triton's rule for every array in a kernel), the last one clamped to end at S.
     driver: "loop" or "grid"; None picks `default_driver()`.
     interpret: run in Pallas' interpret mode; None means on CPU only.
 
@@ -234,9 +246,9 @@ def attend_cache(
   b, t, n, h = q_btnh.shape
   kh, g = cfg.num_kv_heads, cfg.num_groups
   slots = entry["k"].shape[1]
-  size = min(block, slots)
+  size = 1 << (min(block, slots).bit_length() - 1)  # the largest power of two ≤ min(block, S)
   rows = t * g
-  padded = -(-rows // ROW_TILE) * ROW_TILE
+  padded = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # a power of two ≥ rows
   dims = (size, slots, h**-0.5, q_btnh.dtype)
   # Row r = t·G + g of KV head k; padding rows repeat the last row (dropped at the end).
   q_bkrh = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, h)
@@ -271,6 +283,7 @@ def attend_cache(
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, None, padded, h), lambda i, k: (i, k, 0, 0)),
       out_shape=out_shape,
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="opd_decode_attention_loop",
     )(*operands)
@@ -305,7 +318,9 @@ def attend_cache(
         pltpu.VMEM((kh, padded, h), jnp.float32),
       ],
     )
-    kernel = functools.partial(_grid_kernel, dims=dims, scaled=scaled, kv_heads=kh)
+    kernel = functools.partial(
+      _grid_kernel, dims=dims, scaled=scaled, tensor_scale=tensor_scale, kv_heads=kh
+    )
     out_bkrh = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,

@@ -126,7 +126,7 @@ def run(batches=BATCHES, repeats: int = 7, attentions=None, log=print) -> list[d
   for i, (attention, batch) in enumerate(groups):
     timed = _group(cfg, params, attention, batch, repeats)
     for (kv, slots, t), (ms, per_token) in timed.items():
-      if attention == "blockwise":
+      if attention in ("blockwise", "pallas"):  # both read only the filled blocks
         size = min(BLOCK, slots)
         read = min(-(-(t + 1) // size) * size, slots)
       else:
@@ -140,7 +140,9 @@ def run(batches=BATCHES, repeats: int = 7, attentions=None, log=print) -> list[d
           "position": t,
           "ms_per_step": round(ms, 3),
           "kv_bytes_read": int(read * per_token * batch),
-          "dequant_copy_bytes": 0 if attention == "blockwise" else slots * dequant * batch,
+          "dequant_copy_bytes": 0
+          if attention in ("blockwise", "pallas")
+          else slots * dequant * batch,
         }
       )
     log(f"[{i + 1}/{len(groups)}] {attention}, batch {batch}: {len(timed)} rows timed")
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--attention",
     default="",
-    help="comma-separated subset of blockwise,reference (default both)",
+    help="comma-separated subset of blockwise,reference,pallas (default blockwise,reference; "
+    "pallas runs in interpret mode on a CPU)",
   )
   args = parser.parse_args(argv)
   attentions = tuple(a for a in args.attention.split(",") if a) or None

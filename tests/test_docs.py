@@ -79,14 +79,6 @@ def test_strict_mkdocs_build_has_no_broken_link_or_missing_page(tmp_path):
   assert (tmp_path / "site" / "reference" / "config" / "index.html").exists()
 
 
-def test_the_hook_adds_optional_pages_only_when_they_exist(tmp_path):
-  hooks = _load_tool("mkdocs_hooks")
-  config = {"docs_dir": str(tmp_path), "nav": [{"Home": "index.md"}]}
-  assert hooks.on_config(dict(config))["nav"] == [{"Home": "index.md"}]
-  (tmp_path / "sources.md").write_text("# Sources\n")
-  assert hooks.on_config(dict(config))["nav"][-1] == {"More": [{"Rollout sources": "sources.md"}]}
-
-
 # --- generated reference pages ----------------------------------------------------------------
 
 

@@ -254,3 +254,35 @@ def test_readme_quickstarts_run_in_their_tiny_form(tmp_path):
   rows = json.loads((tmp_path / "runs" / "admit" / "admit.json").read_text())
   assert len(rows["rows"]) == 2
   assert (tmp_path / "mine" / "run" / "export" / "config.json").exists()
+
+
+def test_the_async_timeline_draws_each_row_of_a_bench_result(tmp_path):
+  """`tools/plot_docs.py async` reads the benchmark's JSON: a sync row (one lane) and an async
+  row (two lanes) give a PNG, and a row without its split is named in the error."""
+  plot = _load_tool("plot_docs")
+  split = {"sampling_s": 0.04, "teacher_scoring_s": 0.03, "train_step_s": 0.15}
+  rows = [
+    {
+      "name": "sync_bf16",
+      "mode": "sync",
+      "step_s_mean": 0.2,
+      "waiting_s_mean": 0.0,
+      "split": {**split, "teacher_on": "train step"},
+    },
+    {
+      "name": "async_fp8",
+      "mode": "async",
+      "step_s_mean": 0.17,
+      "waiting_s_mean": 0.01,
+      "split": {**split, "teacher_on": "rollout side"},
+    },
+  ]
+  bench = tmp_path / "bench.json"
+  bench.write_text(json.dumps({"seeds": 3, "rows": rows}))
+  out = plot.plot_async(bench, tmp_path / "timeline.png")
+  assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  bench.write_text(
+    json.dumps({"seeds": 3, "rows": [{k: v for k, v in rows[0].items() if k != "split"}]})
+  )
+  with pytest.raises(KeyError, match="split"):
+    plot.plot_async(bench, tmp_path / "bad.png")

@@ -1,7 +1,7 @@
 """Draws the docs' pictures from committed data.
 
-    python tools/plot_docs.py            # both pictures into docs/images/
-    python tools/plot_docs.py quality    # one of them: quality | main_job
+    python tools/plot_docs.py            # every picture into docs/images/
+    python tools/plot_docs.py quality    # one of them: quality | main_job | async
 
 * `docs/images/quality_vs_mismatch.png`: held-out quality drop against the admission check's
   `mismatch/kl`, one point per run setting of the current study round
@@ -10,6 +10,11 @@
 * `docs/images/main_job_scalars.png`: the main job's `mismatch/*` and `rollout/*` scalars
   against the step, from its `metrics.jsonl` (`docs/results/main_job_metrics.jsonl`, a copy of
   `runs/fp8_async/metrics.jsonl`; `--metrics=PATH` reads another run's).
+* `docs/images/async_timeline.png`: one step of each row of the time-to-quality benchmark
+  (`docs/results/async_vs_sync.json`, the JSON of `python -m opd_jax.bench.async_vs_sync`): the
+  serialized pass's sampling, teacher scoring and train step laid out as the loop runs them
+  (one after the other in a sync row; the rollout side beside the train side in an async row),
+  with the measured loop seconds per step and wait per step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "docs" / "images"
 STUDY = REPO / "docs" / "study" / "round7" / "study.json"
 MAIN_JOB_METRICS = REPO / "docs" / "results" / "main_job_metrics.jsonl"
+ASYNC_BENCH = REPO / "docs" / "results" / "async_vs_sync.json"
 
 MARKERS = {"reference": "o", "calibration": "s", "held_out": "^"}
 
@@ -145,19 +151,69 @@ def plot_main_job(metrics_path: Path, out: Path) -> Path:
   return out
 
 
+def plot_async(bench_path: Path, out: Path) -> Path:
+  """One step per benchmark row: the serialized split as bars on a time axis, and the run's
+  measured seconds per step beside it."""
+  bench = json.loads(bench_path.read_text())
+  rows = bench["rows"]
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(8, 0.9 * len(rows) + 1.4))
+  colours = {"sampling": "tab:blue", "teacher scoring": "tab:orange", "train step": "tab:green"}
+  for i, row in enumerate(rows):
+    split, y = row["split"], len(rows) - 1 - i
+    sample, teacher, train = split["sampling_s"], split["teacher_scoring_s"], split["train_step_s"]
+    rollout_side = [("sampling", sample)]
+    if split["teacher_on"] == "rollout side":
+      rollout_side.append(("teacher scoring", teacher))
+    if row["mode"] == "sync":  # sample, then train: one lane
+      lanes = [(y, [*rollout_side, ("train step", train)])]
+    else:  # the rollout side for the next batch beside the train step
+      lanes = [(y + 0.2, rollout_side), (y - 0.2, [("train step", train)])]
+    for lane_y, parts in lanes:
+      start = 0.0
+      for name, seconds in parts:
+        ax.barh(lane_y, seconds, left=start, height=0.35, color=colours[name])
+        start += seconds
+    ax.plot([row["step_s_mean"]] * 2, [y - 0.45, y + 0.45], color="black", lw=2)
+    ax.text(
+      row["step_s_mean"],
+      y + 0.47,
+      f" measured {1000 * row['step_s_mean']:.0f} ms/step, wait {1000 * row['waiting_s_mean']:.0f}",
+      fontsize=7,
+      va="bottom",
+    )
+  ax.set_yticks(range(len(rows)), [r["name"] for r in reversed(rows)])
+  ax.set_xlabel("seconds in one step")
+  handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+  ax.legend(handles, list(colours), fontsize=7, loc="lower right")
+  ax.set_title(
+    "One step: the serialized pass's programs (bars) and the run's loop time (black line), "
+    f"{bench['seeds']} seeds",
+    fontsize=9,
+  )
+  fig.tight_layout()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, metadata={"Software": None})
+  plt.close(fig)
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("which", nargs="*", default=["quality", "main_job"])
+  parser.add_argument("which", nargs="*", default=["quality", "main_job", "async"])
   parser.add_argument("--study", default=str(STUDY), help="a study.json")
   parser.add_argument("--metrics", default=str(MAIN_JOB_METRICS), help="a run's metrics.jsonl")
+  parser.add_argument("--bench", default=str(ASYNC_BENCH), help="async_vs_sync's JSON")
   args = parser.parse_args(argv)
   for which in args.which:
     if which == "quality":
       path = plot_quality(Path(args.study), IMAGES / "quality_vs_mismatch.png")
     elif which == "main_job":
       path = plot_main_job(Path(args.metrics), IMAGES / "main_job_scalars.png")
+    elif which == "async":
+      path = plot_async(Path(args.bench), IMAGES / "async_timeline.png")
     else:
-      parser.error(f"unknown picture {which!r}; known: quality, main_job")
+      parser.error(f"unknown picture {which!r}; known: quality, main_job, async")
     print(f"wrote {path.relative_to(REPO)}")
   return 0
 

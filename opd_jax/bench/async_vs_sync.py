@@ -227,6 +227,7 @@ def serialized_split(name: str, args, workdir: str) -> dict:
   shardings = sharding.tree_shardings(abstract, m.mesh)  # as the trainer lays its state out
   state = jax.device_put(train_step.init_state(params, tx, 0), shardings)
   step_fn = trainer.make_step_fn(config, setup, shardings, tx)
+  scored_in_run = bool(config.rollout.score_teacher)  # where this row's teacher runs
   seconds, rollouts = {}, {}
   for scored in (False, True):
     config.rollout.score_teacher, config.rollout.mode = scored, "sync"
@@ -243,7 +244,7 @@ def serialized_split(name: str, args, workdir: str) -> dict:
       sample, args.split_batches
     )
     rollouts[scored] = sample()
-  scored = bool(RUNS[name] is None or (RUNS[name] or {}).get("rollout.score_teacher"))
+  scored = scored_in_run
   rollout = rollouts[scored]
   holder = [state]
 

@@ -178,7 +178,8 @@ def plot_async(bench_path: Path, out: Path) -> Path:
     ax.text(
       row["step_s_mean"],
       y + 0.47,
-      f" measured {1000 * row['step_s_mean']:.0f} ms/step, wait {1000 * row['waiting_s_mean']:.0f}",
+      f" measured {1000 * row['step_s_mean']:.0f} ms/step,"
+      f" wait {1000 * row['waiting_s_mean']:.0f} ms",
       fontsize=7,
       va="bottom",
     )

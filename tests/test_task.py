@@ -324,11 +324,13 @@ def test_tiny_transformer_learns_the_task():
 
 
 @pytest.mark.slow
-def test_tiny_transformer_learns_the_chain():
-  """The long variant (n = 32 steps, 186-219 completion tokens) is learnable by the same
-  2-layer d=128 model (`learn_and_score`): each step reads only the one before it. Measured:
-  teacher-forced exact match 0.92 after 1,125 steps of batch 16, greedy exact match 0.9375 on
-  256 held-out prompts; about 25 minutes on 2 busy CPU cores, a third of it the uncached
-  greedy decode."""
-  step, accuracy = learn_and_score(CHAIN, max_steps=1500, batch=16, stop_at=0.9)
+def test_tiny_transformer_learns_a_short_chain():
+  """The chain variant is learnable by the same 2-layer d=128 model (`learn_and_score`): each
+  step reads only the one before it. The test uses n = 8 steps (about 60 completion tokens) to
+  stay within the suite's time; the full n = 32 variant (186-219 tokens) was measured once by
+  hand with `learn_and_score(CHAIN, max_steps=1500, batch=16, stop_at=0.9)`: teacher-forced exact
+  match 0.92 after 1,125 steps, greedy exact match 0.9375 on 256 held-out prompts, about 25
+  minutes on 2 busy CPU cores."""
+  short = task.TaskConfig(num_operands=8, kind="chain")
+  step, accuracy = learn_and_score(short, max_steps=800, batch=16, stop_at=0.9)
   assert accuracy >= 0.85, (step, accuracy)

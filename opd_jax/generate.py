@@ -37,12 +37,13 @@ import jax
 import numpy as np
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.config import check as config_check
 from opd_jax.inference import sampler, transform
 from opd_jax.io import build, hf
 from opd_jax.io.build import DTYPES
 from opd_jax.model import kvcache, tokenizer
 
-WEIGHTS = ("trainer", "bf16", "fp8")  # rollout.weights
+WEIGHTS = config_check.RULES["rollout.weights"].options  # rollout.weights, the trainer's formats
 KV_CACHES = ("auto", "bf16", "fp8")  # rollout.kv_cache
 DEFAULT_WEIGHTS, DEFAULT_KV_CACHE, DEFAULT_DTYPE = "trainer", "auto", "float32"  # as configs/base
 # Older spellings -> (the value used, the message printed once per use).
@@ -89,8 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--weights",
     default=DEFAULT_WEIGHTS,
-    help="as rollout.weights: trainer (as loaded in --dtype), bf16, or fp8 (e4m3 layer "
-    f"matrices) (default {DEFAULT_WEIGHTS})",
+    help="as rollout.weights: trainer (as loaded in --dtype), bf16, or a quantized format of "
+    f"the layer matrices: {', '.join(WEIGHTS[2:])} (default {DEFAULT_WEIGHTS})",
+  )
+  p.add_argument(
+    "--weight-group-size",
+    type=int,
+    default=None,
+    help="as rollout.weight_group_size: one scale per this many inputs of a quantized matrix "
+    "(fp4 needs one, e.g. 32); default: one scale per output channel",
   )
   p.add_argument(
     "--kv-cache",
@@ -215,7 +223,9 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
     # A padded table: like the trainer, sample over the tokenizer's ids only.
     model_cfg = build.with_real_vocab(model_cfg, tokenizer.real_vocab_size(tok))
   engine_cfg = transform.EngineConfig(
-    weights=weights, kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity)
+    weights=weights,
+    kv=kvcache.KVCacheSpec(dtype=kv_dtype, granularity=granularity),
+    weight_group_size=args.weight_group_size,
   )
   params = transform.engine_params(params, engine_cfg, jax.random.key(args.seed))
   cfg = sampler.SamplerConfig(

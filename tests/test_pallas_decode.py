@@ -4,6 +4,8 @@ on the CPU, against the XLA blockwise path; its selection through `rollout.decod
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,13 +14,16 @@ import pytest
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
-from configs import base
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
 from opd_jax.model import decode_attention, kvcache, pallas_decode
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.train import setup as setup_lib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
+
+import base  # noqa: E402
 
 # GQA: N = 4 query heads over K = 2 KV heads (G = 2), head_dim 16 ≠ D / N.
 CFG = ModelConfig(

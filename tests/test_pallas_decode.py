@@ -18,51 +18,20 @@ from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
 from opd_jax.model import decode_attention, kvcache, pallas_decode
 from opd_jax.model import transformer as model
-from opd_jax.model.config import ModelConfig
 from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
 import base  # noqa: E402
 
-# GQA: N = 4 query heads over K = 2 KV heads (G = 2), head_dim 16 ≠ D / N.
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=16,
-  qk_norm=True,
-)
-FP8 = "float8_e4m3fn"
-SPECS = {
-  "f32": kvcache.KVCacheSpec(dtype="float32"),
-  "bf16": kvcache.KVCacheSpec(dtype="bfloat16"),
-  "fp8_token_head": kvcache.KVCacheSpec(dtype=FP8, granularity="token_head"),
-  "fp8_tensor": kvcache.KVCacheSpec(dtype=FP8, granularity="tensor"),
-}
-
-
-def _filled_entry(spec, batch, slots, seed):
-  """One layer's cache with random keys and values written to every slot."""
-  rng = np.random.default_rng(seed)
-  entry = kvcache.init_cache(CFG, batch, slots, spec)[0]
-  shape = (batch, slots, CFG.num_kv_heads, CFG.head_dim)
-  k = jnp.asarray(rng.standard_normal(shape), jnp.float32) * 2.0
-  v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  return kvcache.write(entry, k, v, jnp.zeros(batch, jnp.int32), spec)
+# The model shape (GQA: N = 4 query heads over K = 2 KV heads, head_dim 16 ≠ D / N), the four
+# cache formats and the filled caches are the blockwise tests', so both compare the same cases.
+from test_decode_attention import CFG, SPECS, _f32, _filled_entry  # noqa: E402
 
 
 def _queries(batch, tokens, seed, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
   return jnp.asarray(rng.standard_normal((batch, tokens, CFG.num_heads, CFG.head_dim)), dtype)
-
-
-def _f32(x):
-  return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
 @pytest.mark.parametrize("driver", pallas_decode.DRIVERS)

@@ -86,6 +86,20 @@ def leave_one_out_baseline(reward_b):
   return (jnp.sum(reward_b) - reward_b) / (reward_b.shape[0] - 1)
 
 
+def _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask) -> None:
+  """ValueError unless the logits are [B, T, V] and the tokens, behaviour log-probs and mask
+  are all [B, T] (both RL losses take these four)."""
+  if student_logits.ndim != 3 or student_logits.shape[:2] != mask.shape:
+    raise ValueError(
+      f"student logits {student_logits.shape} must be [B, T, V] over mask {mask.shape}"
+    )
+  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
+    raise ValueError(
+      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
+      f"{mask.shape} must all be [B, T]"
+    )
+
+
 def truncated_is_ratio(student_lp_bt, behaviour_lp_bt, mask_bt, is_clip: float | None):
   """ρ_bt = min(exp(sg(log π_θ) − log π_b), C), or 1 when `is_clip` is None; and the clip flags.
 
@@ -134,15 +148,7 @@ def reinforce(student_logits, tokens, mask, reward_b, behaviour_logprobs, is_cli
       "loss 'reinforce' needs Rollout.reward_b: the rollout engine fills it when built with "
       "score_rewards=True (the trainer does this for train.loss='reinforce')"
     )
-  if student_logits.ndim != 3 or student_logits.shape[:2] != mask.shape:
-    raise ValueError(
-      f"student logits {student_logits.shape} must be [B, T, V] over mask {mask.shape}"
-    )
-  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
-    raise ValueError(
-      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
-      f"{mask.shape} must all be [B, T]"
-    )
+  _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask)
   if reward_b.shape != mask.shape[:1]:
     raise ValueError(f"reward {reward_b.shape} must be [B] with B = {mask.shape[0]}")
   reward_b = reward_b.astype(jnp.float32)
@@ -337,15 +343,7 @@ def grpo(
   if not 0 < clip_eps < 1:
     raise ValueError(f"the PPO clip ε (train.ppo_clip) must be in (0, 1), got {clip_eps!r}")
   check_correction(correction, correction_clip)
-  if student_logits.ndim != 3 or student_logits.shape[:2] != mask.shape:
-    raise ValueError(
-      f"student logits {student_logits.shape} must be [B, T, V] over mask {mask.shape}"
-    )
-  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
-    raise ValueError(
-      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
-      f"{mask.shape} must all be [B, T]"
-    )
+  _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask)
   if advantage_b.shape != mask.shape[:1]:
     raise ValueError(f"advantage {advantage_b.shape} must be [B] with B = {mask.shape[0]}")
   counted = (mask > 0).astype(jnp.float32)

@@ -363,3 +363,12 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(
     lags = [row["rollout/version_lag_mean"] for row in b if "rollout/version_lag_mean" in row]
     assert lags == [0.5, 1.0, 1.0]  # max_lag = 1: lag 0 for the first batch, then 1
     assert all(row["rollout/publish_seconds"] > 0 for row in b if "rollout/publish_seconds" in row)
+
+
+def test_process_count_errors_name_a_batch_or_rollout_split_that_does_not_divide():
+  config = _printed_config(["--config=configs/fp8_async.py"])
+  config.data.batch_size, config.rollout.devices = 12, 3
+  errors = setup.process_count_errors(config, 8)
+  assert any("data.batch_size=12 must be a multiple of the process count (8)" in e for e in errors)
+  assert any("rollout.devices=3 must be a multiple of the process count (8)" in e for e in errors)
+  assert setup.process_count_errors(config, 1) == []

@@ -21,7 +21,6 @@ import dataclasses
 import os
 
 import jax
-import numpy as np
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts, task
@@ -383,10 +382,10 @@ def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
   if errors:
     raise ValueError("; ".join(errors))
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-  if config.data.batch_size % int(np.lcm(batch_devices, jax.process_count())):
+  if config.data.batch_size % batch_devices:  # the process count: process_count_errors
     raise ValueError(
       f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
-      f"devices ({batch_devices}) and of the process count ({jax.process_count()})"
+      f"devices ({batch_devices})"
     )
   rollout_worker.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
   rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions

@@ -101,6 +101,7 @@ import ml_collections
 
 from opd_jax.config import check as config_check
 from opd_jax.data import pipeline as data
+from opd_jax.data import prompts as prompts_lib
 from opd_jax.data import task
 from opd_jax.inference import sampler
 from opd_jax.io import metrics_writer
@@ -167,7 +168,8 @@ def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompt
     seed = config.seed + CALIBRATION_SEED_OFFSET
     source = task.TaskSource("heldout", num_prompts, seed, task_cfg)
   width = setup_lib.prompt_width(source, tokenizer, task_cfg, bool(config.data.prompt_file))
-  texts = [source[i]["prompt"] for i in range(num_prompts)]
+  # A chat record ("messages") is its rendered chat template, as training reads it.
+  texts = [prompts_lib.record_text(source[i], tokenizer) for i in range(num_prompts)]
   tokens_bp, lens_b = task.encode_prompts(texts, tokenizer, width)
   return texts, tokens_bp, lens_b
 

@@ -1,7 +1,7 @@
 """Entry point: the admission check.
 
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
-        --budget=FILE --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
+        [--budget=FILE] --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
         [--workdir=DIR] [--params-from=RUN] [--force] [--conservative] [--compilation-cache=DIR]
         [--nofast-compile]
 
@@ -13,6 +13,13 @@ parts are measured alone when the rule reads them); the table goes to stdout, th
 --json (a file, or `-` for stdout, the table then on stderr), and one line per candidate to
 <workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are `opd_jax.main`'s
 own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
+
+Without --budget (or with --budget=uncalibrated) the candidates are judged against the
+uncalibrated default limit, `opd_jax.mismatch.budget.UNCALIBRATED_MAX_KL` nats/token (the lowest
+knee over the calibrated student–teacher pairs, at the lower end of its interval), with the
+pooled rule and no fingerprint check; the header line, every row ("limit from", "call") and the
+JSON ("budget": "uncalibrated default") say so. Calibrate a budget for your own models for
+verdicts that are theirs.
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ from opd_jax.cli import flags as cli_flags
 from opd_jax.io import compile_cache
 from opd_jax.mismatch import admission
 
-_BUDGET = flags.DEFINE_string("budget", None, "Budget file (opd_jax.budget.save_budget).")
+_BUDGET = flags.DEFINE_string(
+  "budget",
+  None,
+  "Budget file (opd_jax.budget.save_budget). Without it (or `uncalibrated`): the uncalibrated "
+  "default limit, the lowest knee over the calibrated pairs, with no fingerprint check.",
+)
 _CANDIDATES = flags.DEFINE_multi_string(
   "candidate", None, "rollout.<key>=<value>[,rollout.<key>=<value> ...]; repeat for several."
 )
@@ -88,6 +100,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  for name in ("config", "budget", "candidate"):
+  for name in ("config", "candidate"):
     flags.mark_flag_as_required(name)
   app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)

@@ -8,6 +8,7 @@ equations, the record format and the file schema.
 
 from opd_jax.mismatch.budget import (
   RULE_NAMES,
+  UNCALIBRATED_MAX_KL,
   Budget,
   Rule,
   Threshold,
@@ -15,18 +16,21 @@ from opd_jax.mismatch.budget import (
   admit,
   apply_rule,
   fit_budget,
+  uncalibrated_budget,
 )
 from opd_jax.mismatch.budget_file import (
   budget_from_json,
   budget_to_json,
   fingerprint,
   load_budget,
+  load_budget_or_default,
   save_budget,
   stale_reasons,
 )
 
 __all__ = [
   "RULE_NAMES",
+  "UNCALIBRATED_MAX_KL",
   "Budget",
   "Rule",
   "Threshold",
@@ -38,6 +42,8 @@ __all__ = [
   "fingerprint",
   "fit_budget",
   "load_budget",
+  "load_budget_or_default",
   "save_budget",
   "stale_reasons",
+  "uncalibrated_budget",
 ]

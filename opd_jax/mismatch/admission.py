@@ -77,6 +77,16 @@ lock while it compiles. The command ends without the interpreter's teardown
 (`cli.flags.exit_at_once`) once its outputs are closed. `python -m opd_jax.bench.admission_cost`
 reports the cost of a first and a later check as fractions of a training run of the same config.
 
+Uncalibrated default. Without a budget file (`budget_path` None or "uncalibrated") the check
+screens against the uncalibrated default limit (`budget.uncalibrated_budget`:
+`budget.UNCALIBRATED_MAX_KL` nats/token, the lowest knee over the calibrated student–teacher
+pairs at the lower end of its interval) with the pooled rule, through the same `apply_rule`. It
+says so in its header line, in every row's "limit from" ("uncalibrated default") and "call"
+("uncalibrated": with no interval, no band to be too close to), and in the JSON ("budget":
+"uncalibrated default" in every row and in the result's "budget" entry, with "calibrated":
+false). The default belongs to no model: no fingerprint is compared, so nothing is stale and
+`force` changes nothing; its interval has zero width, so `conservative` changes nothing either.
+
 Stale budget. The budget file's fingerprint (`budget_file.fingerprint`) names the student
 (the params the check scores with), the teacher, the quantization format, the backend and the
 jax versions. A mismatch refuses the check with one line per change (`budget_file.
@@ -138,6 +148,9 @@ STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started stu
 
 # Below this (nats/token) a mismatch/kl is f32 rounding (an exact engine reads ~1e-9): no ratio.
 ROUNDING_KL = 1e-6
+
+
+UNCALIBRATED_LABEL = "uncalibrated default"  # a row's "budget" and "limit from" without a file
 
 
 # Table columns: (header, row key, format).
@@ -337,9 +350,18 @@ def _refuse_unmeasurable(candidates: Sequence[Candidate], history: RunHistory | 
 
 
 def candidate_row(
-  candidate: Candidate, measurement: dict, verdict: budget_lib.Verdict, student_step
+  candidate: Candidate,
+  measurement: dict,
+  verdict: budget_lib.Verdict,
+  student_step,
+  budget_label: str = "",
+  uncalibrated: bool = False,
 ) -> dict:
-  """The JSON row of one candidate: its settings, every measured value and the verdict."""
+  """The JSON row of one candidate: its settings, every measured value and the verdict.
+
+  `budget_label` names the budget in the row's "budget" (the file's path, or
+  UNCALIBRATED_LABEL); with `uncalibrated` (the default limit, module docstring) the row's
+  "limit_from" is UNCALIBRATED_LABEL and its "call" "uncalibrated"."""
   row: dict[str, Any] = {
     "candidate": candidate.spec,
     "overrides": {
@@ -357,14 +379,15 @@ def candidate_row(
   row.update(
     {
       "max_kl": verdict.limit,
-      "limit_from": verdict.limit_source or "overall",
+      "limit_from": UNCALIBRATED_LABEL if uncalibrated else verdict.limit_source or "overall",
       "margin": verdict.margin,
       "admitted": verdict.admitted,
       "verdict": "admitted" if verdict.admitted else "rejected",
       "limit_band": list(verdict.limit_band),
       "too_close": verdict.too_close,
-      "call": "too close" if verdict.too_close else "clear",
+      "call": "uncalibrated" if uncalibrated else "too close" if verdict.too_close else "clear",
       "reasons": list(verdict.reasons),
+      "budget": budget_label,
     }
   )
   if verdict.layer_margins:
@@ -441,7 +464,7 @@ def check_budget_fresh(saved_fp: dict, current_fp: dict, force: bool, hint: str 
 
 def run_admission(
   config: ml_collections.ConfigDict,
-  budget_path: str,
+  budget_path: str | None,
   specs: Sequence[str],
   *,
   num_prompts: int = DEFAULT_NUM_PROMPTS,
@@ -456,7 +479,8 @@ def run_admission(
 
   Args:
     config: the run config the candidates modify (validated here).
-    budget_path: a budget file written by `budget_file.save_budget`.
+    budget_path: a budget file written by `budget_file.save_budget`; None or "uncalibrated":
+      the uncalibrated default limit (module docstring).
     specs: candidate specs (`parse_candidate`), at least one.
     num_prompts: N calibration prompts.
     workdir: where `admission_log.jsonl` is appended and the warm-started student cached
@@ -466,13 +490,16 @@ def run_admission(
       checkpoints serve stale candidates. Only read (its `teacher_cache` is used when
       `config.teacher.cache_dir` is empty; a teacher missing there would be bootstrapped into
       it, as the trainer does).
-    force: check against a stale budget (its reasons are still reported).
+    force: check against a stale budget (its reasons are still reported); nothing with the
+      uncalibrated default, which has no fingerprint.
     conservative: set the rule's "conservative" parameter (`budget.Rule.with_params`).
     json_path: also write the result as JSON there.
     log: progress and the table go here.
 
   Returns:
-    {"rows": [one `candidate_row` per candidate], "budget": {...}, "student": {...},
+    {"rows": [one `candidate_row` per candidate], "budget": {"name": the file's path or
+     "uncalibrated default", "calibrated": bool, "file": the path or None, "max_kl", ...},
+     "student": {...},
      "num_prompts": N, "stale_budget_reasons": [...], "forced": bool, "seconds": {"setup":
      models and student (with `params_from`, the candidates' compiles too: they run beside the
      restore), "measure": one per candidate, "total"}, "log_file": path}.
@@ -485,7 +512,9 @@ def run_admission(
   if not specs:
     raise ValueError("give at least one --candidate")
   config_check.validate(config)
-  budget, saved_fp = budget_file.load_budget(budget_path)
+  budget, saved_fp = budget_file.load_budget_or_default(budget_path or budget_lib.UNCALIBRATED)
+  uncalibrated = saved_fp is None
+  budget_name = UNCALIBRATED_LABEL if uncalibrated else os.path.abspath(budget_path)
   candidates = [parse_candidate(spec, config) for spec in specs]
   if params_from is None:  # refuse stale candidates before building anything
     _refuse_unmeasurable(candidates, None)
@@ -525,7 +554,7 @@ def run_admission(
     if params_from
     else ""
   )
-  stale = check_budget_fresh(saved_fp, current_fp, force, hint)
+  stale = [] if uncalibrated else check_budget_fresh(saved_fp, current_fp, force, hint)
   if stale:
     log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
 
@@ -544,7 +573,7 @@ def run_admission(
       c, config, whole, budget, lambda _, part: measure_one(part)[budget_lib.KL_KEY], rule
     )
     measure_seconds.append(time.perf_counter() - t0)
-    row = candidate_row(c, measurement, verdict, student_step)
+    row = candidate_row(c, measurement, verdict, student_step, budget_name, uncalibrated)
     if history is not None and trained_with(c, history.run_config):
       row.update(training_time_kl(params_from, c.lag) or {})
       if row.get("train/mismatch_kl_last", 0.0) > ROUNDING_KL:
@@ -562,7 +591,8 @@ def run_admission(
         },
         "num_prompts": num_prompts,
         "student": student,
-        "budget_file": os.path.abspath(budget_path),
+        "budget_file": None if uncalibrated else budget_name,
+        "budget": budget_name,
         "stale_budget_reasons": stale,
         "fingerprint": current_fp,
       }
@@ -571,15 +601,7 @@ def run_admission(
   log_path = append_log(workdir, entries)
   result = {
     "rows": rows,
-    "budget": {
-      "file": os.path.abspath(budget_path),
-      "max_kl": budget.max_kl,
-      "interval": list(budget.interval),
-      "tolerance": budget.tolerance,
-      "censored": budget.censored,
-      "conservative": conservative,
-      "rule": budget_file.rule_dict(rule),
-    },
+    "budget": budget_entry(budget, budget_name, uncalibrated, conservative, rule),
     "student": student,
     "num_prompts": num_prompts,
     "prompts": texts,
@@ -592,17 +614,45 @@ def run_admission(
     },
     "log_file": log_path,
   }
-  interval = ", ".join(f"{v:.4g}" for v in budget.interval)
+  if uncalibrated:
+    head = f"no budget file: using {budget_lib.uncalibrated_note()}"
+  else:
+    interval = ", ".join(f"{v:.4g}" for v in budget.interval)
+    head = (
+      f"budget {budget_path}: max_kl {budget.max_kl:.4g} nats/token (interval [{interval}], "
+      f"tolerance {budget.tolerance:.4g}, censored {budget.censored})"
+    )
   log(
-    f"budget {budget_path}: max_kl {budget.max_kl:.4g} nats/token (interval [{interval}], "
-    f"tolerance {budget.tolerance:.4g}, censored {budget.censored}); rule: {rule.describe()}; "
-    f"student: {student['source']}; {num_prompts} calibration prompts"
+    f"{head}; rule: {rule.describe()}; student: {student['source']}; "
+    f"{num_prompts} calibration prompts"
   )
   log(format_table(rows))
   if json_path:
     pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(json_path).write_text(json.dumps(_json_safe(result), indent=1) + "\n")
   return result
+
+
+def budget_entry(
+  budget: budget_lib.Budget, name: str, uncalibrated: bool, conservative: bool, rule
+) -> dict:
+  """The result's "budget" entry: its name (the file's path, or UNCALIBRATED_LABEL), whether it
+  was calibrated, the limit and the rule; a file's tolerance and censoring, or the default's
+  provenance (`budget.uncalibrated_note`)."""
+  entry = {
+    "name": name,
+    "calibrated": not uncalibrated,
+    "file": None if uncalibrated else name,
+    "max_kl": budget.max_kl,
+    "interval": list(budget.interval),
+    "conservative": conservative,
+    "rule": budget_file.rule_dict(rule),
+  }
+  if uncalibrated:
+    entry["note"] = budget_lib.uncalibrated_note()
+  else:
+    entry.update(tolerance=budget.tolerance, censored=budget.censored)
+  return entry
 
 
 TRAIN_LAST_FRACTION = 0.1  # training-time mismatch/kl: the last 10% of the logged steps

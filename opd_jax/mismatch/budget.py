@@ -138,6 +138,16 @@ present, is that second fit: `fit_budget` on the same runs with each record's mi
 replaced by the run's training-time mean (the study writes both into one budget file). The
 live guard compares a run's per-step values with `training` and its adaptive measurements,
 which use the check's procedure, with the budget itself.
+
+Uncalibrated default
+--------------------
+A model with no budget of its own can still be screened against one set limit,
+`UNCALIBRATED_MAX_KL` on the check's axis (`uncalibrated_budget`): a Budget with no records, no
+per-source or per-layer fits, no training-axis fit and the pooled rule, so that `apply_rule`
+reaches its verdicts as for any budget (admitted ⇔ kl ≤ UNCALIBRATED_MAX_KL). It is named
+UNCALIBRATED ("uncalibrated") where a budget file is asked for. It belongs to no model, so it
+has no fingerprint to check, and it is no calibration of the model it screens: a knee measured
+on one pair says where a careful user might start, not where another model degrades.
 """
 
 from __future__ import annotations
@@ -340,6 +350,67 @@ class Budget:
       return _at(self.overall, end), None
     limit, which = min((self.source_limit(s, end=end), s) for s in named)
     return limit, which
+
+
+UNCALIBRATED = "uncalibrated"  # the name of the default where a budget file is asked for
+
+UNCALIBRATED_MAX_KL = 0.033
+"""The uncalibrated default limit, in nats/token of the check's mismatch/kl.
+
+Where it comes from: the lowest knee measured over the calibrated student–teacher pairs, at the
+lower end of its bootstrap interval. Today one pair is calibrated, the embedded task's
+(docs/study/round7/budget.json, the same fit as round 6's and round 8's): its lowest knee is the
+weight-noise limit, 0.0468 nats/token, interval [0.0333, 0.325] (95 %), where its isotonic fit
+crosses τ = 4.3 accuracy points. Its other per-source fits are no knees: FP8 weights and FP8 KV
+cross τ on one run each (unconfirmed), kernel and staleness never cross it ("above"); the pooled
+limit is 0.233. The constant is that interval's lower end, 0.03325, rounded down to 0.033:
+conservative, because a model it screens is not the one it was measured on, and a wrongly
+admitted engine costs a degraded run where a wrongly refused one costs a slower engine. A later
+pair's calibration with a lower knee lowers it, here and nowhere else.
+"""
+
+
+CALIBRATE_COMMAND = "python -m opd_jax.calibrate"  # how a user calibrates a budget of their own
+
+
+def uncalibrated_note() -> str:
+  """The words a check or a run that uses the default says it with: the limit, where it comes
+  from, that it is uncalibrated, and how to calibrate one."""
+  return (
+    f"the uncalibrated default limit {UNCALIBRATED_MAX_KL:g} nats/token (the lowest knee over "
+    "the calibrated pairs, at the lower end of its interval; calibrate your own with "
+    f"{CALIBRATE_COMMAND})"
+  )
+
+
+def uncalibrated_budget() -> Budget:
+  """The uncalibrated default (module docstring, "Uncalibrated default") as a Budget:
+  max_kl = UNCALIBRATED_MAX_KL with a zero-width interval (so `conservative` changes nothing and
+  no verdict is too close to call), no records, no per-source or per-layer fits, no
+  training-axis fit, the pooled rule, and tolerance NaN (the limit is set, not fitted)."""
+  limit = UNCALIBRATED_MAX_KL
+  threshold = Threshold(
+    max_kl=limit,
+    interval=(limit, limit),
+    censored="none",
+    curve_kl=(limit,),
+    curve_drop=(math.nan,),
+    num_records=0,
+  )
+  return Budget(
+    tolerance=math.nan,
+    overall=threshold,
+    layers={},
+    unfitted_layers=(),
+    records=(),
+    rule=POOLED,
+  )
+
+
+def is_uncalibrated(budget: Budget) -> bool:
+  """Whether `budget` is a set limit with no calibration record behind it (a fitted budget
+  always has records: `fit_budget` refuses none)."""
+  return budget.overall.num_records == 0
 
 
 ENDS = ("point", "lower", "upper")
@@ -662,6 +733,11 @@ def _over(
   name: str, kl: float, threshold: Threshold, limit: float, conservative: bool, tolerance: float
 ) -> str:
   """The reason line for a mismatch `kl` above `limit` under `threshold`."""
+  if threshold.num_records == 0:
+    return (
+      f"{name} {kl:.4g} > {limit:.4g}, the uncalibrated default limit (no calibration record "
+      f"of this model behind it): margin {limit - kl:.4g}"
+    )
   if threshold.censored == "below":
     return (
       f"{name} {kl:.4g} > 0: every calibrated mismatch is over the tolerance {tolerance:.4g} "

@@ -48,6 +48,11 @@ measures at; a fresh training run guarded by the budget compares the second with
 it starts from (`stale_reasons(..., at_run_start=True)`), since its student is the runs' start,
 not the probe's.
 
+The name "uncalibrated" (`budget.UNCALIBRATED`) stands for the uncalibrated default limit
+where a budget file is asked for (`load_budget_or_default`): no file is read, and there is no
+fingerprint, since the default belongs to no model. A file of that name is still reachable as
+`./uncalibrated`.
+
 Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
 compares equal to the original (numpy scalars in the records come back as Python numbers). A
 non-finite value in a record's extra keys is written as Python's `NaN`/`Infinity` token; the
@@ -491,3 +496,15 @@ def load_budget(path) -> tuple[budget_lib.Budget, dict]:
   except UnicodeDecodeError as e:
     raise ValueError(f"budget file {path}: not UTF-8 text ({e})") from e
   return budget_from_json(text, source=str(path))
+
+
+def load_budget_or_default(path) -> tuple[budget_lib.Budget, dict | None]:
+  """`load_budget(path)`, or, when `path` is `budget.UNCALIBRATED`, the uncalibrated default
+  (`budget.uncalibrated_budget`) with no fingerprint (None: nothing to compare, nothing stale).
+
+  Raises:
+    as `load_budget`.
+  """
+  if str(path) == budget_lib.UNCALIBRATED:
+    return budget_lib.uncalibrated_budget(), None
+  return load_budget(path)

@@ -66,6 +66,19 @@ of one step, skipping a step that changes nothing for this config:
 Rungs are cumulative (rung i holds the overrides of rungs 1…i), ordered from the cheapest engine
 to the safest. `rollout.kernel`, `bf16_layers` and the sampling settings are left as they are.
 
+Uncalibrated default. `budget.file=uncalibrated` guards a run with the uncalibrated default
+limit (`budget.uncalibrated_budget`: `budget.UNCALIBRATED_MAX_KL` nats/token, the lowest knee
+over the calibrated pairs at the lower end of its interval) as a backstop for a model with no
+budget of its own. It has no fingerprint (it belongs to no model), no per-source limits (every
+rung is held to the one limit, whatever `budget.per_source`), a zero-width interval (so
+`budget.conservative` changes nothing) and only the check's axis: training-time values are
+compared with it directly, which is lenient by the check-to-training ratio (the check reads a
+median 1.7× the training-time value on the embedded task), so it warns late rather than early.
+Only `budget.action=warn` runs with it (`uncalibrated_problem`): `fallback` and `adaptive`
+would change the run's engine on a number measured on another model, and because the default
+is set low on purpose, they would slow down runs whose own knee is far higher; a warning leaves
+that call to a person, who can calibrate a budget for the model and let the guard act on it.
+
 Stale budget. A fresh run fingerprints the student it starts from and the teacher
 (`budget_file.fingerprint`), and compares its student with the one the budget's calibration runs
 started from where the file records it (a study's budget does; `budget_file`, "Two students");
@@ -361,8 +374,11 @@ class Guard:
       )
     if self.over_steps < self.patience:
       return None
+    what = (
+      "the uncalibrated default limit" if budget_lib.is_uncalibrated(self.budget) else "the budget"
+    )
     over = (
-      f"mismatch/kl (moving average {self.kl_smoothed:.4g}) over the budget "
+      f"mismatch/kl (moving average {self.kl_smoothed:.4g}) over {what} "
       f"{self.limit:.4g} for {self.over_steps} consecutive steps"
     )
     self.over_steps = 0
@@ -428,6 +444,20 @@ class Guard:
 
 # ---------------------------------------------------------------------------------------------
 # The trainer's hook
+
+
+def uncalibrated_problem(budget_cfg: Mapping[str, Any]) -> str | None:
+  """Why `config.budget` cannot run with the uncalibrated default (module docstring), or None:
+  only `budget.action=warn` can."""
+  if budget_cfg.get("file") != budget_lib.UNCALIBRATED or budget_cfg.get("action") == "warn":
+    return None
+  return (
+    f"budget.file={budget_lib.UNCALIBRATED!r} (the uncalibrated default limit "
+    f"{budget_lib.UNCALIBRATED_MAX_KL:g} nats/token) only warns: budget.action="
+    f"{budget_cfg.get('action')!r} would change the run's engine on a limit measured on "
+    "another model. Set --config.budget.action=warn, or calibrate a budget for this model "
+    f"({budget_lib.CALIBRATE_COMMAND}) and guard with it"
+  )
 
 
 def resumed_rung(extra: Mapping[str, Any], ladder: tuple[Rung, ...]) -> int:
@@ -497,10 +527,13 @@ class LiveGuard:
       return None
     from opd_jax.mismatch import admission
 
-    budget, saved_fp = budget_file.load_budget(b.file)
+    problem = uncalibrated_problem(b)
+    if problem:
+      raise ValueError(problem)
+    budget, saved_fp = budget_file.load_budget_or_default(b.file)
     ladder = fallback_ladder(config.rollout)
     rung = resumed_rung(extra, ladder)
-    if not extra:
+    if not extra and saved_fp is not None:  # the uncalibrated default has no fingerprint
       m = setup.models
       current = budget_file.fingerprint(
         m.student_cfg, params, m.teacher_cfg, m.teacher_params, admission.QUANT_FORMAT
@@ -534,16 +567,26 @@ class LiveGuard:
       + "]"
       for r in ladder
     )
-    axis = (
-      "the budget's training-axis fit"
-      if budget.training
-      else "the check-axis budget: the file has no training-axis fit, and the check reads "
-      "higher than training (docs/study), so this is lenient"
-    )
+    if budget_lib.is_uncalibrated(budget):
+      axis = (
+        "this check-axis limit: there is no training-axis default, and the check reads higher "
+        "than training (docs/study), so this is lenient"
+      )
+      what = f"{budget_lib.uncalibrated_note()}, rule {guard.rule.describe()}, action {b.action}, "
+    else:
+      axis = (
+        "the budget's training-axis fit"
+        if budget.training
+        else "the check-axis budget: the file has no training-axis fit, and the check reads "
+        "higher than training (docs/study), so this is lenient"
+      )
+      what = (
+        f"{b.file}, rule {guard.rule.describe()}, "
+        f"limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
+        f"interval [{budget.interval[0]:.4g}, {budget.interval[1]:.4g}]), action {b.action}, "
+      )
     log(
-      f"budget guard: {b.file}, rule {guard.rule.describe()}, "
-      f"limit {guard.limit:.4g} nats/token (max_kl {budget.max_kl:.4g}, "
-      f"interval [{budget.interval[0]:.4g}, {budget.interval[1]:.4g}]), action {b.action}, "
+      f"budget guard: {what}"
       f"patience {b.patience}, smoothing {b.smoothing}; training-time mismatch/kl is compared "
       f"with {axis}; ladder: {rungs}; on rung {rung}"
     )
@@ -665,6 +708,11 @@ class LiveGuard:
 def run(config: ml_collections.ConfigDict, workdir: str, log=print) -> dict:
   """`trainer.run` with the live guard as its step hook: what `python -m opd_jax.main` runs.
 
-  Without `budget.file` the hook factory returns None and the run is the plain trainer's.
+  Without `budget.file` the hook factory returns None and the run is the plain trainer's. The
+  uncalibrated default with an action other than warn is refused here, before anything loads
+  (`uncalibrated_problem`).
   """
+  problem = uncalibrated_problem(config.budget)
+  if problem:
+    raise ValueError(problem)
   return trainer.run(config, workdir, log, step_hook=LiveGuard.create)

@@ -58,6 +58,12 @@ def get_config(arg=None):
   c.teacher.pretrain_steps = 1000  # supervised steps of the bootstrap
   c.teacher.pretrain_lr = 3e-3  # its peak learning rate
   c.teacher.pretrain_batch_size = 64  # its batch size
+  # Train to a target (opd_jax/train/pretrain.py, train_to_target): after pretrain_steps, while the
+  # held-out greedy exact-match accuracy on the built-in task is below target_accuracy, train
+  # pretrain_steps/2 more steps at 0.3 x pretrain_lr, up to max_pretrain_steps in all.
+  c.teacher.target_accuracy = 0.95  # in [0, 1]; 0 = off (pretrain_steps, no evaluation)
+  c.teacher.max_pretrain_steps = 3000  # the cap on all phases' steps (>= pretrain_steps)
+  c.teacher.target_eval_size = 256  # held-out prompts it is measured on (task's heldout split)
   c.teacher.cache_dir = ""  # where bootstrapped teachers are cached; "" = workdir/teacher_cache
   # Teacher temperature (opd_jax/model/teacher_topk.py): π_T = softmax(logits / τ_T) in every
   # loss and teacher/* metric; independent of rollout.temperature, at which the student is scored.
@@ -192,6 +198,7 @@ def shrink_to_tiny(c):
   c.teacher.arch = model_arch(1, 32, 4, 2, 8, 64)
   c.teacher.pretrain_steps = 20
   c.teacher.pretrain_batch_size = 16
+  c.teacher.target_accuracy = 0.0  # fixed steps: a tiny teacher is not held to a quality
   c.student.arch = model_arch(1, 32, 4, 2, 8, 64)
   c.student.warmup_steps = 5
   c.student.warmup_batch_size = 16

@@ -146,6 +146,9 @@ RULES: dict[str, Any] = {
   "teacher.pretrain_steps": NON_NEGATIVE,
   "teacher.pretrain_lr": Num(True, 0, lo_open=True),
   "teacher.pretrain_batch_size": POSITIVE,
+  "teacher.target_accuracy": Num(True, 0, 1),
+  "teacher.max_pretrain_steps": NON_NEGATIVE,
+  "teacher.target_eval_size": POSITIVE,
   "teacher.cache_dir": Kind(str),
   "teacher.temperature": Num(True, 0, lo_open=True),  # τ_T (opd_jax/model/teacher_topk.py)
   "data.prompt_file": Kind(str),
@@ -282,6 +285,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   errors += _rl_errors(config)
   errors += _budget_errors(config)
   errors += _on_policy_fraction_errors(config)
+  errors += _teacher_target_errors(config)
   if errors:
     raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -414,6 +418,24 @@ def _on_policy_fraction_errors(config: ml_collections.ConfigDict) -> list[str]:
     f"train.loss={t.get('loss')!r} cannot use: it estimates its gradient from the student's own "
     "samples (y ~ π_θ, with an importance ratio to the sampler). Use reverse_kl_full, "
     "forward_kl or jsd (GKD's divergences), or train.on_policy_fraction=1"
+  ]
+
+
+def _teacher_target_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """A teacher bootstrap held to teacher.target_accuracy > 0 continues from its first
+  pretrain_steps: the cap teacher.max_pretrain_steps counts those too, so it is at least
+  pretrain_steps (with the target off, the cap is unused)."""
+  t = config.get("teacher")
+  if t is None or not {"target_accuracy", "max_pretrain_steps", "pretrain_steps"} <= set(t):
+    return []
+  target, cap, first = t.target_accuracy, t.max_pretrain_steps, t.pretrain_steps
+  numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (target, cap))
+  if not numbers or not isinstance(first, int) or not target > 0 or cap >= first:
+    return []
+  return [
+    f"config.teacher.max_pretrain_steps={cap} must be >= teacher.pretrain_steps={first}: it "
+    f"caps all the bootstrap's steps, its first {first} included (teacher.target_accuracy="
+    f"{target:g}); raise the cap, or set teacher.target_accuracy=0 for fixed steps"
   ]
 
 

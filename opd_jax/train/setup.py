@@ -192,6 +192,9 @@ def prepare_models(
       config.seed,
       build.tokenizer_path(config),
       t.dtype,
+      t.target_accuracy,
+      t.max_pretrain_steps,
+      t.target_eval_size,
     )
     models.teacher_params, teacher_info = pretrain.bootstrap_teacher(
       models.teacher_cfg,
@@ -201,6 +204,9 @@ def prepare_models(
       dtype=build.DTYPES[t.dtype],
       mesh=models.mesh,
       train_kwargs=kwargs,
+      target_accuracy=t.target_accuracy,
+      max_steps=t.max_pretrain_steps,
+      accuracy_fn=teacher_accuracy_fn(config, task_cfg, models),
       log=log,
     )
   eval_set = None
@@ -210,6 +216,26 @@ def prepare_models(
     heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
     eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
   return Setup(models, task_cfg, teacher_info, eval_set, cache_dir)
+
+
+def teacher_accuracy_fn(config, task_cfg: task.TaskConfig, models: build.Models):
+  """params -> the teacher's held-out accuracy that `teacher.target_accuracy` is held to
+  (`pretrain.heldout_accuracy`): greedy exact match on the first `teacher.target_eval_size`
+  prompts of the task's held-out split (seed + 1: the prompts of the trainer's
+  quality/teacher_accuracy, never a training example), decoded for the task's longest
+  completion (`task_cfg.max_completion_tokens`). The set is built on the first call."""
+  sets = []
+
+  def accuracy(params) -> float:
+    if not sets:
+      size = config.teacher.target_eval_size
+      heldout = task.TaskSource("heldout", size, config.seed + 1, task_cfg)
+      sets.append(evaluate.make_eval_set(heldout, models.tokenizer, task_cfg.max_prompt_tokens))
+    return pretrain.heldout_accuracy(
+      params, models.teacher_cfg, sets[0], models.tokenizer, task_cfg.max_completion_tokens
+    )
+
+  return accuracy
 
 
 def schedule_length(config, resumed: dict, log=print) -> int:

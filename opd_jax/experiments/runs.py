@@ -216,6 +216,15 @@ def run_many(
   return results
 
 
+def _quality_text(result: dict) -> str:
+  """ "accuracy 0.957" on the built-in task, "score 0.500" with an eval file's answers, else the
+  held-out KL(student ‖ teacher)."""
+  for kind in ("accuracy", "score"):
+    if result.get(f"student_{kind}_after") is not None:
+      return f"{kind} {result[f'student_{kind}_after']:.3f}"
+  return f"KL(student||teacher) {result.get('student_teacher_kl_after', math.nan):.4g}"
+
+
 def _run_in_processes(jobs, workers: int, log: Callable) -> list[dict]:
   """Each job in a spawned process, `workers` at a time (run_many): a job is submitted only
   when a worker is free, so none starts after a failure."""
@@ -249,7 +258,7 @@ def _run_in_processes(jobs, workers: int, log: Callable) -> list[dict]:
           continue
         done = sum(r is not None for r in out)
         log(
-          f"[{done}/{len(jobs)}] {run_dir}: accuracy {out[i]['student_accuracy_after']:.3f} "
+          f"[{done}/{len(jobs)}] {run_dir}: {_quality_text(out[i])} "
           f"({out[i]['wall_seconds']:.0f} s; {time.time() - start:.0f} s since the first started)"
         )
   if error is not None:

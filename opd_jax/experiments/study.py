@@ -14,7 +14,9 @@ The procedure (every step writes its result into DIR, and a restarted study reus
 3. **Train.** Each setting is trained with `runs.run_once` (`DIR/runs/<name>/result.json`):
    the reference over `seeds` (`train.seed`), the others once (seed 0), `workers` runs side by
    side (`runs.run_many`: each in a process of its own; the numbers do not change). Quality q
-   is the final held-out accuracy; the quality drop of a run is d = mean(q_ref) − q.
+   is the final held-out accuracy, or with `label = "teacher_kl"` (and "auto" on a pair that
+   solves too little) minus the final held-out KL(student ‖ teacher) per token (`run_quality`,
+   `choose_label`); the quality drop of a run is d = mean(q_ref) − q.
 4. **Fit.** The tolerance τ is `tolerance`, or automatically
    τ = max(2·sd(q_ref), 2·sqrt(q̄(1 − q̄)/n_eval)): twice the larger of the seed-to-seed spread
    and the held-out binomial standard error, so a drop within the noise is never called a
@@ -80,6 +82,17 @@ MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
 LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
+# What a run's quality q is (`run_quality`; `config.label`): held-out accuracy, the held-out
+# KL(student ‖ teacher) per token (q = −KL, for a pair whose accuracy cannot resolve a drop),
+# or "auto", which picks one from the reference runs (`choose_label`).
+LABELS = ("accuracy", "teacher_kl", "auto")
+# The teacher_kl label's resolution: one run's KL is taken to be known to within this fraction
+# of the reference's mean KL, so τ >= 2 · KL_RELATIVE_SE · mean KL (5%) when the seeds agree
+# more closely than that by chance (two seeds give an sd with one degree of freedom).
+KL_RELATIVE_SE = 0.025
+# "auto" takes accuracy when the reference's mean held-out accuracy is at least this and the
+# teacher's is above it too; below, a drop of a few points is unresolvable and it takes the KL.
+AUTO_MIN_ACCURACY = 0.1
 TRAIN_KL = "train/mismatch/kl_mean"  # a run's training-time mean mismatch/kl
 
 
@@ -185,14 +198,14 @@ def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
   return directory
 
 
-def _read_json(path: str, default):
+def read_json(path: str, default):
   if not os.path.exists(path):
     return default
   with open(path, encoding="utf-8") as f:
     return json.load(f)
 
 
-def _write_json(path: str, value) -> None:
+def write_json(path: str, value) -> None:
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(value, f, indent=1, default=float)
@@ -212,7 +225,7 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     measured setup, and reused when it still matches.
   """
   path = os.path.join(workdir, MEASUREMENTS_FILE)
-  cached = _read_json(path, {"fingerprint": None, "measurements": {}})
+  cached = read_json(path, {"fingerprint": None, "measurements": {}})
   run_cfg = run_config(config, settings[0], workdir)
   setup = setup_lib.prepare_models(run_cfg, workdir, log)
   history = run_history.RunHistory(run_cfg, setup, probe_dir)
@@ -237,7 +250,7 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
     measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
     log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
-    _write_json(path, {"fingerprint": fingerprint, "measurements": measured})
+    write_json(path, {"fingerprint": fingerprint, "measurements": measured})
   run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
   by_setting = {
     spec: {
@@ -249,23 +262,75 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   return by_setting, budget_file.with_run_start(fingerprint, run_start)
 
 
-def noise_floor(reference_accuracy: Sequence[float], num_eval: int) -> dict[str, float]:
+def result_accuracy(result: dict, when: str = "after", who: str = "student") -> float:
+  """A run's held-out accuracy: `<who>_accuracy_<when>` on the built-in task, else the eval
+  file's score (`<who>_score_<when>`, exact match by default); NaN when it has neither (an
+  eval file without answers)."""
+  suffix = f"_{when}" if when else ""
+  for kind in ("accuracy", "score"):
+    value = result.get(f"{who}_{kind}{suffix}")
+    if value is not None:
+      return float(value)
+  return math.nan
+
+
+def run_quality(result: dict, label: str) -> float:
+  """A run's quality q (higher is better) under `label`: its final held-out accuracy, or
+  q = −KL(student ‖ teacher), the held-out per-token KL at its end ("teacher_kl")."""
+  if label == "accuracy":
+    return result_accuracy(result)
+  if label == "teacher_kl":
+    return -float(result["student_teacher_kl_after"])
+  raise ValueError(f"label {label!r} is not one of accuracy, teacher_kl")
+
+
+def choose_label(label: str, reference_results: Sequence[dict]) -> str:
+  """The label a study scores runs by: `label`, or for "auto" accuracy when the reference
+  runs' mean accuracy and the teacher's are both at least AUTO_MIN_ACCURACY (else the student
+  and teacher solve too little for a drop in accuracy to be seen) and teacher_kl otherwise.
+
+  Raises:
+    ValueError: a label not in LABELS.
+  """
+  if label not in LABELS:
+    raise ValueError(f"config.label={label!r} must be one of {', '.join(LABELS)}")
+  if label != "auto":
+    return label
+  student = float(np.mean([result_accuracy(r) for r in reference_results]))
+  teacher = result_accuracy(reference_results[0], "", "teacher")
+  solves = min(student, teacher) >= AUTO_MIN_ACCURACY  # False with NaN: no answers to score
+  return "accuracy" if solves else "teacher_kl"
+
+
+def noise_floor(
+  reference_quality: Sequence[float], num_eval: int, label: str = "accuracy"
+) -> dict[str, float]:
   """The seed-to-seed noise of the reference and the tolerance it implies.
 
   sd = sample standard deviation of q_ref over seeds (0 with one seed);
-  se = sqrt(q̄(1 − q̄)/n_eval), the binomial standard error of one run's held-out accuracy;
+  se = sqrt(q̄(1 − q̄)/n_eval), the binomial standard error of one run's held-out accuracy,
+  or for the teacher_kl label (q = −KL) KL_RELATIVE_SE·|q̄|;
   τ = 2·max(sd, se).
   """
-  q = np.asarray(reference_accuracy, np.float64)
+  q = np.asarray(reference_quality, np.float64)
   mean = float(q.mean())
   sd = float(q.std(ddof=1)) if q.size > 1 else 0.0
-  se = math.sqrt(max(mean * (1.0 - mean), 0.0) / num_eval)
+  if label == "teacher_kl":
+    se = KL_RELATIVE_SE * abs(mean)
+  else:
+    se = math.sqrt(max(mean * (1.0 - mean), 0.0) / num_eval)
   return {"mean": mean, "sd": sd, "se": se, "tolerance": 2.0 * max(sd, se), "n": int(q.size)}
+
+
+def quality_runs(row: dict) -> list[float]:
+  """A row's quality per run: `quality_runs`, or in a study recorded before labels other than
+  accuracy existed, `accuracy_runs`."""
+  return row.get("quality_runs", row.get("accuracy_runs", [row.get("quality", row["accuracy"])]))
 
 
 def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
   """The fit's records: one per run of the reference and calibration rows, x = the check's
-  mismatch/kl, y = mean(q_ref) − that run's accuracy (`accuracy_runs`, from `label_runs`); each
+  mismatch/kl, y = mean(q_ref) − that run's quality (`quality_runs`, from `label_runs`); each
   keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one."""
   keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
   out = []
@@ -273,12 +338,15 @@ def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
     if r["role"] not in (REFERENCE, "calibration"):
       continue
     train_kl = r.get("train_kl_runs", [r.get(TRAIN_KL)])
-    for k, accuracy in enumerate(r.get("accuracy_runs", [r["accuracy"]])):
+    accuracy = r.get("accuracy_runs", [r["accuracy"]])
+    for k, quality in enumerate(quality_runs(r)):
       record = {key: r[key] for key in keep if key in r}
-      record.update(accuracy=accuracy, run=k)
+      record.update(quality=quality, run=k)
+      if k < len(accuracy):
+        record["accuracy"] = accuracy[k]
       if k < len(train_kl) and train_kl[k] is not None:
         record[TRAIN_KL] = train_kl[k]
-      record[budget.DROP_KEY] = reference_mean - accuracy
+      record[budget.DROP_KEY] = reference_mean - quality
       out.append(record)
   return out
 
@@ -475,8 +543,18 @@ def rerun_job(config, setting: Setting, seed: int, workdir: str):
   )
 
 
-def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: str, log=print):
-  """Sets each row's `accuracy_runs` and LABEL_DROP = mean(q_ref) − mean(accuracy_runs).
+def label_runs(
+  config,
+  settings,
+  rows,
+  tolerance: float,
+  floor: dict,
+  workdir: str,
+  log=print,
+  label: str = "accuracy",
+):
+  """Sets each row's `accuracy_runs`, `quality_runs` (`run_quality` under `label`) and
+  LABEL_DROP = mean(q_ref) − mean(quality_runs).
 
   A row whose role is in `config.borderline_roles` (default: held-out only) and whose
   single-run drop is borderline (`is_borderline` with the reference's sd, or the binomial SE
@@ -492,6 +570,7 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
   planned = []  # (setting, its row, seed)
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
+    row["quality_runs"] = [row.get("quality", row["accuracy"])]
     row["train_kl_runs"] = [row.get(TRAIN_KL)]
     row["wall_seconds_runs"] = [row["wall_seconds"]]
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
@@ -501,11 +580,12 @@ def label_runs(config, settings, rows, tolerance: float, floor: dict, workdir: s
       planned += [(s, row, seed) for seed in extra]
   jobs = [rerun_job(config, s, seed, workdir) for s, _, seed in planned]
   for (_, row, _), result in zip(planned, runs.run_many(jobs, _workers(config), log), strict=True):
-    row["accuracy_runs"].append(result["student_accuracy_after"])
+    row["accuracy_runs"].append(result_accuracy(result))
+    row["quality_runs"].append(run_quality(result, label))
     row["train_kl_runs"].append(result.get(TRAIN_KL))
     row["wall_seconds_runs"].append(result["wall_seconds"])
   for row in rows:
-    row[LABEL_DROP] = floor["mean"] - float(np.mean(row["accuracy_runs"]))
+    row[LABEL_DROP] = floor["mean"] - float(np.mean(row["quality_runs"]))
 
 
 def _workers(config) -> int:
@@ -520,6 +600,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   os.makedirs(workdir, exist_ok=True)
   config_check.validate(config.run)
   rule = study_rule(config)  # fixed before anything runs
+  if config.get("label", "accuracy") not in LABELS:
+    raise ValueError(f"config.label={config.label!r} must be one of {', '.join(LABELS)}")
   settings = study_settings(config)
   extra, _, every = rerun_plan(config)  # checked before anything trains
   workers = _workers(config)
@@ -537,22 +619,27 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     log(f"setting {i + 1}/{len(settings)}: {s.role} {s.name}: {s.spec}")
   trained = runs.run_many(jobs, workers, log)
   results = {s.name: r for s, r in zip(settings, trained[: len(settings)], strict=True)}
-  reference = [results[s.name]["student_accuracy_after"] for s in settings if s.role == REFERENCE]
-  floor = noise_floor(reference, config.run.data.eval_size)
+  label = choose_label(
+    config.get("label", "accuracy"), [results[s.name] for s in settings if s.role == REFERENCE]
+  )
+  reference = [run_quality(results[s.name], label) for s in settings if s.role == REFERENCE]
+  floor = noise_floor(reference, config.run.data.eval_size, label)
   tolerance = config.tolerance or floor["tolerance"]
 
   rows = []
   for s in settings:
     res, meas = results[s.name], measured[s.spec]
     row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
-    row["accuracy"] = res["student_accuracy_after"]
+    row["accuracy"] = result_accuracy(res)
     row["student_teacher_kl"] = res["student_teacher_kl_after"]
-    row[budget.DROP_KEY] = floor["mean"] - row["accuracy"]
+    row["quality"] = run_quality(res, label)
+    row["label"] = label
+    row[budget.DROP_KEY] = floor["mean"] - row["quality"]
     row["wall_seconds"] = res["wall_seconds"]
     row.update({k: v for k, v in res.items() if k.startswith("train/")})
     rows.append(row)
 
-  label_runs(config, settings, rows, tolerance, floor, workdir, log)
+  label_runs(config, settings, rows, tolerance, floor, workdir, log, label)
   records = budget_records(rows, floor["mean"])
   min_crossing = int(config.get("min_crossing_records", budget.MIN_CROSSING_RECORDS))
   fitted = budget.fit_budget(records, tolerance, min_crossing_records=min_crossing)
@@ -587,11 +674,15 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "num_eval": config.run.data.eval_size,
     "num_prompts": config.num_prompts,
     "probe": {"dir": probe_dir, "steps": config.probe_steps},
-    "teacher_accuracy": results[settings[0].name]["teacher_accuracy"],
-    "student_accuracy_before": results[settings[0].name]["student_accuracy_before"],
+    "teacher_accuracy": result_accuracy(results[settings[0].name], "", "teacher"),
+    "student_accuracy_before": result_accuracy(results[settings[0].name], "before"),
+    "label": label,
     "noise_floor": floor,
     "tolerance": tolerance,
-    "tolerance_rule": "config" if config.tolerance else "2 max(sd of seeds, binomial SE)",
+    "tolerance_rule": "config"
+    if config.tolerance
+    else "2 max(sd of seeds, "
+    + ("binomial SE)" if label == "accuracy" else f"{KL_RELATIVE_SE:g} x mean KL)"),
     "budget": {
       "file": budget_path,
       "max_kl": fitted.max_kl,
@@ -648,12 +739,12 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
         png_path=os.path.join(workdir, "sensitivity.png"),
         log=log,
       )
-    result["sensitivity"] = _read_json(sens_json, None)
+    result["sensitivity"] = read_json(sens_json, None)
   result["plots"] = study_report.plot_all(result, workdir)
   result["seconds"] = time.time() - start
   result["num_runs"] = sum(len(r["accuracy_runs"]) for r in rows)
   result["train_seconds"] = sum(sum(r["wall_seconds_runs"]) for r in rows)  # every run
-  _write_json(os.path.join(workdir, STUDY_FILE), result)
+  write_json(os.path.join(workdir, STUDY_FILE), result)
   report = study_report.markdown(result)
   with open(os.path.join(workdir, "report.md"), "w", encoding="utf-8") as f:
     f.write(report)

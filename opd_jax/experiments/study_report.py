@@ -179,19 +179,26 @@ def _g(x: Any) -> str:
   return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
 
 
+def _drop_value(x: float, r: dict) -> str:
+  """A drop as the row's label reads: accuracy points, or nats/token of KL(student ‖ teacher)
+  for the teacher_kl label."""
+  return _g(x) if r.get("label") == "teacher_kl" else _pct(x)
+
+
 def rows_table(rows: list[dict]) -> list[str]:
+  unit = "KL nats" if rows and rows[0].get("label") == "teacher_kl" else "pts"
   lines = [
-    "| setting | role | source | check mismatch/kl | training mean | accuracy % | drop pts |"
+    f"| setting | role | source | check mismatch/kl | training mean | accuracy % | drop {unit} |"
     " drop over runs | limit (set by) | verdict | pooled verdict | kept |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     runs = r.get("accuracy_runs", [r["accuracy"]])
-    over = f"{_pct(r.get('label_drop', r['quality_drop']))} ({len(runs)})"
+    over = f"{_drop_value(r.get('label_drop', r['quality_drop']), r)} ({len(runs)})"
     lines.append(
       f"| {r['name']} | {r['role']} | {r['source']} | {_g(r['mismatch/kl'])} | "
       f"{_g(r.get('train/mismatch/kl_mean'))} | {_pct(r['accuracy'])} | "
-      f"{_pct(r['quality_drop'])} | {over} | "
+      f"{_drop_value(r['quality_drop'], r)} | {over} | "
       f"{_g(r.get('limit'))} ({r.get('limit_source') or 'overall'}) | "
       f"{'admit' if r['admitted'] else 'refuse'}{' (too close)' if r.get('too_close') else ''} | "
       f"{'admit' if r.get('admitted_pooled', r['admitted']) else 'refuse'} | "
@@ -203,7 +210,7 @@ def rows_table(rows: list[dict]) -> list[str]:
 def _drop(r: dict) -> str:
   """A row's drop as judged: over its runs when it has several ("mean of n")."""
   n = len(r.get("accuracy_runs", [r["accuracy"]]))
-  drop = _pct(r.get("label_drop", r["quality_drop"]))
+  drop = _drop_value(r.get("label_drop", r["quality_drop"]), r)
   return drop if n == 1 else f"{drop} (mean of {n})"
 
 
@@ -377,7 +384,12 @@ def markdown(result: dict) -> str:
     "",
     f"{result.get('num_runs', len(result['rows']))} OPD runs ({len(result['rows'])} settings) "
     f"of {result['run_steps']} steps, quality = held-out "
-    f"accuracy on {result['num_eval']} prompts; the check measured each setting on "
+    + (
+      "KL(student ‖ teacher) per token (drops in nats: the pair solves too little for accuracy)"
+      if result.get("label") == "teacher_kl"
+      else "accuracy"
+    )
+    + f" on {result['num_eval']} prompts; the check measured each setting on "
     f"{result['num_prompts']} calibration prompts at the probe's student (step "
     f"{result['probe']['steps']}). Training took {result['train_seconds'] / 60:.1f} min of "
     f"run wall time, the whole study {result['seconds'] / 60:.1f} min in this invocation.",

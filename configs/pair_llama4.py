@@ -1,0 +1,32 @@
+"""The second student–teacher pair of the calibration table: a Llama-shaped 4-layer student
+with a narrow residual stream and a wide MLP, distilled from the embedded 4-layer teacher.
+
+    python -m opd_jax.main --config=configs/pair_llama4.py --workdir=/tmp/pair_llama4
+    python -m opd_jax.calibrate --config=configs/pair_llama4.py --workdir=/tmp/cal_llama4 \
+      --quick --candidate=rollout.weights=fp8,rollout.kv_cache=fp8 --candidate=rollout.stale_k=4
+
+The student is `model_type = "llama"` (no QK norm), 4 layers, D = 64 with 4 query and 2 KV heads
+of 16, and a SwiGLU width of 512 (8 D, against the embedded student's 3 D): twice the depth of
+the embedded student at about the same parameter count, so per-layer error has more layers to
+compound through. The teacher, task and OPD settings are `bf16_sync.py`'s, so the teacher cache
+is shared with the embedded pair. Expected: the same teacher as `bf16_sync.py`; the student's
+accuracy after its warm start and after OPD, and its calibrated limits, are in
+docs/calibration.md.
+"""
+
+import base
+import bf16_sync
+
+VARIANTS = ("tiny",)
+
+
+def get_config(arg=None):
+  """The pair's run config; `arg="tiny"` gives the seconds-long wiring check."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of pair_llama4.py; known: {', '.join(VARIANTS)}")
+  c = bf16_sync.get_config(arg)
+  c.tokenizer = "char"
+  if arg != "tiny":
+    c.student.arch = base.model_arch(4, 64, 4, 2, 16, 512)
+  c.student.arch.model_type = "llama"
+  return c

@@ -553,7 +553,8 @@ def label_runs(
   log=print,
   label: str = "accuracy",
 ):
-  """Sets each row's `accuracy_runs`, `quality_runs` (`run_quality` under `label`) and
+  """Sets each row's `accuracy_runs`, `teacher_kl_runs` (the held-out KL(student ‖ teacher)
+  at each run's end, whatever the label), `quality_runs` (`run_quality` under `label`) and
   LABEL_DROP = mean(q_ref) − mean(quality_runs).
 
   A row whose role is in `config.borderline_roles` (default: held-out only) and whose
@@ -571,6 +572,7 @@ def label_runs(
   for s, row in zip(settings, rows, strict=True):
     row["accuracy_runs"] = [row["accuracy"]]
     row["quality_runs"] = [row.get("quality", row["accuracy"])]
+    row["teacher_kl_runs"] = [row.get("student_teacher_kl")]
     row["train_kl_runs"] = [row.get(TRAIN_KL)]
     row["wall_seconds_runs"] = [row["wall_seconds"]]
     borderline = is_borderline(row[budget.DROP_KEY], tolerance, spread)
@@ -582,6 +584,7 @@ def label_runs(
   for (_, row, _), result in zip(planned, runs.run_many(jobs, _workers(config), log), strict=True):
     row["accuracy_runs"].append(result_accuracy(result))
     row["quality_runs"].append(run_quality(result, label))
+    row["teacher_kl_runs"].append(result.get("student_teacher_kl_after"))
     row["train_kl_runs"].append(result.get(TRAIN_KL))
     row["wall_seconds_runs"].append(result["wall_seconds"])
   for row in rows:

@@ -1,0 +1,274 @@
+"""Calibrations of several student–teacher pairs side by side: their limits under both labels,
+their layer sensitivity and FP8 recipe, and whether one pair's budget predicts another's runs.
+
+    python -m opd_jax.experiments.pairs --pair=embedded=/tmp/cal_A --pair=llama4=/tmp/cal_B \
+        --pair=chain=/tmp/cal_C [--json=PATH] [--md=PATH]
+
+Each DIR is an `opd_jax.calibrate` workdir (its `study.json` and `runs/`). For each pair and
+each label (held-out accuracy, and the held-out KL(student ‖ teacher) as a continuous label,
+both read from the same runs) the budget is refitted on its records (`label_records`,
+`budget.fit_budget` at the pair's own τ) on two axes:
+
+* absolute: the check's per-token mismatch KL, nats/token;
+* relative: that KL over the pair's starting student–teacher KL, KL(π_S0 ‖ π_T) per token on
+  the held-out prompts at step 0 (`start_kl`): mismatch as a fraction of the distance OPD has
+  to close.
+
+Transfer (`transfer`): pair A's pooled limit, on one axis and label, is applied to pair B's
+calibration settings (each setting's mean label over its runs against B's τ: kept or degraded),
+and its agreement is reported beside that of B's own pooled limit on the same settings (an
+in-sample figure, so an upper bound on what B's budget would score on new settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opd_jax.experiments import runs
+from opd_jax.experiments import study as study_lib
+from opd_jax.mismatch import budget
+
+LABELS = ("accuracy", "teacher_kl")
+AXES = ("absolute", "relative")
+
+
+def load(workdir: str) -> dict:
+  """A calibration's study.json, with "start_kl": the reference runs' mean held-out
+  KL(student ‖ teacher) at step 0 (their runs' `student_teacher_kl_before`)."""
+  with open(os.path.join(workdir, study_lib.STUDY_FILE), encoding="utf-8") as f:
+    result = json.load(f)
+  before = []
+  for r in result["rows"]:
+    if r["role"] == study_lib.REFERENCE:
+      done = runs.read_result(os.path.join(workdir, "runs", r["name"]))
+      before.append(done["student_teacher_kl_before"])
+  result["start_kl"] = float(np.mean(before))
+  return result
+
+
+def _quality_runs(row: dict, label: str) -> list[float]:
+  if label == "accuracy":
+    return [float(q) for q in row["accuracy_runs"]]
+  return [-float(k) for k in row["teacher_kl_runs"]]
+
+
+def _x(row: dict, result: dict, axis: str) -> float:
+  kl = max(float(row[budget.KL_KEY]), 0.0)
+  return kl if axis == "absolute" else kl / result["start_kl"]
+
+
+def label_records(result: dict, label: str, axis: str = "absolute"):
+  """(records, noise floor) of a calibration under `label` on `axis`: one record per run of
+  the reference and calibration rows, x on the axis, drop = mean(q_ref) − q."""
+  rows = [r for r in result["rows"] if r["role"] in (study_lib.REFERENCE, "calibration")]
+  reference = [q for r in rows if r["role"] == study_lib.REFERENCE for q in _quality_runs(r, label)]
+  floor = study_lib.noise_floor(reference, result["num_eval"], label)
+  records = []
+  for r in rows:
+    for k, q in enumerate(_quality_runs(r, label)):
+      records.append(
+        {
+          "source": r["source"],
+          "name": r["name"],
+          "run": k,
+          budget.KL_KEY: _x(r, result, axis),
+          budget.DROP_KEY: floor["mean"] - q,
+        }
+      )
+  return records, floor
+
+
+def settings(result: dict, label: str, axis: str = "absolute") -> list[dict]:
+  """The calibration settings of a pair, each with its x on `axis` and whether it kept
+  quality: mean drop over its runs ≤ τ under `label`."""
+  _, floor = label_records(result, label, axis)
+  out = []
+  for r in result["rows"]:
+    if r["role"] != "calibration":
+      continue
+    drop = floor["mean"] - float(np.mean(_quality_runs(r, label)))
+    out.append(
+      {
+        "name": r["name"],
+        "source": r["source"],
+        "x": _x(r, result, axis),
+        "drop": drop,
+        "kept": drop <= floor["tolerance"],
+      }
+    )
+  return out
+
+
+def fit(result: dict, label: str, axis: str = "absolute") -> budget.Budget:
+  """The pair's budget refitted under `label` on `axis` (its own τ, two crossing records)."""
+  records, floor = label_records(result, label, axis)
+  return budget.fit_budget(records, floor["tolerance"])
+
+
+def agreement(limit: float, rows: Sequence[dict]) -> dict[str, Any]:
+  """How often "admit iff x ≤ limit" matches kept quality on `rows` (`settings`)."""
+  right = sum((r["x"] <= limit) == r["kept"] for r in rows)
+  return {"right": right, "n": len(rows), "rate": right / len(rows) if rows else math.nan}
+
+
+def transfer(results: dict[str, dict], label: str, axis: str) -> list[dict]:
+  """For each ordered pair (A, B), A ≠ B: A's pooled limit on B's settings, beside B's own."""
+  out = []
+  for dst, dst_result in results.items():
+    rows = settings(dst_result, label, axis)
+    own = fit(dst_result, label, axis).max_kl
+    for src, src_result in results.items():
+      if src == dst:
+        continue
+      limit = fit(src_result, label, axis).max_kl
+      out.append(
+        {
+          "from": src,
+          "to": dst,
+          "label": label,
+          "axis": axis,
+          "limit": limit,
+          "agreement": agreement(limit, rows),
+          "own_limit": own,
+          "own_agreement": agreement(own, rows),
+        }
+      )
+  return out
+
+
+def pair_summary(name: str, result: dict) -> dict[str, Any]:
+  """One pair's row of the table: accuracies, τ and limits under both labels, and the
+  sensitivity scan's ranking and FP8 recipe."""
+  ref = [r for r in result["rows"] if r["role"] == study_lib.REFERENCE]
+  out: dict[str, Any] = {
+    "pair": name,
+    "teacher_accuracy": result["teacher_accuracy"],
+    "student_accuracy_before": result["student_accuracy_before"],
+    "student_accuracy_after": float(np.mean([q for r in ref for q in r["accuracy_runs"]])),
+    "start_kl": result["start_kl"],
+    "run_steps": result["run_steps"],
+    "num_runs": result["num_runs"],
+    "cost_runs": (result.get("calibration") or {}).get("cost_runs_measured"),
+    "labels": {},
+  }
+  for label in LABELS:
+    fitted = fit(result, label)
+    _, floor = label_records(result, label)
+    out["labels"][label] = {
+      "tolerance": floor["tolerance"],
+      "max_kl": fitted.max_kl,
+      "interval": list(fitted.interval),
+      "censored": fitted.censored,
+      "relative_max": fit(result, label, "relative").max_kl,
+      "sources": {
+        s: {"limit": fitted.source_limit(s), "censored": t.censored, "max_kl": t.max_kl}
+        for s, t in sorted(fitted.sources.items())
+      },
+    }
+  sens = result.get("sensitivity") or {}
+  if sens:
+    out["ranking"] = {
+      source: [e["target"] for e in entries] for source, entries in sens["ranking"].items()
+    }
+    recipe = sens["recipe"]
+    out["recipe"] = {
+      "bf16_layers": recipe["bf16_layers"],
+      "mismatch/kl": recipe["mismatch/kl"],
+      "capacity_ratio": recipe["capacity_ratio"],
+      "engine_id": recipe["engine_id"],
+    }
+  return out
+
+
+def _g(x) -> str:
+  return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
+
+
+def _limit(entry: dict) -> str:
+  lo, hi = entry["interval"]
+  flag = " (censored)" if entry["censored"] else ""
+  return f"{_g(entry['max_kl'])} [{_g(lo)}, {_g(hi)}]{flag}"
+
+
+def markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
+  """The pairs table, the sensitivity table and the transfer table."""
+  lines = [
+    "| pair | teacher | student start → end (ref) | start KL | label | τ | pooled limit "
+    "(nats/token) [95% interval] | relative limit | per-source limits |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for s in summaries:
+    for label, e in s["labels"].items():
+      tau = f"{100 * e['tolerance']:.1f} pts" if label == "accuracy" else _g(e["tolerance"])
+      per_source = "; ".join(
+        f"{k} {_g(v['limit'])}{'*' if v['censored'] else ''}" for k, v in e["sources"].items()
+      )
+      lines.append(
+        f"| {s['pair']} | {100 * s['teacher_accuracy']:.1f}% | "
+        f"{100 * s['student_accuracy_before']:.1f}% → {100 * s['student_accuracy_after']:.1f}% | "
+        f"{_g(s['start_kl'])} | {label} | {tau} | {_limit(e)} | {_g(e['relative_max'])} | "
+        f"{per_source} |"
+      )
+  lines += [
+    "",
+    "| pair | FP8-weight layers, most sensitive first | FP8-KV layers | noise modules (top 3) | "
+    "FP8 recipe: BF16 layers | its mismatch/kl | KV capacity vs BF16 |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for s in summaries:
+    if "ranking" not in s:
+      continue
+    rank, recipe = s["ranking"], s["recipe"]
+    lines.append(
+      f"| {s['pair']} | {', '.join(rank.get('fp8_weights', []))} | "
+      f"{', '.join(rank.get('fp8_kv', []))} | {', '.join(rank.get('noise_modules', [])[:3])} | "
+      f"{recipe['bf16_layers']} | {_g(recipe['mismatch/kl'])} | {recipe['capacity_ratio']:.2f}× |"
+    )
+  lines += [
+    "",
+    "| from → to | label | axis | limit | agreement on the target's settings | target's own "
+    "limit (in sample) |",
+    "|---|---|---|---|---|---|",
+  ]
+  for m in moves:
+    a, o = m["agreement"], m["own_agreement"]
+    lines.append(
+      f"| {m['from']} → {m['to']} | {m['label']} | {m['axis']} | {_g(m['limit'])} | "
+      f"{a['right']}/{a['n']} | {_g(m['own_limit'])}: {o['right']}/{o['n']} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--pair", action="append", required=True, help="NAME=DIR, repeat")
+  parser.add_argument("--json", default=None, help="write the tables' data to PATH")
+  parser.add_argument("--md", default=None, help="write the markdown tables to PATH")
+  args = parser.parse_args(argv)
+  results = {}
+  for spec in args.pair:
+    name, sep, directory = spec.partition("=")
+    if not sep:
+      parser.error(f"--pair={spec!r}: expected NAME=DIR")
+    results[name] = load(directory)
+  summaries = [pair_summary(n, r) for n, r in results.items()]
+  moves = [m for label in LABELS for axis in AXES for m in transfer(results, label, axis)]
+  text = markdown(summaries, moves)
+  print(text)
+  if args.md:
+    with open(args.md, "w", encoding="utf-8") as f:
+      f.write(text)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump({"pairs": summaries, "transfer": moves}, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+  main()

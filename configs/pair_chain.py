@@ -4,7 +4,7 @@ error has many positions to accumulate over.
 
     python -m opd_jax.main --config=configs/pair_chain.py --workdir=/tmp/pair_chain
     python -m opd_jax.calibrate --config=configs/pair_chain.py --workdir=/tmp/cal_chain \
-      --quick --candidate=rollout.weights=fp8,rollout.kv_cache=fp8 --candidate=rollout.stale_k=4
+      --quick --run-steps=200 --candidate=rollout.kv_cache=fp8,rollout.kv_granularity=tensor
 
 A prompt `a+d*n=` with n = 8 steps asks for a + d·n; the completion writes every step,
 "8:45;7:53;...;1:101>101", 50-62 tokens with its eos (the sum task's are 21-25). The teacher is

@@ -193,7 +193,7 @@ def _g(x) -> str:
 
 def _limit(entry: dict) -> str:
   lo, hi = entry["interval"]
-  flag = " (censored)" if entry["censored"] else ""
+  flag = "" if entry["censored"] == "none" else f" ({entry['censored']})"
   return f"{_g(entry['max_kl'])} [{_g(lo)}, {_g(hi)}]{flag}"
 
 
@@ -208,7 +208,8 @@ def markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
     for label, e in s["labels"].items():
       tau = f"{100 * e['tolerance']:.1f} pts" if label == "accuracy" else _g(e["tolerance"])
       per_source = "; ".join(
-        f"{k} {_g(v['limit'])}{'*' if v['censored'] else ''}" for k, v in e["sources"].items()
+        f"{k} {_g(v['limit'])}{'' if v['censored'] == 'none' else ' (' + v['censored'] + ')'}"
+        for k, v in e["sources"].items()
       )
       lines.append(
         f"| {s['pair']} | {100 * s['teacher_accuracy']:.1f}% | "

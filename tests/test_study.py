@@ -44,11 +44,11 @@ def test_confusion_counts_and_agreement():
 
 
 def test_spearman_by_hand():
-  assert study._spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-  assert study._spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  assert study.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert study.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
   # ranks x (1,2,3), y (1,3,2): 1 - 6*(0+1+1)/(3*8) = 0.5
-  assert study._spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
-  assert math.isnan(study._spearman([1, 2], [1, 2]))
+  assert study.spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
+  assert math.isnan(study.spearman([1, 2], [1, 2]))
 
 
 ROUND3_HELD_OUT = (  # configs/study.py's draw as committed in 7de44e6, "rollout." left out

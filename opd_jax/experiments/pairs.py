@@ -143,6 +143,24 @@ def transfer(results: dict[str, dict], label: str, axis: str) -> list[dict]:
   return out
 
 
+def label_agreement(result: dict) -> dict[str, Any]:
+  """How well the two labels predict each other on a pair's runs: the Spearman correlation of
+  accuracy with −KL(student ‖ teacher) over every reference and calibration run, and on how
+  many calibration settings the two labels give the same kept/degraded call."""
+  rows = [r for r in result["rows"] if r["role"] in (study_lib.REFERENCE, "calibration")]
+  accuracy = [q for r in rows for q in _quality_runs(r, "accuracy")]
+  minus_kl = [q for r in rows for q in _quality_runs(r, "teacher_kl")]
+  by_accuracy = settings(result, "accuracy")
+  by_kl = settings(result, "teacher_kl")
+  same = sum(a["kept"] == k["kept"] for a, k in zip(by_accuracy, by_kl, strict=True))
+  return {
+    "spearman": study_lib.spearman(accuracy, minus_kl),
+    "runs": len(accuracy),
+    "same_call": same,
+    "settings": len(by_accuracy),
+  }
+
+
 def pair_summary(name: str, result: dict) -> dict[str, Any]:
   """One pair's row of the table: accuracies, τ and limits under both labels, and the
   sensitivity scan's ranking and FP8 recipe."""
@@ -157,6 +175,7 @@ def pair_summary(name: str, result: dict) -> dict[str, Any]:
     "num_runs": result["num_runs"],
     "cost_runs": (result.get("calibration") or {}).get("cost_runs_measured"),
     "labels": {},
+    "label_agreement": label_agreement(result),
   }
   for label in LABELS:
     fitted = fit(result, label)
@@ -217,6 +236,16 @@ def markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
         f"{_g(s['start_kl'])} | {label} | {tau} | {_limit(e)} | {_g(e['relative_max'])} | "
         f"{per_source} |"
       )
+  lines += [
+    "",
+    "| pair | Spearman(accuracy, −KL) over runs | settings both labels call alike |",
+    "|---|---|---|",
+  ]
+  for s in summaries:
+    a = s["label_agreement"]
+    lines.append(
+      f"| {s['pair']} | {_g(a['spearman'])} ({a['runs']} runs) | {a['same_call']}/{a['settings']} |"
+    )
   lines += [
     "",
     "| pair | FP8-weight layers, most sensitive first | FP8-KV layers | noise modules (top 3) | "

@@ -389,7 +389,7 @@ def confusion(
   return {**table, "n": n, "agreement": agree / n if n else math.nan}
 
 
-def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
   """Spearman rank correlation (average ranks for ties); NaN with fewer than 3 points."""
   if len(x) < 3:
     return math.nan
@@ -419,7 +419,7 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   ]
   ratios = [c / t for c, t in pairs if t > admission.ROUNDING_KL]
   return {
-    "spearman": _spearman([c for c, _ in pairs], [t for _, t in pairs]),
+    "spearman": spearman([c for c, _ in pairs], [t for _, t in pairs]),
     "ratio_median": float(np.median(ratios)) if ratios else math.nan,
     "ratio_min": float(np.min(ratios)) if ratios else math.nan,
     "ratio_max": float(np.max(ratios)) if ratios else math.nan,

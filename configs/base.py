@@ -134,10 +134,13 @@ def get_config(arg=None):
   # Exact per-token KL over the vocabulary: the lowest-variance OPD estimator, and cheap
   # for small vocabularies. reverse_kl_sampled is the Tinker/slime policy-gradient form.
   c.train.loss = "reverse_kl_full"  # reverse_kl_sampled | reverse_kl_full | forward_kl | jsd
-  # RL baseline (opd_jax/train/rl.py): train.loss="reinforce" is REINFORCE on the task's exact-match
-  # reward with a leave-one-out baseline, truncated IS by train.is_clip; needs no teacher.
+  # RL baseline (opd_jax/train/rl.py): train.loss="reinforce" is REINFORCE on the task's reward
+  # (train.reward) with a leave-one-out baseline, truncated IS by train.is_clip; needs no teacher.
   # train.loss="grpo" is GRPO (group baseline, PPO clip); it reads the keys below, not is_clip.
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
+  # The RL losses' sequence reward (opd_jax/data/rewards.py), scored by the rollout engine; the
+  # other losses ignore it.
+  c.train.reward = "exact_match"  # exact_match (1 or 0) | partial (share of right steps + answer)
   # GRPO (opd_jax/train/rl.py): train.loss="grpo", groups of rollout.samples_per_prompt >= 2.
   c.train.group_std_normalize = True  # grpo: advantage ÷ (std of the group's rewards + 1e-6)
   c.train.ppo_clip = 0.2  # grpo: ε of the clip of π_θ/π_old
@@ -145,6 +148,9 @@ def get_config(arg=None):
   c.train.ppo_minibatches = 1  # grpo: updates per pass (divide B·n); epochs × this updates/step
   c.train.mismatch_correction = "none"  # grpo, of π_old/π_engine: none|tis|mis|seq_tis|seq_mis
   c.train.mismatch_clip = 2.0  # grpo: C, truncation (tis) or kept band [1/C, C] (mis)
+  # grpo: β of the k3 KL(π_θ ‖ π_ref) to the initial student at the sampled tokens, added to the
+  # loss; > 0 keeps a frozen copy of the step-0 student and scores it once per step.
+  c.train.kl_coef = 0.0  # grpo: β >= 0; 0 = off (refused > 0 with the other losses)
   c.train.advantage_clip = 0.0  # reverse_kl_sampled: clip A_t to [-c, c]; 0 disables
   # reverse_kl_sampled: baseline subtracted from A_t (losses.reverse_kl_sampled).
   c.train.advantage_baseline = "none"  # none | batch_mean (mean A over the other sequences)

@@ -10,6 +10,10 @@ correction (`train.mismatch_correction`: tis | mis | seq_tis | seq_mis, threshol
 `train.mismatch_clip`) is off: with this engine π_old = π_b, and every correction reads 1.
 Switch a mismatch source on to use one, e.g.
 `--config.rollout.weights=fp8 --config.rollout.kv_cache=fp8 --config.train.mismatch_correction=tis`.
+The reward is exact match (`train.reward`; `partial` gives credit for each right written step)
+and there is no KL penalty to the initial student (`train.kl_coef` = β > 0 adds β times the k3
+estimate of KL(π_θ ‖ π_step0) at the sampled tokens, at the cost of one more copy of the
+student's params and one more forward pass per step). See docs/rl_baseline.md.
 
 Command:  python -m opd_jax.main --config=configs/grpo_sync.py --workdir=/tmp/grpo_ref
 Tiny:     python -m opd_jax.main --config=configs/grpo_sync.py:tiny --workdir=/tmp/grpo_tiny
@@ -47,5 +51,7 @@ def get_config(arg=None):
   c.train.ppo_minibatches = 2  # two updates per step, so π_θ/π_old ≠ 1 in the second
   c.train.mismatch_correction = "none"  # the engine is the trainer: nothing to correct
   c.train.mismatch_clip = 2.0  # C of a correction when one is switched on
+  c.train.reward = "exact_match"  # 1 for the right answer, else 0 (partial: per right step too)
+  c.train.kl_coef = 0.0  # β of the KL penalty to the initial student: off
   c.train.lr = 1e-5  # peak AdamW lr: unmeasured (1e-4 collapsed this student; docstring)
   return c

@@ -70,6 +70,12 @@ METRICS: list[tuple[str, str, str, str]] = [
     "verl `actor/pg_loss`",
   ),
   (
+    "loss/kl_ref",
+    "nats/token",
+    "GRPO + `train.kl_coef` β > 0: the KL penalty's share of `loss/total`, β × `rl/kl_ref`.",
+    "verl `actor/kl_loss` × `kl_loss_coef`",
+  ),
+  (
     "loss/reinforce",
     "per sequence",
     "REINFORCE loss of the RL baseline (`train.loss=reinforce`).",
@@ -303,7 +309,7 @@ METRICS: list[tuple[str, str, str, str]] = [
   (
     "rl/reward_mean",
     "reward",
-    "Mean exact-match reward of the batch's completions.",
+    "Mean reward of the batch's completions (`train.reward`: exact match or partial credit).",
     "TRL `reward`; verl `critic/rewards/mean`",
   ),
   (
@@ -325,6 +331,13 @@ METRICS: list[tuple[str, str, str, str]] = [
     "",
   ),
   ("rl/ppo_ratio_mean", "ratio", "GRPO: mean ratio π_θ/π_old over the kept tokens.", ""),
+  (
+    "rl/kl_ref",
+    "nats/token",
+    "GRPO + `train.kl_coef` > 0: mean k3 estimate of KL(π_θ ‖ π_ref) to the step-0 student at "
+    "the sampled completion tokens (exp(d) − d − 1, d = log π_ref − log π_θ).",
+    "TRL `kl`; verl `actor/kl_loss`",
+  ),
   (
     "rl/ppo_ratio_abs_dev_max",
     "ratio",

@@ -208,6 +208,8 @@ RULES: dict[str, Any] = {
   "train.ppo_minibatches": POSITIVE,  # grpo: divides B·n (_rl_errors)
   "train.mismatch_correction": Choice(("none", "tis", "mis", "seq_tis", "seq_mis")),  # grpo
   "train.mismatch_clip": Num(True, 1, lo_open=True),  # grpo: C > 1
+  "train.reward": Choice(("exact_match", "partial")),  # RL losses (opd_jax/data/rewards.py REWARDS)
+  "train.kl_coef": Num(True, 0),  # grpo only (_kl_coef_errors)
   "train.advantage_clip": Num(True, 0),
   "train.advantage_baseline": Choice(("none", "batch_mean")),
   "train.jsd_beta": Num(True, 0, 1),
@@ -283,6 +285,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   errors += _rollout_errors(config)
   errors += _weight_format_errors(config)
   errors += _rl_errors(config)
+  errors += _kl_coef_errors(config)
   errors += _budget_errors(config)
   errors += _on_policy_fraction_errors(config)
   errors += _teacher_target_errors(config)
@@ -375,8 +378,9 @@ def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
     )
   if d.get("prompt_file"):
     errors.append(
-      f"config.train.loss={loss!r} rewards the built-in task's exact-match answers; "
-      f"data.prompt_file={d.get('prompt_file')!r} has no reward (set it to '')"
+      f"config.train.loss={loss!r} rewards the built-in task's answers "
+      f"(train.reward={t.get('reward', 'exact_match')!r}); data.prompt_file="
+      f"{d.get('prompt_file')!r} has no reward (set it to '')"
     )
   if loss != "grpo":
     return errors
@@ -400,6 +404,21 @@ def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
       "update size)"
     )
   return errors
+
+
+def _kl_coef_errors(config: ml_collections.ConfigDict) -> list[str]:
+  """train.kl_coef > 0 is GRPO's KL penalty to the initial student (opd_jax/train/rl.py): no
+  other loss has one, so a positive β with another loss is refused rather than ignored."""
+  t = config.get("train")
+  beta = t.get("kl_coef", 0.0) if t is not None else 0.0
+  if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not beta > 0:
+    return []
+  if t.get("loss") == "grpo":
+    return []
+  return [
+    f"config.train.kl_coef={beta!r} is GRPO's KL penalty to the initial student; "
+    f"train.loss={t.get('loss')!r} has none: set train.loss='grpo' or train.kl_coef=0"
+  ]
 
 
 def _on_policy_fraction_errors(config: ml_collections.ConfigDict) -> list[str]:

@@ -92,8 +92,9 @@ class Rollout:
       completion positions when the rollout engine scored them
       (`rollout.score_teacher`), so the train step skips the teacher's forward
       pass; None otherwise.
-    reward_b: f32 [B], the task's exact-match reward of each decoded completion (1 or 0),
-      when the rollout engine scored it for an RL loss (`opd_jax.train.rl`); None otherwise.
+    reward_b: f32 [B], the task's reward of each decoded completion (`train.reward`: exact
+      match, 1 or 0, or partial credit in [0, 1]; `opd_jax.data.rewards`), when the rollout
+      engine scored it for an RL loss (`opd_jax.train.rl`); None otherwise.
     on_policy_b: int32 [B], 1 for a row the engine sampled, 0 for a row whose completion is
       the prompt's reference (`opd_jax.rollout.off_policy`, train.on_policy_fraction < 1; its
       log-probs are 0 and its `topk_*`/`support_ids` unspecified); None when every row was

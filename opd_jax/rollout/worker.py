@@ -119,8 +119,9 @@ def _to_mesh(tree, mesh):
   return sharding.relayout(tree, sharding.tree_shardings(tree, mesh))
 
 
-def _rewards(rollout: Rollout, tokenizer) -> jax.Array:
-  """`rewards.rollout_rewards`, computed by each process on the rows its devices hold."""
+def _rewards(rollout: Rollout, tokenizer, kind: str = "exact_match") -> jax.Array:
+  """`rewards.rollout_rewards` of `kind` (`rewards.REWARDS`), computed by each process on the
+  rows its devices hold."""
 
   def rows(start, prompt_bp, lens_b, tokens_bc, mask_bc):
     del start
@@ -130,7 +131,7 @@ def _rewards(rollout: Rollout, tokenizer) -> jax.Array:
       completion_tokens=tokens_bc,
       completion_mask=mask_bc,
     )
-    return np.asarray(rewards.rollout_rewards(part, tokenizer))
+    return np.asarray(rewards.rollout_rewards(part, tokenizer, kind))
 
   r = rollout
   fields = (r.prompt_tokens, r.prompt_lens, r.completion_tokens, r.completion_mask)
@@ -183,9 +184,11 @@ class RolloutWorker:
       the rollout carries [B, C, k] instead of the full [B, C, V] logits; 0 keeps the full
       raw logits (`Rollout.teacher_logits`, T = 1; the train step applies the temperature).
     teacher_temperature: τ_T (`teacher.temperature`) of the sparse teacher.
-    score_rewards: when True, every rollout also carries `reward_b`, the task's
-      exact-match reward of each decoded completion (`rewards.rollout_rewards`), for the RL
-      loss; the engine holds the tokenizer, so the reward is computed where the texts are.
+    score_rewards: when True, every rollout also carries `reward_b`, the task's reward of
+      each decoded completion (`rewards.rollout_rewards` of kind `reward`), for the RL loss;
+      the engine holds the tokenizer, so the reward is computed where the texts are.
+    reward: the reward's kind (`train.reward`, one of `rewards.REWARDS`): exact_match (1 or
+      0) or partial (the share of right steps and answer). Unused without `score_rewards`.
     rollout_mesh: None samples on the mesh the published weights live on (the trainer's,
       or the engine's own devices); a ("data", "fsdp", "tensor") mesh lays the engine's
       weights (and the teacher) out on it with the training rules and samples there.
@@ -217,7 +220,12 @@ class RolloutWorker:
     on_policy_fraction: float = 1.0,
     teacher_top_k: int = 0,
     teacher_temperature: float = 1.0,
+    reward: str = "exact_match",
   ):
+    if reward not in rewards.REWARDS:
+      raise ValueError(
+        f"unknown reward {reward!r} (train.reward); known: {', '.join(rewards.REWARDS)}"
+      )
     teacher_topk.check_top_k(teacher_top_k)
     teacher_topk.check_temperature(teacher_temperature)
     self._teacher_top_k, self._teacher_temperature = teacher_top_k, teacher_temperature
@@ -235,6 +243,7 @@ class RolloutWorker:
     if teacher is not None and rollout_mesh is not None:
       teacher = (_to_mesh(teacher[0], rollout_mesh), teacher[1])
     self._score_rewards = score_rewards
+    self._reward = reward
     self._teacher = teacher
     self._tokenizer = tokenizer
     self._prompt_len = prompt_len
@@ -333,7 +342,7 @@ class RolloutWorker:
         )
         rollout = rollout.replace(teacher_logits=logits_bcv)
     if self._score_rewards:
-      rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer))
+      rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer, self._reward))
     num_tokens = jnp.sum(rollout.completion_mask)
     return Pending(_shard_rollout(rollout, self._mesh), num_tokens, on_policy, start)
 

@@ -5,8 +5,9 @@ The on-policy distillation losses learn from a dense per-token teacher signal; t
 learn from one sparse scalar per sequence, the task's verdict on the decoded completion
 (`task.score`), so the two can be run under the same rollout mismatch and compared.
 
-REINFORCE. With B sequences in the batch, y_b the b-th sampled completion, r_b ∈ {0, 1} its
-reward, m_bt its completion mask and sg the stop-gradient:
+REINFORCE. With B sequences in the batch, y_b the b-th sampled completion, r_b ∈ [0, 1] its
+reward (`train.reward`: exact match in {0, 1}, or partial credit), m_bt its completion mask and
+sg the stop-gradient:
 
     A_b   = r_b − (Σ_{j≠b} r_j) / (B − 1)                       leave-one-out baseline
     ρ_bt  = sg(min(exp(log π_θ(y_bt) − log π_b(y_bt)), C))      truncated IS ratio, or 1
@@ -51,8 +52,24 @@ sequence's token ratios):
 A masked token leaves both the loss's numerator and its denominator. An engine identical to
 the trainer gives δ = 0: every correction is 1 and nothing is masked.
 
-Rewards are computed on the host from the decoded texts (`data.rewards.rollout_rewards`) by
-the rollout engine, which holds the tokenizer, and travel in `Rollout.reward_b`.
+KL penalty to the initial student (`train.kl_coef` = β > 0, GRPO only; off by default). π_ref is
+the student at step 0, frozen; with d_bt = log π_ref(y_bt) − log π_θ(y_bt) on the counted tokens,
+the k3 estimator of KL(π_θ ‖ π_ref) at the sampled tokens (DeepSeekMath's GRPO, Schulman's k3):
+
+    k3_bt = exp(d_bt) − d_bt − 1  (≥ 0, 0 where π_θ(y_bt) = π_ref(y_bt))
+    loss  = loss_grpo + β · Σ_bt m_bt k3_bt / max(Σ_bt m_bt, 1)
+
+The penalty is a mean over every completion token (m, not the correction's k), carries no PPO
+clip and no mismatch weight, and is differentiated directly: ∂k3_bt/∂log π_θ(y_bt) =
+1 − π_ref(y_bt)/π_θ(y_bt), which lowers log π_θ(y_bt) where it exceeds log π_ref(y_bt) and
+raises it where it is below. The tokens come from the engine, not from π_θ, so this is the
+usual biased surrogate of ∇KL (as in DeepSeekMath, TRL and verl's `low_var_kl`), not an
+unbiased estimator of it. log π_ref is scored once per batch, under the same sampling transform
+as π_θ (`train_step.reference_logprobs`).
+
+Rewards are computed on the host from the decoded texts (`data.rewards.rollout_rewards`, of the
+kind `train.reward` names) by the rollout engine, which holds the tokenizer, and travel in
+`Rollout.reward_b`.
 """
 
 from __future__ import annotations
@@ -179,8 +196,10 @@ def check_grpo_settings(
   minibatches: int,
   correction: str,
   correction_clip: float,
+  kl_coef: float = 0.0,
 ) -> None:
   """Raises ValueError naming the first bad GRPO setting (the module docstring's symbols)."""
+  check_kl_coef(kl_coef, GRPO)
   if not isinstance(group_size, int) or group_size < 2:
     raise ValueError(
       f"grpo needs groups of at least 2 completions per prompt (rollout.samples_per_prompt), "
@@ -192,6 +211,50 @@ def check_grpo_settings(
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"train.{name} must be an int >= 1, got {value!r}")
   check_correction(correction, correction_clip)
+
+
+def check_kl_coef(kl_coef: float, loss_name: str) -> None:
+  """Raises ValueError unless β = `kl_coef` is a finite number >= 0, and 0 for every loss but
+  grpo (the only loss with a KL penalty to the initial student)."""
+  if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)):
+    raise ValueError(f"train.kl_coef must be a number >= 0, got {kl_coef!r}")
+  if not 0 <= kl_coef < float("inf"):
+    raise ValueError(f"train.kl_coef must be a finite number >= 0, got {kl_coef!r}")
+  if kl_coef > 0 and loss_name != GRPO:
+    raise ValueError(
+      f"train.kl_coef={kl_coef!r} is GRPO's KL penalty to the initial student; loss "
+      f"{loss_name!r} has none: use train.loss='grpo' or train.kl_coef=0"
+    )
+
+
+def k3_kl_to_reference(student_lp_bt, reference_lp_bt, mask_bt):
+  """The k3 estimator of KL(π_θ ‖ π_ref) at the sampled tokens (module docstring):
+
+      d_bt = log π_ref(y_bt) − log π_θ(y_bt),   k3_bt = exp(d_bt) − d_bt − 1
+
+  computed as expm1(d) − d (exact near d = 0). `reference_lp_bt` carries no gradient;
+  `student_lp_bt` does. Positions outside the mask read d = 0, so k3 = 0 there and padding
+  (possibly -inf under a kept-set filter) never reaches the exp.
+
+  Args:
+    student_lp_bt: [B, T] log π_θ(y_bt).
+    reference_lp_bt: [B, T] log π_ref(y_bt).
+    mask_bt: [B, T] completion mask.
+
+  Returns:
+    (mean f32 []: Σ m k3 / max(Σ m, 1), k3_bt f32 [B, T], 0 outside the mask).
+  """
+  if student_lp_bt.shape != mask_bt.shape or reference_lp_bt.shape != mask_bt.shape:
+    raise ValueError(
+      f"student {student_lp_bt.shape} and reference {reference_lp_bt.shape} log-probs must be "
+      f"[B, T] = {mask_bt.shape}"
+    )
+  counted = mask_bt > 0
+  reference = jnp.where(counted, jax.lax.stop_gradient(reference_lp_bt).astype(jnp.float32), 0.0)
+  student = jnp.where(counted, student_lp_bt.astype(jnp.float32), 0.0)
+  d_bt = reference - student
+  k3_bt = jnp.where(counted, jnp.expm1(d_bt) - d_bt, 0.0)
+  return losses.masked_mean(k3_bt, mask_bt), k3_bt
 
 
 def check_correction(correction: str, clip: float) -> None:
@@ -316,8 +379,11 @@ def grpo(
   clip_eps: float = 0.2,
   correction: str = "none",
   correction_clip: float = 2.0,
+  reference_logprobs=None,
+  kl_coef: float = 0.0,
 ):
-  """GRPO's clipped surrogate with the engine-mismatch correction (module docstring).
+  """GRPO's clipped surrogate with the engine-mismatch correction, plus β times the k3 KL to
+  the initial student when β = `kl_coef` > 0 (module docstring).
 
   Args:
     student_logits: [B, T, V] π_θ's logits at the sampler's temperature and filter.
@@ -329,20 +395,32 @@ def grpo(
       the first (and only) update: π_old = sg(π_θ), so the ratio is exactly 1.
     clip_eps: ε of the PPO clip.
     correction, correction_clip: the mismatch correction and its threshold C.
+    reference_logprobs: [B, T] log π_ref(y_t) of the initial student (no gradient); needed
+      when `kl_coef` > 0, else unused.
+    kl_coef: β >= 0 of the KL penalty; 0 adds nothing (and logs no KL).
 
   Returns:
-    (loss f32 [], metrics): loss/grpo, loss/student_logprob, loss/num_tokens (counted tokens),
+    (loss f32 [], metrics): loss/grpo (the clipped surrogate alone), with β > 0 loss/kl_ref
+    (β · mean k3, the penalty's share of the loss) and rl/kl_ref (mean k3 over the completion
+    tokens), loss/student_logprob, loss/num_tokens (counted tokens),
     rl/ppo_ratio_mean, rl/ppo_ratio_abs_dev_max (max |r − 1| over kept tokens),
     rl/ppo_clip_frac, rl/correction_weight_mean (over kept tokens), rl/correction_masked_frac
     (the counted tokens a masked correction drops), rl/correction_clip_frac (truncated
     tokens of tis/seq_tis).
 
   Raises:
-    ValueError: shapes that disagree or a bad setting (`check_grpo_settings`).
+    ValueError: shapes that disagree, a bad setting (`check_grpo_settings`), or β > 0
+      without `reference_logprobs`.
   """
   if not 0 < clip_eps < 1:
     raise ValueError(f"the PPO clip ε (train.ppo_clip) must be in (0, 1), got {clip_eps!r}")
   check_correction(correction, correction_clip)
+  check_kl_coef(kl_coef, GRPO)
+  if kl_coef > 0 and reference_logprobs is None:
+    raise ValueError(
+      f"train.kl_coef={kl_coef!r} needs log π_ref of the initial student (reference_logprobs): "
+      "the train step computes it from the reference params it is given"
+    )
   _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask)
   if advantage_b.shape != mask.shape[:1]:
     raise ValueError(f"advantage {advantage_b.shape} must be [B] with B = {mask.shape[0]}")
@@ -381,4 +459,10 @@ def grpo(
       else jnp.zeros((), jnp.float32)
     ),
   }
+  if kl_coef > 0:
+    kl_ref, _ = k3_kl_to_reference(student_lp, reference_logprobs, mask)
+    penalty = kl_coef * kl_ref
+    metrics["rl/kl_ref"] = jax.lax.stop_gradient(kl_ref)
+    metrics["loss/kl_ref"] = penalty
+    loss = loss + penalty
   return loss, metrics

@@ -9,7 +9,8 @@
   supervised warm start, cached);
 - the train state: `initial_state` (fresh, or resumed from the workdir's latest checkpoint
   after `io.run_history.check_same_run`), `schedule_length` (what a resumed run does with
-  another `train.steps`), `run_seed`.
+  another `train.steps`), `run_seed`, `reference_student` (the frozen starting student of
+  GRPO's KL penalty, `train.kl_coef`).
 
 The admission check, the sensitivity scan, the prefix-shift measurement and the export build
 their models with these same functions, so that what they score is what the trainer trains.
@@ -103,6 +104,7 @@ def loss_config(config) -> train_step.LossConfig:
     ppo_minibatches=t.ppo_minibatches,
     mismatch_correction=t.mismatch_correction,
     mismatch_clip=t.mismatch_clip,
+    kl_coef=t.kl_coef,
   )
 
 
@@ -313,6 +315,26 @@ def initial_state(
   params = warm_started_student(config, setup, log, setup.cache_dir or None)
   seed = run_seed(config)
   return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
+
+
+def reference_student(config, setup: Setup, state, param_shardings, resumed: bool, log=print):
+  """π_ref of GRPO's KL penalty (`train.kl_coef` > 0): a frozen copy of the run's starting
+  student, laid out as `param_shardings` (the student's); None when the penalty is off.
+
+  It is frozen data beside the train state, like the teacher: never in the optimizer state and
+  never checkpointed (one more copy of the student's params in device memory). A fresh run
+  copies `state.params` (an explicit copy: the train step donates the state). A resumed run
+  rebuilds the starting student (`warm_started_student`: the warm start's cache, the HF
+  checkpoint, or the seeded initialisation), which is the step-0 student bit for bit when the
+  warm start is read from its cache.
+  """
+  if not config.train.kl_coef > 0:
+    return None
+  if not resumed:
+    return jax.device_put(state.params, param_shardings, may_alias=False)
+  log("rebuilding the starting student as the reference of train.kl_coef's KL penalty")
+  params = warm_started_student(config, setup, log, setup.cache_dir or None)
+  return jax.device_put(params, param_shardings)
 
 
 def run_seed(config) -> int:

@@ -1,7 +1,7 @@
 """Train state, optimizer and the pure, jittable train steps.
 
-    train_step(state, teacher_params, rollout, *, tx, student_cfg, teacher_cfg, loss_cfg)
-        -> (state, metrics)
+    train_step(state, teacher_params, rollout, reference_params=None, *, tx, student_cfg,
+               teacher_cfg, loss_cfg) -> (state, metrics)
 
 The step draws no random numbers (the rollout carries the samples), so it takes no
 key; `TrainState.rng` is the run's base key, kept in the state so that it is
@@ -13,6 +13,12 @@ pure; the caller jits them with explicit shardings and donates the state.
 GRPO with more than one update per batch (`LossConfig.updates_per_batch` = K > 1) takes
 `grpo_updates` from `train_step`: K optimizer updates against π_old in one program, with the
 same signature and state.
+
+GRPO's KL penalty to the initial student (`LossConfig.kl_coef` = β > 0) reads a fourth
+argument, `reference_params`: the student at step 0, frozen data like the teacher (never in
+the optimizer state, never checkpointed; the trainer keeps it beside the state). It costs one
+more copy of the student's params in device memory and one more forward pass per step, with no
+gradient: log π_ref is scored once per batch (`reference_logprobs`), before any update.
 
 The student's policy π_θ is scored under the rollout's own sampling transform, in
 one place (`student_policy_logits`): divided by the rollout's temperature and
@@ -120,8 +126,10 @@ class LossConfig:
   ppo_minibatches: int = 1  # updates per pass (divides B); K = epochs × minibatches updates
   mismatch_correction: str = "none"  # none | tis | mis | seq_tis | seq_mis (of π_old/π_b)
   mismatch_clip: float = 2.0  # C: truncation (tis) or band [1/C, C] (mis)
+  kl_coef: float = 0.0  # β of the k3 KL to the initial student (grpo only; 0 = off)
 
   def __post_init__(self):
+    rl.check_kl_coef(self.kl_coef, self.name)
     teacher_topk.check_top_k(self.teacher_top_k)
     teacher_topk.check_temperature(self.teacher_temperature)
     if self.name not in (
@@ -140,12 +148,18 @@ class LossConfig:
         self.ppo_minibatches,
         self.mismatch_correction,
         self.mismatch_clip,
+        self.kl_coef,
       )
 
   @property
   def updates_per_batch(self) -> int:
     """K: optimizer updates per rollout batch (grpo's epochs × minibatches; 1 otherwise)."""
     return self.ppo_epochs * self.ppo_minibatches if self.name == rl.GRPO else 1
+
+  @property
+  def needs_reference(self) -> bool:
+    """Whether the step reads `reference_params` (GRPO with a KL penalty, β > 0)."""
+    return self.kl_coef > 0
 
 
 def support_mask(rollout: Rollout, vocab_size: int):
@@ -270,6 +284,7 @@ def opd_loss(
   teacher_cfg: ModelConfig,
   loss_cfg: LossConfig,
   remat: str = "none",
+  reference_lp_bc=None,
 ):
   """The configured OPD loss of the student on `rollout`; returns (loss, metrics).
 
@@ -283,6 +298,7 @@ def opd_loss(
   teacher's forward pass here. `remat` rematerialises the student's layers
   (`model.layer_fn`). `student/entropy` is the mean per-token entropy
   Σ_{b,c} m_bc · H(π_θ(·|b,c)) / max(Σ m, 1) of the same π_θ, from the same logits.
+  `reference_lp_bc` is log π_ref of GRPO's KL penalty (`reference_logprobs`; None without one).
   """
   raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
     params, rollout, student_cfg, loss_cfg.temperature, remat
@@ -291,7 +307,7 @@ def opd_loss(
   entropy_bc = losses.token_entropy(jax.lax.stop_gradient(student_bcv))
   entropy = {"student/entropy": losses.masked_mean(entropy_bc, mask_bc)}
   if loss_cfg.name in rl.RL_LOSSES:  # the task's reward instead of the teacher: no teacher pass
-    loss, metrics = rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg)
+    loss, metrics = rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg, reference_lp_bc)
     return loss, metrics | entropy
   teacher = teacher_scores(teacher_params, rollout, teacher_cfg, loss_cfg)
   if isinstance(teacher, teacher_topk.TopKTeacher):
@@ -412,10 +428,13 @@ def topk_teacher_loss(student_bcv, teacher, rollout: Rollout, loss_cfg: LossConf
   return loss, metrics, teacher_topk.token_logprobs(teacher, tokens_bc)
 
 
-def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig):
+def rl_loss(
+  student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossConfig, reference_lp_bc=None
+):
   """The RL baselines' loss (`rl.reinforce`, or `rl.grpo` with its single update: π_old =
-  sg(π_θ)), reward `rollout.reward_b`, and its metrics, with the same `mismatch/*` as the
-  distillation losses; the teacher is not scored.
+  sg(π_θ), and its KL penalty against `reference_lp_bc` = log π_ref when β > 0), reward
+  `rollout.reward_b`, and its metrics, with the same `mismatch/*` as the distillation losses;
+  the teacher is not scored.
 
   Raises:
     ValueError: greedy rollouts (temperature 0): a point-mass policy has no gradient.
@@ -433,6 +452,8 @@ def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg: LossCon
       clip_eps=loss_cfg.ppo_clip,
       correction=loss_cfg.mismatch_correction,
       correction_clip=loss_cfg.mismatch_clip,
+      reference_logprobs=reference_lp_bc,
+      kl_coef=loss_cfg.kl_coef,
     )
     counted = (mask_bc > 0).astype(jnp.float32)
     metrics = dict(metrics, **reward_metrics)
@@ -475,6 +496,37 @@ def grpo_advantages(rollout: Rollout, loss_cfg: LossConfig):
   }
 
 
+def reference_logprobs(reference_params, rollout: Rollout, student_cfg, loss_cfg: LossConfig):
+  """log π_ref(y_bc) of the frozen initial student at the rollout's completion tokens; f32
+  [B, C], 0 outside the mask, no gradient.
+
+  One forward pass of `reference_params` (the student's architecture `student_cfg`), scored
+  exactly as π_θ is: divided by the sampler's temperature and restricted to the engine's kept
+  set (`student_policy_logits`), so that π_θ = π_ref gives k3 = 0 under every sampling setting.
+  """
+  raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
+    reference_params, rollout, student_cfg, loss_cfg.temperature
+  )
+  ref_bcv = jax.lax.stop_gradient(student_policy_logits(raw_bcv, rollout))
+  return jnp.where(mask_bc > 0, losses.token_logprobs(ref_bcv, tokens_bc), 0.0)
+
+
+def _reference_lp(reference_params, rollout: Rollout, student_cfg, loss_cfg: LossConfig):
+  """`reference_logprobs` when the loss has a KL penalty (β > 0), else None.
+
+  Raises:
+    ValueError: β > 0 and no `reference_params`.
+  """
+  if not loss_cfg.needs_reference:
+    return None
+  if reference_params is None:
+    raise ValueError(
+      f"train.kl_coef={loss_cfg.kl_coef} needs the initial student's params: pass "
+      "reference_params (a frozen copy of the student at step 0) to the train step"
+    )
+  return reference_logprobs(reference_params, rollout, student_cfg, loss_cfg)
+
+
 def _apply(state: TrainState, grads, tx, loss, metrics):
   import optax
 
@@ -488,6 +540,7 @@ def train_step(
   state: TrainState,
   teacher_params,
   rollout: Rollout,
+  reference_params=None,
   *,
   tx,
   student_cfg,
@@ -509,6 +562,9 @@ def train_step(
     state: the TrainState (donated by the caller).
     teacher_params: frozen teacher params; no gradient, not in the optimizer.
     rollout: a version-tagged `Rollout` batch from the engine.
+    reference_params: frozen params of the student at step 0, read only by GRPO's KL penalty
+      (`loss_cfg.kl_coef` > 0, `reference_logprobs`); no gradient, not in the optimizer. None
+      otherwise.
     tx: the optax transformation (static).
     student_cfg, teacher_cfg: model configs (static).
     loss_cfg: the loss (static).
@@ -534,12 +590,14 @@ def train_step(
       loss_cfg=loss_cfg,
       remat=remat,
       lr_schedule=lr_schedule,
+      reference_params=reference_params,
     )
   grad_fn = jax.value_and_grad(opd_loss, has_aux=True)
   args = (student_cfg, teacher_cfg, loss_cfg, remat)
   if microbatches == 1:
-    (loss, metrics), grads = grad_fn(state.params, teacher_params, rollout, *args)
-  else:
+    reference_lp_bc = _reference_lp(reference_params, rollout, student_cfg, loss_cfg)
+    (loss, metrics), grads = grad_fn(state.params, teacher_params, rollout, *args, reference_lp_bc)
+  else:  # no KL penalty here: grpo, the only loss with one, refuses micro-batches
     check_microbatches(loss_cfg, microbatches, rollout.batch_size)
     parts = split_microbatches(rollout, microbatches)
     w_k = losses.microbatch_weights(parts.completion_mask)
@@ -633,10 +691,18 @@ def combine_microbatch_metrics(metrics_k: dict, w_k, sampled_w_k=None) -> dict:
 
 
 def grpo_policy_loss(
-  params, rollout: Rollout, advantage_b, old_lp_bc, student_cfg, loss_cfg: LossConfig, remat
+  params,
+  rollout: Rollout,
+  advantage_b,
+  old_lp_bc,
+  student_cfg,
+  loss_cfg: LossConfig,
+  remat,
+  reference_lp_bc=None,
 ):
-  """`rl.grpo` of the student on (a minibatch of) `rollout` against log π_old = `old_lp_bc`;
-  returns (loss, scalar metrics)."""
+  """`rl.grpo` of the student on (a minibatch of) `rollout` against log π_old = `old_lp_bc`
+  (and, when β > 0, its KL penalty against log π_ref = `reference_lp_bc`); returns (loss,
+  scalar metrics)."""
   raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
     params, rollout, student_cfg, loss_cfg.temperature, remat
   )
@@ -651,6 +717,8 @@ def grpo_policy_loss(
     clip_eps=loss_cfg.ppo_clip,
     correction=loss_cfg.mismatch_correction,
     correction_clip=loss_cfg.mismatch_clip,
+    reference_logprobs=reference_lp_bc,
+    kl_coef=loss_cfg.kl_coef,
   )
 
 
@@ -680,16 +748,20 @@ def grpo_updates(
   loss_cfg: LossConfig,
   remat: str = "none",
   lr_schedule=None,
+  reference_params=None,
 ):
   """K = epochs × minibatches GRPO updates on one batch, in one jitted program.
 
   1. log π_old(y) of the student at the start (`state.params`): one forward pass, no
-     gradient, which also gives the step's `mismatch/*` and `student/entropy`.
+     gradient, which also gives the step's `mismatch/*` and `student/entropy`. With a KL
+     penalty (β > 0), log π_ref(y) of `reference_params` too (`reference_logprobs`): one more
+     forward pass, once per batch, split with the minibatches like log π_old.
   2. A_b over the whole batch (`grpo_advantages`: groups stay whole whatever the split).
   3. A `jax.lax.scan` over the K updates: update i takes minibatch i mod M (M =
      `ppo_minibatches`, the strided split of `split_microbatches`) and applies
-     `rl.grpo`'s clipped loss against π_old, then one `tx` update. Each minibatch's loss is
-     its own token mean (over its kept tokens), as PPO implementations do.
+     `rl.grpo`'s clipped loss against π_old (plus β · mean k3 against π_ref), then one `tx`
+     update. Each minibatch's loss is its own token mean (over its kept tokens), as PPO
+     implementations do.
 
   The learning-rate schedule advances once per train step, not once per update: every one
   of the K updates of step s uses lr(s) (Adam's own step count, its bias correction,
@@ -698,8 +770,8 @@ def grpo_updates(
   Returns:
     (new state, metrics): the scalars of the K updates averaged (`perf/grad_norm` the mean
     pre-clip norm, `perf/grad_norm_max` the largest; `rl/ppo_ratio_abs_dev_max` the
-    largest), `rl/*` reward metrics, `mismatch/*` and `student/entropy` of π_old, and
-    per_token/advantage_bc [B, C].
+    largest), `rl/*` reward metrics (`rl/kl_ref`, `loss/kl_ref`: the K updates' mean), `mismatch/*`
+    and `student/entropy` of π_old, and per_token/advantage_bc [B, C].
   """
   import optax
 
@@ -714,15 +786,20 @@ def grpo_updates(
   fixed = {"student/entropy": losses.masked_mean(losses.token_entropy(old_bcv), mask_bc)}
   fixed.update(mismatch.mismatch_metrics(old_bcv, rollout))
   del raw_bcv, old_bcv
+  reference_lp_bc = _reference_lp(reference_params, rollout, student_cfg, loss_cfg)
   m = loss_cfg.ppo_minibatches
-  parts = split_microbatches((rollout, advantage_b, old_lp_bc), m, rollout.batch_size)
+  parts = split_microbatches(
+    (rollout, advantage_b, old_lp_bc, reference_lp_bc), m, rollout.batch_size
+  )
   grad_fn = jax.value_and_grad(grpo_policy_loss, has_aux=True)
   start_opt = state.opt_state
 
   def update(carry, i):
     params, opt_state = carry
-    part, adv_b, old_bc = jax.tree.map(lambda x: x[i % m], parts)
-    (loss, metrics), grads = grad_fn(params, part, adv_b, old_bc, student_cfg, loss_cfg, remat)
+    part, adv_b, old_bc, ref_bc = jax.tree.map(lambda x: x[i % m], parts)
+    (loss, metrics), grads = grad_fn(
+      params, part, adv_b, old_bc, student_cfg, loss_cfg, remat, ref_bc
+    )
     opt_state = _schedule_counts(opt_state, start_opt)  # every update at lr(step)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

@@ -1,14 +1,16 @@
 """The OPD training loop: `run(config, workdir, step_hook=None)`.
 
     for step: rollout = next(rollouts)             # engine weights T(θ_v), version v
-              state, m = train_step(state, teacher, rollout)
+              state, m = train_step(state, teacher, rollout, reference)
               rollouts.publish(state.params, step + 1)
               log / evaluate / checkpoint
 
 `rollouts` is a rollout source (`rollout.sources`: `SyncRollouts` or `AsyncRollouts`, by
 `rollout.mode`); the loop is the same for both (see `rollout.sources` for the weight-version
-semantics). The models, the warm start and the resume come from `train.setup`; a step hook
-(`train.hooks`), such as the live budget guard, is handed in, never imported.
+semantics). `reference` is None, or the frozen starting student of GRPO's KL penalty
+(`train.kl_coef` > 0, `setup.reference_student`). The models, the warm start and the resume
+come from `train.setup`; a step hook (`train.hooks`), such as the live budget guard, is handed
+in, never imported.
 
 Held-out evaluation (`Evaluator`, `train.evaluate`) runs at the start, every
 `train.eval_every` steps and at the end, on the set `preflight.check` chose (`evaluate.plan`):
@@ -55,6 +57,7 @@ from opd_jax.train.setup import (
   process_prompt_batches,
   prompt_source,
   prompt_width,
+  reference_student,
   run_seed,
   sampler_config,
   schedule_length,
@@ -177,6 +180,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
       config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
     )
     signals.check("the warm start")
+    reference = reference_student(config, setup, state, state_shardings.params, bool(resumed), log)
     schedule_steps = schedule_length(config, resumed, log)
     if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
       tx = train_step.make_optimizer(
@@ -210,6 +214,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
         hook,
         schedule_steps=schedule_steps,
         stop=stop,
+        reference=reference,
       )
     finally:
       source.close()
@@ -243,6 +248,7 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     on_policy_fraction=config.train.on_policy_fraction,
     teacher_top_k=config.train.teacher_top_k,
     teacher_temperature=config.teacher.temperature,
+    reward=config.train.reward,
   )
   if r.mode == "sync":
     return sources.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
@@ -310,11 +316,14 @@ def _train(
   hook=None,
   schedule_steps: int | None = None,
   stop: StopOnSignal | None = None,
+  reference=None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
 
   `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
-  None = train.steps), stored in every checkpoint for a resumed run to keep.
+  None = train.steps), stored in every checkpoint for a resumed run to keep. `reference` is
+  the frozen starting student of GRPO's KL penalty (`setup.reference_student`; None without
+  one), passed to every step and never saved.
 
   `hook` (a `hooks.StepHook`: the budget guard with `budget.file`) sees every step's scalars
   after the
@@ -370,7 +379,7 @@ def _train(
         break
       rollout = next(rollouts)
       train_start = time.perf_counter()
-      state, metrics = step_fn(state, m.teacher_params, rollout)
+      state, metrics = step_fn(state, m.teacher_params, rollout, reference)
       scalars = _scalars(metrics)
       train_seconds = time.perf_counter() - train_start
       lag_breakdown.add(step - int(rollout.weight_version), scalars)

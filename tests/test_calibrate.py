@@ -16,6 +16,7 @@ from opd_jax.mismatch import budget_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "configs"))
+import base  # noqa: E402
 import bf16_sync  # noqa: E402
 
 
@@ -148,37 +149,54 @@ def test_too_few_eval_prompts_are_refused_before_anything_loads(toy, tmp_path):
   assert "gives 8 held-out prompts; a calibration needs at least 16" in proc.stderr
 
 
-@pytest.mark.slow  # a probe, 5 runs of 4 steps and the screen, on toy checkpoints: ~40 s
+@pytest.mark.slow  # a probe, 3 runs of 4 steps and the screen, on toy checkpoints
 def test_quick_calibration_on_toy_checkpoints_writes_a_budget_and_screens(toy, tmp_path):
-  workdir = tmp_path / "cal"
-  args = [
-    *_toy_args(toy, workdir),
-    "--config.train.steps=16",
-    "--quick",
-    "--candidate=rollout.weights=fp8",
-    "--seeds=0",
-    "--prompts=8",
-    "--workers=1",
-    "--nosensitivity",
-    f"--json={tmp_path / 'cal.json'}",
-  ]
-  proc = _calibrate(*args)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "calibration (quick): sources noise, fp8_weights" in proc.stdout
-  result = json.loads((tmp_path / "cal.json").read_text())
+  """The library path the command takes (`make_plan`, `check_prompts`, `calibrate`), on a plan
+  cut to two ladder settings and one seed so the suite stays short; the command line is the
+  refusal test's, and a restart reads every run back."""
+  import dataclasses
+
+  config = base.get_config()
+  for key, value in {
+    "student.checkpoint": toy["student"],
+    "teacher.checkpoint": toy["teacher"],
+    "data.prompt_file": toy["prompts"],
+    "data.eval_file": toy["eval"],
+    "rollout.max_new_tokens": 16,
+    "data.batch_size": 4,
+    "train.steps": 16,
+  }.items():
+    section, leaf = key.split(".")
+    config[section][leaf] = value
+  workdir = str(tmp_path / "cal")
+  plan = calibrate.make_plan(
+    config,
+    quick=True,
+    candidates=["rollout.weights=fp8"],
+    seeds=[0],
+    num_prompts=8,
+    workers=1,
+    sensitivity=False,
+  )
+  assert plan.sources == ("noise", "fp8_weights") and plan.study.run.train.steps == 4
+  study = plan.study
+  study.calibration = ("rollout.noise_sigma=0.8", "rollout.weights=fp8")
+  plan = dataclasses.replace(plan, study=study)
+  calibrate.check_prompts(plan.study.run, workdir, plan.study.num_prompts, lambda *a: None)
+  result = calibrate.calibrate(plan, workdir, lambda *a: None)
   # The random toy teacher solves nothing, so runs are scored by the KL to it.
   assert result["label"] == "teacher_kl" and result["run_steps"] == 4
-  assert result["num_runs"] == 1 + 4 + 2  # one seed: no re-runs
+  assert result["num_runs"] == 3  # one seed: no re-runs
   assert all(r["quality_runs"][0] < 0 for r in result["rows"])  # q = −KL
-  fitted, fingerprint = budget_file.load_budget(workdir / "budget.json")
+  fitted, fingerprint = budget_file.load_budget(os.path.join(workdir, "budget.json"))
   assert fitted.rule.name == "pooled" and "student" in fingerprint
   (screened,) = result["calibration"]["screen"]
-  assert screened["spec"] == "rollout.weights=fp8" and screened["limit"] == pytest.approx(
-    fitted.max_kl
-  )
+  assert screened["spec"] == "rollout.weights=fp8"
+  assert screened["limit"] == pytest.approx(fitted.max_kl)
   assert screened["admitted"] == (screened["mismatch/kl"] <= fitted.max_kl)
   assert result["calibration"]["cost_runs_measured"] > 0
+  with open(os.path.join(workdir, "study.json")) as f:
+    assert json.load(f)["calibration"]["screen"] == result["calibration"]["screen"]
   # A restart trains nothing again: every run is read back.
-  again = _calibrate(*args)
-  assert again.returncode == 0 and "1 runs" not in again.stdout
-  assert json.loads((tmp_path / "cal.json").read_text())["rows"] == result["rows"]
+  again = calibrate.calibrate(plan, workdir, lambda *a: None)
+  assert [r["quality_runs"] for r in again["rows"]] == [r["quality_runs"] for r in result["rows"]]

@@ -75,7 +75,7 @@ def test_transfer_counts_the_target_settings_each_limit_gets_right(tmp_path):
   )
   absolute = moves[("a", "b", "absolute")]
   assert absolute["agreement"] == {"right": 2, "n": 3, "rate": pytest.approx(2 / 3)}
-  assert absolute["own_agreement"]["right"] == 3
+  assert absolute["own_agreement"]["right"] == 3 and absolute["admit_all"]["right"] == 2
   assert moves[("a", "b", "relative")]["agreement"]["right"] == 3
   text = pairs.markdown(
     [pairs.pair_summary(n, r) for n, r in results.items()], list(moves.values())

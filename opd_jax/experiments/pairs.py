@@ -17,7 +17,8 @@ both read from the same runs) the budget is refitted on its records (`label_reco
 Transfer (`transfer`): pair A's pooled limit, on one axis and label, is applied to pair B's
 calibration settings (each setting's mean label over its runs against B's τ: kept or degraded),
 and its agreement is reported beside that of B's own pooled limit on the same settings (an
-in-sample figure, so an upper bound on what B's budget would score on new settings).
+in-sample figure, so an upper bound on what B's budget would score on new settings) and that
+of admitting everything (the baseline a limit has to beat).
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def transfer(results: dict[str, dict], label: str, axis: str) -> list[dict]:
           "agreement": agreement(limit, rows),
           "own_limit": own,
           "own_agreement": agreement(own, rows),
+          "admit_all": agreement(math.inf, rows),
         }
       )
   return out
@@ -264,14 +266,15 @@ def markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
   lines += [
     "",
     "| from → to | label | axis | limit | agreement on the target's settings | target's own "
-    "limit (in sample) |",
-    "|---|---|---|---|---|---|",
+    "limit (in sample) | admit-all |",
+    "|---|---|---|---|---|---|---|",
   ]
   for m in moves:
     a, o = m["agreement"], m["own_agreement"]
     lines.append(
       f"| {m['from']} → {m['to']} | {m['label']} | {m['axis']} | {_g(m['limit'])} | "
-      f"{a['right']}/{a['n']} | {_g(m['own_limit'])}: {o['right']}/{o['n']} |"
+      f"{a['right']}/{a['n']} | {_g(m['own_limit'])}: {o['right']}/{o['n']} | "
+      f"{m['admit_all']['right']}/{m['admit_all']['n']} |"
     )
   return "\n".join(lines) + "\n"
 

@@ -88,7 +88,9 @@ def main(argv):
       sensitivity=_SENSITIVITY.value,
     )
     log(plan.describe())
-    calibrate.check_prompts(plan.study.run, workdir, plan.study.num_prompts, log)
+    plan.study.num_eval = calibrate.check_prompts(
+      plan.study.run, workdir, plan.study.num_prompts, log
+    )
     if _PLAN_ONLY.value:
       return
     compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, workdir)

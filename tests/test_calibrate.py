@@ -74,6 +74,29 @@ def test_a_source_without_a_ladder_is_calibrated_on_the_candidates_own_part():
   )
 
 
+def test_a_screened_candidates_lag_is_covered_by_the_probe():
+  """A stale candidate is measured at the probe (not trained), so the probe runs longer than
+  its lag and keeps that many checkpoints."""
+  plan = calibrate.make_plan(_embedded(), quick=True, candidates=["rollout.stale_k=32"])
+  assert plan.study.probe_steps == 33 and plan.study.probe_lag == 32
+  settings = study_lib.study_settings(plan.study)
+  probe = study_lib.probe_config(plan.study, settings, "/tmp/unused")
+  assert probe.train.keep_checkpoints == 33 and probe.train.stop_after == 33
+
+
+def test_the_kl_label_drop_is_positive_when_the_kl_to_the_teacher_rises():
+  rows = [
+    {"role": "reference", "source": "reference", "mismatch/kl": 0.0, "accuracy": 0.0},
+    {"role": "calibration", "source": "noise", "mismatch/kl": 0.3, "accuracy": 0.0},
+  ]
+  rows[0]["quality_runs"] = [-0.10]
+  rows[1]["quality_runs"] = [-0.15, -0.13]  # KL 0.15 and 0.13 against the reference's 0.10
+  records = study_lib.budget_records(rows, reference_mean=-0.10)
+  assert [r["quality_drop"] for r in records] == pytest.approx([0.0, 0.05, 0.03])
+  scored = {"student_score_after": 0.5, "teacher_score": 0.25}
+  assert study_lib.run_quality(scored, "accuracy") == 0.5  # an eval file's score
+
+
 @pytest.mark.parametrize(
   "kwargs, match",
   [

@@ -30,12 +30,14 @@ combination typed by the user) is calibrated on the candidate's own part.
 
 The cost is reported up front as a multiple of one training run of the config, in optimizer
 steps: (probe steps + Σ runs · run steps) / train.steps (`Plan.cost_runs`), and measured at the
-end as wall seconds over the reference runs' mean wall seconds scaled to train.steps
-(`measured_cost`). The runs' evaluation and setup make the measured figure the larger.
+end as the wall seconds of every trained run, summed, over the reference runs' mean wall seconds
+scaled to train.steps (`measured_cost`). The measured figure leaves out the probe, the
+measurements and the sensitivity scan, and it moves with how long each run's setup and
+compilation took (the first runs compile, later ones load programs from the cache).
 
 The rule written into the budget file is "pooled" by default: one limit on the check's
-per-token KL for every source. Over the study's eight rounds it agreed with the training
-outcome at least as often as the per-source rules in every round (docs/budget_rules.md).
+per-token KL for every source. On the study's recorded rounds (4 to 8) it was never worse than
+the rule each round had fixed beforehand (docs/budget_rules.md).
 """
 
 from __future__ import annotations
@@ -160,11 +162,12 @@ def _parts(spec: str, run_cfg) -> list[tuple[str, str]]:
   return list(parts.items()) or [(candidates_lib.candidate_source(candidate), spec)]
 
 
-def check_prompts(run_cfg, workdir: str, num_prompts: int, log: Callable = print) -> None:
+def check_prompts(run_cfg, workdir: str, num_prompts: int, log: Callable = print) -> int:
   """Refuses, before anything trains, a run config whose files, tokenizers or evaluation do
   not check (`train.preflight.check`), one with no held-out evaluation or fewer than
   MIN_EVAL_PROMPTS held-out prompts, and a prompt file with fewer than `num_prompts` + 1
-  prompts for the admission check's measurements."""
+  prompts for the admission check's measurements. Returns the number of held-out prompts a
+  run is scored on (the binomial noise floor's n)."""
   from opd_jax.train import preflight
 
   checked = preflight.check(run_cfg, workdir, log)
@@ -183,11 +186,13 @@ def check_prompts(run_cfg, workdir: str, num_prompts: int, log: Callable = print
         f"{run_cfg.data.prompt_file} leaves {len(train)} training prompts; the admission "
         f"check measures each setting on {num_prompts} (--prompts)"
       )
-  elif run_cfg.data.eval_size < MIN_EVAL_PROMPTS:
+    return num_eval
+  if run_cfg.data.eval_size < MIN_EVAL_PROMPTS:
     raise ValueError(
       f"data.eval_size={run_cfg.data.eval_size}: a calibration needs at least "
       f"{MIN_EVAL_PROMPTS} held-out prompts to score its runs"
     )
+  return int(run_cfg.data.eval_size)
 
 
 def make_plan(
@@ -242,7 +247,7 @@ def make_plan(
       own = tuple(part for src, part in parts if src == source)
     calibration += [s for s in own if s not in calibration]
   steps = run_steps or max(run_cfg.train.steps // RUN_FRACTION[design], 1)
-  lags = [candidates_lib.parse_candidate(s, run_cfg).lag for s in calibration]
+  lags = [candidates_lib.parse_candidate(s, run_cfg).lag for s in (*calibration, *candidates)]
   probe_steps = max(max(lags, default=0) + 1, steps // 10, 2)
   if probe_steps >= steps:
     raise ValueError(
@@ -264,6 +269,8 @@ def make_plan(
   c.run = run
   c.seeds = seeds
   c.probe_steps = probe_steps
+  c.probe_lag = max(lags, default=0)  # the screened candidates' lags need checkpoints too
+  c.num_eval = 0  # held-out prompts scored per run; 0 = data.eval_size (`check_prompts` sets it)
   c.num_prompts = num_prompts
   c.tolerance = 0.0
   c.sensitivity = sensitivity

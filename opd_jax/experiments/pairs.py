@@ -110,7 +110,8 @@ def settings(result: dict, label: str, axis: str = "absolute") -> list[dict]:
 def fit(result: dict, label: str, axis: str = "absolute") -> budget.Budget:
   """The pair's budget refitted under `label` on `axis` (its own τ, two crossing records)."""
   records, floor = label_records(result, label, axis)
-  return budget.fit_budget(records, floor["tolerance"])
+  crossing = int(result.get("min_crossing_records", 2))
+  return budget.fit_budget(records, floor["tolerance"], min_crossing_records=crossing)
 
 
 def agreement(limit: float, rows: Sequence[dict]) -> dict[str, Any]:

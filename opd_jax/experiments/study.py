@@ -164,6 +164,7 @@ def probe_config(config: ml_collections.ConfigDict, settings: Sequence[Setting],
   """The reference run stopped after `probe_steps`, keeping every checkpoint the stale
   candidates need (θ_P and θ_(P−k) for each lag k)."""
   lags = [candidates_lib.parse_candidate(s.spec, config.run).lag for s in settings]
+  lags.append(int(config.get("probe_lag", 0)))  # a lag measured but not trained (a screen)
   reference = next(s for s in settings if s.role == REFERENCE)
   base = run_config(config, reference, workdir)
   if not 0 < config.probe_steps < base.train.steps:
@@ -626,7 +627,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     config.get("label", "accuracy"), [results[s.name] for s in settings if s.role == REFERENCE]
   )
   reference = [run_quality(results[s.name], label) for s in settings if s.role == REFERENCE]
-  floor = noise_floor(reference, config.run.data.eval_size, label)
+  num_eval = int(config.get("num_eval", 0) or config.run.data.eval_size)  # held-out prompts
+  floor = noise_floor(reference, num_eval, label)
   tolerance = config.tolerance or floor["tolerance"]
 
   rows = []
@@ -674,7 +676,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   result: dict[str, Any] = {
     "workdir": os.path.abspath(workdir),
     "run_steps": config.run.train.steps,
-    "num_eval": config.run.data.eval_size,
+    "num_eval": num_eval,
     "num_prompts": config.num_prompts,
     "probe": {"dir": probe_dir, "steps": config.probe_steps},
     "teacher_accuracy": result_accuracy(results[settings[0].name], "", "teacher"),

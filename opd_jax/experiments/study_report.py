@@ -75,7 +75,11 @@ def plot_quality(result: dict, path: str) -> str:
     ax.axvspan(_x(low), _x(high), color="r", alpha=0.1, label="95% interval")
   ax.set_xscale("log")
   ax.set_xlabel("mismatch/kl measured by the admission check (nats/token)")
-  ax.set_ylabel("quality drop (accuracy points)")
+  ax.set_ylabel(
+    "quality drop (KL to the teacher, nats/token × 100)"
+    if result.get("label") == "teacher_kl"
+    else "quality drop (accuracy points)"
+  )
   ax.set_title(f"OPD quality against mismatch ({result['run_steps']} steps per run)", fontsize=10)
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
@@ -244,12 +248,25 @@ def configured_rule(result: dict) -> str:
 def findings(result: dict) -> list[str]:
   """One sentence per finding, each with its numbers."""
   floor, b, conf = result["noise_floor"], result["budget"], result["confusion"]
+  if result.get("label") == "teacher_kl":  # q = −KL(student ‖ teacher): drops in nats/token
+    reference = [
+      f"Reference: {floor['n']} seeds end at a held-out KL(student ‖ teacher) of "
+      f"{_g(-floor['mean'])} nats/token (sd {_g(floor['sd'])}; resolution "
+      f"{_g(floor['se'])}; teacher accuracy {_pct(result['teacher_accuracy'])} %, warm start "
+      f"{_pct(result['student_accuracy_before'])} %).",
+      f"Tolerance τ = {_g(result['tolerance'])} nats/token of KL to the teacher "
+      f"({result['tolerance_rule']}).",
+    ]
+  else:
+    reference = [
+      f"Reference: {floor['n']} seeds reach {_pct(floor['mean'])} % held-out accuracy (sd "
+      f"{_pct(floor['sd'])} points; binomial SE of one run {_pct(floor['se'])} points; teacher "
+      f"{_pct(result['teacher_accuracy'])} %, warm start "
+      f"{_pct(result['student_accuracy_before'])} %).",
+      f"Tolerance τ = {_pct(result['tolerance'])} accuracy points ({result['tolerance_rule']}).",
+    ]
   out = [
-    f"Reference: {floor['n']} seeds reach {_pct(floor['mean'])} % held-out accuracy (sd "
-    f"{_pct(floor['sd'])} points; binomial SE of one run {_pct(floor['se'])} points; teacher "
-    f"{_pct(result['teacher_accuracy'])} %, warm start "
-    f"{_pct(result['student_accuracy_before'])} %).",
-    f"Tolerance τ = {_pct(result['tolerance'])} accuracy points ({result['tolerance_rule']}).",
+    *reference,
     f"Budget: max_kl = {_g(b['max_kl'])} nats/token, 95 % bootstrap interval "
     f"[{_g(b['interval'][0])}, {_g(b['interval'][1])}], censored: {b['censored']}.",
   ]
@@ -321,7 +338,8 @@ def findings(result: dict) -> list[str]:
       "mean, a calibration one giving one record per run): "
       + (
         ", ".join(
-          f"{r['name']} {_pct(r['quality_drop'])} -> {_pct(r['label_drop'])}" for r in rerun
+          f"{r['name']} {_drop_value(r['quality_drop'], r)} -> {_drop_value(r['label_drop'], r)}"
+          for r in rerun
         )
         or "none"
       )

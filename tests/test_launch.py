@@ -1,11 +1,11 @@
 """The launch scripts: their dry runs, shellcheck, and a real two-process run on CPU devices.
 
 The dry runs are checked token by token (each printed line is parsed back with `shlex`), the
-SLURM one against JAX's own resolution of a fake 2-node allocation. The slow test runs
-`configs/bf16_sync.py:tiny` and the main job `configs/fp8_async.py:tiny` (rollouts on the
-trainer's devices and on devices of their own) as 1 process x 8 CPU devices and as 2 processes x
-4 devices through `launch/local_multiprocess.sh`, and compares the `metrics.jsonl` files step by
-step.
+SLURM one against JAX's own resolution of a fake 2-node allocation. The slow test runs the main
+job `configs/fp8_async.py:tiny` (rollouts on the trainer's devices and on devices of their own)
+as 1 process x 8 CPU devices and as 2 processes x 4 devices through
+`launch/local_multiprocess.sh`, and compares the `metrics.jsonl` files step by step. (The
+synchronous reference runs on two processes in tests/test_faults.py.)
 """
 
 import json
@@ -297,7 +297,6 @@ COMPARED = (
 # (config, flags of both runs, flags of the one-process run only). Async runs dispatch inline in
 # both (the default with several processes, asked for with one), so neither depends on timing.
 LAUNCHED = {
-  "bf16_sync": (["--config=bf16_sync.py:tiny"], []),
   "fp8_async": (["--config=fp8_async.py:tiny"], ["--config.rollout.dispatch=inline"]),
   "fp8_async_devices_apart": (
     ["--config=fp8_async.py:tiny", "--config.rollout.devices=4"],

@@ -66,24 +66,17 @@ def _x(row: dict, result: dict, axis: str) -> float:
 
 
 def label_records(result: dict, label: str, axis: str = "absolute"):
-  """(records, noise floor) of a calibration under `label` on `axis`: one record per run of
-  the reference and calibration rows, x on the axis, drop = mean(q_ref) − q."""
-  rows = [r for r in result["rows"] if r["role"] in (study_lib.REFERENCE, "calibration")]
-  reference = [q for r in rows if r["role"] == study_lib.REFERENCE for q in _quality_runs(r, label)]
+  """(records, noise floor) of a calibration under `label` on `axis`: the study's records
+  (`study.budget_records`: one per run of the reference and calibration rows, drop =
+  mean(q_ref) − q) from its rows with their quality under `label` and x on `axis`."""
+  rows = [
+    {**r, "quality_runs": _quality_runs(r, label), budget.KL_KEY: _x(r, result, axis)}
+    for r in result["rows"]
+    if r["role"] in (study_lib.REFERENCE, "calibration")
+  ]
+  reference = [q for r in rows if r["role"] == study_lib.REFERENCE for q in r["quality_runs"]]
   floor = study_lib.noise_floor(reference, result["num_eval"], label)
-  records = []
-  for r in rows:
-    for k, q in enumerate(_quality_runs(r, label)):
-      records.append(
-        {
-          "source": r["source"],
-          "name": r["name"],
-          "run": k,
-          budget.KL_KEY: _x(r, result, axis),
-          budget.DROP_KEY: floor["mean"] - q,
-        }
-      )
-  return records, floor
+  return study_lib.budget_records(rows, floor["mean"]), floor
 
 
 def settings(result: dict, label: str, axis: str = "absolute") -> list[dict]:

@@ -216,12 +216,26 @@ def run_many(
   return results
 
 
+def held_out_score(
+  result: dict, when: str = "after", who: str = "student"
+) -> tuple[str, float] | None:
+  """A run's held-out score as (kind, value): `<who>_accuracy_<when>` on the built-in task
+  ("accuracy"), else the eval file's `<who>_score_<when>` ("score"); None when it has neither
+  (an eval file without answers). `when=""` reads the key without a suffix (the teacher's)."""
+  suffix = f"_{when}" if when else ""
+  for kind in ("accuracy", "score"):
+    value = result.get(f"{who}_{kind}{suffix}")
+    if value is not None:
+      return kind, float(value)
+  return None
+
+
 def _quality_text(result: dict) -> str:
   """ "accuracy 0.957" on the built-in task, "score 0.500" with an eval file's answers, else the
   held-out KL(student ‖ teacher)."""
-  for kind in ("accuracy", "score"):
-    if result.get(f"student_{kind}_after") is not None:
-      return f"{kind} {result[f'student_{kind}_after']:.3f}"
+  held = held_out_score(result)
+  if held is not None:
+    return f"{held[0]} {held[1]:.3f}"
   return f"KL(student||teacher) {result.get('student_teacher_kl_after', math.nan):.4g}"
 
 

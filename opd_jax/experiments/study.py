@@ -267,12 +267,8 @@ def result_accuracy(result: dict, when: str = "after", who: str = "student") -> 
   """A run's held-out accuracy: `<who>_accuracy_<when>` on the built-in task, else the eval
   file's score (`<who>_score_<when>`, exact match by default); NaN when it has neither (an
   eval file without answers)."""
-  suffix = f"_{when}" if when else ""
-  for kind in ("accuracy", "score"):
-    value = result.get(f"{who}_{kind}{suffix}")
-    if value is not None:
-      return float(value)
-  return math.nan
+  held = runs.held_out_score(result, when, who)
+  return math.nan if held is None else held[1]
 
 
 def run_quality(result: dict, label: str) -> float:
@@ -326,7 +322,10 @@ def noise_floor(
 def quality_runs(row: dict) -> list[float]:
   """A row's quality per run: `quality_runs`, or in a study recorded before labels other than
   accuracy existed, `accuracy_runs`."""
-  return row.get("quality_runs", row.get("accuracy_runs", [row.get("quality", row["accuracy"])]))
+  for key in ("quality_runs", "accuracy_runs"):
+    if key in row:
+      return row[key]
+  return [row["quality"] if "quality" in row else row["accuracy"]]
 
 
 def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
@@ -339,7 +338,7 @@ def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
     if r["role"] not in (REFERENCE, "calibration"):
       continue
     train_kl = r.get("train_kl_runs", [r.get(TRAIN_KL)])
-    accuracy = r.get("accuracy_runs", [r["accuracy"]])
+    accuracy = r["accuracy_runs"] if "accuracy_runs" in r else [r["accuracy"]]
     for k, quality in enumerate(quality_runs(r)):
       record = {key: r[key] for key in keep if key in r}
       record.update(quality=quality, run=k)

@@ -1,0 +1,507 @@
+"""A study's pre-registered validation scored: the frozen rule beside simple baselines, and the
+one-scale and interaction analyses of its calibration runs.
+
+    python -m opd_jax.experiments.validation --study=DIR/study.json \
+        --config=configs/validation.py [--json=OUT] [--markdown=OUT]
+
+Everything here reads a finished `study.json` (`opd_jax.experiments.study`) and the analysis
+its config froze (`config.analysis`); nothing trains. The pieces are pure functions.
+
+Verdicts on the held-out settings. Each row of the study carries the frozen rule's verdict
+(`admitted`, reached through `admission.candidate_verdict`, the admission check's own path) and
+the pooled rule's (`admitted_pooled`). Beside them:
+
+  admit_all         every setting admitted;
+  measure_nothing   a threshold on the settings themselves, read off the calibration labels
+                    (`nothing_thresholds`): refuse iff σ ≥ σ* or k ≥ k* or the weights format
+                    is one whose lone calibration setting lost quality. σ* (k*) is the
+                    smallest σ (k) of a lone noise (stale) calibration setting that lost
+                    quality, ∞ when none did.
+
+A setting kept quality iff the mean drop over its runs d̄ ≤ τ. Agreement a = (true accepts +
+true refusals) / n, with the Wilson score interval at level 1 − α:
+
+  (p̂ + z²/2n ± z·sqrt(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n).
+
+Paired comparison of rule R with baseline B on the same n settings: b = settings R gets right
+and B wrong, c = the reverse. Exact one-sided McNemar: p = P(X ≥ b), X ~ Binomial(b + c, 1/2)
+(H1: R agrees more often). Non-inferiority of R to B with margin m: the one-sided lower bound
+of the paired difference Δ = (b − c)/n (Wald: Δ − z_(1−α)·sqrt((b + c)/n − Δ²)/sqrt(n)) above −m.
+
+One scale. On the single-source calibration records (one per run: x = the check's KL, y = the
+drop), drop = g(x) + δ_s with g non-decreasing (isotonic) and δ_reference = 0, fitted by
+backfitting (`offset_fit`); δ_s ≠ 0 says source s degrades at a different level than the others
+at the same KL. Leave one source out (`leave_one_source_out`): the pooled knee fitted without s's
+records (`budget.fit_budget`) is s's predicted knee; its score is the fraction of s's settings it
+labels right (kept ⇔ x ≤ knee), beside s's own fitted knee. Both are run on each axis given:
+the check's KL, and each run's training-time mean KL.
+
+Interactions (`factorial`): each combination of the calibration set beside its parts' lone
+settings: its KL and the sum of its parts' KLs, its drop and the sum of the parts' drops, and
+the verdicts of the per-part and sum-of-fractions rules.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from opd_jax.experiments import study as study_lib
+from opd_jax.mismatch import budget
+from opd_jax.mismatch import candidates as candidates_lib
+
+LABEL_DROP = "label_drop"
+INF = math.inf
+
+
+def wilson(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+  """The Wilson score interval of a binomial proportion (module docstring); (nan, nan) for n = 0."""
+  if n <= 0:
+    return (math.nan, math.nan)
+  z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+  p = successes / n
+  center = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return (max(center - half, 0.0), min(center + half, 1.0))
+
+
+def mcnemar_one_sided(b: int, c: int) -> float:
+  """Exact one-sided McNemar p = P(X ≥ b), X ~ Binomial(b + c, 1/2); 1.0 with no discordance."""
+  if b + c == 0:
+    return 1.0
+  n = b + c
+  return sum(math.comb(n, i) for i in range(b, n + 1)) / 2.0**n
+
+
+def paired_lower_bound(b: int, c: int, n: int, alpha: float = 0.05) -> float:
+  """One-sided (1 − α) Wald lower bound of Δ = (b − c)/n, the paired difference in agreement."""
+  if n <= 0:
+    return math.nan
+  delta = (b - c) / n
+  var = max((b + c) / n - delta * delta, 0.0) / n
+  return delta - statistics.NormalDist().inv_cdf(1 - alpha) * math.sqrt(var)
+
+
+def kept(row: Mapping, tolerance: float, key: str = LABEL_DROP) -> bool:
+  """A setting kept quality iff its drop over its runs is ≤ τ."""
+  return row[key] <= tolerance
+
+
+def _engine(spec: str, run_cfg) -> tuple[float, int, str]:
+  """(σ, k, weights format) of a candidate's engine."""
+  c = candidates_lib.parse_candidate(spec, run_cfg)
+  return float(c.engine_cfg.noise_sigma), int(c.lag), str(c.engine_cfg.weights)
+
+
+def nothing_thresholds(rows: Sequence[Mapping], tolerance: float, run_cfg) -> dict[str, Any]:
+  """σ*, k* and the refused weight formats of the measure-nothing rule, from the lone
+  calibration settings' labels (module docstring)."""
+  sigma, lag, formats = INF, INF, set()
+  for r in rows:
+    if r["role"] != "calibration" or "+" in r["source"] or kept(r, tolerance):
+      continue
+    s, k, w = _engine(r["spec"], run_cfg)
+    if r["source"] == "noise":
+      sigma = min(sigma, s)
+    elif r["source"] == "stale":
+      lag = min(lag, k)
+    elif r["source"].endswith("_weights"):
+      formats.add(w)
+  return {"sigma": sigma, "lag": lag, "formats": sorted(formats)}
+
+
+def nothing_admits(spec: str, thresholds: Mapping, run_cfg) -> bool:
+  """The measure-nothing rule's verdict on one setting."""
+  s, k, w = _engine(spec, run_cfg)
+  return s < thresholds["sigma"] and k < thresholds["lag"] and w not in thresholds["formats"]
+
+
+def score(admitted: Sequence[bool], labels: Sequence[bool], level: float = 0.95) -> dict:
+  """The confusion table and agreement of verdicts against kept-quality labels, with the
+  agreement's Wilson interval."""
+  table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
+  for a, k in zip(admitted, labels, strict=True):
+    table[("admitted" if a else "refused") + ("_kept" if k else "_degraded")] += 1
+  n = len(labels)
+  right = table["admitted_kept"] + table["refused_degraded"]
+  return {
+    **table,
+    "n": n,
+    "agreement": right / n if n else math.nan,
+    "interval": list(wilson(right, n, level)),
+  }
+
+
+def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool], alpha: float):
+  """The paired comparison of two verdict lists on the same settings (module docstring)."""
+  right_r = [a == k for a, k in zip(rule, labels, strict=True)]
+  right_o = [a == k for a, k in zip(other, labels, strict=True)]
+  b = sum(r and not o for r, o in zip(right_r, right_o, strict=True))
+  c = sum(o and not r for r, o in zip(right_r, right_o, strict=True))
+  n = len(labels)
+  return {
+    "rule_only_right": b,
+    "other_only_right": c,
+    "mcnemar_p": mcnemar_one_sided(b, c),
+    "difference": (b - c) / n if n else math.nan,
+    "difference_lower": paired_lower_bound(b, c, n, alpha),
+  }
+
+
+def accuracy_labels(result: Mapping, rows: Sequence[Mapping]) -> tuple[list[bool], dict]:
+  """The held-out rows' kept-quality labels under held-out accuracy, with τ from the reference
+  accuracies (2 · max(seed sd, binomial SE))."""
+  reference = [a for r in result["rows"] if r["role"] == "reference" for a in r["accuracy_runs"]]
+  floor = study_lib.noise_floor(reference, int(result["num_eval"]), "accuracy")
+  labels = [floor["mean"] - float(np.mean(r["accuracy_runs"])) <= floor["tolerance"] for r in rows]
+  return labels, floor
+
+
+def validate(result: Mapping, config) -> dict[str, Any]:
+  """The pre-registered analysis (`config.analysis`) of a study's held-out settings."""
+  analysis = config.analysis
+  tolerance = float(result["tolerance"])
+  level = float(analysis.get("level", 0.95))
+  alpha = float(analysis.get("alpha", 0.05))
+  rows = [r for r in result["rows"] if r["role"] == "held_out"]
+  if not rows:
+    raise ValueError("the study has no held-out settings to validate on")
+  thresholds = nothing_thresholds(result["rows"], tolerance, config.run)
+  verdicts = {
+    analysis.primary: [bool(r["admitted"]) for r in rows],
+    "pooled": [bool(r["admitted_pooled"]) for r in rows],
+    "admit_all": [True] * len(rows),
+    "measure_nothing": [nothing_admits(r["spec"], thresholds, config.run) for r in rows],
+  }
+  out: dict[str, Any] = {
+    "label": result["label"],
+    "tolerance": tolerance,
+    "n": len(rows),
+    "degraded": sum(not kept(r, tolerance) for r in rows),
+    "thresholds": thresholds,
+    "settings": [
+      {
+        "spec": r["spec"],
+        "source": r["source"],
+        "kl": r[budget.KL_KEY],
+        "drop": r[LABEL_DROP],
+        "kept": kept(r, tolerance),
+        **{name: v[i] for name, v in verdicts.items()},
+      }
+      for i, r in enumerate(rows)
+    ],
+  }
+  primary_labels = [kept(r, tolerance) for r in rows]
+  acc_labels, acc_floor = accuracy_labels(result, rows)
+  for label_name, labels in (("primary_label", primary_labels), ("accuracy_label", acc_labels)):
+    block = {name: score(v, labels, level) for name, v in verdicts.items()}
+    rule = verdicts[analysis.primary]
+    block["tests"] = {
+      name: compare(rule, verdicts[name], labels, alpha)
+      for name in (*analysis.mcnemar_against, analysis.noninferior_to)
+    }
+    margin = float(analysis.noninferiority_margin)
+    block["goal_met"] = block[analysis.primary]["agreement"] >= float(analysis.goal)
+    block["beats"] = {
+      name: block["tests"][name]["mcnemar_p"] < alpha for name in analysis.mcnemar_against
+    }
+    block["noninferior"] = block["tests"][analysis.noninferior_to]["difference_lower"] > -margin
+    out[label_name] = block
+  out["accuracy_tolerance"] = acc_floor["tolerance"]
+  out["labels_agree"] = sum(a == b for a, b in zip(acc_labels, primary_labels, strict=True))
+  acc = [a for r in result["rows"] for a in r["accuracy_runs"]]
+  kl = [k for r in result["rows"] for k in r["teacher_kl_runs"]]
+  out["spearman_accuracy_vs_minus_kl"] = study_lib.spearman(acc, [-k for k in kl])
+  return out
+
+
+def offset_fit(x: Sequence[float], drop: Sequence[float], source: Sequence[str], iters: int = 200):
+  """drop ≈ g(x) + δ_source with g isotonic non-decreasing and δ_reference = 0, by
+  backfitting; returns ({source: δ}, g at each record)."""
+  x, drop = np.asarray(x, float), np.asarray(drop, float)
+  source = np.asarray(source)
+  names = sorted({str(x) for x in source} - {budget.REFERENCE_SOURCE})
+  delta = dict.fromkeys(names, 0.0)
+  g = np.zeros_like(drop)
+  for _ in range(iters):
+    shift = np.array([delta.get(s, 0.0) for s in source])
+    xs, fs = budget.isotonic_fit(x, drop - shift)
+    g = np.interp(x, xs, fs)
+    new = {s: float(np.mean((drop - g)[source == s])) for s in names}
+    if all(abs(new[s] - delta[s]) < 1e-9 for s in names):
+      delta = new
+      break
+    delta = new
+  return delta, g
+
+
+def offsets_with_interval(records: Sequence[Mapping], axis: str, num_bootstrap=500, seed=0):
+  """`offset_fit` on single-source records, with a bootstrap interval per δ_s (records
+  resampled within each source)."""
+  x = [r[axis] for r in records]
+  d = [r[budget.DROP_KEY] for r in records]
+  s = [r["source"] for r in records]
+  delta, _ = offset_fit(x, d, s)
+  rng = np.random.default_rng(seed)
+  src = np.asarray(s)
+  groups = {name: np.flatnonzero(src == name) for name in sorted(set(s))}
+  draws = {name: [] for name in delta}
+  for _ in range(num_bootstrap):
+    idx = np.concatenate([rng.choice(g, len(g)) for g in groups.values()])
+    boot, _ = offset_fit([x[i] for i in idx], [d[i] for i in idx], [s[i] for i in idx], iters=50)
+    for name in delta:
+      draws[name].append(boot[name])
+  return {
+    name: {
+      "offset": delta[name],
+      "interval": [float(np.quantile(draws[name], 0.025)), float(np.quantile(draws[name], 0.975))],
+    }
+    for name in delta
+  }
+
+
+def leave_one_source_out(records: Sequence[Mapping], axis: str, tolerance: float) -> dict:
+  """Each source's knee predicted by the pooled fit without its records, scored on its own
+  settings (module docstring), beside its own fit."""
+  recs = [{**r, budget.KL_KEY: max(float(r[axis]), 0.0)} for r in records]
+  sources = sorted({r["source"] for r in recs} - {budget.REFERENCE_SOURCE})
+  out = {}
+  for s in sources:
+    rest = [r for r in recs if r["source"] != s]
+    own = [r for r in recs if r["source"] == s]
+    predicted = budget.fit_budget(rest, tolerance, num_bootstrap=200).overall
+    try:
+      fit = budget.fit_budget(
+        own + [r for r in recs if r["source"] == budget.REFERENCE_SOURCE],
+        tolerance,
+        num_bootstrap=200,
+      ).overall
+      own_knee, own_censored = fit.max_kl, fit.censored
+    except ValueError:
+      own_knee, own_censored = math.nan, "unfitted"
+    by_setting: dict[str, list] = {}
+    for r in own:
+      by_setting.setdefault(r["name"], []).append(r)
+    right = 0
+    for runs_ in by_setting.values():
+      kl = float(np.mean([r[budget.KL_KEY] for r in runs_]))
+      drop = float(np.mean([r[budget.DROP_KEY] for r in runs_]))
+      right += (kl <= predicted.max_kl) == (drop <= tolerance)
+    out[s] = {
+      "predicted_knee": predicted.max_kl,
+      "predicted_censored": predicted.censored,
+      "own_knee": own_knee,
+      "own_censored": own_censored,
+      "settings": len(by_setting),
+      "right": right,
+    }
+  return out
+
+
+def one_scale(result: Mapping) -> dict[str, Any]:
+  """The offset fit and leave-one-source-out knees on the check's axis and the training
+  axis, over the single-source calibration runs and the reference."""
+  tolerance = float(result["tolerance"])
+  records = [
+    r
+    for r in study_lib.budget_records(result["rows"], result["noise_floor"]["mean"])
+    if "+" not in r["source"]
+  ]
+  out = {}
+  for axis in (budget.KL_KEY, study_lib.TRAIN_KL):
+    recs = [{**r, axis: max(float(r[axis]), 0.0)} for r in records if r.get(axis) is not None]
+    out[axis] = {
+      "offsets": offsets_with_interval(recs, axis),
+      "leave_one_source_out": leave_one_source_out(recs, axis, tolerance),
+    }
+  return out
+
+
+def factorial(result: Mapping, run_cfg) -> list[dict]:
+  """Each calibration combination beside its parts' lone calibration settings."""
+  tolerance = float(result["tolerance"])
+  by_spec = {r["spec"]: r for r in result["rows"]}
+  out = []
+  for r in result["rows"]:
+    if r["role"] != "calibration" or "+" not in r["source"]:
+      continue
+    candidate = candidates_lib.parse_candidate(r["spec"], run_cfg)
+    parts = candidates_lib.source_parts(candidate, run_cfg)
+    lone = {s: by_spec.get(spec) for s, spec in parts.items()}
+    out.append(
+      {
+        "spec": r["spec"],
+        "kl": r[budget.KL_KEY],
+        "part_kl": {s: r.get(f"{budget.PART_KL_PREFIX}{s}") for s in parts},
+        "drop": r[LABEL_DROP],
+        "part_drop": {s: (None if v is None else v[LABEL_DROP]) for s, v in lone.items()},
+        "kept": kept(r, tolerance),
+        "parts_kept": {s: (None if v is None else kept(v, tolerance)) for s, v in lone.items()},
+      }
+    )
+  return out
+
+
+def load_config(path: str):
+  """A config file's `get_config()` (`path[:arg]`), its directory importable (configs import
+  their siblings)."""
+  import importlib.util
+  import os
+  import sys
+
+  path, _, arg = path.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"--config={path!r}: no such file")
+  directory = os.path.dirname(os.path.abspath(path))
+  if directory not in sys.path:
+    sys.path.insert(0, directory)
+  spec = importlib.util.spec_from_file_location("opd_jax_validation_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg) if arg else module.get_config()
+  if "analysis" not in config:
+    raise ValueError(f"{path} has no `analysis` section: nothing was pre-registered to score")
+  return config
+
+
+def _g(x) -> str:
+  if x is None:
+    return "–"
+  if isinstance(x, float) and math.isinf(x):
+    return "∞"
+  return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def markdown(report: Mapping) -> str:
+  """The validation's tables (module docstring)."""
+  v = report["validation"]
+  lines = [
+    f"Held-out settings: {v['n']}, of which {v['degraded']} degraded "
+    f"(label {v['label']}, τ = {_g(v['tolerance'])}).",
+    f"Measure-nothing thresholds: σ* = {_g(v['thresholds']['sigma'])}, "
+    f"k* = {_g(v['thresholds']['lag'])}, refused formats: "
+    f"{', '.join(v['thresholds']['formats']) or 'none'}.",
+    "",
+  ]
+  for key, title in (("primary_label", "primary label"), ("accuracy_label", "accuracy label")):
+    block = v[key]
+    lines += [
+      f"**{title}**",
+      "",
+      "| rule | agreement | 95 % Wilson | admitted kept | admitted degraded | refused kept "
+      "| refused degraded |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for name in (report["primary"], "pooled", "admit_all", "measure_nothing"):
+      s = block[name]
+      lo, hi = s["interval"]
+      lines.append(
+        f"| {name} | {s['admitted_kept'] + s['refused_degraded']}/{s['n']} = "
+        f"{s['agreement']:.1%} | [{lo:.1%}, {hi:.1%}] | {s['admitted_kept']} | "
+        f"{s['admitted_degraded']} | {s['refused_kept']} | {s['refused_degraded']} |"
+      )
+    lines += [
+      "",
+      "| against | rule only right | other only right | McNemar p (one-sided) | Δ | Δ lower |",
+      "|---|---|---|---|---|---|",
+    ]
+    for name, t in block["tests"].items():
+      lines.append(
+        f"| {name} | {t['rule_only_right']} | {t['other_only_right']} | "
+        f"{t['mcnemar_p']:.3g} | {t['difference']:+.3f} | {t['difference_lower']:+.3f} |"
+      )
+    lines += [
+      "",
+      f"goal ≥ 90 % met: {block['goal_met']}; beats "
+      + ", ".join(f"{k}: {b}" for k, b in block["beats"].items())
+      + f"; non-inferior to pooled: {block['noninferior']}",
+      "",
+    ]
+  lines += [
+    "| setting | source | check KL | drop | kept | " + report["primary"] + " | pooled | "
+    "measure_nothing |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for s in v["settings"]:
+    lines.append(
+      f"| `{s['spec']}` | {s['source']} | {_g(s['kl'])} | {_g(s['drop'])} | {s['kept']} | "
+      f"{s[report['primary']]} | {s['pooled']} | {s['measure_nothing']} |"
+    )
+  for axis, block in report["one_scale"].items():
+    lines += [
+      "",
+      f"**one scale, axis {axis}**",
+      "",
+      "| source | offset δ_s | 95 % interval | LOSO knee | own knee | LOSO right |",
+      "|---|---|---|---|---|---|",
+    ]
+    for s, loso in block["leave_one_source_out"].items():
+      o = block["offsets"].get(s, {"offset": math.nan, "interval": [math.nan, math.nan]})
+      lines.append(
+        f"| {s} | {_g(o['offset'])} | [{_g(o['interval'][0])}, {_g(o['interval'][1])}] | "
+        f"{_g(loso['predicted_knee'])} ({loso['predicted_censored']}) | "
+        f"{_g(loso['own_knee'])} ({loso['own_censored']}) | {loso['right']}/{loso['settings']} |"
+      )
+  lines += [
+    "",
+    "| combination | KL | parts' KL | Σ parts | drop | parts' drops | kept | parts kept |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for f in report["factorial"]:
+    parts = f["part_kl"]
+    total = sum(x for x in parts.values() if x is not None)
+    lines.append(
+      f"| `{f['spec']}` | {_g(f['kl'])} | "
+      + ", ".join(f"{s} {_g(x)}" for s, x in parts.items())
+      + f" | {_g(total)} | {_g(f['drop'])} | "
+      + ", ".join(f"{s} {_g(x)}" for s, x in f["part_drop"].items())
+      + f" | {f['kept']} | "
+      + ", ".join(f"{s} {x}" for s, x in f["parts_kept"].items())
+      + " |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def report(result: Mapping, config) -> dict[str, Any]:
+  """Everything this module scores, from one study result and its config."""
+  return {
+    "primary": config.analysis.primary,
+    "validation": validate(result, config),
+    "one_scale": one_scale(result),
+    "factorial": factorial(result, config.run),
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  import argparse
+  import json
+
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--study", required=True, help="a finished study's study.json")
+  parser.add_argument("--config", required=True, help="the study's config file (its analysis)")
+  parser.add_argument("--json", default=None, help="write the report's data to PATH")
+  parser.add_argument("--md", default=None, help="write the markdown tables to PATH")
+  args = parser.parse_args(argv)
+  try:
+    config = load_config(args.config)
+    with open(args.study, encoding="utf-8") as f:
+      result = json.load(f)
+    out = report(result, config)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
+  text = markdown(out)
+  print(text)
+  if args.md:
+    with open(args.md, "w", encoding="utf-8") as f:
+      f.write(text)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(out, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+  main()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import pytest
 
 from opd_jax.experiments import validation
@@ -226,3 +227,19 @@ def test_the_committed_draw_is_fixed_and_disjoint_from_calibration():
   assert len({frozenset(s.split(",")) for s in held}) == len(held)
   c = validation_config.get_config()
   assert c.rule == c.analysis.primary == "sum_of_fractions" and c.label == "teacher_kl"
+
+
+def test_tolerance_interval_resamples_the_reference_seeds():
+  result = _result()
+  # identical reference runs: every resample gives τ = 2 · 2.5 % · 0.1
+  assert validation.tolerance_interval(result, num_bootstrap=50) == pytest.approx((0.005, 0.005))
+  out = validation.validate(result, _config())
+  assert out["tolerance_interval"] == pytest.approx([0.005, 0.005])
+  assert out["labels_within_tolerance_interval"] == 0
+  # five seeds that disagree: τ's interval brackets the point estimate 2 · sd
+  ref = result["rows"][0]
+  ref["quality_runs"] = [-0.10, -0.11, -0.12, -0.10, -0.13]
+  lo, hi = validation.tolerance_interval(result, num_bootstrap=500)
+  sd = float(np.std(ref["quality_runs"], ddof=1))
+  assert lo >= 2 * 0.025 * 0.10  # never below the relative floor of the smallest mean
+  assert lo < 2 * sd < hi

@@ -161,6 +161,25 @@ def accuracy_labels(result: Mapping, rows: Sequence[Mapping]) -> tuple[list[bool
   return labels, floor
 
 
+def tolerance_interval(
+  result: Mapping, num_bootstrap: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+  """τ's bootstrap interval: the reference runs' qualities resampled with replacement and τ
+  recomputed from each resample as the study computes it (`study.noise_floor`)."""
+  reference = [
+    q for r in result["rows"] if r["role"] == "reference" for q in study_lib.quality_runs(r)
+  ]
+  rng = np.random.default_rng(seed)
+  taus = [
+    study_lib.noise_floor(
+      rng.choice(reference, len(reference)), result["num_eval"], result["label"]
+    )["tolerance"]
+    for _ in range(num_bootstrap)
+  ]
+  lo, hi = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
+  return float(lo), float(hi)
+
+
 def validate(result: Mapping, config) -> dict[str, Any]:
   """The pre-registered analysis (`config.analysis`) of a study's held-out settings."""
   analysis = config.analysis
@@ -171,6 +190,7 @@ def validate(result: Mapping, config) -> dict[str, Any]:
   if not rows:
     raise ValueError("the study has no held-out settings to validate on")
   thresholds = nothing_thresholds(result["rows"], tolerance, config.run)
+  tau_band = tolerance_interval(result, level=level)
   verdicts = {
     analysis.primary: [bool(r["admitted"]) for r in rows],
     "pooled": [bool(r["admitted_pooled"]) for r in rows],
@@ -183,6 +203,11 @@ def validate(result: Mapping, config) -> dict[str, Any]:
     "n": len(rows),
     "degraded": sum(not kept(r, tolerance) for r in rows),
     "thresholds": thresholds,
+    "tolerance_interval": list(tau_band),
+    # settings whose label τ's interval cannot settle: lower end < d̄ ≤ upper end
+    "labels_within_tolerance_interval": sum(
+      tau_band[0] < r[LABEL_DROP] <= tau_band[1] for r in rows
+    ),
     "settings": [
       {
         "spec": r["spec"],
@@ -385,6 +410,12 @@ def markdown(report: Mapping) -> str:
     f"Measure-nothing thresholds: σ* = {_g(v['thresholds']['sigma'])}, "
     f"k* = {_g(v['thresholds']['lag'])}, refused formats: "
     f"{', '.join(v['thresholds']['formats']) or 'none'}.",
+    f"τ's 95 % interval over the reference seeds: [{_g(v['tolerance_interval'][0])}, "
+    f"{_g(v['tolerance_interval'][1])}]; {v['labels_within_tolerance_interval']} held-out "
+    "labels lie within it.",
+    f"Accuracy label: τ = {_g(v['accuracy_tolerance'])}; the two labels agree on "
+    f"{v['labels_agree']}/{v['n']} settings; Spearman(accuracy, −KL) over every run "
+    f"{_g(v['spearman_accuracy_vs_minus_kl'])}.",
     "",
   ]
   for key, title in (("primary_label", "primary label"), ("accuracy_label", "accuracy label")):

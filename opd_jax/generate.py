@@ -44,7 +44,7 @@ from opd_jax.io.build import DTYPES
 from opd_jax.model import kvcache, tokenizer
 
 WEIGHTS = config_check.RULES["rollout.weights"].options  # rollout.weights, the trainer's formats
-KV_CACHES = ("auto", "bf16", "fp8")  # rollout.kv_cache
+KV_CACHES = ("auto", *kvcache.KV_CACHE_NAMES)  # rollout.kv_cache
 DEFAULT_WEIGHTS, DEFAULT_KV_CACHE, DEFAULT_DTYPE = "trainer", "auto", "float32"  # as configs/base
 # Older spellings -> (the value used, the message printed once per use).
 DEPRECATED = {
@@ -104,12 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     "--kv-cache",
     default=DEFAULT_KV_CACHE,
     help="as rollout.kv_cache: auto (the engine's compute dtype: bf16 with --weights bf16, "
-    f"else --dtype), bf16 or fp8 (default {DEFAULT_KV_CACHE})",
+    "else --dtype), bf16, fp8 (e4m3), fp8_e5m2 or fp4 (e2m1, one byte per value) "
+    f"(default {DEFAULT_KV_CACHE})",
   )
   p.add_argument(
     "--kv-granularity",
     default="token_head",
-    help=f"fp8 KV scale granularity: {', '.join(kvcache.KV_GRANULARITIES)}",
+    help=f"quantized KV scale granularity: {', '.join(kvcache.KV_GRANULARITIES)}",
   )
   p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
   p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
@@ -151,7 +152,7 @@ def engine_numerics(weights: str, kv_cache: str, dtype: str) -> tuple[str, str]:
   else in `dtype`; `kv_cache=auto` stores the cache in that dtype.
   """
   engine_dtype = "bfloat16" if weights == "bf16" else dtype
-  return weights, {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[kv_cache]
+  return weights, {"auto": engine_dtype, **kvcache.KV_CACHE_NAMES}[kv_cache]
 
 
 def _load_tokenizer(args):

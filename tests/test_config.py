@@ -39,7 +39,11 @@ def test_every_config_file_and_variant_validates(name):
   [
     ("train.steps", 0, "config.train.steps must be >= 1, got 0"),
     ("data.batch_size", 0, "config.data.batch_size must be >= 1, got 0"),
-    ("rollout.kv_cache", "fp16", "config.rollout.kv_cache must be one of auto, bf16, fp8"),
+    (
+      "rollout.kv_cache",
+      "fp16",
+      "config.rollout.kv_cache must be one of auto, bf16, fp8, fp8_e5m2, fp4",
+    ),
     ("rollout.top_p", 1.5, "config.rollout.top_p must be <= 1"),
     ("rollout.top_p", 0.0, "config.rollout.top_p must be > 0"),
     ("train.lr", "fast", "config.train.lr must be a number, got 'fast'"),

@@ -168,7 +168,7 @@ RULES: dict[str, Any] = {
   "rollout.weight_per_tensor": Kind(bool),
   "rollout.head_dtype": Choice(("float32", "bfloat16")),  # model/quant.py HEAD_DTYPES
   "rollout.bf16_layers": Kind(tuple),
-  "rollout.kv_cache": Choice(("auto", "bf16", "fp8")),
+  "rollout.kv_cache": Choice(("auto", "bf16", "fp8", "fp8_e5m2", "fp4")),
   "rollout.kv_granularity": Choice(("token_head", "tensor")),
   "rollout.mesh_data": MESH_AXIS,  # 0 (all three) = the training mesh
   "rollout.mesh_fsdp": MESH_AXIS,

@@ -551,7 +551,8 @@ def _weights_label(params) -> str:
 def engine_label(params, cfg: SamplerConfig) -> str:
   """A readable id of the engine configuration, e.g. `w=fp8,kv=float8_e4m3fn/token_head,T=1`."""
   kv = cfg.kv or kvcache.KVCacheSpec(dtype=jnp.dtype(model.compute_dtype(params)).name)
-  kv_label = kv.dtype if kv.dtype != "float8_e4m3fn" else f"{kv.dtype}/{kv.granularity}"
+  quantized = kv.dtype in kvcache.QUANTIZED_KV_DTYPES
+  kv_label = f"{kv.dtype}/{kv.granularity}" if quantized else kv.dtype
   return (
     f"w={_weights_label(params)},kv={kv_label},T={cfg.temperature:g},"
     f"top_k={cfg.top_k},top_p={cfg.top_p:g}"

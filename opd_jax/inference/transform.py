@@ -49,7 +49,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from opd_jax.model import quant
+from opd_jax.model import kvcache, quant
 from opd_jax.model import transformer as model
 from opd_jax.model.kvcache import KVCacheSpec
 
@@ -62,6 +62,8 @@ QUANT_WEIGHTS = {
   "fp4": "fp4_e2m1",
 }
 WEIGHT_MODES = ("trainer", "bf16", *QUANT_WEIGHTS)
+# Quantized KV dtype -> its `rollout.kv_cache` name, the engine id's label ("kv=fp4/tensor").
+_KV_NAMES = {dtype: name for name, dtype in kvcache.KV_CACHE_NAMES.items()}
 NOISE_MODULES = ("q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head")
 NOISE_MODULE_GROUPS = {
   "attention": ("q", "k", "v", "o"),
@@ -164,7 +166,8 @@ class EngineConfig:
   def engine_id(self) -> str:
     """A short stable name, e.g. 'w=fp8/ch+bf16[0],kv=fp8/tensor,noise=0'. Quantized
     weights name their scales: /ch per channel, /b<b> blocks, /g<g> groups, /t per tensor
-    ('w=int4/g32', 'w=fp8_e5m2/t'). After a restricted noise come '@L[i,..]' and
+    ('w=int4/g32', 'w=fp8_e5m2/t'); a quantized KV cache is named by its `rollout.kv_cache`
+    value and scale granularity ('kv=fp4/token_head'). After a restricted noise come '@L[i,..]' and
     '@<modules>', then ',kernel=<name>' for a kernel variant and ',head=bf16' for a bf16
     output head."""
     w = self.weights
@@ -180,8 +183,8 @@ class EngineConfig:
       if self.bf16_layers:
         w += f"+bf16{list(self.bf16_layers)}"
     kv = self.kv.dtype
-    if kv == "float8_e4m3fn":
-      kv = f"fp8/{self.kv.granularity}"
+    if kv in kvcache.QUANTIZED_KV_DTYPES:
+      kv = f"{_KV_NAMES[kv]}/{self.kv.granularity}"
       if self.kv.bf16_layers:
         kv += f"+bf16{list(self.kv.bf16_layers)}"
     noise = f"noise={self.noise_sigma:g}"

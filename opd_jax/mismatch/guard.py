@@ -55,7 +55,8 @@ Actions.
 The fallback ladder. Rung 0 is the run's own rollout config; every later rung adds the overrides
 of one step, skipping a step that changes nothing for this config:
 
-  1. KV cache FP8 -> BF16 (`kv_cache="bf16"`), when `kv_cache="fp8"`;
+  1. quantized KV cache (FP8, FP8 E5M2, FP4) -> BF16 (`kv_cache="bf16"`), when `kv_cache` is
+     `fp8`, `fp8_e5m2` or `fp4`;
   2. quantized weights (FP8, FP8 E5M2, INT8, INT4, FP4) -> BF16 (`weights="bf16"`), a BF16
      output head back to f32 (`head_dtype="float32"`) and no weight noise (`noise_sigma=0`),
      when any applies: the noise models a perturbation of the engine's weights, so the rung that
@@ -157,7 +158,7 @@ def fallback_ladder(rollout: Mapping[str, Any]) -> tuple[Rung, ...]:
     (rung 0, …): rung 0 has no overrides; each later rung changes at least one value.
   """
   steps = []
-  if rollout["kv_cache"] == "fp8":
+  if rollout["kv_cache"] not in ("auto", "bf16"):  # a quantized cache: fp8, fp8_e5m2, fp4
     steps.append(("kv bf16", {"kv_cache": "bf16"}))
   weights = {}
   if rollout["weights"] not in ("trainer", "bf16"):  # any quantized format: fp8, int4, fp4, ...

@@ -47,11 +47,12 @@ def engine_config(config, compute_dtype: str) -> transform.EngineConfig:
 
   `kv_cache=auto` stores the cache in the engine's compute dtype: bf16 for
   `weights=bf16`, the trainer's dtype for `trainer` and `fp8` (whose unquantized
-  leaves keep the trainer's dtype).
+  leaves keep the trainer's dtype); any other value names its dtype in
+  `kvcache.KV_CACHE_NAMES` (bf16, fp8 e4m3, fp8_e5m2, fp4 e2m1).
   """
   r = config.rollout
   engine_dtype = "bfloat16" if r.weights == "bf16" else compute_dtype
-  kv_dtype = {"auto": engine_dtype, "bf16": "bfloat16", "fp8": "float8_e4m3fn"}[r.kv_cache]
+  kv_dtype = {"auto": engine_dtype, **kvcache.KV_CACHE_NAMES}[r.kv_cache]
   return transform.EngineConfig(
     weights=r.weights,
     weight_block_size=r.weight_block_size or None,

@@ -6,6 +6,10 @@ trains.
         --config.run.teacher.cache_dir=DIR/teacher_cache
     python -m opd_jax.experiments.validation --study=DIR/study.json --config=configs/validation.py
 
+`--config=configs/validation.py:fp4_kv` on a copy of the same workdir calibrates, after the
+fact and outside the validation, the KV formats that landed after this config was fixed (FP8
+E5M2 and FP4 KV, and FP4 weights with FP4 KV), reusing every run of round 9.
+
 The first command is the study (`opd_jax.experiments.study`): a 65-step probe, the admission
 check's measurement of every setting (and of each part of a combination) at the probe's
 student, 200-step OPD runs of every setting with two seeds, the fit, and the frozen rule's
@@ -180,11 +184,22 @@ def draw_extended(seed=HELD_OUT_SEED, size=HELD_OUT_SIZE, exclude=CALIBRATION):
 
 HELD_OUT = draw_extended()
 
+VARIANTS = ("fp4_kv",)
+# `:fp4_kv`, added after round 9 had run and not part of its validation: the KV formats that
+# landed after its config was fixed, calibrated on the same runs (the same workdir reuses
+# every one of round 9's runs) with two seeds each and no held-out set.
+FP4_KV = (
+  "rollout.kv_cache=fp8_e5m2",
+  "rollout.kv_cache=fp4",
+  "rollout.kv_cache=fp4,rollout.kv_granularity=tensor",
+  f"{FP4},rollout.kv_cache=fp4",
+)
+
 
 def get_config(arg=None):
-  """Round 9's study config (module docstring); it has no variants."""
-  if arg is not None:
-    raise ValueError(f"validation.py has no variant {arg!r}")
+  """Round 9's study config (module docstring); `:fp4_kv` adds the FP4 and E5M2 KV ladder."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of validation.py; known: {', '.join(VARIANTS)}")
   c = ml_collections.ConfigDict()
   run = bf16_sync.get_config()
   for key, value in RUN_OVERRIDES.items():
@@ -210,4 +225,8 @@ def get_config(arg=None):
   c.borderline_seeds = (1,)
   c.rerun_all_roles = ("calibration", "held_out")  # every setting: seeds 0 and 1
   c.analysis = ml_collections.ConfigDict(ANALYSIS)
+  if arg == "fp4_kv":
+    c.calibration = CALIBRATION + FP4_KV
+    c.held_out = ()
+    c.rerun_all_roles = ("calibration",)
   return c

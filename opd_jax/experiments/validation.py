@@ -277,7 +277,7 @@ def offsets_with_interval(records: Sequence[Mapping], axis: str, num_bootstrap=5
   draws = {name: [] for name in delta}
   for _ in range(num_bootstrap):
     idx = np.concatenate([rng.choice(g, len(g)) for g in groups.values()])
-    boot, _ = offset_fit([x[i] for i in idx], [d[i] for i in idx], [s[i] for i in idx], iters=50)
+    boot, _ = offset_fit([x[i] for i in idx], [d[i] for i in idx], [s[i] for i in idx])
     for name in delta:
       draws[name].append(boot[name])
   return {

@@ -243,3 +243,36 @@ def test_tolerance_interval_resamples_the_reference_seeds():
   sd = float(np.std(ref["quality_runs"], ddof=1))
   assert lo >= 2 * 0.025 * 0.10  # never below the relative floor of the smallest mean
   assert lo < 2 * sd < hi
+
+
+def test_a_third_run_relabels_only_the_settings_inside_taus_interval():
+  result = _result()
+  # no held-out label lies in (0.01, 0.02]
+  assert validation.in_band(result, (0.01, 0.02)) == []
+  (row,) = validation.in_band(result, (0.02, 0.04))  # σ 0.3 at 0.03
+  assert row["spec"] == "rollout.noise_sigma=0.3"
+  # a third run at q = −0.1 (no drop) brings the mean drop to (0.03 + 0.03 + 0) / 3 = 0.02
+  out = validation.relabel(result, {"rollout.noise_sigma=0.3": [-0.1]})
+  new = next(r for r in out["rows"] if r["spec"] == "rollout.noise_sigma=0.3")
+  assert new["label_drop"] == pytest.approx(0.02)
+  assert new["quality_runs"] == pytest.approx([-0.13, -0.13, -0.1])
+  assert result["rows"][7]["label_drop"] == 0.03  # the input is not modified
+  # a calibration row of the same spec would not be touched
+  out = validation.relabel(result, {"rollout.noise_sigma=0.4": [-0.1]})
+  assert out["rows"] == result["rows"]
+
+
+def test_the_command_refuses_a_malformed_run_override(tmp_path):
+  study = tmp_path / "study.json"
+  study.write_text(json.dumps(_result()))
+  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+    validation.main(
+      [
+        "--study",
+        str(study),
+        "--config",
+        str(ROOT / "configs" / "validation.py"),
+        "--run-override",
+        "teacher.cache_dir",
+      ]
+    )

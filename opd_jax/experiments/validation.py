@@ -377,15 +377,22 @@ def in_band(result: Mapping, band: Sequence[float]) -> list[Mapping]:
   return [r for r in result["rows"] if r["role"] == "held_out" and lo < r[LABEL_DROP] <= hi]
 
 
-def relabel(result: Mapping, extra: Mapping[str, Sequence[float]]) -> dict:
-  """A copy of `result` whose held-out rows named in `extra` (spec → further qualities) are
-  labelled by the mean over all their runs: LABEL_DROP = mean(q_ref) − mean(quality_runs)."""
+def relabel(
+  result: Mapping,
+  extra: Mapping[str, Sequence[float]],
+  accuracy: Mapping[str, Sequence[float]] | None = None,
+) -> dict:
+  """A copy of `result` whose held-out rows named in `extra` (spec → further qualities; and
+  in `accuracy`, their accuracies) are labelled by the mean over all their runs:
+  LABEL_DROP = mean(q_ref) − mean(quality_runs)."""
+  accuracy = accuracy or {}
   rows = []
   for r in result["rows"]:
     more = list(extra.get(r["spec"], ())) if r["role"] == "held_out" else []
     if more:
       runs_ = [*study_lib.quality_runs(r), *more]
       r = {**r, "quality_runs": runs_, LABEL_DROP: result["noise_floor"]["mean"] - np.mean(runs_)}
+      r["accuracy_runs"] = [*r["accuracy_runs"], *accuracy.get(r["spec"], ())]
     rows.append(r)
   return {**result, "rows": rows}
 
@@ -402,11 +409,10 @@ def third_runs(result: Mapping, config, workdir: str, seed: int = 2, log=print) 
   ]
   jobs = [study_lib.rerun_job(config, s, seed, workdir) for s in settings]
   trained = runs.run_many(jobs, int(config.get("workers", 1)), log)
-  extra = {
-    s.spec: [study_lib.run_quality(t, result["label"])]
-    for s, t in zip(settings, trained, strict=True)
-  }
-  return relabel(result, extra)
+  pairs = list(zip(settings, trained, strict=True))
+  extra = {s.spec: [study_lib.run_quality(t, result["label"])] for s, t in pairs}
+  accuracy = {s.spec: [study_lib.result_accuracy(t)] for s, t in pairs}
+  return relabel(result, extra, accuracy)
 
 
 def load_config(path: str):

@@ -253,9 +253,12 @@ def test_a_third_run_relabels_only_the_settings_inside_taus_interval():
   assert row["spec"] == "rollout.noise_sigma=0.3"
   # a third run at q = −0.1 (no drop) brings the mean drop to (0.03 + 0.03 + 0) / 3 = 0.02
   spec = "rollout.noise_sigma=0.3"
-  out = validation.relabel(result, {spec: [-0.1]}, {spec: [0.7]})
+  out = validation.relabel(result, {spec: [-0.1]}, {spec: [0.7]}, {spec: [0.1]})
   new = next(r for r in out["rows"] if r["spec"] == "rollout.noise_sigma=0.3")
   assert new["accuracy_runs"] == [0.6, 0.6, 0.7]
+  assert new["teacher_kl_runs"] == pytest.approx([0.13, 0.13, 0.1])
+  scored = validation.validate(out, _config())  # every run list the same length: it scores
+  assert scored["n"] == 5
   assert new["label_drop"] == pytest.approx(0.02)
   assert new["quality_runs"] == pytest.approx([-0.13, -0.13, -0.1])
   assert result["rows"][7]["label_drop"] == 0.03  # the input is not modified

@@ -88,7 +88,7 @@ def paired_lower_bound(b: int, c: int, n: int, alpha: float = 0.05) -> float:
 
 def kept(row: Mapping, tolerance: float, key: str = LABEL_DROP) -> bool:
   """A setting kept quality iff its drop over its runs is ≤ τ."""
-  return row[key] <= tolerance
+  return bool(row[key] <= tolerance)
 
 
 def _engine(spec: str, run_cfg) -> tuple[float, int, str]:
@@ -381,11 +381,12 @@ def relabel(
   result: Mapping,
   extra: Mapping[str, Sequence[float]],
   accuracy: Mapping[str, Sequence[float]] | None = None,
+  teacher_kl: Mapping[str, Sequence[float]] | None = None,
 ) -> dict:
-  """A copy of `result` whose held-out rows named in `extra` (spec → further qualities; and
-  in `accuracy`, their accuracies) are labelled by the mean over all their runs:
-  LABEL_DROP = mean(q_ref) − mean(quality_runs)."""
-  accuracy = accuracy or {}
+  """A copy of `result` whose held-out rows named in `extra` (spec → further qualities; in
+  `accuracy` and `teacher_kl`, the same runs' accuracies and KLs to the teacher) are labelled
+  by the mean over all their runs: LABEL_DROP = mean(q_ref) − mean(quality_runs)."""
+  accuracy, teacher_kl = accuracy or {}, teacher_kl or {}
   rows = []
   for r in result["rows"]:
     more = list(extra.get(r["spec"], ())) if r["role"] == "held_out" else []
@@ -393,6 +394,7 @@ def relabel(
       runs_ = [*study_lib.quality_runs(r), *more]
       r = {**r, "quality_runs": runs_, LABEL_DROP: result["noise_floor"]["mean"] - np.mean(runs_)}
       r["accuracy_runs"] = [*r["accuracy_runs"], *accuracy.get(r["spec"], ())]
+      r["teacher_kl_runs"] = [*r["teacher_kl_runs"], *teacher_kl.get(r["spec"], ())]
     rows.append(r)
   return {**result, "rows": rows}
 
@@ -412,7 +414,8 @@ def third_runs(result: Mapping, config, workdir: str, seed: int = 2, log=print) 
   pairs = list(zip(settings, trained, strict=True))
   extra = {s.spec: [study_lib.run_quality(t, result["label"])] for s, t in pairs}
   accuracy = {s.spec: [study_lib.result_accuracy(t)] for s, t in pairs}
-  return relabel(result, extra, accuracy)
+  teacher_kl = {s.spec: [float(t["student_teacher_kl_after"])] for s, t in pairs}
+  return relabel(result, extra, accuracy, teacher_kl)
 
 
 def load_config(path: str):

@@ -8,7 +8,7 @@ trains.
 
 `--config=configs/validation.py:fp4_kv` on a copy of the same workdir calibrates, after the
 fact and outside the validation, the KV formats that landed after this config was fixed (FP8
-E5M2 and FP4 KV, and FP4 weights with FP4 KV), reusing every run of round 9.
+E5M2 and FP4 KV, and FP4 weights with FP4 KV), reusing round 9's reference and calibration runs.
 
 The first command is the study (`opd_jax.experiments.study`): a 65-step probe, the admission
 check's measurement of every setting (and of each part of a combination) at the probe's
@@ -23,7 +23,7 @@ teacher_kl`): at 200 steps the student is mid-way (about 60 % accuracy) and two 
 differs by several points, while the KL separates the settings; accuracy is reported beside it.
 τ = 2 · max(sd of the five reference seeds' KL, 2.5 % of their mean).
 
-Calibration (`CALIBRATION`, every setting with seeds 0 and 1):
+Calibration (`CALIBRATION`, 22 settings, every one with seeds 0 and 1):
   - weight noise σ ∈ {0.1, 0.2, 0.3, 0.4, 0.8};
   - staleness k ∈ {4, 16, 32, 64} (the probe is longer than 64 steps);
   - FP8 weights (per channel, per tensor), FP8 KV (per token and head, per tensor);
@@ -58,8 +58,8 @@ Pre-registered analysis (`ANALYSIS`; scored by `opd_jax.experiments.validation`)
   also      the same tables under the accuracy label; the one-scale fit (per-source offsets)
             and leave-one-source-out knees on the calibration runs; the factorial.
 
-Cost: 5 reference runs, 21 calibration settings and 30 held-out ones with two runs each:
-107 runs of 200 steps, about 90 s each with two side by side on 2 CPU cores, so 80-100
+Cost: 5 reference runs, 22 calibration settings and 30 held-out ones with two runs each:
+109 runs of 200 steps, about 90 s each with two side by side on 2 CPU cores, so 80-100
 minutes; the runs of `calibrate --quick` on `bf16_sync.py --run-steps=200` with the same
 teacher cache are the same configurations and are reused when copied into DIR/runs.
 """
@@ -187,7 +187,7 @@ HELD_OUT = draw_extended()
 VARIANTS = ("fp4_kv",)
 # `:fp4_kv`, added after round 9 had run and not part of its validation: the KV formats that
 # landed after its config was fixed, calibrated on the same runs (the same workdir reuses
-# every one of round 9's runs) with two seeds each and no held-out set.
+# round 9's reference and calibration runs) with two seeds each and no held-out set.
 FP4_KV = (
   "rollout.kv_cache=fp8_e5m2",
   "rollout.kv_cache=fp4",

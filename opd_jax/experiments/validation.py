@@ -2,7 +2,7 @@
 one-scale and interaction analyses of its calibration runs.
 
     python -m opd_jax.experiments.validation --study=DIR/study.json \
-        --config=configs/validation.py [--json=OUT] [--markdown=OUT]
+        --config=configs/validation.py [--json=OUT] [--md=OUT]
 
 Everything here reads a finished `study.json` (`opd_jax.experiments.study`) and the analysis
 its config froze (`config.analysis`); nothing trains. The pieces are pure functions.
@@ -30,15 +30,17 @@ of the paired difference Δ = (b − c)/n (Wald: Δ − z_(1−α)·sqrt((b + c)
 
 One scale. On the single-source calibration records (one per run: x = the check's KL, y = the
 drop), drop = g(x) + δ_s with g non-decreasing (isotonic) and δ_reference = 0, fitted by
-backfitting (`offset_fit`); δ_s ≠ 0 says source s degrades at a different level than the others
-at the same KL. Leave one source out (`leave_one_source_out`): the pooled knee fitted without s's
-records (`budget.fit_budget`) is s's predicted knee; its score is the fraction of s's settings it
+backfitting (`offset_fit`, from δ = 0); δ_s ≠ 0 says source s degrades at a different level than
+the others at the same KL. Where the sources do not overlap in KL, g can absorb part of a shift,
+so δ_s is only partly identified: read its sign and interval, with the leave-one-out knees.
+Leave one source out (`leave_one_source_out`): the pooled knee fitted without s's
+records (`budget.fit_budget`) is s's predicted knee; its score is how many of s's settings it
 labels right (kept ⇔ x ≤ knee), beside s's own fitted knee. Both are run on each axis given:
 the check's KL, and each run's training-time mean KL.
 
 Interactions (`factorial`): each combination of the calibration set beside its parts' lone
-settings: its KL and the sum of its parts' KLs, its drop and the sum of the parts' drops, and
-the verdicts of the per-part and sum-of-fractions rules.
+calibration settings (none where the calibration has no such setting): its KL and its parts'
+KLs, its drop and the parts' drops, and whether each kept quality.
 """
 
 from __future__ import annotations
@@ -349,7 +351,7 @@ def one_scale(result: Mapping) -> dict[str, Any]:
 def factorial(result: Mapping, run_cfg) -> list[dict]:
   """Each calibration combination beside its parts' lone calibration settings."""
   tolerance = float(result["tolerance"])
-  by_spec = {r["spec"]: r for r in result["rows"]}
+  by_spec = {r["spec"]: r for r in result["rows"] if r["role"] == "calibration"}
   out = []
   for r in result["rows"]:
     if r["role"] != "calibration" or "+" not in r["source"]:

@@ -137,7 +137,7 @@ KNOBS = (  # (weight, overrides) per knob
 NOISE = (0.5, 0.05, 0.45)  # P(noise), then sigma ~ U(lo, hi) rounded to 0.01
 
 
-def _draw_distinct(name, seed, size, exclude, draw_spec):
+def draw_distinct(name, seed, size, exclude, draw_spec):
   """Up to `size` specs `draw_spec(rng)` with `rng = random.Random(seed)`, skipping an empty
   spec and any that restates one of `exclude` or an earlier draw (`_canonical`), within
   1000 · `size` draws.
@@ -183,12 +183,17 @@ def draw_held_out(seed, size=DRAW_SIZE, exclude=()):
       parts.append(f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}")
     return ",".join(p for p in parts if p)
 
-  return _draw_distinct("draw_held_out", seed, size, exclude, draw_spec)
+  return draw_distinct("draw_held_out", seed, size, exclude, draw_spec)
 
 
 ROUND8_SIZE = 6
 ROUND8_SIGMA = (0.05, 0.16)  # the noise part alone within the noise limit
 ROUND8_STALE_K = tuple(range(2, 9))  # the whole combination over it
+
+
+def uniform_choice(rng, options):
+  """One of `options`, uniformly, from one `rng.random()`."""
+  return options[min(int(rng.random() * len(options)), len(options) - 1)]
 
 
 def draw_per_part_test(seed, size=ROUND8_SIZE, exclude=()):
@@ -205,9 +210,6 @@ def draw_per_part_test(seed, size=ROUND8_SIZE, exclude=()):
   """
   fp8 = [value for _, value in (*KNOBS[0], *KNOBS[1]) if value]
 
-  def uniform_choice(rng, options):
-    return options[min(int(rng.random() * len(options)), len(options) - 1)]
-
   def draw_spec(rng):
     parts = [uniform_choice(rng, fp8)] if rng.random() < 0.5 else []
     lo, hi = ROUND8_SIGMA
@@ -215,7 +217,7 @@ def draw_per_part_test(seed, size=ROUND8_SIZE, exclude=()):
     parts.append(f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}")
     return ",".join(parts)
 
-  return _draw_distinct("draw_per_part_test", seed, size, exclude, draw_spec)
+  return draw_distinct("draw_per_part_test", seed, size, exclude, draw_spec)
 
 
 def _canonical(spec):

@@ -64,10 +64,9 @@ minutes; the runs of `calibrate --quick` on `bf16_sync.py --run-steps=200` with 
 teacher cache are the same configurations and are reused when copied into DIR/runs.
 """
 
-import random
-
 import bf16_sync
 import ml_collections
+import study
 
 HELD_OUT_SEED = 20261209
 HELD_OUT_SIZE = 30
@@ -145,41 +144,26 @@ ANALYSIS = {
 
 def draw_extended(seed=HELD_OUT_SEED, size=HELD_OUT_SIZE, exclude=CALIBRATION):
   """`size` distinct candidate specs from KNOBS and NOISE_DRAW with `random.Random(seed)`
-  (only `random()`), skipping one that changes nothing and any in `exclude`.
+  (only `random()`), skipping one that changes nothing and any in `exclude`
+  (`study.draw_distinct`, the draws of configs/study.py's rounds).
 
   Raises:
     ValueError: fewer than `size` distinct settings in 1000 · `size` draws.
   """
-  rng = random.Random(seed)
 
-  def uniform(values):
-    return values[min(int(rng.random() * len(values)), len(values) - 1)]
-
-  def draw():
+  def draw_spec(rng):
     parts = []
     for p, values in KNOBS:
       if rng.random() < p:
-        parts.append(uniform(values))
+        parts.append(study.uniform_choice(rng, values))
     p_noise, lo, hi = NOISE_DRAW
     if rng.random() < p_noise:
       parts.append(f"rollout.noise_sigma={round(lo + (hi - lo) * rng.random(), 2)}")
       if rng.random() < NOISE_WHERE[0]:
-        parts.append(uniform(NOISE_WHERE[1]))
+        parts.append(study.uniform_choice(rng, NOISE_WHERE[1]))
     return ",".join(parts)
 
-  seen = {frozenset(s.split(",")) for s in exclude}
-  out = []
-  for _ in range(1000 * size):
-    if len(out) == size:
-      break
-    spec = draw()
-    key = frozenset(spec.split(","))
-    if spec and key not in seen:
-      seen.add(key)
-      out.append(spec)
-  if len(out) < size:
-    raise ValueError(f"draw_extended: {len(out)} distinct settings, not {size}")
-  return tuple(out)
+  return study.draw_distinct("draw_extended", seed, size, exclude, draw_spec)
 
 
 HELD_OUT = draw_extended()

@@ -23,7 +23,6 @@ so each is bounded by 2u nats (measured: about 1.2u), and fp4's error is above t
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -40,7 +39,6 @@ from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch import guard
 from opd_jax.model import decode_attention, kvcache, pallas_decode
 from opd_jax.model import transformer as model
-from opd_jax.model.config import ModelConfig
 from opd_jax.train import setup as setup_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +46,9 @@ sys.path.insert(0, str(ROOT / "configs"))
 
 import base  # noqa: E402
 import bf16_sync  # noqa: E402
+from test_admit import with_rollout  # noqa: E402
 from test_decode_attention import _B, _S, _cache_sized, _while_bodies  # noqa: E402
+from test_model import CFG  # noqa: E402  (Qwen3, GQA 4/2, q/k norms, biases: L=2, H=16)
 
 E4M3, E5M2, E2M1 = "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"
 # dtype -> (q_max, u = 2^-(m+1) the relative rounding bound of m mantissa bits, the absolute
@@ -61,20 +61,6 @@ FORMATS = {
 # dtype -> storage dtype: e2m1 values are stored as the bytes of their e4m3 values.
 STORAGE = {E4M3: jnp.uint8, E5M2: jnp.int8, E2M1: jnp.uint8}
 
-# Qwen3 numerics with GQA (N = 4 query heads over K = 2 KV heads) and q/k norms: L=2, H=16.
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=16,
-  qkv_bias=True,
-  o_bias=True,
-  qk_norm=True,
-)
 B, S = 2, 8
 
 
@@ -315,12 +301,6 @@ def tiny():
   return bf16_sync.get_config("tiny")
 
 
-def _with_rollout(config, **rollout):
-  out = copy.deepcopy(config)
-  out.rollout.update(rollout)
-  return out
-
-
 @pytest.mark.parametrize(
   "base_rollout, spec, sources",
   [
@@ -340,7 +320,7 @@ def _with_rollout(config, **rollout):
   ],
 )
 def test_candidate_sources_of_the_new_formats(tiny, base_rollout, spec, sources):
-  c = candidates_lib.parse_candidate(spec, _with_rollout(tiny, **base_rollout))
+  c = candidates_lib.parse_candidate(spec, with_rollout(tiny, **base_rollout))
   assert candidates_lib.candidate_source(c) == sources
 
 

@@ -293,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open(args.md, "w", encoding="utf-8") as f:
       f.write(text)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump({"pairs": summaries, "transfer": moves}, f, indent=1, default=float)
+    study_lib.write_json(args.json, {"pairs": summaries, "transfer": moves})
 
 
 if __name__ == "__main__":

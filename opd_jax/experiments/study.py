@@ -380,10 +380,15 @@ def confusion(
   accept), admitted & degraded (false accept), refused & kept (false refuse), refused &
   degraded (true refuse).
   """
+  return confusion_counts([r["admitted"] for r in rows], [r[drop_key] <= tolerance for r in rows])
+
+
+def confusion_counts(admitted: Sequence[bool], kept: Sequence[bool]) -> dict[str, Any]:
+  """The confusion table of verdicts against kept-quality labels, with n and the agreement
+  (true accepts + true refusals) / n."""
   table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
-  for r in rows:
-    kept = r[drop_key] <= tolerance
-    table[("admitted" if r["admitted"] else "refused") + ("_kept" if kept else "_degraded")] += 1
+  for a, k in zip(admitted, kept, strict=True):
+    table[("admitted" if a else "refused") + ("_kept" if k else "_degraded")] += 1
   n = sum(table.values())
   agree = table["admitted_kept"] + table["refused_degraded"]
   return {**table, "n": n, "agreement": agree / n if n else math.nan}

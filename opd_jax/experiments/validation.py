@@ -125,17 +125,9 @@ def nothing_admits(spec: str, thresholds: Mapping, run_cfg) -> bool:
 def score(admitted: Sequence[bool], labels: Sequence[bool], level: float = 0.95) -> dict:
   """The confusion table and agreement of verdicts against kept-quality labels, with the
   agreement's Wilson interval."""
-  table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
-  for a, k in zip(admitted, labels, strict=True):
-    table[("admitted" if a else "refused") + ("_kept" if k else "_degraded")] += 1
-  n = len(labels)
+  table = study_lib.confusion_counts(admitted, labels)
   right = table["admitted_kept"] + table["refused_degraded"]
-  return {
-    **table,
-    "n": n,
-    "agreement": right / n if n else math.nan,
-    "interval": list(wilson(right, n, level)),
-  }
+  return {**table, "interval": list(wilson(right, table["n"], level))}
 
 
 def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool], alpha: float):
@@ -199,30 +191,27 @@ def validate(result: Mapping, config) -> dict[str, Any]:
     "admit_all": [True] * len(rows),
     "measure_nothing": [nothing_admits(r["spec"], thresholds, config.run) for r in rows],
   }
+  primary_labels = [kept(r, tolerance) for r in rows]
   out: dict[str, Any] = {
     "label": result["label"],
     "tolerance": tolerance,
     "n": len(rows),
-    "degraded": sum(not kept(r, tolerance) for r in rows),
+    "degraded": primary_labels.count(False),
     "thresholds": thresholds,
     "tolerance_interval": list(tau_band),
-    # settings whose label τ's interval cannot settle: lower end < d̄ ≤ upper end
-    "labels_within_tolerance_interval": sum(
-      tau_band[0] < r[LABEL_DROP] <= tau_band[1] for r in rows
-    ),
+    "labels_within_tolerance_interval": len(in_band(result, tau_band)),
     "settings": [
       {
         "spec": r["spec"],
         "source": r["source"],
         "kl": r[budget.KL_KEY],
         "drop": r[LABEL_DROP],
-        "kept": kept(r, tolerance),
+        "kept": primary_labels[i],
         **{name: v[i] for name, v in verdicts.items()},
       }
       for i, r in enumerate(rows)
     ],
   }
-  primary_labels = [kept(r, tolerance) for r in rows]
   acc_labels, acc_floor = accuracy_labels(result, rows)
   for label_name, labels in (("primary_label", primary_labels), ("accuracy_label", acc_labels)):
     block = {name: score(v, labels, level) for name, v in verdicts.items()}
@@ -613,8 +602,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open(args.md, "w", encoding="utf-8") as f:
       f.write(text)
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(out, f, indent=1, default=float)
+    study_lib.write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -90,14 +90,26 @@ def test_arms_like_for_like_overrides():
     opd_vs_rl.method_overrides("grpo_tis", 1e-4, 1.0)
   with pytest.raises(ValueError, match="unknown method 'grpo_geo'"):
     opd_vs_rl.method_overrides("grpo_geo", 1e-4, 2.0)
+  tempered = opd_vs_rl.method_overrides(
+    "grpo", 1e-4, 2.0, group_size=8, grpo_temperature=0.7, grpo_kl_coef=0.05
+  )
+  assert (tempered["rollout.temperature"], tempered["train.kl_coef"]) == (0.7, 0.05)
+  assert (tempered["data.batch_size"], tempered["rollout.samples_per_prompt"]) == (4, 8)
+  assert (grpo["rollout.temperature"], grpo["train.kl_coef"]) == (1.0, 0.0)  # the defaults
+  with pytest.raises(ValueError, match="grpo_temperature must be in"):
+    opd_vs_rl.method_overrides("grpo", 1e-4, 2.0, grpo_temperature=0.0)
+  with pytest.raises(ValueError, match="grpo_kl_coef must be >= 0"):
+    opd_vs_rl.method_overrides("grpo", 1e-4, 2.0, grpo_kl_coef=-0.1)
   config = opd_vs_rl_config.get_config("tiny")
   config.methods = opd_vs_rl.METHODS
+  config.grpo_temperature, config.grpo_kl_coef = 0.7, 0.05  # the config keys reach the arms
   from opd_jax.config import check as config_check
 
   for method, _, _, _, run_config in opd_vs_rl.plan(config):
     config_check.validate(run_config)  # every arm is a valid run
     if method.startswith("grpo"):
       assert run_config.data.batch_size * run_config.rollout.samples_per_prompt == 8
+      assert (run_config.rollout.temperature, run_config.train.kl_coef) == (0.7, 0.05)
 
 
 def test_plan_covers_every_method_and_setting_and_refuses_bad_specs():

@@ -85,11 +85,15 @@ def method_overrides(
   batch_size: int = 32,
   group_size: int = GROUP_SIZE,
   grpo_lr: float = GRPO_LR,
+  grpo_temperature: float = 1.0,
+  grpo_kl_coef: float = 0.0,
 ) -> dict[str, Any]:
   """The config overrides that turn the OPD run into `method` (the module docstring's arms).
 
   `batch_size` is the run's completions per step (`data.batch_size`); a GRPO arm samples
-  batch_size / group_size prompts `group_size` times each, so it samples as many.
+  batch_size / group_size prompts `group_size` times each, so it samples as many, at
+  `grpo_temperature` T (the trainer scores π_θ at the same T: softmax(z / T)), with the KL
+  penalty β = `grpo_kl_coef` to the initial student (0: none).
 
   Raises:
     ValueError: an unknown method, a non-positive is_clip for an arm that corrects (for a
@@ -100,6 +104,10 @@ def method_overrides(
   )
   if corrected and not is_clip > (1 if method.startswith("grpo") else 0):
     raise ValueError(f"method {method} needs is_clip > 0 (> 1 for grpo), got {is_clip!r}")
+  if method.startswith("grpo") and not 0 < grpo_temperature <= 1:
+    raise ValueError(f"grpo_temperature must be in (0, 1], got {grpo_temperature!r}")
+  if method.startswith("grpo") and not grpo_kl_coef >= 0:
+    raise ValueError(f"grpo_kl_coef must be >= 0, got {grpo_kl_coef!r}")
   if method == "opd":
     return {}
   if method in ("opd_sampled", "opd_sampled_tis"):
@@ -119,11 +127,12 @@ def method_overrides(
       "train.lr": grpo_lr,
       "data.batch_size": batch_size // group_size,
       "rollout.samples_per_prompt": group_size,
-      "rollout.temperature": 1.0,
+      "rollout.temperature": float(grpo_temperature),
       "train.ppo_epochs": 1,
       "train.ppo_minibatches": 2,
       "train.mismatch_correction": method.removeprefix("grpo_") if corrected else "none",
       "train.mismatch_clip": float(is_clip) if corrected else 2.0,
+      "train.kl_coef": float(grpo_kl_coef),
     }
   raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
@@ -381,6 +390,8 @@ def plan(
           batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
           group_size=config.get("group_size", GROUP_SIZE),
           grpo_lr=config.get("grpo_lr", GRPO_LR),
+          grpo_temperature=config.get("grpo_temperature", 1.0),
+          grpo_kl_coef=config.get("grpo_kl_coef", 0.0),
         )
         overrides = dict(
           rollout_overrides,
@@ -425,6 +436,8 @@ def run_comparison(
     "rl_lr": config.rl_lr,
     "grpo_lr": config.get("grpo_lr", GRPO_LR),
     "group_size": config.get("group_size", GROUP_SIZE),
+    "grpo_temperature": config.get("grpo_temperature", 1.0),
+    "grpo_kl_coef": config.get("grpo_kl_coef", 0.0),
     "is_clip": config.is_clip,
     "teacher_cache_dir": config.run.teacher.cache_dir,
     "seeds": sorted({seed for _, _, _, seed, _ in todo}),

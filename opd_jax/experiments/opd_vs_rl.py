@@ -143,19 +143,29 @@ def setting_name(spec: str) -> str:
   return study.setting_name(spec) if spec else REFERENCE
 
 
-def grad_norm_stats(run_dir: str) -> dict[str, float]:
-  """Mean, max and std (population) of `perf/grad_norm` over the logged steps of a run, and
-  the number of steps they cover."""
+def grad_norm_stats(run_dir: str) -> dict[str, Any]:
+  """Mean, max and std (population) of `perf/grad_norm` over the logged steps of a run, the
+  number of steps they cover and the values themselves (for `spike_count`), and the mean and
+  max of `loss/total` over the same steps."""
   rows = metrics_writer.read_jsonl(run_dir)
-  values = np.asarray([r["perf/grad_norm"] for r in rows.values() if "perf/grad_norm" in r])
-  if not values.size:
-    return {"grad_norm_mean": math.nan, "grad_norm_max": math.nan, "grad_norm_std": math.nan}
-  return {
-    "grad_norm_mean": float(values.mean()),
-    "grad_norm_max": float(values.max()),
-    "grad_norm_std": float(values.std()),
-    "grad_norm_logged_steps": int(values.size),
+  values = np.asarray(
+    [r["perf/grad_norm"] for _, r in sorted(rows.items()) if "perf/grad_norm" in r]
+  )
+  losses = np.asarray([r["loss/total"] for _, r in sorted(rows.items()) if "loss/total" in r])
+  out = {
+    "loss_mean": float(losses.mean()) if losses.size else math.nan,
+    "loss_max": float(losses.max()) if losses.size else math.nan,
   }
+  if not values.size:
+    return dict(out, grad_norm_mean=math.nan, grad_norm_max=math.nan, grad_norm_std=math.nan)
+  return dict(
+    out,
+    grad_norm_mean=float(values.mean()),
+    grad_norm_max=float(values.max()),
+    grad_norm_std=float(values.std()),
+    grad_norm_logged_steps=int(values.size),
+    grad_norms=[float(v) for v in values],
+  )
 
 
 def last_logged(run_dir: str, key: str, window: int = 10) -> float:
@@ -208,50 +218,187 @@ def add_drops(rows: Sequence[dict]) -> None:
     )
 
 
+SPIKE_FACTOR = 3.0  # a logged grad-norm above this times its method's reference median spikes
+LEVEL = 0.95  # of every interval in the summary
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], level: float = LEVEL):
+  """Welch's interval for mean(a) − mean(b): d ± t_{ν, (1+level)/2} · √(s_a²/n_a + s_b²/n_b),
+  ν by Welch–Satterthwaite; (nan, nan) unless both sides have two values or more."""
+  from scipy import stats
+
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if a.size < 2 or b.size < 2:
+    return math.nan, math.nan
+  va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+  d, se = a.mean() - b.mean(), math.sqrt(va + vb)
+  if se == 0:
+    return float(d), float(d)
+  nu = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+  half = float(stats.t.ppf((1 + level) / 2, nu)) * se
+  return float(d - half), float(d + half)
+
+
+def gain_kept(
+  ref: Sequence[float], cell: Sequence[float], warm: float, level=LEVEL, n_boot=2000, seed=0
+):
+  """The share of its own gain a method keeps: (mean(cell) − w) / (mean(ref) − w), w the warm
+  start's accuracy, with a percentile bootstrap interval over seeds (each side resampled).
+  nan when the reference gained less than a point: there is no gain to keep."""
+  ref, cell = np.asarray(ref, np.float64), np.asarray(cell, np.float64)
+  if not ref.size or not cell.size or ref.mean() - warm < 0.01:
+    return math.nan, (math.nan, math.nan)
+  point = float((cell.mean() - warm) / (ref.mean() - warm))
+  if ref.size < 2 or cell.size < 2:
+    return point, (math.nan, math.nan)
+  rng = np.random.default_rng(seed)
+  r = rng.choice(ref, (n_boot, ref.size)).mean(1)
+  c = rng.choice(cell, (n_boot, cell.size)).mean(1)
+  ok = r - warm >= 0.01
+  ratio = (c[ok] - warm) / (r[ok] - warm)
+  lo, hi = np.quantile(ratio, [(1 - level) / 2, (1 + level) / 2])
+  return point, (float(lo), float(hi))
+
+
+def spike_count(values: Sequence[float], reference_median: float) -> int:
+  """Logged steps whose grad-norm exceeds SPIKE_FACTOR × the method's reference median."""
+  if not math.isfinite(reference_median):
+    return 0
+  return int(np.sum(np.asarray(values, np.float64) > SPIKE_FACTOR * reference_median))
+
+
 def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   """One entry per (setting, method) cell over its seeds, in the rows' order:
 
       accuracy = mean_s q_s,  accuracy_sd = sample sd of q_s (nan for one seed),
-      drop_points = 100·(mean of the method's reference − accuracy),
+      drop_points = 100·(mean of the method's reference − accuracy), with Welch's interval
+        (`welch_interval`, reference seeds against the cell's),
+      gain_kept = (accuracy − w) / (reference − w), w the warm start, with its bootstrap
+        interval (`gain_kept`),
+      grad_norm_spikes = logged steps over SPIKE_FACTOR × the method's reference median
+        grad-norm, summed over seeds, out of grad_norm_logged_steps,
 
-  and the seed means of the training-time mismatch/kl and the grad-norm statistics.
+  and the seed means of the training-time mismatch/kl, the grad-norm and loss statistics.
   """
   cells: dict[tuple[str, str], list[dict]] = {}
   for r in rows:
     cells.setdefault((r["setting"], r["method"]), []).append(r)
-  ref = reference_accuracy(rows)
+  ref_acc: dict[str, list[float]] = {}
+  ref_norms: dict[str, list[float]] = {}
+  for r in rows:
+    if r["setting"] == REFERENCE:
+      ref_acc.setdefault(r["method"], []).append(r["accuracy"])
+      ref_norms.setdefault(r["method"], []).extend(r.get("grad_norms", []))
   out = []
   for (setting, method), mine in cells.items():
     q = np.asarray([r["accuracy"] for r in mine], np.float64)
+    warm = float(np.mean([r["accuracy_before"] for r in mine]))
+    ref = ref_acc.get(method, [])
+    lo, hi = welch_interval(ref, q) if setting != REFERENCE else (math.nan, math.nan)
+    kept, kept_ci = gain_kept(ref, q, warm) if setting != REFERENCE else (1.0, (1.0, 1.0))
+    median = float(np.median(ref_norms[method])) if ref_norms.get(method) else math.nan
     entry = {
       "setting": setting,
       "method": method,
       "seeds": [r.get("seed", 0) for r in mine],
       "accuracy": float(q.mean()),
       "accuracy_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
-      "drop_points": 100.0 * (ref[method] - float(q.mean())) if method in ref else math.nan,
+      "warm_start": warm,
+      "drop_points": 100.0 * (float(np.mean(ref)) - float(q.mean())) if ref else math.nan,
+      "drop_ci_points": [100.0 * lo, 100.0 * hi],
+      "gain_kept": kept,
+      "gain_kept_ci": list(kept_ci),
+      "grad_norm_spikes": sum(spike_count(r.get("grad_norms", []), median) for r in mine),
+      "grad_norm_logged_steps": sum(r.get("grad_norm_logged_steps", 0) for r in mine),
     }
-    for key in ("mismatch_kl_mean", "grad_norm_mean", "grad_norm_max", "train_reward_last"):
-      entry[key] = float(np.mean([r[key] for r in mine]))
+    for key in (
+      "mismatch_kl_mean",
+      "grad_norm_mean",
+      "grad_norm_max",
+      "loss_mean",
+      "loss_max",
+      "train_reward_last",
+    ):
+      entry[key] = float(np.mean([r.get(key, math.nan) for r in mine]))
+    entry["mismatch_kl_sd"] = float(np.std([r["mismatch_kl_mean"] for r in mine], ddof=0))
     out.append(entry)
   return out
+
+
+def matched(
+  cells: Sequence[dict], family: Sequence[str], kl_values: Sequence[float]
+) -> list[dict[str, Any]]:
+  """Each method's drop at equal training-time mismatch: for each κ in `kl_values`, the drop
+  (points) and the share of gain kept, interpolated linearly in mismatch/kl between the
+  method's cells of `family` (setting names; the reference sits at mismatch/kl 0), nan
+  where κ lies beyond the method's largest such mismatch (no extrapolation)."""
+  out = []
+  for method in dict.fromkeys(c["method"] for c in cells):
+    mine = [
+      c
+      for c in cells
+      if c["method"] == method and (c["setting"] in family or c["setting"] == REFERENCE)
+    ]
+    pts = sorted((0.0 if c["setting"] == REFERENCE else c["mismatch_kl_mean"], c) for c in mine)
+    if len(pts) < 2:
+      continue
+    x = np.asarray([p for p, _ in pts])
+    for kappa in kl_values:
+      entry = {"method": method, "kl": float(kappa)}
+      for key in ("drop_points", "gain_kept"):
+        y = np.asarray([c[key] for _, c in pts], np.float64)
+        entry[key] = float(np.interp(kappa, x, y)) if kappa <= x.max() else math.nan
+      out.append(entry)
+  return out
+
+
+def matched_table(entries: Sequence[dict]) -> str:
+  """`matched` as a markdown table: one row per method, one column pair per κ."""
+  kls = sorted({e["kl"] for e in entries})
+  head = "| method | " + " | ".join(f"drop at KL {k:g} / share kept" for k in kls) + " |\n"
+  head += "|---|" + "---:|" * len(kls) + "\n"
+  lines = []
+  for method in dict.fromkeys(e["method"] for e in entries):
+    by_kl = {e["kl"]: e for e in entries if e["method"] == method}
+    lines.append(
+      f"| {method} | "
+      + " | ".join(
+        f"{_fmt(by_kl[k]['drop_points'], '+.1f')} / {_fmt(by_kl[k]['gain_kept'], '.2f')}"
+        if k in by_kl
+        else "—"
+        for k in kls
+      )
+      + " |"
+    )
+  return head + "\n".join(lines) + "\n"
 
 
 def summary_table(cells: Sequence[dict]) -> str:
   """The per-cell summary over seeds as a markdown table."""
   head = (
-    "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) | "
-    "train mismatch/kl | grad-norm mean | grad-norm max |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|\n"
+    "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
+    "share of gain kept [95 %] | train mismatch/kl | grad-norm mean / max | spikes | "
+    "loss max |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
   )
   lines = [
     f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
     f"{_fmt(100 * c['accuracy'], '.1f')} ± {_fmt(100 * c['accuracy_sd'], '.1f')} % | "
-    f"{_fmt(c['drop_points'], '+.1f')} | {_fmt(c['mismatch_kl_mean'], '.2e')} | "
-    f"{_fmt(c['grad_norm_mean'], '.3g')} | {_fmt(c['grad_norm_max'], '.3g')} |"
+    f"{_fmt(c['drop_points'], '+.1f')} {_interval(c.get('drop_ci_points'), '.1f')} | "
+    f"{_fmt(c.get('gain_kept', math.nan), '.2f')} {_interval(c.get('gain_kept_ci'), '.2f')} | "
+    f"{_fmt(c['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(c['grad_norm_mean'], '.3g')} / {_fmt(c['grad_norm_max'], '.3g')} | "
+    f"{c.get('grad_norm_spikes', 0)}/{c.get('grad_norm_logged_steps', 0)} | "
+    f"{_fmt(c.get('loss_max', math.nan), '.3g')} |"
     for c in cells
   ]
   return head + "\n".join(lines) + "\n"
+
+
+def _interval(ci, spec: str) -> str:
+  if not ci or any(x is None or math.isnan(x) for x in ci):
+    return ""
+  return f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -334,10 +481,19 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
   if any(len(c["seeds"]) > 1 for c in cells):
     text += f"## Over seeds\n\n{summary_table(cells)}\n## Every run\n\n"
+  at_equal_kl = matched(cells, meta.get("matched_settings", ()), meta.get("matched_kl", ()))
+  if at_equal_kl:
+    text += (
+      "## At equal training mismatch\n\nDrop (points) and share of gain kept, interpolated "
+      f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference.\n\n"
+      f"{matched_table(at_equal_kl)}\n"
+    )
+    if "## Every run" not in text:
+      text += "## Every run\n\n"
   base = os.path.join(workdir, REPORT_NAME)
   with open(base + ".md", "w", encoding="utf-8") as f:
     f.write(text + table)
-  report = dict(meta, rows=rows, cells=cells, table_markdown=table)
+  report = dict(meta, rows=rows, cells=cells, matched=at_equal_kl, table_markdown=table)
   tmp = base + ".json.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
@@ -352,53 +508,81 @@ def run_name(method: str, setting: str, seed: int) -> str:
   return f"{method}__{setting}" + (f"__seed{seed}" if seed else "")
 
 
+def blocks(config: ml_collections.ConfigDict) -> list[tuple[tuple, tuple, list[int]]]:
+  """(methods, settings, seeds) of every block: `config.blocks` when it has some (each a dict
+  with those three keys, so that the headline arms get more seeds than the rest), else the
+  one block of `config.methods`, `config.settings` and `config.seeds`.
+
+  Raises:
+    ValueError: a block without methods, with an unknown key, or with no or repeated seeds.
+  """
+  raw = list(config.get("blocks", None) or [])
+  if not raw:
+    raw = [
+      {"methods": config.methods, "settings": config.settings, "seeds": config.get("seeds", (0,))}
+    ]
+  out = []
+  for i, block in enumerate(raw):
+    block = dict(block)
+    unknown = set(block) - {"methods", "settings", "seeds"}
+    if unknown:
+      raise ValueError(f"config.blocks[{i}] has unknown keys {sorted(unknown)}")
+    methods = tuple(block.get("methods", ()))
+    if not methods:
+      raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
+    seeds = [int(x) for x in block.get("seeds", (0,))]
+    if not seeds or len(set(seeds)) != len(seeds):
+      raise ValueError(f"config.seeds must be distinct train seeds, at least one; got {seeds}")
+    out.append((methods, tuple(block.get("settings", ())), seeds))
+  return out
+
+
 def plan(
   config: ml_collections.ConfigDict,
 ) -> list[tuple[str, str, str, int, ml_collections.ConfigDict]]:
-  """(method, setting name, spec, seed, run config) for every run: seeds outermost, then
-  settings (the reference first), so that a comparison stopped early has whole settings of
-  its first seeds.
+  """(method, setting name, spec, seed, run config) for every run of every block (`blocks`),
+  block by block; in a block, seeds outermost, then settings (the reference first), so that a
+  comparison stopped early has whole settings of its first seeds. A run two blocks share is
+  planned once.
 
   Raises:
     ValueError: a bad setting spec (named by `candidates_lib.parse_candidate`), an unknown
       method, two settings with the same name, or no or repeated seeds.
   """
-  methods = tuple(config.methods)
-  if not methods:
-    raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
-  seeds = [int(s) for s in config.get("seeds", (0,))]
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"config.seeds must be distinct train seeds, at least one; got {seeds}")
   base = config.run
-  settings = [("", {})]
-  for spec in config.settings:
-    settings.append((spec, candidates_lib.parse_candidate(spec, base).overrides))
-  names = [setting_name(s) for s, _ in settings]
-  if len(set(names)) != len(names):
-    raise ValueError(f"config.settings has repeated settings: {names}")
   # The run's own seed is left as the config states it (train.seed = -1 means `seed`), so that
   # its runs keep their recorded configs; other seeds set train.seed.
   own_seed = base.train.seed if base.train.seed >= 0 else base.seed
-  out = []
-  for seed in seeds:
-    for (spec, rollout_overrides), name in zip(settings, names, strict=True):
-      for method in methods:
-        arm = method_overrides(
-          method,
-          config.rl_lr,
-          config.is_clip,
-          batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
-          group_size=config.get("group_size", GROUP_SIZE),
-          grpo_lr=config.get("grpo_lr", GRPO_LR),
-          grpo_temperature=config.get("grpo_temperature", 1.0),
-          grpo_kl_coef=config.get("grpo_kl_coef", 0.0),
-        )
-        overrides = dict(
-          rollout_overrides,
-          **arm,
-          **({} if seed == own_seed else {"train.seed": seed}),
-        )
-        out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
+  out, seen = [], set()
+  for methods, specs, seeds in blocks(config):
+    settings = [("", {})]
+    for spec in specs:
+      settings.append((spec, candidates_lib.parse_candidate(spec, base).overrides))
+    names = [setting_name(x) for x, _ in settings]
+    if len(set(names)) != len(names):
+      raise ValueError(f"config.settings has repeated settings: {names}")
+    for seed in seeds:
+      for (spec, rollout_overrides), name in zip(settings, names, strict=True):
+        for method in methods:
+          arm = method_overrides(
+            method,
+            config.rl_lr,
+            config.is_clip,
+            batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
+            group_size=config.get("group_size", GROUP_SIZE),
+            grpo_lr=config.get("grpo_lr", GRPO_LR),
+            grpo_temperature=config.get("grpo_temperature", 1.0),
+            grpo_kl_coef=config.get("grpo_kl_coef", 0.0),
+          )
+          if (method, name, seed) in seen:
+            continue
+          seen.add((method, name, seed))
+          overrides = dict(
+            rollout_overrides,
+            **arm,
+            **({} if seed == own_seed else {"train.seed": seed}),
+          )
+          out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
   return out
 
 
@@ -442,6 +626,8 @@ def run_comparison(
     "teacher_cache_dir": config.run.teacher.cache_dir,
     "seeds": sorted({seed for _, _, _, seed, _ in todo}),
     "planned": [run_name(m, s, seed) for m, s, _, seed, _ in todo],
+    "matched_settings": [setting_name(x) for x in config.get("matched_settings", ())],
+    "matched_kl": [float(k) for k in config.get("matched_kl", ())],
     "summary": (
       f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
       f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, grpo lr "

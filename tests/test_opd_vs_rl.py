@@ -21,6 +21,7 @@ def _row(method, setting, accuracy):
     "method": method,
     "setting": setting,
     "accuracy": accuracy,
+    "accuracy_before": 0.45,
     "mismatch_kl_mean": 0.0 if setting == "reference" else 0.01,
     "grad_norm_mean": 1.0,
     "grad_norm_max": 2.0,
@@ -154,7 +155,10 @@ def test_cells_summarise_seeds_against_the_mean_reference():
   assert noise["seeds"] == [0, 1] and noise["accuracy"] == pytest.approx(0.65)
   assert noise["accuracy_sd"] == pytest.approx(0.1 / math.sqrt(2))
   assert noise["drop_points"] == pytest.approx(20.0) and ref["drop_points"] == pytest.approx(0.0)
-  assert "| noise | opd | 2 | 65.0 ± 7.1 % | +20.0 |" in opd_vs_rl.summary_table([ref, noise])
+  assert noise["gain_kept"] == pytest.approx((0.65 - 0.45) / (0.85 - 0.45))
+  assert "| noise | opd | 2 | 65.0 ± 7.1 % | +20.0 [-10.4, 50.4] | 0.50 [" in (
+    opd_vs_rl.summary_table([ref, noise])
+  )
 
 
 @pytest.mark.slow
@@ -202,3 +206,99 @@ def test_bad_workers_are_refused_before_anything_trains(tmp_path):
   with pytest.raises(ValueError, match="workers=-1 must be an int >= 1"):
     opd_vs_rl.run_comparison(config, str(tmp_path / "cmp"), lambda *a: None)
   assert not (tmp_path / "cmp" / "runs").exists()
+
+
+def test_intervals_gain_kept_and_spikes_by_hand():
+  """Welch for 0.9/0.8 against 0.7/0.6: d = 0.2, se = √(0.0025 + 0.0025), ν = 2,
+  t_{0.975, 2} = 4.3027, so 0.2 ± 0.3043; gain kept with warm start 0.45: 0.20 / 0.40."""
+  lo, hi = opd_vs_rl.welch_interval([0.9, 0.8], [0.7, 0.6])
+  assert (lo, hi) == pytest.approx(
+    (0.2 - 4.30265 * math.sqrt(0.005), 0.2 + 4.30265 * math.sqrt(0.005)), abs=1e-4
+  )
+  assert all(math.isnan(x) for x in opd_vs_rl.welch_interval([0.9], [0.7, 0.6]))
+  kept, (k_lo, k_hi) = opd_vs_rl.gain_kept([0.9, 0.8], [0.7, 0.6], 0.45)
+  assert kept == pytest.approx(0.5) and k_lo <= kept <= k_hi
+  assert math.isnan(opd_vs_rl.gain_kept([0.45, 0.452], [0.4, 0.41], 0.45)[0])  # no gain to keep
+  assert opd_vs_rl.spike_count([1.0, 2.0, 7.0, 10.0], 2.0) == 2  # above 3 × 2
+  rows = [
+    dict(_row("grpo", "reference", 0.5), seed=0, grad_norms=[1.0, 1.0, 4.0]),
+    dict(_row("grpo", "reference", 0.4), seed=1, grad_norms=[1.0, 2.0]),
+    dict(_row("grpo", "noise", 0.3), seed=0, grad_norms=[1.0, 3.5, 9.0]),
+    dict(_row("grpo", "noise", 0.2), seed=1, grad_norms=[1.0]),
+  ]
+  ref, noise = opd_vs_rl.summarise(rows)  # the reference median is 1.0: spikes are > 3.0
+  assert (ref["grad_norm_spikes"], noise["grad_norm_spikes"]) == (1, 2)
+  assert noise["drop_points"] == pytest.approx(20.0)
+  assert noise["drop_ci_points"] == pytest.approx(
+    [20.0 - 100 * 4.30265 * math.sqrt(0.005), 20.0 + 100 * 4.30265 * math.sqrt(0.005)], abs=0.01
+  )
+  assert math.isnan(noise["gain_kept"])  # the reference mean 0.45 gained nothing over 0.45
+  assert "| noise | grpo | 2 | 25.0 ± 7.1 % | +20.0 [-10.4, 50.4] |" in opd_vs_rl.summary_table(
+    [ref, noise]
+  )
+
+
+def test_at_equal_mismatch_interpolates_over_the_ladder_without_extrapolating():
+  cells = [
+    {
+      "method": "opd",
+      "setting": "reference",
+      "mismatch_kl_mean": 1e-9,
+      "drop_points": 0.0,
+      "gain_kept": 1.0,
+    },
+    {
+      "method": "opd",
+      "setting": "mid",
+      "mismatch_kl_mean": 0.1,
+      "drop_points": 4.0,
+      "gain_kept": 0.9,
+    },
+    {
+      "method": "opd",
+      "setting": "high",
+      "mismatch_kl_mean": 0.3,
+      "drop_points": 10.0,
+      "gain_kept": 0.7,
+    },
+    {
+      "method": "opd",
+      "setting": "fp4",
+      "mismatch_kl_mean": 0.5,
+      "drop_points": 50.0,
+      "gain_kept": 0.0,
+    },
+  ]
+  at = {e["kl"]: e for e in opd_vs_rl.matched(cells, ["mid", "high"], [0.05, 0.2, 0.4])}
+  assert at[0.05]["drop_points"] == pytest.approx(2.0) and at[0.05]["gain_kept"] == pytest.approx(
+    0.95
+  )
+  assert at[0.2]["drop_points"] == pytest.approx(7.0)
+  assert math.isnan(at[0.4]["drop_points"])  # beyond the ladder's largest mismatch (0.3)
+  table = opd_vs_rl.matched_table(list(at.values()))
+  assert "| opd | +2.0 / 0.95 | +7.0 / 0.80 | — / — |" in table
+
+
+def test_blocks_give_the_headline_arms_more_seeds_and_plan_each_run_once():
+  config = opd_vs_rl_config.get_config("fair")
+  todo = opd_vs_rl.plan(config)
+  names = [opd_vs_rl.run_name(m, s, seed) for m, s, _, seed, _ in todo]
+  assert len(names) == len(set(names)) == 92
+  by_cell: dict = {}
+  for m, s, _, seed, _ in todo:
+    by_cell.setdefault((m, s), []).append(seed)
+  assert by_cell[("grpo_tis", "kv_cache-fp4_kv_granularity-tensor")] == [0, 1, 2, 3, 4]
+  assert by_cell[("grpo_seq_mis", "noise_sigma-0.4")] == [0, 1]
+  assert (
+    by_cell[("opd", "noise_sigma-0.2")] == [0, 1] and ("grpo_mis", "noise_sigma-0.2") not in by_cell
+  )
+  assert by_cell[("opd", "reference")] == [
+    0,
+    1,
+    2,
+    3,
+    4,
+  ]  # the third block's reference is the first's
+  config.blocks = ({"methods": ("opd",), "settings": (), "seed": (0,)},)
+  with pytest.raises(ValueError, match=r"blocks\[0\] has unknown keys \['seed'\]"):
+    opd_vs_rl.plan(config)

@@ -176,8 +176,8 @@ def test_tiny_comparison_end_to_end(tmp_path):
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
   assert done.returncode == 0, done.stderr[-3000:]
   printed = json.loads(done.stdout)
-  for ext in ("md", "json", "png"):
-    assert (tmp_path / f"opd_vs_rl.{ext}").stat().st_size > 0
+  for name in ("opd_vs_rl.md", "opd_vs_rl.json", "opd_vs_rl.png", "opd_vs_rl_curves.png"):
+    assert (tmp_path / name).stat().st_size > 0
   report = json.loads((tmp_path / "opd_vs_rl.json").read_text())
   assert report["rows"] == printed["rows"]
   cells = {(r["method"], r["setting"]) for r in report["rows"]}

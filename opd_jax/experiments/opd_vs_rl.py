@@ -23,13 +23,16 @@ reference run (in points), the training-time mean `mismatch/kl` (so that setting
 mismatch scale), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
 pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>
 (`__seed<k>` appended for train.seed k ≠ 0), so a restarted comparison reuses what finished.
-With several `seeds`, each (setting, method) cell is also summarised over its seeds: mean and
-sample sd of the accuracy, and the drop of the mean against the mean of the method's reference.
-The report (markdown table, JSON with every number, PNG of accuracy and drop against
-mismatch/kl) is rewritten after every finished run, so a comparison stopped early still
-reports what it has. With `workers` > 1 the runs train that many side by side first
-(`runs.run_many`, the same numbers), and the report is written once they have, or, when one
-fails, over the ones that finished before the error is raised.
+With several `seeds`, each (setting, method) cell is also summarised over its seeds (`summarise`:
+the mean and sd of the accuracy, the drop with Welch's interval, the share of its gain kept,
+grad-norm spikes), and `config.blocks` gives some arms more seeds than others. The drops at equal
+training mismatch (`matched`) are read off `config.matched_settings` at `config.matched_kl`. The
+report (markdown, JSON with every number, opd_vs_rl.png of accuracy and drop against
+mismatch/kl, opd_vs_rl_curves.png of the reference runs' learning curves) is rewritten after
+every finished run, so a comparison stopped early still reports what it has. With `workers` > 1
+the runs train that many side by side first (`runs.run_many`, the same numbers), and the report
+is written once they have, or, when one fails, over the ones that finished before the error is
+raised.
 """
 
 from __future__ import annotations
@@ -473,6 +476,48 @@ def plot(rows: Sequence[dict], path: str) -> bool:
   return True
 
 
+def plot_curves(rows: Sequence[dict], path: str) -> bool:
+  """Held-out accuracy against training step at the reference engine, one line per method
+  (the mean over its seeds, the band ± one sd), the warm start dashed: the learning curves
+  the comparison's drops are taken against. Returns False, writing nothing, without
+  matplotlib or without a reference run that logged a curve."""
+  curves: dict[str, list] = {}
+  for r in rows:
+    if r["setting"] == REFERENCE and r.get("curve"):
+      curves.setdefault(r["method"], []).append(r)
+  if not curves:
+    return False
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for method in [m for m in METHODS if m in curves]:
+    mine = curves[method]
+    steps = sorted({int(p[0]) for r in mine for p in r["curve"]})
+    acc = np.asarray(
+      [[dict((int(p[0]), p[1]) for p in r["curve"]).get(t, math.nan) for t in steps] for r in mine]
+    )
+    mean, sd = 100 * np.nanmean(acc, 0), 100 * np.nanstd(acc, 0)
+    wall = np.mean([r["wall_seconds"] for r in mine])
+    ax.plot(steps, mean, marker="o", label=f"{method} ({len(mine)} seeds, {wall:.0f} s/run)")
+    ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
+  warm = 100 * float(np.mean([r["accuracy_before"] for rs in curves.values() for r in rs]))
+  ax.axhline(warm, ls="--", c="gray", label=f"warm start {warm:.1f} %")
+  ax.set_xlabel("training step")
+  ax.set_ylabel("held-out greedy accuracy (%)")
+  ax.set_title("Learning curves at the reference engine")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
 def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   """Writes <workdir>/opd_vs_rl.{md,json,png} from the finished rows; returns the JSON dict."""
   add_drops(rows)
@@ -500,6 +545,7 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   os.replace(tmp, base + ".json")
   if not plot(rows, base + ".png"):
     log("matplotlib is not installed: no PNG written")
+  plot_curves(rows, base + "_curves.png")
   return report
 
 

@@ -1,18 +1,20 @@
 """Entry point: OPD against RL under the same rollout mismatch.
 
-    python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl.py[:tiny] --workdir=DIR [--json=PATH|-]
-        [--config.run.teacher.cache_dir=/tmp/tcache] [--config.settings='("rollout.stale_k=2",)']
-        [--compilation-cache=DIR]
+    python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl.py[:tiny|:fair] --workdir=DIR
+        [--json=PATH|-] [--config.run.teacher.cache_dir=/tmp/tcache]
+        [--config.settings='("rollout.stale_k=2",)'] [--compilation-cache=DIR]
 
-For the reference engine and each mismatch setting of the config, trains OPD (the bf16_sync
-recipe), RL without importance correction and RL with the truncated ratio, each once into
-DIR/runs/<method>__<setting> (a restart reuses finished runs), then prints the table and writes
-DIR/opd_vs_rl.md, DIR/opd_vs_rl.json (every number) and DIR/opd_vs_rl.png (accuracy and drop
-against the training-time mismatch/kl). --json=PATH also writes the JSON there; --json=- (or a
-bare --json) prints it to stdout. The runs keep
-their compiled programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the
-first of its kind loads the sampler, train step and evaluation instead of compiling them. The
-logic is `opd_jax.experiments.opd_vs_rl.run_comparison`.
+For the reference engine and each mismatch setting of the config, trains each arm of
+`config.methods` (OPD with the full-vocabulary or the sampled-token estimator, REINFORCE, GRPO,
+each with or without a correction for the engine's mismatch; `config.blocks` gives arms their
+own seeds) into DIR/runs/<method>__<setting>[__seed<k>] (a restart reuses finished runs), then
+prints the table and writes DIR/opd_vs_rl.md, DIR/opd_vs_rl.json (every number),
+DIR/opd_vs_rl.png (accuracy and drop against the training-time mismatch/kl) and
+DIR/opd_vs_rl_curves.png (the reference runs' learning curves). --json=PATH also writes the
+JSON there; --json=- (or a bare --json) prints it to stdout. The runs keep their compiled
+programs in DIR/jax_cache (--compilation-cache; "" = off), so every run after the first of its
+kind loads the sampler, train step and evaluation instead of compiling them. The logic is
+`opd_jax.experiments.opd_vs_rl.run_comparison`.
 """
 
 from __future__ import annotations

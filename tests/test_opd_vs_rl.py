@@ -302,3 +302,19 @@ def test_blocks_give_the_headline_arms_more_seeds_and_plan_each_run_once():
   config.blocks = ({"methods": ("opd",), "settings": (), "seed": (0,)},)
   with pytest.raises(ValueError, match=r"blocks\[0\] has unknown keys \['seed'\]"):
     opd_vs_rl.plan(config)
+
+
+def test_report_sections_come_in_order(tmp_path):
+  """Over seeds, then at equal mismatch, then every run; the JSON holds the matched drops."""
+  rows = [
+    dict(_row("opd", "reference", 0.9), seed=0),
+    dict(_row("opd", "reference", 0.8), seed=1),
+    dict(_row("opd", "noise", 0.7), seed=0),
+    dict(_row("opd", "noise", 0.6), seed=1),
+  ]
+  meta = {"summary": "s", "matched_settings": ["noise"], "matched_kl": [0.005]}
+  report = opd_vs_rl.write_report(rows, str(tmp_path), meta, log=lambda *_: None)
+  text = (tmp_path / "opd_vs_rl.md").read_text()
+  heads = [line for line in text.splitlines() if line.startswith("## ")]
+  assert heads == ["## Over seeds", "## At equal training mismatch", "## Every run"]
+  assert report["matched"][0]["drop_points"] == pytest.approx(10.0)  # half of 20 at half the KL

@@ -525,16 +525,17 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   cells = summarise(rows)
   text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
   if any(len(c["seeds"]) > 1 for c in cells):
-    text += f"## Over seeds\n\n{summary_table(cells)}\n## Every run\n\n"
+    text += f"## Over seeds\n\n{summary_table(cells)}\n"
   at_equal_kl = matched(cells, meta.get("matched_settings", ()), meta.get("matched_kl", ()))
   if at_equal_kl:
     text += (
       "## At equal training mismatch\n\nDrop (points) and share of gain kept, interpolated "
-      f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference.\n\n"
+      f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference (an arm "
+      "trained on some of them only, over those it has).\n\n"
       f"{matched_table(at_equal_kl)}\n"
     )
-    if "## Every run" not in text:
-      text += "## Every run\n\n"
+  if text.count("\n## "):
+    text += "## Every run\n\n"
   base = os.path.join(workdir, REPORT_NAME)
   with open(base + ".md", "w", encoding="utf-8") as f:
     f.write(text + table)

@@ -426,12 +426,15 @@ def markdown_table(rows: Sequence[dict]) -> str:
   return head + "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict], path: str) -> bool:
+def plot(rows: Sequence[dict], path: str, ladder: Sequence[str] = ()) -> bool:
   """Final accuracy and drop against training-time mismatch/kl, one series per method.
 
-  The x axis is symlog so the reference sits at the left edge: a mismatch/kl below
-  `F32_ROUNDING_KL` (an engine identical to the trainer reads ±1e-9) is drawn at 0. Returns
-  False, writing nothing, when matplotlib is not installed.
+  With `ladder` (setting names, e.g. a noise ladder) each method's line joins its reference
+  and ladder cells, and every other setting is a hollow marker labelled with its name, so
+  that no line crosses from one source to another; without it the line joins all cells in
+  order of mismatch. The x axis is symlog so the reference sits at the left edge: a
+  mismatch/kl below `F32_ROUNDING_KL` (an engine identical to the trainer reads ±1e-9) is
+  drawn at 0. Returns False, writing nothing, when matplotlib is not installed.
   """
   try:
     import matplotlib
@@ -444,23 +447,43 @@ def plot(rows: Sequence[dict], path: str) -> bool:
   def kl(r):
     return r["mismatch_kl_mean"] if r["mismatch_kl_mean"] > F32_ROUNDING_KL else 0.0
 
+  def on_line(r):
+    return not ladder or r["setting"] == REFERENCE or r["setting"] in ladder
+
   cells = summarise(rows)  # one point per (setting, method): the mean over seeds, ± sd
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
   positive = [kl(r) for r in cells if kl(r) > 0]
   linthresh = min(positive) / 2 if positive else 1e-4
+  labelled: set[str] = set()
   for method, marker in zip(METHODS, "osDv^<>ph*", strict=True):
     mine = sorted((r for r in cells if r["method"] == method), key=kl)
     if not mine:
       continue
-    x = [kl(r) for r in mine]
-    sd = [0.0 if math.isnan(r["accuracy_sd"]) else 100 * r["accuracy_sd"] for r in mine]
-    acc = [100 * r["accuracy"] for r in mine]
-    axes[0].errorbar(x, acc, yerr=sd, marker=marker, capsize=3, label=method)
-    axes[1].errorbar(
-      x, [r["drop_points"] for r in mine], yerr=sd, marker=marker, capsize=3, label=method
-    )
-    for r in mine:
-      axes[0].annotate(r["setting"], (kl(r), 100 * r["accuracy"]), fontsize=6)
+    for ax, key, scale in ((axes[0], "accuracy", 100.0), (axes[1], "drop_points", 1.0)):
+      line = [r for r in mine if on_line(r)]
+      sd = [0.0 if math.isnan(r["accuracy_sd"]) else 100 * r["accuracy_sd"] for r in line]
+      drawn = ax.errorbar(
+        [kl(r) for r in line],
+        [scale * r[key] for r in line],
+        yerr=sd,
+        marker=marker,
+        capsize=3,
+        label=method,
+      )
+      for r in mine:
+        if not on_line(r):
+          ax.errorbar(
+            kl(r),
+            scale * r[key],
+            yerr=0.0 if math.isnan(r["accuracy_sd"]) else 100 * r["accuracy_sd"],
+            marker=marker,
+            mfc="none",
+            capsize=3,
+            color=drawn.lines[0].get_color(),
+          )
+          if ax is axes[0] and r["setting"] not in labelled:
+            labelled.add(r["setting"])  # each hollow setting named once, at its first arm
+            ax.annotate(r["setting"], (kl(r), scale * r[key]), fontsize=6)
   for ax, ylabel in zip(
     axes, ("final held-out accuracy (%)", "drop vs own reference (points)"), strict=True
   ):
@@ -468,8 +491,11 @@ def plot(rows: Sequence[dict], path: str) -> bool:
     ax.set_xlabel("training-time mean mismatch/kl (nats/token)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
-  fig.suptitle("OPD vs RL under rollout mismatch")
+  axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  title = "OPD vs RL under rollout mismatch"
+  if ladder:
+    title += f": lines join the reference and {', '.join(ladder)}; hollow markers are the rest"
+  fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -544,7 +570,7 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
   os.replace(tmp, base + ".json")
-  if not plot(rows, base + ".png"):
+  if not plot(rows, base + ".png", meta.get("matched_settings", ())):
     log("matplotlib is not installed: no PNG written")
   plot_curves(rows, base + "_curves.png")
   return report

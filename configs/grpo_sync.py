@@ -25,8 +25,9 @@ Expected: no learning on the built-in task. The warm-started student starts at 4
           6.6 %; with partial credit 42.2 % (1e-5) and 34.8 % (3e-5); 2000 steps at 3e-6 (exact)
           or 1e-5 (partial) end at 42.6 and 41.8 % while the sampled reward rises from 0.12 to
           0.14 and from 0.16 to 0.19. Groups of 8 or 16 at T = 0.7 (10-24 % of groups without
-          signal instead of 61 %) end at 42.2 and 46.9 %, and 128 completions per step at 46.9 %
-          (docs/results/opd_vs_rl.md, "GRPO: the sweep"). On a smaller model and a two-operand
+          signal instead of 61 %) end at 42.2 and 46.9 %, 128 completions per step at 46.9 %,
+          and a KL penalty β = 0.1 changes neither (docs/results/opd_vs_rl.md, "GRPO: the
+          sweep"). On a smaller model and a two-operand
           task GRPO does raise the training reward (tests/test_grpo.py, the slow learning check).
 """
 

@@ -267,6 +267,20 @@ def test_a_third_run_relabels_only_the_settings_inside_taus_interval():
   assert out["rows"] == result["rows"]
 
 
+def test_run_overrides_parse_as_the_config_flags_do():
+  """A float key takes "1" as 1.0, a str key keeps a path, a bool key reads "false"; a value
+  that does not parse as its key's type is refused, naming it."""
+  run = validation.load_config(str(ROOT / "configs" / "validation.py")).run
+  out = validation.run_overrides(
+    ["train.lr=1", "teacher.cache_dir=/tmp/x", "rollout.score_teacher=false"], run
+  )
+  assert out["train.lr"] == 1.0 and isinstance(out["train.lr"], float)
+  assert out["teacher.cache_dir"] == "/tmp/x"
+  assert out["rollout.score_teacher"] is False
+  with pytest.raises(ValueError):
+    validation.run_overrides(["train.steps=many"], run)
+
+
 def test_the_command_refuses_a_malformed_run_override(tmp_path):
   study = tmp_path / "study.json"
   study.write_text(json.dumps(_result()))

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from opd_jax.config import check as config_check
 from opd_jax.experiments import study as study_lib
 from opd_jax.mismatch import budget
 from opd_jax.mismatch import candidates as candidates_lib
@@ -409,6 +410,24 @@ def third_runs(result: Mapping, config, workdir: str, seed: int = 2, log=print) 
   return relabel(result, extra, accuracy, teacher_kl)
 
 
+def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
+  """`KEY=VALUE` texts as dotted-key overrides of `run_cfg`, each value parsed as
+  `--config.KEY=VALUE` would parse it for the key's current value (`candidates.parse_value`);
+  `runs.with_overrides` then refuses an unknown key or a value the config check refuses.
+
+  Raises:
+    ValueError: an item without `=`, or a value that does not parse as its key's type.
+  """
+  current = dict(config_check.flatten(run_cfg))
+  out = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep:
+      raise ValueError(f"--run-override={item!r}: expected KEY=VALUE")
+    out[key] = candidates_lib.parse_value(raw, current.get(key))
+  return out
+
+
 def load_config(path: str):
   """A config file's `get_config()` (`path[:arg]`), its directory importable (configs import
   their siblings)."""
@@ -547,7 +566,6 @@ def report(result: Mapping, config) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
   import argparse
-  import ast
   import json
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -573,15 +591,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   try:
     config = load_config(args.config)
-    overrides = {}
-    for item in args.run_override:
-      key, sep, value = item.partition("=")
-      if not sep:
-        raise ValueError(f"--run-override={item!r}: expected KEY=VALUE")
-      try:
-        overrides[key] = ast.literal_eval(value)
-      except (ValueError, SyntaxError):
-        overrides[key] = value  # a string: a path, a name
+    overrides = run_overrides(args.run_override, config.run)
     if overrides:
       from opd_jax.experiments import runs
 

@@ -150,11 +150,9 @@ def grad_norm_stats(run_dir: str) -> dict[str, Any]:
   """Mean, max and std (population) of `perf/grad_norm` over the logged steps of a run, the
   number of steps they cover and the values themselves (for `spike_count`), and the mean and
   max of `loss/total` over the same steps."""
-  rows = metrics_writer.read_jsonl(run_dir)
-  values = np.asarray(
-    [r["perf/grad_norm"] for _, r in sorted(rows.items()) if "perf/grad_norm" in r]
-  )
-  losses = np.asarray([r["loss/total"] for _, r in sorted(rows.items()) if "loss/total" in r])
+  logged = [r for _, r in sorted(metrics_writer.read_jsonl(run_dir).items())]  # in step order
+  values = np.asarray([r["perf/grad_norm"] for r in logged if "perf/grad_norm" in r])
+  losses = np.asarray([r["loss/total"] for r in logged if "loss/total" in r])
   out = {
     "loss_mean": float(losses.mean()) if losses.size else math.nan,
     "loss_max": float(losses.max()) if losses.size else math.nan,
@@ -202,13 +200,20 @@ def run_row(
   return row
 
 
-def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
-  """method -> mean accuracy of its finished reference runs (over seeds)."""
-  by_method: dict[str, list[float]] = {}
+def reference_runs(rows: Sequence[dict]) -> dict[str, list[dict]]:
+  """method -> its finished reference runs (one per seed)."""
+  by_method: dict[str, list[dict]] = {}
   for r in rows:
     if r["setting"] == REFERENCE:
-      by_method.setdefault(r["method"], []).append(r["accuracy"])
-  return {m: float(np.mean(a)) for m, a in by_method.items()}
+      by_method.setdefault(r["method"], []).append(r)
+  return by_method
+
+
+def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
+  """method -> mean accuracy of its finished reference runs (over seeds)."""
+  return {
+    m: float(np.mean([r["accuracy"] for r in mine])) for m, mine in reference_runs(rows).items()
+  }
 
 
 def add_drops(rows: Sequence[dict]) -> None:
@@ -286,20 +291,16 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   cells: dict[tuple[str, str], list[dict]] = {}
   for r in rows:
     cells.setdefault((r["setting"], r["method"]), []).append(r)
-  ref_acc: dict[str, list[float]] = {}
-  ref_norms: dict[str, list[float]] = {}
-  for r in rows:
-    if r["setting"] == REFERENCE:
-      ref_acc.setdefault(r["method"], []).append(r["accuracy"])
-      ref_norms.setdefault(r["method"], []).extend(r.get("grad_norms", []))
+  references = reference_runs(rows)
   out = []
   for (setting, method), mine in cells.items():
     q = np.asarray([r["accuracy"] for r in mine], np.float64)
     warm = float(np.mean([r["accuracy_before"] for r in mine]))
-    ref = ref_acc.get(method, [])
+    ref = [r["accuracy"] for r in references.get(method, [])]
     lo, hi = welch_interval(ref, q) if setting != REFERENCE else (math.nan, math.nan)
     kept, kept_ci = gain_kept(ref, q, warm) if setting != REFERENCE else (1.0, (1.0, 1.0))
-    median = float(np.median(ref_norms[method])) if ref_norms.get(method) else math.nan
+    norms = [v for r in references.get(method, []) for v in r.get("grad_norms", [])]
+    median = float(np.median(norms)) if norms else math.nan
     entry = {
       "setting": setting,
       "method": method,
@@ -346,10 +347,12 @@ def matched(
     if len(pts) < 2:
       continue
     x = np.asarray([p for p, _ in pts])
+    ys = {
+      key: np.asarray([c[key] for _, c in pts], np.float64) for key in ("drop_points", "gain_kept")
+    }
     for kappa in kl_values:
       entry = {"method": method, "kl": float(kappa)}
-      for key in ("drop_points", "gain_kept"):
-        y = np.asarray([c[key] for _, c in pts], np.float64)
+      for key, y in ys.items():
         entry[key] = float(np.interp(kappa, x, y)) if kappa <= x.max() else math.nan
       out.append(entry)
   return out

@@ -429,7 +429,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
   return head + "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict], path: str, ladder: Sequence[str] = ()) -> bool:
+def plot(
+  rows: Sequence[dict], path: str, ladder: Sequence[str] = (), cells: Sequence[dict] | None = None
+) -> bool:
   """Final accuracy and drop against training-time mismatch/kl, one series per method.
 
   With `ladder` (setting names, e.g. a noise ladder) each method's line joins its reference
@@ -437,7 +439,8 @@ def plot(rows: Sequence[dict], path: str, ladder: Sequence[str] = ()) -> bool:
   that no line crosses from one source to another; without it the line joins all cells in
   order of mismatch. The x axis is symlog so the reference sits at the left edge: a
   mismatch/kl below `F32_ROUNDING_KL` (an engine identical to the trainer reads ±1e-9) is
-  drawn at 0. Returns False, writing nothing, when matplotlib is not installed.
+  drawn at 0. `cells` is `summarise(rows)` when the caller has it already (else computed).
+  Returns False, writing nothing, when matplotlib is not installed.
   """
   try:
     import matplotlib
@@ -453,7 +456,8 @@ def plot(rows: Sequence[dict], path: str, ladder: Sequence[str] = ()) -> bool:
   def on_line(r):
     return not ladder or r["setting"] == REFERENCE or r["setting"] in ladder
 
-  cells = summarise(rows)  # one point per (setting, method): the mean over seeds, ± sd
+  if cells is None:
+    cells = summarise(rows)  # one point per (setting, method): the mean over seeds, ± sd
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
   positive = [kl(r) for r in cells if kl(r) > 0]
   linthresh = min(positive) / 2 if positive else 1e-4
@@ -573,7 +577,7 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
   os.replace(tmp, base + ".json")
-  if not plot(rows, base + ".png", meta.get("matched_settings", ())):
+  if not plot(rows, base + ".png", meta.get("matched_settings", ()), cells):
     log("matplotlib is not installed: no PNG written")
   plot_curves(rows, base + "_curves.png")
   return report

@@ -23,6 +23,9 @@ import os
 
 import jax
 
+from opd_jax.config import check as config_check
+from opd_jax.config import spec as spec_lib
+from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts, task
 from opd_jax.inference import sampler, transform
@@ -34,87 +37,81 @@ from opd_jax.train import evaluate, pretrain, train_step
 from opd_jax.train import mismatch_metrics as mismatch
 
 
-def task_config(config) -> task.TaskConfig:
-  return task.TaskConfig(
-    num_operands=config.data.num_operands,
-    max_operand=config.data.max_operand,
-    kind=config.data.get("task", "sum"),
-  )
+def run_spec(config) -> RunSpec:
+  """The run's frozen spec from a ConfigDict that `config.check.validate` accepted: each
+  block read into its sub-spec by field name (`spec.from_mapping`), once. `values` keeps
+  every key's repr as the ConfigDict held it, which is what a checkpoint records."""
+  values = tuple((k, repr(v)) for k, v in config_check.flatten(config))
+  return dataclasses.replace(spec_lib.from_mapping(RunSpec, config), values=values)
 
 
-def engine_config(config, compute_dtype: str) -> transform.EngineConfig:
-  """The rollout configuration named by `config.rollout`.
+def task_config(spec: RunSpec) -> task.TaskConfig:
+  d = spec.data
+  return task.TaskConfig(num_operands=d.num_operands, max_operand=d.max_operand, kind=d.task)
+
+
+def engine_config(spec: RunSpec, compute_dtype: str) -> transform.EngineConfig:
+  """The rollout configuration named by `spec.rollout` (its fields of the same names).
 
   `kv_cache=auto` stores the cache in the engine's compute dtype: bf16 for
   `weights=bf16`, the trainer's dtype for `trainer` and `fp8` (whose unquantized
   leaves keep the trainer's dtype); any other value names its dtype in
-  `kvcache.KV_CACHE_NAMES` (bf16, fp8 e4m3, fp8_e5m2, fp4 e2m1).
+  `kvcache.KV_CACHE_NAMES` (bf16, fp8 e4m3, fp8_e5m2, fp4 e2m1); a block or group size of
+  0 is None (per output channel).
   """
-  r = config.rollout
+  r = spec.rollout
   engine_dtype = "bfloat16" if r.weights == "bf16" else compute_dtype
   kv_dtype = {"auto": engine_dtype, **kvcache.KV_CACHE_NAMES}[r.kv_cache]
-  return transform.EngineConfig(
-    weights=r.weights,
+  kv = kvcache.KVCacheSpec(
+    dtype=kv_dtype, granularity=r.kv_granularity, bf16_layers=tuple(r.kv_bf16_layers)
+  )
+  return spec_lib.derive(
+    transform.EngineConfig,
+    r,
+    kv=kv,
     weight_block_size=r.weight_block_size or None,
-    bf16_layers=tuple(r.bf16_layers),
-    noise_sigma=r.noise_sigma,
-    kv=kvcache.KVCacheSpec(
-      dtype=kv_dtype, granularity=r.kv_granularity, bf16_layers=tuple(r.kv_bf16_layers)
-    ),
-    noise_layers=tuple(r.noise_layers),
-    noise_modules=tuple(r.noise_modules),
-    kernel=r.kernel,
     weight_group_size=r.weight_group_size or None,
-    weight_per_tensor=r.weight_per_tensor,
-    head_dtype=r.head_dtype,
   )
 
 
-def sampler_config(config, eos_id: int, kv: kvcache.KVCacheSpec, vocab_size: int):
-  """The training rollouts' `SamplerConfig`; it returns the behaviour distribution
-  that `mismatch/kl` needs (full for small vocabularies, top-k plus a tail above)."""
-  r = config.rollout
-  top = config.train.mismatch_top_k or mismatch.default_return_topk(vocab_size)
-  return sampler.SamplerConfig(
-    max_new_tokens=r.max_new_tokens,
-    temperature=r.temperature,
-    top_k=r.top_k,
-    top_p=r.top_p,
+def sampler_config(spec: RunSpec, eos_id: int, kv: kvcache.KVCacheSpec, vocab_size: int):
+  """The training rollouts' `SamplerConfig` (`spec.rollout`'s fields of the same names); it
+  returns the behaviour distribution that `mismatch/kl` needs (full for small vocabularies,
+  top-k plus a tail above)."""
+  r = spec.rollout
+  top = spec.train.mismatch_top_k or mismatch.default_return_topk(vocab_size)
+  return spec_lib.derive(
+    sampler.SamplerConfig,
+    r,
     stop_tokens=(eos_id,),
     kv=kv,
     return_topk=top,
-    attention=r.get("decode_attention", "blockwise"),
+    attention=r.decode_attention,
   )
 
 
-def loss_config(config) -> train_step.LossConfig:
-  t = config.train
-  return train_step.LossConfig(
+def loss_config(spec: RunSpec) -> train_step.LossConfig:
+  """`spec.train`'s fields of `LossConfig`'s names, with the loss's name, the clips (<= 0 is
+  None: off) and the sampling settings the loss must know."""
+  t = spec.train
+  return spec_lib.derive(
+    train_step.LossConfig,
+    t,
     name=t.loss,
     is_clip=t.is_clip if t.is_clip > 0 else None,
     advantage_clip=t.advantage_clip if t.advantage_clip > 0 else None,
-    advantage_baseline=t.advantage_baseline,
-    jsd_beta=t.jsd_beta,
-    temperature=config.rollout.temperature,
-    teacher_top_k=t.teacher_top_k,
-    teacher_temperature=config.teacher.temperature,
-    group_size=config.rollout.samples_per_prompt,
-    group_std_normalize=t.group_std_normalize,
-    ppo_clip=t.ppo_clip,
-    ppo_epochs=t.ppo_epochs,
-    ppo_minibatches=t.ppo_minibatches,
-    mismatch_correction=t.mismatch_correction,
-    mismatch_clip=t.mismatch_clip,
-    kl_coef=t.kl_coef,
+    temperature=spec.rollout.temperature,
+    teacher_temperature=spec.teacher.temperature,
+    group_size=spec.rollout.samples_per_prompt,
   )
 
 
-def prompt_source(config, task_cfg):
+def prompt_source(spec: RunSpec, task_cfg):
   """Training prompts: the JSONL file when given, else the built-in task. (`run` uses the
   file's prepared `prompts.PromptSet` from `preflight.check` instead.)"""
-  if config.data.prompt_file:
-    return data.JsonlSource(config.data.prompt_file)
-  return task.TaskSource("train", config.data.train_size, config.seed, task_cfg)
+  if spec.data.prompt_file:
+    return data.JsonlSource(spec.data.prompt_file)
+  return task.TaskSource("train", spec.data.train_size, spec.seed, task_cfg)
 
 
 def process_prompt_batches(source, batch_size: int, seed: int):
@@ -160,7 +157,7 @@ class Setup:
 
 
 def prepare_models(
-  config,
+  spec: RunSpec,
   workdir: str,
   log=print,
   plan: build.Plan | None = None,
@@ -171,29 +168,29 @@ def prepare_models(
   teacher and the held-out set: `eval_prompts` (`preflight.Checked.eval_prompts`, scored by
   `scorer`) when given, else the built-in task's held-out split when the run trains on the
   task, else none (a prompt file without its held-out prompts, or train.eval_every=0)."""
-  models = build.build_models(config, plan)
-  task_cfg = task_config(config)
+  models = build.build_models(spec, plan)
+  task_cfg = task_config(spec)
   tok = models.tokenizer
-  teacher_info = {"cached": True, "seconds": 0.0, "path": config.teacher.checkpoint}
-  cache_dir = config.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
-  if not config.teacher.checkpoint:
-    t = config.teacher
+  teacher_info = {"cached": True, "seconds": 0.0, "path": spec.teacher.checkpoint}
+  cache_dir = spec.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
+  if not spec.teacher.checkpoint:
+    t = spec.teacher
     kwargs = dict(
       task_cfg=task_cfg,
       tokenizer=tok,
       steps=t.pretrain_steps,
       lr=t.pretrain_lr,
       batch_size=t.pretrain_batch_size,
-      seed=config.seed,
+      seed=spec.seed,
     )
     key = pretrain.teacher_key(
-      t.arch.to_dict(),
+      dataclasses.asdict(t.arch),
       task_cfg,
       t.pretrain_steps,
       t.pretrain_lr,
       t.pretrain_batch_size,
-      config.seed,
-      build.tokenizer_path(config),
+      spec.seed,
+      build.tokenizer_path(spec),
       t.dtype,
       t.target_accuracy,
       t.max_pretrain_steps,
@@ -209,19 +206,19 @@ def prepare_models(
       train_kwargs=kwargs,
       target_accuracy=t.target_accuracy,
       max_steps=t.max_pretrain_steps,
-      accuracy_fn=teacher_accuracy_fn(config, task_cfg, models),
+      accuracy_fn=teacher_accuracy_fn(spec, task_cfg, models),
       log=log,
     )
   eval_set = None
-  if config.train.eval_every and eval_prompts is not None:
-    eval_set = evaluate.make_prompt_eval_set(eval_prompts, tok, scorer, config.data.batch_size)
-  elif config.train.eval_every and not config.data.prompt_file:  # the task is trained
-    heldout = task.TaskSource("heldout", config.data.eval_size, config.seed + 1, task_cfg)
+  if spec.train.eval_every and eval_prompts is not None:
+    eval_set = evaluate.make_prompt_eval_set(eval_prompts, tok, scorer, spec.data.batch_size)
+  elif spec.train.eval_every and not spec.data.prompt_file:  # the task is trained
+    heldout = task.TaskSource("heldout", spec.data.eval_size, spec.seed + 1, task_cfg)
     eval_set = evaluate.make_eval_set(heldout, tok, task_cfg.max_prompt_tokens)
   return Setup(models, task_cfg, teacher_info, eval_set, cache_dir)
 
 
-def teacher_accuracy_fn(config, task_cfg: task.TaskConfig, models: build.Models):
+def teacher_accuracy_fn(spec: RunSpec, task_cfg: task.TaskConfig, models: build.Models):
   """params -> the teacher's held-out accuracy that `teacher.target_accuracy` is held to
   (`pretrain.heldout_accuracy`): greedy exact match on the first `teacher.target_eval_size`
   prompts of the task's held-out split (seed + 1: the prompts of the trainer's
@@ -231,8 +228,8 @@ def teacher_accuracy_fn(config, task_cfg: task.TaskConfig, models: build.Models)
 
   def accuracy(params) -> float:
     if not sets:
-      size = config.teacher.target_eval_size
-      heldout = task.TaskSource("heldout", size, config.seed + 1, task_cfg)
+      size = spec.teacher.target_eval_size
+      heldout = task.TaskSource("heldout", size, spec.seed + 1, task_cfg)
       sets.append(evaluate.make_eval_set(heldout, models.tokenizer, task_cfg.max_prompt_tokens))
     return pretrain.heldout_accuracy(
       params, models.teacher_cfg, sets[0], models.tokenizer, task_cfg.max_completion_tokens
@@ -241,7 +238,7 @@ def teacher_accuracy_fn(config, task_cfg: task.TaskConfig, models: build.Models)
   return accuracy
 
 
-def schedule_length(config, resumed: dict, log=print) -> int:
+def schedule_length(spec: RunSpec, resumed: dict, log=print) -> int:
   """The learning-rate schedule's length (`train_step.make_optimizer`'s total_steps).
 
   A fresh run: `train.steps`. A resumed run: the length its checkpoint was trained with
@@ -253,14 +250,14 @@ def schedule_length(config, resumed: dict, log=print) -> int:
   `train.steps`.
 
   Args:
-    config: the run's config.
+    spec: the run's spec.
     resumed: the restored checkpoint's extra data ({} for a fresh run).
     log: where the decision is reported.
 
   Raises:
     ValueError: `train.resume_schedule=error` and `train.steps` differs from the stored length.
   """
-  t = config.train
+  t = spec.train
   if not resumed:
     return t.steps
   if "schedule_steps" not in resumed:
@@ -291,7 +288,7 @@ def schedule_length(config, resumed: dict, log=print) -> int:
 
 
 def initial_state(
-  config, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed=None
+  spec: RunSpec, setup: Setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed=None
 ):
   """The TrainState to start from, and the rollout source's next batch index:
   restored from the latest checkpoint (with the data iterator's position), or the
@@ -306,19 +303,21 @@ def initial_state(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
     )
     state, extra = ckpt.restore(latest, target)
-    check_same_run(extra["config"], run_fingerprint(config), ckpt.directory, log)
-    evaluate.check_resumed_slice(extra.get("heldout_slice"), config)
+    check_same_run(extra["config"], run_fingerprint(spec), ckpt.directory, log)
+    evaluate.check_resumed_slice(extra.get("heldout_slice"), spec)
     prompt_iter.set_state(data.state_from_json(extra["data_state"]))
     if resumed is not None:
       resumed.update(extra)
     log(f"resumed from step {latest} in {ckpt.directory}")
     return state, int(extra.get("next_batch", latest))
-  params = warm_started_student(config, setup, log, setup.cache_dir or None)
-  seed = run_seed(config)
+  params = warm_started_student(spec, setup, log, setup.cache_dir or None)
+  seed = run_seed(spec)
   return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
 
 
-def reference_student(config, setup: Setup, state, param_shardings, resumed: bool, log=print):
+def reference_student(
+  spec: RunSpec, setup: Setup, state, param_shardings, resumed: bool, log=print
+):
   """π_ref of GRPO's KL penalty (`train.kl_coef` > 0): a frozen copy of the run's starting
   student, laid out as `param_shardings` (the student's); None when the penalty is off.
 
@@ -329,23 +328,23 @@ def reference_student(config, setup: Setup, state, param_shardings, resumed: boo
   checkpoint, or the seeded initialisation), which is the step-0 student bit for bit when the
   warm start is read from its cache.
   """
-  if not config.train.kl_coef > 0:
+  if not spec.train.kl_coef > 0:
     return None
   if not resumed:
     return jax.device_put(state.params, param_shardings, may_alias=False)
   log("rebuilding the starting student as the reference of train.kl_coef's KL penalty")
-  params = warm_started_student(config, setup, log, setup.cache_dir or None)
+  params = warm_started_student(spec, setup, log, setup.cache_dir or None)
   return jax.device_put(params, param_shardings)
 
 
-def run_seed(config) -> int:
+def run_seed(spec: RunSpec) -> int:
   """The OPD run's own seed (data order, rollout sampling): `train.seed`, or `seed` when it
   is -1. The models, the teacher bootstrap and the warm start keep `seed`, so runs that differ
   only in `train.seed` share their teacher and their starting student."""
-  return config.seed if config.train.seed < 0 else config.train.seed
+  return spec.seed if spec.train.seed < 0 else spec.train.seed
 
 
-def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None = None):
+def warm_started_student(spec: RunSpec, setup: Setup, log=print, cache_dir: str | None = None):
   """The student a fresh run starts from: the HF checkpoint's params, or the built-in
   student after `student.warmup_steps` supervised steps (seed + 7).
 
@@ -355,19 +354,19 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   bit-identical params (f32 safetensors), without the supervised steps. `cache_dir` is local
   or a URI (`pretrain.is_cached` / `load_cached` / `save_cached`).
   """
-  m, s = setup.models, config.student
+  m, s = setup.models, spec.student
   if s.checkpoint or not s.warmup_steps:
     return build.materialize(m, "student")
   directory = None
   if cache_dir:
     key = pretrain.teacher_key(
-      s.arch.to_dict(),
+      dataclasses.asdict(s.arch),
       setup.task_cfg,
       s.warmup_steps,
       s.warmup_lr,
       s.warmup_batch_size,
-      config.seed + 7,
-      build.tokenizer_path(config),
+      spec.seed + 7,
+      build.tokenizer_path(spec),
       s.dtype,
     )
     directory = os.path.join(cache_dir, f"student-{key}")
@@ -385,7 +384,7 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
     steps=s.warmup_steps,
     lr=s.warmup_lr,
     batch_size=s.warmup_batch_size,
-    seed=config.seed + 7,
+    seed=spec.seed + 7,
     mesh=m.mesh,
     log=log,
   )
@@ -396,22 +395,22 @@ def warm_started_student(config, setup: Setup, log=print, cache_dir: str | None 
   return params
 
 
-def process_count_errors(config, num_processes: int) -> list[str]:
+def process_count_errors(spec: RunSpec, num_processes: int) -> list[str]:
   """What a config cannot do with `num_processes` processes, each naming what to use instead
   (checked before any weights load; the launch scripts' dry runs are held to it)."""
-  r, errors = config.rollout, []
-  if num_processes > 1 and r.mode == "async" and r.get("dispatch", "auto") == "thread":
+  r, errors = spec.rollout, []
+  if num_processes > 1 and r.mode == "async" and r.dispatch == "thread":
     errors.append(
       f"rollout.dispatch='thread' runs in one process only ({num_processes} processes): two "
       "host threads issuing multi-process programs can deadlock their collectives; use "
       "rollout.dispatch='auto' (inline with several processes) or 'inline'"
     )
-  if config.data.batch_size % num_processes:
+  if spec.data.batch_size % num_processes:
     errors.append(
-      f"data.batch_size={config.data.batch_size} must be a multiple of the process count "
+      f"data.batch_size={spec.data.batch_size} must be a multiple of the process count "
       f"({num_processes}): every process reads its own rows of each batch"
     )
-  if r.get("devices", 0) % num_processes:
+  if r.devices % num_processes:
     errors.append(
       f"rollout.devices={r.devices} must be a multiple of the process count ({num_processes}): "
       "every process gives the same number of its devices to rollouts"
@@ -419,29 +418,31 @@ def process_count_errors(config, num_processes: int) -> list[str]:
   return errors
 
 
-def check_shapes(config, task_cfg: task.TaskConfig, mesh) -> None:
+def check_shapes(spec: RunSpec, task_cfg: task.TaskConfig, mesh) -> None:
   """Refuses settings that would silently truncate completions or not shard."""
-  r = config.rollout
-  if not config.data.prompt_file and r.max_new_tokens < task_cfg.max_completion_tokens:
+  r = spec.rollout
+  if not spec.data.prompt_file and r.max_new_tokens < task_cfg.max_completion_tokens:
     raise ValueError(
       f"rollout.max_new_tokens={r.max_new_tokens} is shorter than the task's longest "
       f"completion ({task_cfg.max_completion_tokens} tokens with eos)"
     )
-  errors = process_count_errors(config, jax.process_count())
+  errors = process_count_errors(spec, jax.process_count())
   if errors:
     raise ValueError("; ".join(errors))
   batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-  if config.data.batch_size % batch_devices:  # the process count: process_count_errors
+  if spec.data.batch_size % batch_devices:  # the process count: process_count_errors
     raise ValueError(
-      f"data.batch_size={config.data.batch_size} must be a multiple of the data x fsdp "
+      f"data.batch_size={spec.data.batch_size} must be a multiple of the data x fsdp "
       f"devices ({batch_devices})"
     )
-  rollout_worker.rollout_mesh(config, mesh)  # a rollout mesh must fit the devices and batch
-  rows = config.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
-  if rows % (config.train.microbatches * batch_devices):
+  rollout_worker.rollout_mesh(
+    r, spec.data.batch_size, mesh
+  )  # a rollout mesh must fit the devices and batch
+  rows = spec.data.batch_size * r.samples_per_prompt  # the rollout batch: completions
+  if rows % (spec.train.microbatches * batch_devices):
     raise ValueError(
       f"data.batch_size x rollout.samples_per_prompt = {rows} completions must be a multiple "
-      f"of train.microbatches ({config.train.microbatches}) x the data x fsdp devices "
+      f"of train.microbatches ({spec.train.microbatches}) x the data x fsdp devices "
       f"({batch_devices}), so that every micro-batch has rows on every device"
     )
-  train_step.check_microbatches(loss_config(config), config.train.microbatches, rows)
+  train_step.check_microbatches(loss_config(spec), spec.train.microbatches, rows)

@@ -284,10 +284,10 @@ def learn_and_score(tc: task.TaskConfig, max_steps: int, batch: int, stop_at: fl
 
     return jax.lax.fori_loop(tc.max_prompt_tokens, tc.seq_len, body, tokens_bt)
 
-  val = task.TaskSource("heldout", 256, seed=1, config=tc)  # disjoint from the scored prompts
+  val = task.TaskSource("heldout", 256, seed=1, task_cfg=tc)  # disjoint from the scored prompts
   val_b = task.encode_batch([val[i] for i in range(len(val))], tok, tc.seq_len)
   val_inputs = (val_b["tokens"], val_b["loss_mask"])
-  train = task.TaskSource("train", max_steps * batch, seed=0, config=tc)
+  train = task.TaskSource("train", max_steps * batch, seed=0, task_cfg=tc)
   state = (params, opt.init(params), params)  # params, optimizer state, EMA of params
   for step in range(check_every, max_steps + 1, check_every):
     examples = [train[i] for i in range((step - check_every) * batch, step * batch)]
@@ -301,7 +301,7 @@ def learn_and_score(tc: task.TaskConfig, max_steps: int, batch: int, stop_at: fl
       break
   ema = state[2]
 
-  heldout = task.TaskSource("heldout", 256, seed=0, config=tc)
+  heldout = task.TaskSource("heldout", 256, seed=0, task_cfg=tc)
   prompts = [heldout[i]["prompt"] for i in range(len(heldout))]
   prompt_bp, _ = task.encode_prompts(prompts, tok, tc.max_prompt_tokens)
   assert prompt_bp.shape[1] == tc.max_prompt_tokens  # every prompt has the same length

@@ -200,15 +200,15 @@ def solve(operands) -> Example:
   return Example(prompt=format_prompt(operands), completion=completion, answer=str(total))
 
 
-def split_of(prompt: str, config: TaskConfig) -> str:
+def split_of(prompt: str, task_cfg: TaskConfig) -> str:
   """'heldout' for the `heldout_fraction` of prompts selected by a stable hash, else 'train'."""
   digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
   u = int.from_bytes(digest, "little") / 2.0**64
-  return "heldout" if u < config.heldout_fraction else "train"
+  return "heldout" if u < task_cfg.heldout_fraction else "train"
 
 
 def make_example(
-  seed: int, index: int, split: str = "train", config: TaskConfig = TaskConfig()
+  seed: int, index: int, split: str = "train", task_cfg: TaskConfig = TaskConfig()
 ) -> Example:
   """Deterministic example number `index` of `split`.
 
@@ -220,7 +220,7 @@ def make_example(
     seed: the data seed.
     index: the example number (≥ 0).
     split: 'train' or 'heldout'.
-    config: the task shape.
+    task_cfg: the task shape.
 
   Returns:
     An `Example`.
@@ -231,16 +231,18 @@ def make_example(
     raise ValueError(f"example index must be ≥ 0, got {index}")
   rng = np.random.default_rng([seed, SPLITS.index(split), index])
   for _ in range(_MAX_DRAWS):
-    if config.kind == "chain":
-      start = int(rng.integers(config.min_operand, config.max_operand + 1))
-      step = int(rng.integers(1, config.max_step + 1))
-      if split_of(format_chain_prompt(start, step, config.num_operands), config) == split:
-        return solve_chain(start, step, config.num_operands)
+    if task_cfg.kind == "chain":
+      start = int(rng.integers(task_cfg.min_operand, task_cfg.max_operand + 1))
+      step = int(rng.integers(1, task_cfg.max_step + 1))
+      if split_of(format_chain_prompt(start, step, task_cfg.num_operands), task_cfg) == split:
+        return solve_chain(start, step, task_cfg.num_operands)
       continue
-    operands = rng.integers(config.min_operand, config.max_operand + 1, size=config.num_operands)
-    if split_of(format_prompt(operands), config) == split:
+    operands = rng.integers(
+      task_cfg.min_operand, task_cfg.max_operand + 1, size=task_cfg.num_operands
+    )
+    if split_of(format_prompt(operands), task_cfg) == split:
       return solve(operands)
-  raise ValueError(f"{config} leaves the {split!r} split (nearly) empty; widen the operand range")
+  raise ValueError(f"{task_cfg} leaves the {split!r} split (nearly) empty; widen the operand range")
 
 
 class TaskSource:
@@ -251,13 +253,13 @@ class TaskSource:
   """
 
   def __init__(
-    self, split: str, size: int, seed: int = 0, config: TaskConfig = TaskConfig()
+    self, split: str, size: int, seed: int = 0, task_cfg: TaskConfig = TaskConfig()
   ) -> None:
     if split not in SPLITS:
       raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     if size < 1:
       raise ValueError(f"TaskSource size must be ≥ 1, got {size}")
-    self.split, self.size, self.seed, self.config = split, size, seed, config
+    self.split, self.size, self.seed, self.config = split, size, seed, task_cfg
 
   def __len__(self) -> int:
     return self.size

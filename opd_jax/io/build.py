@@ -1,4 +1,4 @@
-"""Builds the run's mesh, tokenizer, student and teacher from a validated config.
+"""Builds the run's mesh, tokenizer, student and teacher from its spec (`config.spec.RunSpec`).
 
 Models come from local Hugging Face checkpoints (`hf.load_checkpoint`, each tensor
 placed straight onto its sharding) or, for the built-in task, from the architecture
@@ -16,7 +16,7 @@ Building happens in two stages so that mistakes surface before any weights load:
 both ModelConfigs, the vocabulary checks); `build_models` then loads or initialises
 the weights of that plan.
 
-The tokenizer (`tokenizer_path`): `config.tokenizer` when set; unset (""), the student
+The tokenizer (`tokenizer_path`): `spec.tokenizer` when set; unset (""), the student
 checkpoint's own tokenizer, or the built-in character tokenizer without a checkpoint.
 
 Padded vocabularies: the student and teacher must share one tokenizer, not one table size
@@ -35,8 +35,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
+from opd_jax.config import spec as spec_lib
+from opd_jax.config.spec import ArchSpec, RunSpec, StudentSpec, TeacherSpec
 from opd_jax.io import hf
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
@@ -45,26 +46,21 @@ from opd_jax.model.config import ModelConfig
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+def build_mesh(spec: RunSpec) -> jax.sharding.Mesh:
   """The trainer's (data, fsdp, tensor) mesh: over all devices, or over those that
   `rollout.devices` leaves (`sharding.split_devices`) when rollouts run on their own."""
-  apart = config.get("rollout", {}).get("devices", 0)
+  apart = spec.rollout.devices
   devices = sharding.split_devices(apart)[0] if apart else None
-  return sharding.make_mesh((config.mesh.data, config.mesh.fsdp, config.mesh.tensor), devices)
+  return sharding.make_mesh((spec.mesh.data, spec.mesh.fsdp, spec.mesh.tensor), devices)
 
 
-def arch_config(arch: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-  """ModelConfig of a built-in architecture from its config block."""
-  return ModelConfig(
-    model_type=arch.model_type,
+def arch_config(arch: ArchSpec, vocab_size: int) -> ModelConfig:
+  """ModelConfig of a built-in architecture: `arch`'s fields, and the biases and norms its
+  `model_type` implies."""
+  return spec_lib.derive(
+    ModelConfig,
+    arch,
     vocab_size=vocab_size,
-    hidden_size=arch.hidden_size,
-    intermediate_size=arch.intermediate_size,
-    num_layers=arch.num_layers,
-    num_heads=arch.num_heads,
-    num_kv_heads=arch.num_kv_heads,
-    head_dim=arch.head_dim,
-    tie_word_embeddings=arch.tie_word_embeddings,
     qkv_bias=arch.model_type == "qwen2",
     qk_norm=arch.model_type == "qwen3",
   )
@@ -92,7 +88,7 @@ def abstract_params(cfg: ModelConfig, mesh, dtype):
   )
 
 
-def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, init_key: Callable):
+def load_or_init(block: StudentSpec | TeacherSpec, vocab_size: int, mesh, init_key: Callable):
   """(ModelConfig, params, pending init or None) for a student/teacher config block.
 
   A non-empty `block.checkpoint` loads that HF directory (no pending init); otherwise the
@@ -108,10 +104,10 @@ def load_or_init(block: ml_collections.ConfigDict, vocab_size: int, mesh, init_k
   return cfg, abstract_params(cfg, mesh, dtype), lambda: init_sharded(cfg, mesh, init_key(), dtype)
 
 
-def tokenizer_path(config: ml_collections.ConfigDict) -> str:
-  """The run's tokenizer: `config.tokenizer`, or when that is "" the student checkpoint's
+def tokenizer_path(spec: RunSpec) -> str:
+  """The run's tokenizer: `spec.tokenizer`, or when that is "" the student checkpoint's
   directory, or "char" for a built-in student (`tokenizer.resolve_name`)."""
-  return tokenizer.resolve_name(config.tokenizer, config.student.checkpoint)
+  return tokenizer.resolve_name(spec.tokenizer, spec.student.checkpoint)
 
 
 def checkpoint_config(directory: str, who: str) -> ModelConfig:
@@ -164,10 +160,10 @@ def _load_run_tokenizer(path: str, loaded: dict):
     raise
 
 
-def _teacher_tokenizer(config, run_tokenizer_path: str):
+def _teacher_tokenizer(spec: RunSpec, run_tokenizer_path: str):
   """The teacher checkpoint's own tokenizer when its directory holds one other than the run's
   tokenizer directory; else None."""
-  directory = config.teacher.checkpoint
+  directory = spec.teacher.checkpoint
   if not directory or os.path.abspath(directory) == os.path.abspath(run_tokenizer_path):
     return None
   if not any(os.path.isfile(os.path.join(directory, n)) for n in tokenizer.TOKENIZER_MAIN_FILES):
@@ -175,7 +171,7 @@ def _teacher_tokenizer(config, run_tokenizer_path: str):
   return tokenizer.load_tokenizer(directory)
 
 
-def plan_models(config: ml_collections.ConfigDict) -> Plan:
+def plan_models(spec: RunSpec) -> Plan:
   """Mesh, tokenizer and both ModelConfigs from config.json and tokenizer files only.
 
   Checks, in order: the mesh fits the devices; each checkpoint's config.json (a supported
@@ -188,24 +184,24 @@ def plan_models(config: ml_collections.ConfigDict) -> Plan:
   Raises:
     ValueError / FileNotFoundError: naming the setting or file at fault.
   """
-  mesh = build_mesh(config)
+  mesh = build_mesh(spec)
   loaded = {
-    who: checkpoint_config(config[who].checkpoint, who)
+    who: checkpoint_config(getattr(spec, who).checkpoint, who)
     for who in ("student", "teacher")
-    if config[who].checkpoint
+    if getattr(spec, who).checkpoint
   }
-  path = tokenizer_path(config)
+  path = tokenizer_path(spec)
   tok = _load_run_tokenizer(path, loaded)
-  student_cfg = loaded.get("student") or arch_config(config.student.arch, tok.vocab_size)
-  teacher_cfg = loaded.get("teacher") or arch_config(config.teacher.arch, tok.vocab_size)
-  teacher_tok = _teacher_tokenizer(config, path)
+  student_cfg = loaded.get("student") or arch_config(spec.student.arch, tok.vocab_size)
+  teacher_cfg = loaded.get("teacher") or arch_config(spec.teacher.arch, tok.vocab_size)
+  teacher_tok = _teacher_tokenizer(spec, path)
   vocab = tokenizer.check_vocabularies(
     student_cfg.vocab_size,
     teacher_cfg.vocab_size,
     tok,
     teacher_tok,
     tokenizer_name=repr(path),
-    teacher_tokenizer_name=repr(config.teacher.checkpoint),
+    teacher_tokenizer_name=repr(spec.teacher.checkpoint),
   )
   student_cfg = with_real_vocab(student_cfg, vocab.real_vocab_size)
   teacher_cfg = with_real_vocab(teacher_cfg, vocab.real_vocab_size)
@@ -237,17 +233,17 @@ def materialize(models: Models, who: str):
   return getattr(models, f"{who}_params")
 
 
-def build_models(config: ml_collections.ConfigDict, plan: Plan | None = None) -> Models:
-  """Mesh, tokenizer, student and teacher of `plan` (default `plan_models(config)`, which
+def build_models(spec: RunSpec, plan: Plan | None = None) -> Models:
+  """Mesh, tokenizer, student and teacher of `plan` (default `plan_models(spec)`, which
   refuses mismatched vocabularies before any weights load)."""
-  plan = plan or plan_models(config)
+  plan = plan or plan_models(spec)
   mesh, tok = plan.mesh, plan.tokenizer
 
   def init_key(index: int) -> Callable:  # split(key(seed))[index], derived only if used
-    return lambda: jax.random.split(jax.random.key(config.seed))[index]
+    return lambda: jax.random.split(jax.random.key(spec.seed))[index]
 
-  student_cfg, student, init_s = load_or_init(config.student, tok.vocab_size, mesh, init_key(0))
-  teacher_cfg, teacher, init_t = load_or_init(config.teacher, tok.vocab_size, mesh, init_key(1))
+  student_cfg, student, init_s = load_or_init(spec.student, tok.vocab_size, mesh, init_key(0))
+  teacher_cfg, teacher, init_t = load_or_init(spec.teacher, tok.vocab_size, mesh, init_key(1))
   pending = {who: f for who, f in (("student", init_s), ("teacher", init_t)) if f is not None}
   # The plan's V_real (padded tables): the weights keep every row, the logits do not.
   student_cfg = with_real_vocab(student_cfg, plan.student_cfg.real_vocab_size)

@@ -1,7 +1,7 @@
 """A run's directory as other commands read it: its config fingerprint, its checkpoints and
 its export.
 
-- `run_fingerprint(config)`: every config value that shapes the trajectory (less
+- `run_fingerprint(spec)`: every config value that shapes the trajectory (less
   `RESUMABLE_KEYS`), stored in each checkpoint; `check_same_run` refuses to resume another
   config's checkpoints.
 - `export_dir` and `EXPORT_RECORD`: a finished run writes its student as a Hugging Face
@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from opd_jax.config import check as config_check
+from opd_jax.config.spec import RunSpec
 from opd_jax.io import build, hf
 from opd_jax.model import sharding
 
@@ -37,11 +37,12 @@ RESUMABLE_KEYS = (
 )
 
 
-def run_fingerprint(config) -> dict[str, str]:
-  """Every config value that shapes the training trajectory, as strings; `tokenizer` as the
-  tokenizer it resolves to (`build.tokenizer_path`), so "" and "char" agree."""
-  out = {k: repr(v) for k, v in config_check.flatten(config) if k not in RESUMABLE_KEYS}
-  return out | {"tokenizer": repr(build.tokenizer_path(config))}
+def run_fingerprint(spec: RunSpec) -> dict[str, str]:
+  """Every config value that shapes the training trajectory, as strings (the repr of each
+  key's value in the run's ConfigDict: `RunSpec.values`); `tokenizer` as the tokenizer it
+  resolves to (`build.tokenizer_path`), so "" and "char" agree."""
+  out = {k: v for k, v in spec.values if k not in RESUMABLE_KEYS}
+  return out | {"tokenizer": repr(build.tokenizer_path(spec))}
 
 
 def check_same_run(
@@ -61,10 +62,10 @@ def check_same_run(
     )
 
 
-def export_dir(config, workdir: str) -> str | None:
+def export_dir(spec: RunSpec, workdir: str) -> str | None:
   """Where a finished run writes its student (`export.dir`): "" is `<workdir>/export`,
   "none" is no export (None), anything else that directory."""
-  d = config.export.dir
+  d = spec.export.dir
   if d == "none":
     return None
   return d or os.path.join(workdir, "export")
@@ -101,9 +102,9 @@ def checkpoint_steps(run_dir: str) -> list[int]:
   return steps
 
 
-def _check_run_config(saved: dict[str, str], config, run_dir: str) -> None:
+def _check_run_config(saved: dict[str, str], spec: RunSpec, run_dir: str) -> None:
   """Refuses a run whose student/teacher/task settings differ from the check's config."""
-  current = run_fingerprint(config)
+  current = run_fingerprint(spec)
   changed = sorted(
     k
     for k in set(saved) & set(current)
@@ -151,15 +152,15 @@ class RunHistory:
   CPU, a tenth of a first check.
 
   Args:
-    config: the check's config (the run's config is checked against it).
+    spec: the check's spec (the run's config is checked against it).
     setup: from `train.setup.prepare_models` (the student's structure and mesh).
     run_dir: the run's workdir (read only).
   """
 
-  def __init__(self, config, setup, run_dir: str):
+  def __init__(self, spec: RunSpec, setup, run_dir: str):
     self.run_dir = run_dir
     self.steps = checkpoint_steps(run_dir)
-    self._config, self._setup = config, setup
+    self._spec, self._setup = spec, setup
     self._cache: dict[int, Any] = {}
     self.run_config: dict[str, str] = {}  # the run's config fingerprint (repr per key)
     m = setup.models
@@ -182,7 +183,7 @@ class RunHistory:
       record = exported_run_record(self.run_dir, step)
       if record is not None:
         shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
-        dtype = build.DTYPES[self._config.student.dtype]
+        dtype = build.DTYPES[self._spec.student.dtype]
         export = os.path.join(self.run_dir, "export")
         params = hf.load_checkpoint(export, dtype, shardings=shardings)[1]
         self.run_config = record.get("config", {})
@@ -195,6 +196,6 @@ class RunHistory:
         finally:
           ckpt.close()
         self.run_config = extra.get("config", {})
-      _check_run_config(self.run_config, self._config, self.run_dir)
+      _check_run_config(self.run_config, self._spec, self.run_dir)
       self._cache[step] = params
     return self._cache[step]

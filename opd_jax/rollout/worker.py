@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from opd_jax.config.spec import RolloutSpec
 from opd_jax.data import rewards, task
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import sampler, teacher_forcing, transform
@@ -66,7 +67,7 @@ def _engine_params(params, cfg: transform.EngineConfig, rng):
   return transform.engine_params(params, cfg, rng)
 
 
-def rollout_mesh(config, train_mesh):
+def rollout_mesh(r: RolloutSpec, batch_size: int, train_mesh):
   """The mesh the rollouts run on, or None to sample on the training mesh.
 
   `rollout.devices` = 0 (the default): the mesh `rollout.mesh_{data,fsdp,tensor}` names over the
@@ -81,9 +82,8 @@ def rollout_mesh(config, train_mesh):
       shards do not divide (every shard must get whole rows of every batch), or, with several
       processes, a rollout mesh that does not mirror the training mesh.
   """
-  r = config.rollout
-  shape = (r.get("mesh_data", 0), r.get("mesh_fsdp", 0), r.get("mesh_tensor", 0))
-  apart = r.get("devices", 0)
+  shape = (r.mesh_data, r.mesh_fsdp, r.mesh_tensor)
+  apart = r.devices
   if shape == (0, 0, 0) and not apart:
     return None
   if 0 in shape and shape != (0, 0, 0):
@@ -106,9 +106,9 @@ def rollout_mesh(config, train_mesh):
       f"({jax.device_count() // 2}) and leave rollout.mesh_* at 0"
     )
   shards = sharding.batch_shards(mesh)
-  if config.data.batch_size % shards:
+  if batch_size % shards:
     raise ValueError(
-      f"data.batch_size={config.data.batch_size} must be a multiple of the rollout mesh's "
+      f"data.batch_size={batch_size} must be a multiple of the rollout mesh's "
       f"data x fsdp shards ({shards}, rollout mesh {dict(mesh.shape)})"
     )
   return mesh

@@ -116,6 +116,7 @@ from opd_jax.config import check as config_check
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file
 from opd_jax.mismatch import candidates as candidates_lib
+from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
 
 ACTIONS = ("warn", "fallback", "adaptive")
@@ -492,7 +493,7 @@ class LiveGuard:
     config: the run config (budget.* and rollout.* as given).
     setup: `trainer.Setup` (models and task; adaptive measures with them).
     guard: the `Guard`.
-    make_source: (config, state, next_batch) -> a rollout source (`trainer.make_rollouts`
+    make_source: (spec, state, next_batch) -> a rollout source (`trainer.make_rollouts`
       with the run's setup, prompt iterator and width bound).
     prompt_iter: the run's prompt iterator (rewound to the consumed position on a switch).
     writer: the run's MetricsWriter (switches go to TensorBoard text "budget/events").
@@ -512,6 +513,11 @@ class LiveGuard:
     self._history = (
       collections.deque(maxlen=lag + 1) if guard.action == "adaptive" and lag else None
     )
+
+  @property
+  def spec(self):
+    """The run spec of the current rung's config (`hooks.StepHook.spec`)."""
+    return setup_lib.run_spec(self.config)
 
   @classmethod
   def create(cls, config, setup, params, extra, make_source, prompt_iter, writer, log):
@@ -650,7 +656,7 @@ class LiveGuard:
     resume = old.resume_state()
     old.close()
     self._prompt_iter.set_state(resume["data_state"])
-    new = self._make_source(self.config, state, resume["next_batch"])
+    new = self._make_source(self.spec, state, resume["next_batch"])
     new.publish(state.params, step)
     self._built = new
     self._log(f"step {step}: rollouts now: {new.describe()}")

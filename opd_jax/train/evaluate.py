@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.config.spec import RunSpec
 from opd_jax.data import prompts as prompts_lib
 from opd_jax.data import scoring, task
 from opd_jax.inference import sampler, teacher_forcing
@@ -196,7 +197,7 @@ def heldout_split(
   return train, subset(held, f"{prompt_set.name} (held out)", [], 0)
 
 
-def plan(config, train_prompts, eval_prompts, log=print):
+def plan(spec: RunSpec, train_prompts, eval_prompts, log=print):
   """Which prompts a run trains and evaluates on: (training prompts, held-out prompts).
 
     train.eval_every = 0         (train_prompts, None): no evaluation
@@ -209,23 +210,23 @@ def plan(config, train_prompts, eval_prompts, log=print):
   before any weights load.
 
   Args:
-    config: the run's config.
+    spec: the run's spec.
     train_prompts, eval_prompts: `prompts.PromptSet`s of data.prompt_file and
       data.eval_file, or None where the config names none.
     log: where the choice is reported.
   """
-  if not config.train.eval_every:
+  if not spec.train.eval_every:
     log("evaluation off (train.eval_every=0)")
     return train_prompts, None
   if eval_prompts is None and train_prompts is None:
     return None, None
-  d = config.data
+  d = spec.data
   if eval_prompts is None:
-    train_prompts, eval_prompts = heldout_split(train_prompts, d.eval_size, config.seed)
+    train_prompts, eval_prompts = heldout_split(train_prompts, d.eval_size, spec.seed)
     capped = "" if len(eval_prompts) == d.eval_size else ", capped at half the file"
     log(
       f"evaluation: {len(eval_prompts)} prompts of {train_prompts.name} held out "
-      f"(data.eval_size={d.eval_size}{capped}; seed {config.seed}), {len(train_prompts)} left "
+      f"(data.eval_size={d.eval_size}{capped}; seed {spec.seed}), {len(train_prompts)} left "
       "for training"
     )
   answered = sum(a is not None for a in scoring.answers(eval_prompts.records, eval_prompts.name))
@@ -237,13 +238,13 @@ def plan(config, train_prompts, eval_prompts, log=print):
   return train_prompts, eval_prompts
 
 
-def takes_heldout_slice(config) -> bool:
-  """Whether `plan` holds a slice of the prompt file out of training under `config`."""
-  d = config.data
-  return bool(d.prompt_file and not d.eval_file and config.train.eval_every)
+def takes_heldout_slice(spec: RunSpec) -> bool:
+  """Whether `plan` holds a slice of the prompt file out of training under `spec`."""
+  d = spec.data
+  return bool(d.prompt_file and not d.eval_file and spec.train.eval_every)
 
 
-def check_resumed_slice(saved: bool | None, config) -> None:
+def check_resumed_slice(saved: bool | None, spec: RunSpec) -> None:
   """Refuses to resume checkpoints trained with(out) a held-out slice of the prompt file
   (`takes_heldout_slice`, stored as `saved`; None: checkpoints that predate it) under a config
   that would change it, as turning evaluation on or off or adding or removing data.eval_file
@@ -252,14 +253,14 @@ def check_resumed_slice(saved: bool | None, config) -> None:
   Raises:
     ValueError: naming both settings and what to do.
   """
-  now = takes_heldout_slice(config)
+  now = takes_heldout_slice(spec)
   if saved is None or bool(saved) == now:
     return
   how = {True: "with", False: "without"}
   raise ValueError(
     f"the checkpoints were trained {how[bool(saved)]} a held-out slice of data.prompt_file, "
     f"and this config would train {how[now]} one (train.eval_every="
-    f"{config.train.eval_every}, data.eval_file={config.data.eval_file!r}); the training "
+    f"{spec.train.eval_every}, data.eval_file={spec.data.eval_file!r}); the training "
     "records would differ. Resume with the evaluation settings the run started with, or use a "
     "new --workdir"
   )

@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
+from opd_jax.config.spec import RunSpec
 from opd_jax.io import build, hf, run_history
 from opd_jax.io.run_history import EXPORT_RECORD, run_fingerprint
 from opd_jax.model import tokenizer
@@ -129,8 +130,8 @@ def config_from_fingerprint(fingerprint: dict[str, str]) -> ml_collections.Confi
 STUDENT_KEYS = ("student.", "tokenizer")
 
 
-def _refuse_other_student(saved: dict[str, str], config, workdir: str) -> None:
-  current = run_history.run_fingerprint(config)
+def _refuse_other_student(saved: dict[str, str], spec: RunSpec, workdir: str) -> None:
+  current = run_history.run_fingerprint(spec)
   changed = sorted(
     k for k in set(saved) & set(current) if k.startswith(STUDENT_KEYS) and saved[k] != current[k]
   )
@@ -142,19 +143,19 @@ def _refuse_other_student(saved: dict[str, str], config, workdir: str) -> None:
     )
 
 
-def student_setup(config) -> setup_lib.Setup:
+def student_setup(spec: RunSpec) -> setup_lib.Setup:
   """The `setup_lib.Setup` that `RunHistory` needs: the mesh, the tokenizer and the student's
   config with abstract params (shapes only, nothing allocated); no teacher is built."""
   # An unset tokenizer ("") is the student checkpoint's, else the built-in one.
-  tok = tokenizer.load_tokenizer(build.tokenizer_path(config))
-  dtype = build.DTYPES[config.student.dtype]
-  if config.student.checkpoint:
-    student_cfg = hf.load_config(config.student.checkpoint)
+  tok = tokenizer.load_tokenizer(build.tokenizer_path(spec))
+  dtype = build.DTYPES[spec.student.dtype]
+  if spec.student.checkpoint:
+    student_cfg = hf.load_config(spec.student.checkpoint)
   else:
-    student_cfg = build.arch_config(config.student.arch, tok.vocab_size)
+    student_cfg = build.arch_config(spec.student.arch, tok.vocab_size)
   abstract = jax.eval_shape(lambda: model.init_params(jax.random.key(0), student_cfg, dtype))
-  models = build.Models(build.build_mesh(config), tok, student_cfg, abstract, None, None)
-  return setup_lib.Setup(models, setup_lib.task_config(config), teacher_info={}, eval_set=None)
+  models = build.Models(build.build_mesh(spec), tok, student_cfg, abstract, None, None)
+  return setup_lib.Setup(models, setup_lib.task_config(spec), teacher_info={}, eval_set=None)
 
 
 def export_run(
@@ -192,16 +193,17 @@ def export_run(
   if config is None:
     config, source = config_from_fingerprint(saved), "the run"
   config_check.validate(config)
-  _refuse_other_student(saved, config, workdir)
-  setup = student_setup(config)
-  params = run_history.RunHistory(config, setup, workdir).params(step)
+  spec = setup_lib.run_spec(config)
+  _refuse_other_student(saved, spec, workdir)
+  setup = student_setup(spec)
+  params = run_history.RunHistory(spec, setup, workdir).params(step)
   log(f"restored the student of {workdir} step {step} (config from {source})")
-  files = export_student(config, setup.models, params, out, log, step=step)
+  files = export_student(spec, setup.models, params, out, log, step=step)
   return {"out": os.path.abspath(out), "step": step, "config": source, "files": files}
 
 
 def export_student(
-  config, models: build.Models, params, out: str, log=print, *, step: int
+  spec: RunSpec, models: build.Models, params, out: str, log=print, *, step: int
 ) -> list[str]:
   """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
   the files of the run's tokenizer (`build.tokenizer_path`; the built-in character tokenizer
@@ -217,17 +219,17 @@ def export_student(
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() != 0:
     return []
-  tokenizer_path = build.tokenizer_path(config)
+  tokenizer_path = build.tokenizer_path(spec)
   files = hf.export_student(
     out,
     models.student_cfg,
     params,
     models.tokenizer,
     tokenizer_dir=None if tokenizer_path == "char" else tokenizer_path,
-    source_dir=config.student.checkpoint or None,
+    source_dir=spec.student.checkpoint or None,
   )
   with open(os.path.join(out, EXPORT_RECORD), "w", encoding="utf-8") as f:
-    json.dump({"step": step, "config": run_fingerprint(config)}, f, indent=1, sort_keys=True)
+    json.dump({"step": step, "config": run_fingerprint(spec)}, f, indent=1, sort_keys=True)
   files = sorted({*files, EXPORT_RECORD})
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files

@@ -5,7 +5,7 @@ steer a run passes a `HookFactory`; the loop calls it once, after the state is r
 before the first rollout source is built, and then drives the hook it returned:
 
     hook = factory(config, setup, params, resumed, make_source, prompt_iter, writer, log)
-    source = make_source(hook.config, state, next_batch)
+    source = make_source(hook.spec, state, next_batch)
     source = hook.begin(step, state, source)                  # before the first step
     ... every step: source = hook.after_step(step, state, scalars, source)
     ... every checkpoint: extra[hook.EXTRA_KEY] = hook.checkpoint_extra()
@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import ml_collections
+from opd_jax.config.spec import RunSpec
 
 
 class StepHook(Protocol):
   """A hook the loop drives (module docstring for the call order)."""
 
   EXTRA_KEY: str  # its entry in each checkpoint's extra data (what a resumed run gets back)
-  config: ml_collections.ConfigDict  # the config the first rollout source is built from
+  spec: RunSpec  # the run spec the first rollout source is built from
 
   def begin(self, step: int, state: Any, source: Any) -> Any: ...
 
@@ -39,7 +39,7 @@ class StepHook(Protocol):
   def close(self) -> None: ...
 
 
-# (config, setup, student params, the restored checkpoint's extra ({} when fresh),
-#  make_source(config, state, next_batch), the prompt iterator, the metrics writer, log)
+# (the run's ConfigDict, setup, student params, the restored checkpoint's extra ({} when fresh),
+#  make_source(spec, state, next_batch), the prompt iterator, the metrics writer, log)
 #  -> a hook, or None when the config asks for none.
 HookFactory = Callable[..., StepHook | None]

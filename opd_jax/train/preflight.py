@@ -37,9 +37,9 @@ import dataclasses
 import os
 import socket
 
-import ml_collections
 from etils import epath
 
+from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts, scoring
 from opd_jax.io import build
@@ -96,17 +96,11 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
     raise ValueError(f"{what} {directory!r} is not writable: {e}") from e
 
 
-def prompt_set(path: str, tokenizer, config: ml_collections.ConfigDict) -> prompts.PromptSet:
-  """The prepared prompts of a JSONL file under the config's length policy."""
-  d = config.data
-  return prompts.prepare(data.JsonlSource(path), tokenizer, d.max_prompt_tokens, d.overlong)
-
-
-def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked:
+def check(spec: RunSpec, workdir: str, log=print) -> Checked:
   """Runs every check that needs no weights (module docstring) and logs the prompts' summary.
 
   Args:
-    config: a config that `config_check.validate` accepted.
+    spec: the run's spec (`setup.run_spec` of a config that `config_check.validate` accepted).
     workdir: the run's --workdir.
     log: where the prompt summary lines go.
 
@@ -114,23 +108,23 @@ def check(config: ml_collections.ConfigDict, workdir: str, log=print) -> Checked
     The `Checked` plan and prompt sets, which the run reuses instead of building them again.
   """
   check_writable(workdir, "the workdir")
-  if config.export.dir not in ("", "none"):
-    check_writable(config.export.dir, "export.dir")
-  if not config.teacher.checkpoint and config.teacher.cache_dir:
-    check_writable(config.teacher.cache_dir, "teacher.cache_dir")
-  files = {"training": config.data.prompt_file, "eval": config.data.get("eval_file", "")}
+  if spec.export.dir not in ("", "none"):
+    check_writable(spec.export.dir, "export.dir")
+  if not spec.teacher.checkpoint and spec.teacher.cache_dir:
+    check_writable(spec.teacher.cache_dir, "teacher.cache_dir")
+  files = {"training": spec.data.prompt_file, "eval": spec.data.eval_file}
   sources = {what: data.JsonlSource(path) for what, path in files.items() if path}
-  scorer = scoring.resolve(config.data.eval_metric)  # a bad import path, before any weights
-  plan = build.plan_models(config)
+  scorer = scoring.resolve(spec.data.eval_metric)  # a bad import path, before any weights
+  plan = build.plan_models(spec)
   if plan.vocab_note:
     log(plan.vocab_note)
-  teacher_topk.check_top_k(config.train.teacher_top_k, plan.teacher_cfg.real_vocab_size)
-  d, prepared = config.data, {}
+  teacher_topk.check_top_k(spec.train.teacher_top_k, plan.teacher_cfg.real_vocab_size)
+  d, prepared = spec.data, {}
   for what, source in sources.items():
     prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)
     log(f"{what} prompts {prepared[what].describe()}")
-  if config.train.get("on_policy_fraction", 1.0) < 1 and "training" in sources:
-    width = config.rollout.max_new_tokens  # every record needs a reference (off_policy)
+  if spec.train.on_policy_fraction < 1 and "training" in sources:
+    width = spec.rollout.max_new_tokens  # every record needs a reference (off_policy)
     log(off_policy.check_references(sources["training"], plan.tokenizer, width))
-  train, held = evaluate.plan(config, prepared.get("training"), prepared.get("eval"), log)
+  train, held = evaluate.plan(spec, prepared.get("training"), prepared.get("eval"), log)
   return Checked(plan, train, held, scorer)

@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
+from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.inference import sampler
 from opd_jax.io import build, metrics_writer
@@ -59,6 +60,7 @@ from opd_jax.train.setup import (
   prompt_width,
   reference_student,
   run_seed,
+  run_spec,
   sampler_config,
   schedule_length,
   task_config,
@@ -82,13 +84,13 @@ class Evaluator:
   """Held-out quality at given steps, written to the metrics writer (`setup.eval_set`, which
   must not be None). The frozen teacher is decoded and scored once."""
 
-  def __init__(self, config, setup: Setup, writer):
-    self._config, self._setup, self._writer = config, setup, writer
+  def __init__(self, spec: RunSpec, setup: Setup, writer):
+    self._spec, self._setup, self._writer = spec, setup, writer
     self.metric = setup.eval_set.metric  # quality/<who>_<metric>: accuracy or score
     self.teacher_score = None
     m = setup.models
-    kv = engine_config(config, jnp.dtype(config.student.dtype).name).kv
-    self._sampling = sampler_config(config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size)
+    kv = engine_config(spec, jnp.dtype(spec.student.dtype).name).kv
+    self._sampling = sampler_config(spec, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size)
 
   def __call__(self, step: int, params) -> dict[str, float]:
     m = self._setup.models
@@ -99,10 +101,10 @@ class Evaluator:
       m.teacher_cfg,
       self._setup.eval_set,
       m.tokenizer,
-      self._config.rollout.max_new_tokens,
+      self._spec.rollout.max_new_tokens,
       self.teacher_score,
       train_sampling=self._sampling,
-      teacher_temperature=self._config.teacher.temperature,
+      teacher_temperature=self._spec.teacher.temperature,
     )
     self.teacher_score = metrics.get(f"quality/teacher_{self.metric}")
     self._writer.write_scalars(step, metrics)
@@ -151,21 +153,23 @@ def run(
 
 
 def _run(config, workdir, log, step_hook, start, stop) -> dict:
-  """`run` inside its signal handler: setup, then the loop (`_train`)."""
-  checked = preflight.check(config, workdir, log)  # everything checkable before weights load
-  check_shapes(config, task_config(config), checked.plan.mesh)
+  """`run` inside its signal handler: the spec, setup, then the loop (`_train`). The
+  ConfigDict goes on only to `step_hook` (the guard builds its rungs' configs from it)."""
+  spec = run_spec(config)
+  checked = preflight.check(spec, workdir, log)  # everything checkable before weights load
+  check_shapes(spec, task_config(spec), checked.plan.mesh)
   signals.check("the preflight check")
-  setup = prepare_models(config, workdir, log, checked.plan, checked.eval_prompts, checked.scorer)
+  setup = prepare_models(spec, workdir, log, checked.plan, checked.eval_prompts, checked.scorer)
   signals.check("the teacher bootstrap")
-  m, t = setup.models, config.train
+  m, t = setup.models, spec.train
   log(build.summary(m))
   source = checked.train_prompts
   if source is None:
-    source = prompt_source(config, setup.task_cfg)
-  width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(config.data.prompt_file))
-  prompt_iter = iter(process_prompt_batches(source, config.data.batch_size, run_seed(config)))
+    source = prompt_source(spec, setup.task_cfg)
+  width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(spec.data.prompt_file))
+  prompt_iter = iter(process_prompt_batches(source, spec.data.batch_size, run_seed(spec)))
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
-  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, config.seed), m.student_params)
+  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, spec.seed), m.student_params)
   state_shardings = sharding.tree_shardings(abstract, m.mesh)
   # orbax is imported by the loop that saves: the admission check and the export import this
   # module for its setup and load it only when they restore, so that a check can import it
@@ -177,11 +181,11 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
   try:
     resumed = {}
     state, next_batch = initial_state(
-      config, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
+      spec, setup, tx, abstract, state_shardings, ckpt, prompt_iter, log, resumed
     )
     signals.check("the warm start")
-    reference = reference_student(config, setup, state, state_shardings.params, bool(resumed), log)
-    schedule_steps = schedule_length(config, resumed, log)
+    reference = reference_student(spec, setup, state, state_shardings.params, bool(resumed), log)
+    schedule_steps = schedule_length(spec, resumed, log)
     if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
       tx = train_step.make_optimizer(
         t.lr, schedule_steps, t.warmup_steps, t.weight_decay, t.grad_clip
@@ -192,16 +196,16 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
       setup,
       state.params,
       resumed,
-      lambda cfg, st, nb: make_rollouts(cfg, setup, prompt_iter, width, st, nb),
+      lambda rung, st, nb: make_rollouts(rung, setup, prompt_iter, width, st, nb),
       prompt_iter,
       writer,
       log,
     )
-    rollout_config = hook.config if hook else config  # e.g. the guard's rung (a resumed run's)
-    source = make_rollouts(rollout_config, setup, prompt_iter, width, state, next_batch)
+    rollout_spec = hook.spec if hook else spec  # e.g. the guard's rung (a resumed run's)
+    source = make_rollouts(rollout_spec, setup, prompt_iter, width, state, next_batch)
     try:
       return _train(
-        config,
+        spec,
         setup,
         state,
         state_shardings,
@@ -225,13 +229,13 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     ckpt.close()
 
 
-def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_batch: int):
+def make_rollouts(spec: RunSpec, setup: Setup, prompt_iter, width: int, state, next_batch: int):
   """The rollout source `rollout.mode` names, starting at batch `next_batch`."""
-  m, r = setup.models, config.rollout
-  ecfg = engine_config(config, jnp.dtype(config.student.dtype).name)
-  scfg = sampler_config(config, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.real_vocab_size)
-  train_step.check_rollout_loss(scfg, loss_config(config))
-  teacher_topk.check_top_k(config.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
+  m, r = setup.models, spec.rollout
+  ecfg = engine_config(spec, jnp.dtype(spec.student.dtype).name)
+  scfg = sampler_config(spec, m.tokenizer.eos_id, ecfg.kv, m.student_cfg.real_vocab_size)
+  train_step.check_rollout_loss(scfg, loss_config(spec))
+  teacher_topk.check_top_k(spec.train.teacher_top_k, m.teacher_cfg.real_vocab_size)
   worker = rollout_worker.RolloutWorker(
     prompt_iter,
     m.tokenizer,
@@ -242,13 +246,13 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
     jax.random.wrap_key_data(np.asarray(state.rng)),
     m.mesh,
     teacher=(m.teacher_params, m.teacher_cfg) if r.score_teacher else None,
-    score_rewards=rl.needs_reward(config.train.loss),
-    rollout_mesh=rollout_worker.rollout_mesh(config, m.mesh),
+    score_rewards=rl.needs_reward(spec.train.loss),
+    rollout_mesh=rollout_worker.rollout_mesh(r, spec.data.batch_size, m.mesh),
     samples_per_prompt=r.samples_per_prompt,
-    on_policy_fraction=config.train.on_policy_fraction,
-    teacher_top_k=config.train.teacher_top_k,
-    teacher_temperature=config.teacher.temperature,
-    reward=config.train.reward,
+    on_policy_fraction=spec.train.on_policy_fraction,
+    teacher_top_k=spec.train.teacher_top_k,
+    teacher_temperature=spec.teacher.temperature,
+    reward=spec.train.reward,
   )
   if r.mode == "sync":
     return sources.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
@@ -263,17 +267,19 @@ def make_rollouts(config, setup: Setup, prompt_iter, width: int, state, next_bat
   )
 
 
-def make_step_fn(config, setup: Setup, state_shardings, tx, schedule_steps: int | None = None):
+def make_step_fn(
+  spec: RunSpec, setup: Setup, state_shardings, tx, schedule_steps: int | None = None
+):
   """The jitted OPD train step, (state, teacher_params, rollout) -> (state, metrics), with the
   state donated and laid out as `state_shardings`."""
-  m, t = setup.models, config.train
+  m, t = setup.models, spec.train
   return train_step.jit_step(
     train_step.train_step,
     state_shardings,
     tx=tx,
     student_cfg=m.student_cfg,
     teacher_cfg=m.teacher_cfg,
-    loss_cfg=loss_config(config),
+    loss_cfg=loss_config(spec),
     microbatches=t.microbatches,
     remat=t.remat,
     lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
@@ -303,7 +309,7 @@ class _LagBreakdown:
 
 
 def _train(
-  config,
+  spec: RunSpec,
   setup,
   state,
   state_shardings,
@@ -329,14 +335,14 @@ def _train(
   after the
   publish, adds `budget/*` to them and may switch the rollout source it returns.
   """
-  m, t = setup.models, config.train
-  step_fn = make_step_fn(config, setup, state_shardings, tx, schedule_steps)
+  m, t = setup.models, spec.train
+  step_fn = make_step_fn(spec, setup, state_shardings, tx, schedule_steps)
   step = int(state.step)
   rollouts.publish(state.params, step)
   if hook:
     rollouts = hook.begin(step, state, rollouts)
   writer.write_text(step, "rollout/engine", rollouts.describe())
-  evaluator = Evaluator(config, setup, writer) if setup.eval_set is not None else None
+  evaluator = Evaluator(spec, setup, writer) if setup.eval_set is not None else None
   initial = evaluator(step, state.params) if evaluator else None
   quality = initial
   log(
@@ -352,9 +358,9 @@ def _train(
       "data_state": data.state_to_json(resume["data_state"]).decode(),
       "next_batch": resume["next_batch"],
       "weight_version": step,
-      "config": run_fingerprint(config),
+      "config": run_fingerprint(spec),
       "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
-      "heldout_slice": evaluate.takes_heldout_slice(config),  # trained without it (resume check)
+      "heldout_slice": evaluate.takes_heldout_slice(spec),  # trained without it (resume check)
     }
     if hook:
       extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
@@ -428,9 +434,9 @@ def _train(
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
     "wall_seconds": time.time() - start,
   }
-  out = export_dir(config, writer.workdir)
+  out = export_dir(spec, writer.workdir)
   if stopped_by is None and out is not None:  # a finished run exports its student
-    export_student(config, m, state.params, out, log, step=step)
+    export_student(spec, m, state.params, out, log, step=step)
     result["export_dir"] = out
   log(f"done: {result}")
   return result

@@ -213,25 +213,27 @@ def serialized_split(name: str, args, workdir: str) -> dict:
 
   config = _load_config(name, _settings(name, 0, args) | {"rollout.devices": 0})
   quiet = lambda *a, **k: None  # noqa: E731
-  checked = preflight.check(config, workdir, quiet)
+  spec = setup_lib.run_spec(config)
+  checked = preflight.check(spec, workdir, quiet)
   setup = setup_lib.prepare_models(
-    config, workdir, quiet, checked.plan, checked.eval_prompts, checked.scorer
+    spec, workdir, quiet, checked.plan, checked.eval_prompts, checked.scorer
   )
-  params = setup_lib.warm_started_student(config, setup, quiet, setup.cache_dir or None)
-  m, t = setup.models, config.train
-  source = setup_lib.prompt_source(config, setup.task_cfg)
+  params = setup_lib.warm_started_student(spec, setup, quiet, setup.cache_dir or None)
+  m, t = setup.models, spec.train
+  source = setup_lib.prompt_source(spec, setup.task_cfg)
   width = setup_lib.prompt_width(source, m.tokenizer, setup.task_cfg, False)
   prompts = iter(setup_lib.process_prompt_batches(source, config.data.batch_size, 0))
   tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
   abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
   shardings = sharding.tree_shardings(abstract, m.mesh)  # as the trainer lays its state out
   state = jax.device_put(train_step.init_state(params, tx, 0), shardings)
-  step_fn = trainer.make_step_fn(config, setup, shardings, tx)
+  step_fn = trainer.make_step_fn(spec, setup, shardings, tx)
   scored_in_run = bool(config.rollout.score_teacher)  # where this row's teacher runs
   seconds, rollouts = {}, {}
   for scored in (False, True):
     config.rollout.score_teacher, config.rollout.mode = scored, "sync"
-    worker = trainer.make_rollouts(config, setup, prompts, width, state, 0).worker
+    rollout_spec = setup_lib.run_spec(config)
+    worker = trainer.make_rollouts(rollout_spec, setup, prompts, width, state, 0).worker
     params_r = jax.block_until_ready(worker.transform(state.params, 0))
     index = iter(range(10**6))
     batches = [worker.draw_prompts() for _ in range(args.split_batches + 1)]

@@ -169,8 +169,9 @@ def check_prompts(run_cfg, workdir: str, num_prompts: int, log: Callable = print
   prompts for the admission check's measurements. Returns the number of held-out prompts a
   run is scored on (the binomial noise floor's n)."""
   from opd_jax.train import preflight
+  from opd_jax.train import setup as setup_lib
 
-  checked = preflight.check(run_cfg, workdir, log)
+  checked = preflight.check(setup_lib.run_spec(run_cfg), workdir, log)
   if run_cfg.data.prompt_file:
     held = checked.eval_prompts
     num_eval = 0 if held is None else len(held)

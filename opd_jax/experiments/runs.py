@@ -140,8 +140,9 @@ def fill_teacher_cache(config: ml_collections.ConfigDict, workdir: str, log: Cal
   """Makes the teacher and the warm-started student that `config`'s runs load from its
   `teacher.cache_dir`, unless they are there: before runs start side by side, each of which
   would otherwise make them at once (safely, the first copy wins, but each paying for it)."""
-  setup = setup_lib.prepare_models(config, workdir, log)
-  setup_lib.warm_started_student(config, setup, log, setup.cache_dir or None)
+  spec = setup_lib.run_spec(config)
+  setup = setup_lib.prepare_models(spec, workdir, log)
+  setup_lib.warm_started_student(spec, setup, log, setup.cache_dir or None)
 
 
 def _train_in_child(config_dict: dict, run_dir: str, compilation_cache: str | None) -> dict:

@@ -228,8 +228,9 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   path = os.path.join(workdir, MEASUREMENTS_FILE)
   cached = read_json(path, {"fingerprint": None, "measurements": {}})
   run_cfg = run_config(config, settings[0], workdir)
-  setup = setup_lib.prepare_models(run_cfg, workdir, log)
-  history = run_history.RunHistory(run_cfg, setup, probe_dir)
+  run = setup_lib.run_spec(run_cfg)
+  setup = setup_lib.prepare_models(run, workdir, log)
+  history = run_history.RunHistory(run, setup, probe_dir)
   student = history.params(history.latest)
   fingerprint = admission.current_fingerprint(setup, student)
   measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}

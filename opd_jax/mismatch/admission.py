@@ -204,7 +204,7 @@ def initial_student(config, setup: setup_lib.Setup, log=print, cache_dir: str | 
   """The student a run starts from: the HF checkpoint's params, or the warm-started built-in
   student, loaded from `cache_dir` when a run or an earlier check saved it there
   (`setup_lib.warm_started_student`, the same function and cache the trainer uses)."""
-  return setup_lib.warm_started_student(config, setup, log, cache_dir)
+  return setup_lib.warm_started_student(setup_lib.run_spec(config), setup, log, cache_dir)
 
 
 def candidate_sampler_config(candidate: Candidate, setup: setup_lib.Setup) -> sampler.SamplerConfig:
@@ -212,7 +212,7 @@ def candidate_sampler_config(candidate: Candidate, setup: setup_lib.Setup) -> sa
   m = setup.models
   kv = candidate.engine_cfg.kv
   return setup_lib.sampler_config(
-    candidate.config, m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size
+    setup_lib.run_spec(candidate.config), m.tokenizer.eos_id, kv, m.student_cfg.real_vocab_size
   )
 
 
@@ -525,8 +525,9 @@ def run_admission(
     run_cache = os.path.join(params_from, "teacher_cache")
     if os.path.isdir(run_cache):
       config.teacher.cache_dir = run_cache
-  setup = setup_lib.prepare_models(config, workdir, log)
-  history = RunHistory(config, setup, params_from) if params_from else None
+  spec = setup_lib.run_spec(config)
+  setup = setup_lib.prepare_models(spec, workdir, log)
+  history = RunHistory(spec, setup, params_from) if params_from else None
   _refuse_unmeasurable(candidates, history)
   m = setup.models
   texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)

@@ -342,7 +342,7 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
     spec=spec,
     overrides=overrides,
     config=candidate_config,
-    engine_cfg=setup_lib.engine_config(candidate_config, compute_dtype),
+    engine_cfg=setup_lib.engine_config(setup_lib.run_spec(candidate_config), compute_dtype),
     lag=candidate_lag(candidate_config),
   )
 
@@ -493,7 +493,7 @@ def engine_sources(
 def config_source(config: ml_collections.ConfigDict) -> str:
   """The mismatch sources of the engine a run config builds (`setup.engine_config`, lag
   `candidate_lag`) against the trainer's (`reference_engine`)."""
-  engine = setup_lib.engine_config(config, compute_dtype(config))
+  engine = setup_lib.engine_config(setup_lib.run_spec(config), compute_dtype(config))
   return engine_sources(engine, candidate_lag(config), reference_engine(config))
 
 
@@ -513,7 +513,7 @@ def _key_roles(key: str, candidate: Candidate, base: ml_collections.ConfigDict) 
   probe = ml_collections.ConfigDict(candidate.config.to_dict())
   probe.rollout[leaf] = base.rollout[leaf]
   try:
-    engine = setup_lib.engine_config(probe, compute_dtype(probe))
+    engine = setup_lib.engine_config(setup_lib.run_spec(probe), compute_dtype(probe))
   except ValueError as e:
     raise ValueError(
       f"candidate {candidate.spec!r}: cannot tell which source {key} belongs to ({e}); add it "
@@ -574,7 +574,7 @@ def source_parts(candidate: Candidate, base: ml_collections.ConfigDict) -> dict[
 
 def engine_roles_of(config: ml_collections.ConfigDict) -> list[str]:
   """The roles of the engine a run config builds against the trainer's (`engine_roles`)."""
-  engine = setup_lib.engine_config(config, compute_dtype(config))
+  engine = setup_lib.engine_config(setup_lib.run_spec(config), compute_dtype(config))
   return engine_roles(engine, candidate_lag(config), reference_engine(config))
 
 

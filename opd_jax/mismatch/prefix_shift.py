@@ -342,7 +342,10 @@ def run_prefix_shift(
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
   scfg = setup_lib.sampler_config(
-    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
+    setup_lib.run_spec(config),
+    models.tokenizer.eos_id,
+    KVCacheSpec(compute_dtype),
+    cfg.real_vocab_size,
   )
   check_sampling(scfg, cfg.real_vocab_size)
   log(f"prefix shift of {student}: {num_prompts} prompts, T={scfg.temperature:g}")

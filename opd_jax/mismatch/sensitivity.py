@@ -392,11 +392,12 @@ def load_student(config, params_from: str | None, log: Callable[..., None] = pri
   checkpoint (`run_history.RunHistory`, read only), else the HF checkpoint, else the
   warm-started built-in student (`admission.initial_student`).
   """
-  models = build.build_models(config)
-  task_cfg = setup_lib.task_config(config)
+  spec = setup_lib.run_spec(config)
+  models = build.build_models(spec)
+  task_cfg = setup_lib.task_config(spec)
   setup = setup_lib.Setup(models, task_cfg, teacher_info={}, eval_set=None)
   if params_from:
-    history = run_history.RunHistory(config, setup, params_from)
+    history = run_history.RunHistory(spec, setup, params_from)
     return (
       models,
       task_cfg,
@@ -452,7 +453,10 @@ def run_sensitivity(
   rng = admission.measurement_key(config)
   compute_dtype = jnp.dtype(model.compute_dtype(params)).name
   scfg = setup_lib.sampler_config(
-    config, models.tokenizer.eos_id, KVCacheSpec(compute_dtype), cfg.real_vocab_size
+    setup_lib.run_spec(config),
+    models.tokenizer.eos_id,
+    KVCacheSpec(compute_dtype),
+    cfg.real_vocab_size,
   )
   log(
     f"sensitivity scan of {source}: {cfg.model_type} L={cfg.num_layers} D={cfg.hidden_size} "

@@ -29,6 +29,7 @@ from opd_jax.mismatch import admission
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -60,12 +61,12 @@ def config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fingerprint(config, tmp_path_factory):
   """The fingerprint of the tiny setup, built the way the check builds it."""
-  setup = setup_lib.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
+  setup = setup_lib.prepare_models(run_spec(config), str(tmp_path_factory.mktemp("fp")), quiet)
   return admission.current_fingerprint(setup, admission.initial_student(config, setup, quiet))
 
 
 def test_the_warm_started_student_is_cached_bit_identical(config, fingerprint, tmp_path):
-  setup = setup_lib.prepare_models(config, str(tmp_path / "w"), quiet)
+  setup = setup_lib.prepare_models(run_spec(config), str(tmp_path / "w"), quiet)
   lines = []
   trained = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
   loaded = admission.initial_student(config, setup, lines.append, str(tmp_path / "cache"))
@@ -453,10 +454,10 @@ def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run
   run = str(trained_run)
   assert run_history.exported_run_record(run, 6)["step"] == 6
   assert run_history.exported_run_record(run, 3) is None  # the export holds step 6 only
-  setup = setup_lib.prepare_models(config, str(tmp_path / "w"), quiet)
-  history = run_history.RunHistory(config, setup, run)
+  setup = setup_lib.prepare_models(run_spec(config), str(tmp_path / "w"), quiet)
+  history = run_history.RunHistory(run_spec(config), setup, run)
   exported = history.params(6)
-  assert history.run_config == run_history.run_fingerprint(config)
+  assert history.run_config == run_history.run_fingerprint(run_spec(config))
   ckpt = checkpointing.Checkpointer(trained_run / "checkpoints", read_only=True)
   restored, extra = ckpt.restore_params(6, history.abstract_params)
   ckpt.close()
@@ -470,6 +471,7 @@ def test_the_last_step_is_read_from_the_export_bit_identical(config, trained_run
     "import sys; sys.path.insert(0, 'configs'); import bf16_sync\n"
     "from opd_jax.io import run_history; from opd_jax.train import setup as setup_lib\n"
     f"c = bf16_sync.get_config('tiny'); c.teacher.cache_dir = {config.teacher.cache_dir!r}\n"
+    "c = setup_lib.run_spec(c)\n"
     f"h = run_history.RunHistory(c, setup_lib.prepare_models(c, {str(tmp_path / 'w2')!r}, print), "
     f"{run!r})\n"
     "h.params(6); print('orbax' in sys.modules)\n"
@@ -544,7 +546,7 @@ def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
 
 
 def test_trained_with_compares_every_rollout_key_the_run_saved(config):
-  run_config = run_history.run_fingerprint(config)
+  run_config = run_history.run_fingerprint(run_spec(config))
   assert admission.trained_with(candidates_lib.parse_candidate(EXACT, config), run_config)
   assert not admission.trained_with(candidates_lib.parse_candidate(NOISE, config), run_config)
   fp8 = candidates_lib.parse_candidate("rollout.weights=fp8", config)

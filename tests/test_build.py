@@ -6,11 +6,12 @@ import pytest
 from conftest import tiny_config
 
 from opd_jax.io import build
+from opd_jax.train.setup import run_spec
 
 
 def test_built_in_models_stay_abstract_until_materialized(tmp_path):
   config = tiny_config(str(tmp_path / "cache"))
-  models = build.build_models(config)
+  models = build.build_models(run_spec(config))
   for who in ("student", "teacher"):
     leaves = jax.tree.leaves(getattr(models, f"{who}_params"))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)

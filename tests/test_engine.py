@@ -16,6 +16,7 @@ from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.model import kvcache, quant
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -197,7 +198,7 @@ def test_rollout_config_keys_reach_the_engine():
   config.rollout.noise_modules = ("attention", "embed")
   config.rollout.kernel = "bf16_matmul"
   config_check.validate(config)
-  ecfg = setup_lib.engine_config(config, "float32")
+  ecfg = setup_lib.engine_config(run_spec(config), "float32")
   assert (ecfg.noise_layers, ecfg.noise_modules, ecfg.kernel) == (
     (1,),
     ("attention", "embed"),

@@ -28,6 +28,7 @@ from opd_jax.mismatch import budget_file
 from opd_jax.model import transformer as model
 from opd_jax.train import preflight, pretrain
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -196,7 +197,7 @@ def test_preflight_checks_a_bucket_workdir_on_the_store_not_as_a_local_folder(
   monkeypatch.chdir(tmp_path)  # where os.makedirs("gs://bucket/run") would make gs:/bucket/run
   config = bf16_sync.get_config("tiny")
   config.teacher.cache_dir = f"{bucket}/cache"
-  preflight.check(config, f"{bucket}/run", log=lambda *a: None)
+  preflight.check(run_spec(config), f"{bucket}/run", log=lambda *a: None)
   assert list(tmp_path.iterdir()) == []
   for name in ("run", "cache"):
     directory = epath.Path(bucket) / name
@@ -213,7 +214,7 @@ def _warm_start_setup():
   config.student.warmup_steps = 2
   config.student.warmup_batch_size = 2
   return config, setup_lib.Setup(
-    build.build_models(config), setup_lib.task_config(config), {}, None
+    build.build_models(run_spec(config)), setup_lib.task_config(run_spec(config)), {}, None
   )
 
 
@@ -227,10 +228,10 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
   config, setup = _warm_start_setup()
   cache = f"{bucket}/cache"
   lines = []
-  trained = setup_lib.warm_started_student(config, setup, lines.append, cache)
+  trained = setup_lib.warm_started_student(run_spec(config), setup, lines.append, cache)
   (entry,) = epath.Path(cache).iterdir()
   assert entry.name.startswith("student-") and pretrain.is_cached(os.fspath(entry))
-  loaded = setup_lib.warm_started_student(config, setup, lines.append, cache)
+  loaded = setup_lib.warm_started_student(run_spec(config), setup, lines.append, cache)
   assert lines[0] == "warm-starting the student (2 supervised steps)"
   assert lines[-1] == f"warm-started student loaded from cache {entry}"
   _assert_same_params(trained, loaded)
@@ -246,7 +247,7 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
     if line.startswith("  sft step 2/2"):
       pretrain.save_cached(other, setup.models.student_cfg, untrained)
 
-  again = setup_lib.warm_started_student(config, setup, log, str(tmp_path / "cache"))
+  again = setup_lib.warm_started_student(run_spec(config), setup, log, str(tmp_path / "cache"))
   _assert_same_params(trained, again)
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]  # no .tmp left
   _assert_same_params(untrained, pretrain.load_cached(other, jax.numpy.float32, None))

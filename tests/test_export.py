@@ -25,6 +25,7 @@ from opd_jax.model import tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.train import export as exporting
 from opd_jax.train import trainer
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -193,8 +194,10 @@ def test_command_exits_with_the_error(tmp_path):
 def test_config_from_fingerprint_inverts_run_fingerprint():
   config = _config("/tmp/cache", **{"rollout.bf16_layers": (0,), "student.dtype": "bfloat16"})
   config.data.prompt_file = "/data/it's.jsonl"
-  rebuilt = exporting.config_from_fingerprint(run_history.run_fingerprint(config))
-  assert run_history.run_fingerprint(rebuilt) == run_history.run_fingerprint(config)
+  rebuilt = exporting.config_from_fingerprint(run_history.run_fingerprint(run_spec(config)))
+  assert run_history.run_fingerprint(run_spec(rebuilt)) == run_history.run_fingerprint(
+    run_spec(config)
+  )
   assert rebuilt.rollout.bf16_layers == (0,) and rebuilt.data.prompt_file == "/data/it's.jsonl"
   with pytest.raises(ValueError, match=r"keys that configs/base.py lacks \(student.color\)"):
     exporting.config_from_fingerprint({"student.color": "'red'"})
@@ -205,11 +208,11 @@ def test_config_from_fingerprint_inverts_run_fingerprint():
 def test_export_dir_semantics(tmp_path):
   config = base.get_config("tiny")
   assert config.export.dir == ""
-  assert run_history.export_dir(config, "/runs/a") == "/runs/a/export"
+  assert run_history.export_dir(run_spec(config), "/runs/a") == "/runs/a/export"
   config.export.dir = "none"
-  assert run_history.export_dir(config, "/runs/a") is None
+  assert run_history.export_dir(run_spec(config), "/runs/a") is None
   config.export.dir = str(tmp_path / "students" / "a")
-  assert run_history.export_dir(config, "/runs/a") == str(tmp_path / "students" / "a")
+  assert run_history.export_dir(run_spec(config), "/runs/a") == str(tmp_path / "students" / "a")
   assert "export.dir" in run_history.RESUMABLE_KEYS  # a resumed run may export elsewhere
 
 

@@ -18,6 +18,7 @@ from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.model import kvcache, quant
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -338,14 +339,14 @@ def test_rollout_keys_reach_the_engine_and_bad_values_are_refused():
   config.rollout.weight_group_size = 64
   config.rollout.head_dtype = "bfloat16"
   config_check.validate(config)
-  ecfg = setup_lib.engine_config(config, "float32")
+  ecfg = setup_lib.engine_config(run_spec(config), "float32")
   assert ecfg.quant_recipe() == quant.QuantRecipe(fmt="int4", group_size=64)
   assert ecfg.engine_id == "w=int4/g64,kv=float32,noise=0,head=bf16"
   config.rollout.weights = "fp8_e5m2"
   config.rollout.weight_group_size = 0
   config.rollout.weight_per_tensor = True
   config_check.validate(config)
-  assert setup_lib.engine_config(config, "float32").engine_id.startswith("w=fp8_e5m2/t,")
+  assert setup_lib.engine_config(run_spec(config), "float32").engine_id.startswith("w=fp8_e5m2/t,")
   cases = [
     ({"weights": "fp6"}, "config.rollout.weights must be one of"),
     ({"head_dtype": "float16"}, "config.rollout.head_dtype must be one of"),
@@ -364,4 +365,6 @@ def test_rollout_keys_reach_the_engine_and_bad_values_are_refused():
   kept.rollout.weights = "bf16"
   kept.rollout.weight_group_size = 32
   config_check.validate(kept)
-  assert setup_lib.engine_config(kept, "float32").engine_id == "w=bf16,kv=bfloat16,noise=0"
+  assert (
+    setup_lib.engine_config(run_spec(kept), "float32").engine_id == "w=bf16,kv=bfloat16,noise=0"
+  )

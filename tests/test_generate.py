@@ -18,6 +18,7 @@ from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
 from opd_jax.io import hf
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -115,7 +116,7 @@ def test_options_and_defaults_are_the_trainers():
   ):
     config.rollout.weights, config.rollout.kv_cache = weights, kv
     config.rollout.weight_group_size = 32 if weights == "fp4" else 0  # fp4 needs its MX blocks
-    ref = setup_lib.engine_config(config, dtype)
+    ref = setup_lib.engine_config(run_spec(config), dtype)
     assert generate.engine_numerics(weights, kv, dtype) == (ref.weights, ref.kv.dtype)
 
 

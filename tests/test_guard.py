@@ -21,6 +21,7 @@ from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.budget import Rule, fit_budget
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -458,7 +459,7 @@ def tiny_setup(teacher_cache, tmp_path_factory):
   """(config, setup_lib.Setup, the warm-started student) of the tiny reference config."""
   config = bf16_sync.get_config("tiny")
   config.teacher.cache_dir = teacher_cache
-  setup = setup_lib.prepare_models(config, str(tmp_path_factory.mktemp("fp")), quiet)
+  setup = setup_lib.prepare_models(run_spec(config), str(tmp_path_factory.mktemp("fp")), quiet)
   return config, setup, admission.initial_student(config, setup, quiet)
 
 

@@ -40,6 +40,7 @@ from opd_jax.mismatch import guard
 from opd_jax.model import decode_attention, kvcache, pallas_decode
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -285,7 +286,7 @@ def test_config_names_map_to_the_cache_dtypes():
     config.rollout.kv_cache = name
     config.rollout.kv_granularity = "tensor"
     config_check.validate(config)
-    engine = setup_lib.engine_config(config, "float32")
+    engine = setup_lib.engine_config(run_spec(config), "float32")
     assert engine.kv == kvcache.KVCacheSpec(dtype=dtype, granularity="tensor")
     label = {"fp8": "fp8", "fp8_e5m2": "fp8_e5m2", "fp4": "fp4"}[name]
     assert engine.engine_id == f"w=trainer,kv={label}/tensor,noise=0"

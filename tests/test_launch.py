@@ -22,6 +22,7 @@ import pytest
 from opd_jax.cli import flags as cli_flags
 from opd_jax.config import check as config_check
 from opd_jax.train import setup
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.is_file()) + [ROOT / ".ci" / "run"]
@@ -225,9 +226,9 @@ def test_dry_runs_print_the_main_job_that_the_config_check_accepts(script, env, 
   config = _printed_config(argv)
   assert config.rollout.mode == "async"
   config_check.validate(config)
-  assert setup.process_count_errors(config, num_processes) == []
+  assert setup.process_count_errors(run_spec(config), num_processes) == []
   config.rollout.dispatch = "thread"
-  (error,) = setup.process_count_errors(config, num_processes)
+  (error,) = setup.process_count_errors(run_spec(config), num_processes)
   assert "rollout.dispatch='thread' runs in one process only" in error and "'inline'" in error
 
 
@@ -367,7 +368,7 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(
 def test_process_count_errors_name_a_batch_or_rollout_split_that_does_not_divide():
   config = _printed_config(["--config=configs/fp8_async.py"])
   config.data.batch_size, config.rollout.devices = 12, 3
-  errors = setup.process_count_errors(config, 8)
+  errors = setup.process_count_errors(run_spec(config), 8)
   assert any("data.batch_size=12 must be a multiple of the process count (8)" in e for e in errors)
   assert any("rollout.devices=3 must be a multiple of the process count (8)" in e for e in errors)
-  assert setup.process_count_errors(config, 1) == []
+  assert setup.process_count_errors(run_spec(config), 1) == []

@@ -33,6 +33,7 @@ from opd_jax.train import (
   train_step,
   trainer,
 )
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -342,11 +343,11 @@ def test_a_prompt_file_without_references_is_refused_before_any_weights(tmp_path
   config.data.eval_size = 1  # if a held-out slice of the file is evaluated, 2 records train
   config.train.on_policy_fraction = 0.5
   with pytest.raises(ValueError, match=r"record 1 \(line 2\) of .*p.jsonl has none"):
-    preflight.check(config, str(tmp_path / "w"), log=lambda *a: None)
+    preflight.check(run_spec(config), str(tmp_path / "w"), log=lambda *a: None)
   with pytest.raises(ValueError, match=r"record 1 \(line 2\) of .*p.jsonl has none"):
     trainer.run(config, str(tmp_path / "w"), log=lambda *a: None)  # before any model
   config.train.on_policy_fraction = 1.0
-  preflight.check(config, str(tmp_path / "w"), log=lambda *a: None)  # λ = 1 needs none
+  preflight.check(run_spec(config), str(tmp_path / "w"), log=lambda *a: None)  # λ = 1 needs none
 
 
 def test_references_that_do_not_tokenize_are_named(tmp_path):

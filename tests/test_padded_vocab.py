@@ -41,6 +41,7 @@ from opd_jax.train import (
   train_step,
   trainer,
 )
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -123,7 +124,7 @@ def _tokens(tok, n_rows=2, width=12):
 
 def test_padded_pair_is_planned_before_weights(pair, tmp_path):
   student, teacher, _, _ = pair
-  plan = build.plan_models(run_config(student, teacher))
+  plan = build.plan_models(run_spec(run_config(student, teacher)))
   assert (plan.student_cfg.vocab_size, plan.teacher_cfg.vocab_size) == (300, 364)
   assert plan.student_cfg.real_vocab_size == plan.teacher_cfg.real_vocab_size == V_REAL
   assert (plan.student_cfg.logical_vocab_size, plan.teacher_cfg.logical_vocab_size) == (290, 290)
@@ -138,11 +139,11 @@ def test_padded_pair_is_planned_before_weights(pair, tmp_path):
   prompts.write_text("".join(json.dumps({"prompt": f"{a} plus two"}) + "\n" for a in range(16)))
   lines = []
   config = run_config(broken["s"], broken["t"], str(prompts))
-  checked = preflight.check(config, str(tmp_path / "w"), log=lines.append)
+  checked = preflight.check(run_spec(config), str(tmp_path / "w"), log=lines.append)
   assert checked.plan.teacher_cfg.real_vocab_size == V_REAL
   assert any("are identical (290 ids" in line for line in lines), lines
   with pytest.raises(ValueError, match="cannot read safetensors file"):
-    build.build_models(config, checked.plan)
+    build.build_models(run_spec(config), checked.plan)
 
 
 def test_one_tokenizer_only_says_what_was_compared(pair, tmp_path):
@@ -151,16 +152,16 @@ def test_one_tokenizer_only_says_what_was_compared(pair, tmp_path):
   for name in os.listdir(bare):
     if name.startswith(("tokenizer", "special_tokens", "chat_template")):
       os.remove(bare / name)
-  plan = build.plan_models(run_config(student, bare))
+  plan = build.plan_models(run_spec(run_config(student, bare)))
   assert plan.teacher_cfg.real_vocab_size == V_REAL
   assert "the teacher has no tokenizer of its own to compare, so only the sizes" in (
     plan.vocab_note
   )
   # Equal tables over a smaller tokenizer: the padded rows are still left out.
-  plan = build.plan_models(run_config(student, student))
+  plan = build.plan_models(run_spec(run_config(student, student)))
   assert plan.student_cfg.real_vocab_size == plan.teacher_cfg.real_vocab_size == V_REAL
   # The built-in task keeps its unpadded models and logs nothing.
-  builtin = build.plan_models(base.get_config("tiny"))
+  builtin = build.plan_models(run_spec(base.get_config("tiny")))
   assert builtin.student_cfg.logical_vocab_size == 0 and builtin.vocab_note == ""
 
 
@@ -169,7 +170,7 @@ def test_different_tokenizers_are_refused_with_the_difference(pair, tmp_path):
   other = shutil.copytree(teacher, tmp_path / "other_merges")
   save_bpe_tokenizer(other, corpus=OTHER_CORPUS)  # same size, other merges
   with pytest.raises(ValueError) as info:
-    build.plan_models(run_config(student, other))
+    build.plan_models(run_spec(run_config(student, other)))
   message = str(info.value)
   assert "student and teacher vocabularies differ" in message
   assert "are not the same tokenizer: first differing token: id 256 is" in message
@@ -180,7 +181,7 @@ def test_different_tokenizers_are_refused_with_the_difference(pair, tmp_path):
   with pytest.raises(
     ValueError, match=r"eos id 289 \('<\|im_end\|>'\) in the student, 287 \('<\|endoftext\|>'\)"
   ):
-    build.plan_models(run_config(student, other_eos))
+    build.plan_models(run_spec(run_config(student, other_eos)))
   # A tokenizer with more ids than the teacher has rows cannot be padding.
   small = shutil.copytree(teacher, tmp_path / "small_teacher")
   config_json = json.loads((small / "config.json").read_text())
@@ -190,7 +191,7 @@ def test_different_tokenizers_are_refused_with_the_difference(pair, tmp_path):
     match=r"student vocab_size=300, teacher vocab_size=280, and tokenizer .* has 290 tokens, "
     r"more than the teacher's 280 embedding rows",
   ):
-    build.plan_models(run_config(student, small))
+    build.plan_models(run_spec(run_config(student, small)))
 
 
 def test_tokenizer_differences_lists_every_kind():
@@ -210,7 +211,7 @@ def test_tokenizer_differences_lists_every_kind():
 @pytest.fixture(scope="module")
 def models(pair):
   student, teacher, _, _ = pair
-  return build.build_models(run_config(student, teacher))
+  return build.build_models(run_spec(run_config(student, teacher)))
 
 
 def test_logits_equal_transformers_over_the_real_vocabulary(pair, models):

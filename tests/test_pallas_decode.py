@@ -19,6 +19,7 @@ from opd_jax.inference import sampler
 from opd_jax.model import decode_attention, kvcache, pallas_decode
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -200,7 +201,7 @@ def test_config_key_selects_and_refuses():
   assert config.rollout.decode_attention == "blockwise"
   config.rollout.decode_attention = "pallas"
   config_check.validate(config)
-  scfg = setup_lib.sampler_config(config, 0, SPECS["bf16"], 64)
+  scfg = setup_lib.sampler_config(run_spec(config), 0, SPECS["bf16"], 64)
   assert scfg.attention == "pallas"
   hash(scfg)  # a jit static argument
   config.rollout.decode_attention = "flash"

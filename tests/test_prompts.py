@@ -20,6 +20,7 @@ from opd_jax.io import build, hf, run_history
 from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model import transformer as model
 from opd_jax.train import preflight, trainer
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -65,24 +66,24 @@ def user_config(student, teacher, prompt_file="", **overrides):
 
 def test_default_tokenizer_is_the_student_checkpoints(ckpts, tmp_path):
   student, teacher = ckpts
-  plan = build.plan_models(user_config(student, teacher))
+  plan = build.plan_models(run_spec(user_config(student, teacher)))
   assert plan.tokenizer_path == str(student)
   assert isinstance(plan.tokenizer, tokenizer_lib.HFTokenizer)
   assert plan.tokenizer.encode("hi") == [CHARS.index("h"), CHARS.index("i")]
   assert (plan.student_cfg.vocab_size, plan.teacher_cfg.vocab_size) == (128, 128)
   # Without checkpoints "" is the built-in task's tokenizer; an explicit setting is kept.
   builtin = base.get_config("tiny")
-  assert builtin.tokenizer == "" and build.tokenizer_path(builtin) == "char"
-  assert isinstance(build.plan_models(builtin).tokenizer, tokenizer_lib.CharTokenizer)
-  assert build.tokenizer_path(user_config(student, teacher, tokenizer="char")) == "char"
+  assert builtin.tokenizer == "" and build.tokenizer_path(run_spec(builtin)) == "char"
+  assert isinstance(build.plan_models(run_spec(builtin)).tokenizer, tokenizer_lib.CharTokenizer)
+  assert build.tokenizer_path(run_spec(user_config(student, teacher, tokenizer="char"))) == "char"
   # "" and "char" are the same run for a built-in student (old checkpoints resume).
   builtin.tokenizer = "char"
-  assert run_history.run_fingerprint(builtin) == run_history.run_fingerprint(
-    base.get_config("tiny")
+  assert run_history.run_fingerprint(run_spec(builtin)) == run_history.run_fingerprint(
+    run_spec(base.get_config("tiny"))
   )
   # A student directory without a tokenizer says what to set.
   with pytest.raises(ValueError, match=r"holds no tokenizer .*set config.tokenizer"):
-    build.plan_models(user_config(teacher, teacher))
+    build.plan_models(run_spec(user_config(teacher, teacher)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +264,7 @@ def test_eval_file_is_checked_before_weights(ckpts, tmp_path):
   with config.unlocked():
     config.data.eval_file = bad  # a key of the eval-file work; checked whenever present
   with pytest.raises(ValueError, match="eval.jsonl line 1 must be a JSON object, got str"):
-    preflight.check(config, str(tmp_path / "w"), log=lambda *a: None)
+    preflight.check(run_spec(config), str(tmp_path / "w"), log=lambda *a: None)
 
 
 def test_bad_mesh_is_reported_before_weights(ckpts, tmp_path):

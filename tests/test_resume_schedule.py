@@ -13,6 +13,7 @@ import pytest
 from opd_jax.io import metrics_writer, run_history
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
+from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
 
@@ -75,23 +76,25 @@ def _resumed_config(resume_schedule, stored=4):
 def test_schedule_length_decisions():
   lines = []
   config, extra = _resumed_config("keep")
-  assert setup_lib.schedule_length(config, {}, lines.append) == 6  # a fresh run
+  assert setup_lib.schedule_length(run_spec(config), {}, lines.append) == 6  # a fresh run
   assert lines == []
-  assert setup_lib.schedule_length(config, extra, lines.append) == 4
+  assert setup_lib.schedule_length(run_spec(config), extra, lines.append) == 4
   assert lines == [
     "train.steps changed from 4 to 6 on resume: keeping the checkpoint's 4-step learning-rate "
     "schedule (train.resume_schedule='keep'); the run stops at step 6"
   ]
   config, extra = _resumed_config("rebuild")
-  assert setup_lib.schedule_length(config, extra, lines.append) == 6
+  assert setup_lib.schedule_length(run_spec(config), extra, lines.append) == 6
   assert "rebuilding the learning-rate schedule over 6 steps" in lines[-1]
   config, extra = _resumed_config("error")
   with pytest.raises(ValueError, match=r"train.steps changed from 4 to 6 on resume, but the"):
-    setup_lib.schedule_length(config, extra, lines.append)
+    setup_lib.schedule_length(run_spec(config), extra, lines.append)
   config, extra = _resumed_config("error", stored=6)
-  assert setup_lib.schedule_length(config, extra, lines.append) == 6  # unchanged: no decision
+  assert (
+    setup_lib.schedule_length(run_spec(config), extra, lines.append) == 6
+  )  # unchanged: no decision
   del extra["schedule_steps"]  # a checkpoint from before the length was stored
-  assert setup_lib.schedule_length(config, extra, lines.append) == 6
+  assert setup_lib.schedule_length(run_spec(config), extra, lines.append) == 6
   assert lines[-1] == "the checkpoint does not record its schedule length: using train.steps=6"
 
 

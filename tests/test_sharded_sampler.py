@@ -21,6 +21,7 @@ from opd_jax.inference import sampler
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.rollout import worker as rollout_worker
+from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "configs"))
 import base  # noqa: E402
@@ -102,15 +103,20 @@ def _config(**rollout_mesh):
   return config
 
 
+def _rollout_mesh(config, mesh):
+  spec = setup_lib.run_spec(config)
+  return rollout_worker.rollout_mesh(spec.rollout, spec.data.batch_size, mesh)
+
+
 def test_rollout_mesh_from_the_config():
   mesh = sharding.make_mesh((1, 1, 1))
-  assert rollout_worker.rollout_mesh(_config(), mesh) is None
-  own = rollout_worker.rollout_mesh(_config(data=1, fsdp=-1, tensor=1), mesh)
+  assert _rollout_mesh(_config(), mesh) is None
+  own = _rollout_mesh(_config(data=1, fsdp=-1, tensor=1), mesh)
   assert dict(own.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
   with pytest.raises(ValueError, match=r"has 2 devices but there are 1"):
-    rollout_worker.rollout_mesh(_config(data=2, fsdp=1, tensor=1), mesh)
+    _rollout_mesh(_config(data=2, fsdp=1, tensor=1), mesh)
   with pytest.raises(ValueError, match=r"must all be 0 \(the training mesh\) or all be set"):
-    rollout_worker.rollout_mesh(_config(data=1), mesh)
+    _rollout_mesh(_config(data=1), mesh)
   with pytest.raises(ValueError, match=r"rollout.mesh_data/mesh_fsdp/mesh_tensor must all be 0"):
     config_check.validate(_config(fsdp=2))
   config_check.validate(_config(data=-1, fsdp=2, tensor=1))

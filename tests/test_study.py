@@ -12,6 +12,7 @@ from opd_jax.experiments import study
 from opd_jax.io import run_history
 from opd_jax.mismatch import admission, budget, budget_file
 from opd_jax.train import setup as setup_lib
+from opd_jax.train.setup import run_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -386,7 +387,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert fingerprint["student"]["weights_sha256"]
   # ... and records the student every run started from, which a guarded run compares with
   run_cfg = study.run_config(config, study.study_settings(config)[0], str(workdir))
-  setup = setup_lib.prepare_models(run_cfg, str(tmp_path / "fp"), lambda *a: None)
+  setup = setup_lib.prepare_models(run_spec(run_cfg), str(tmp_path / "fp"), lambda *a: None)
   start = admission.initial_student(run_cfg, setup, lambda *a: None, setup.cache_dir)
   assert fingerprint["student"][budget_file.RUN_START_KEY] == budget_file.weights_sha256(start)
   assert (

@@ -5,6 +5,7 @@ import pytest
 
 from opd_jax.data import task
 from opd_jax.model.tokenizer import CharTokenizer
+from opd_jax.train.setup import run_spec
 
 
 def test_solve_hand_example():
@@ -209,7 +210,7 @@ def test_chain_task_from_the_run_config():
   config.data.task = "chain"
   config.data.num_operands = 32
   config_check.validate(config)
-  assert setup_lib.task_config(config) == CHAIN
+  assert setup_lib.task_config(run_spec(config)) == CHAIN
   config.data.task = "product"
   with pytest.raises(ValueError, match="config.data.task must be one of sum, chain"):
     config_check.validate(config)

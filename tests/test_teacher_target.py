@@ -19,6 +19,7 @@ import pytest
 
 from opd_jax.config import check as config_check
 from opd_jax.train import pretrain, setup
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -50,7 +51,7 @@ def _config(cache_dir, target, cap=CAP):
 def _bootstrap(config):
   """(teacher params on the host, teacher_info, log lines) of `prepare_models`."""
   lines = []
-  s = setup.prepare_models(config, config.teacher.cache_dir, log=lines.append)
+  s = setup.prepare_models(run_spec(config), config.teacher.cache_dir, log=lines.append)
   return jax.device_get(s.models.teacher_params), s.teacher_info, lines
 
 
@@ -152,4 +153,4 @@ def test_the_key_keeps_fixed_step_entries_and_hashes_the_target():
 
 
 def base_task():
-  return setup.task_config(base.get_config())
+  return setup.task_config(run_spec(base.get_config()))

@@ -19,6 +19,7 @@ from opd_jax.data import pipeline as data
 from opd_jax.io import checkpointing, metrics_writer
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import signals, trainer
+from opd_jax.train.setup import run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -79,7 +80,7 @@ def test_checkpoint_holds_state_and_data_position(tiny_run, teacher_cache):
   assert int(restored["state"]["step"]) == 6
   # The saved iterator position continues exactly where six batches of 8 left off.
   config = tiny_config(teacher_cache)
-  source = setup_lib.prompt_source(config, setup_lib.task_config(config))
+  source = setup_lib.prompt_source(run_spec(config), setup_lib.task_config(run_spec(config)))
   straight = iter(data.prompt_batches(source, 8, config.seed))
   for _ in range(6):
     next(straight)

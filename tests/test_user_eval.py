@@ -198,7 +198,9 @@ def test_the_held_out_slice_is_excluded_from_training(corrupt, tmp_path):
   student, teacher = corrupt
   file = numbered_prompts(tmp_path, 20)
   lines = []
-  checked = preflight.check(user_config(student, teacher, file), str(tmp_path / "w"), lines.append)
+  checked = preflight.check(
+    setup_lib.run_spec(user_config(student, teacher, file)), str(tmp_path / "w"), lines.append
+  )
   train, held = texts(checked.train_prompts), texts(checked.eval_prompts)
   assert (len(train), len(held)) == (16, 4)
   assert not set(train) & set(held) and sorted(train + held) == [f"q{i:02d}: " for i in range(20)]
@@ -208,9 +210,13 @@ def test_the_held_out_slice_is_excluded_from_training(corrupt, tmp_path):
   # seed holds out other records.
   order = np.random.default_rng(0).permutation(20)
   assert held == [f"q{i:02d}: " for i in sorted(order[:4])]
-  again = preflight.check(user_config(student, teacher, file), str(tmp_path / "w"), quiet)
+  again = preflight.check(
+    setup_lib.run_spec(user_config(student, teacher, file)), str(tmp_path / "w"), quiet
+  )
   assert texts(again.eval_prompts) == held
-  other = preflight.check(user_config(student, teacher, file, seed=1), str(tmp_path / "w"), quiet)
+  other = preflight.check(
+    setup_lib.run_spec(user_config(student, teacher, file, seed=1)), str(tmp_path / "w"), quiet
+  )
   assert texts(other.eval_prompts) != held
   # The training batches the run draws come from the training records only, over epochs.
   batches = iter(setup_lib.process_prompt_batches(checked.train_prompts, 4, seed=0))
@@ -223,7 +229,9 @@ def test_a_small_prompt_file_gives_at_most_half_and_one_prompt_is_refused(corrup
   assert [evaluate.heldout_size(n, 4) for n in (2, 3, 7, 8, 9, 100)] == [1, 1, 3, 4, 4, 4]
   file = numbered_prompts(tmp_path, 7)  # data.eval_size=4 > 7 // 2
   lines = []
-  checked = preflight.check(user_config(student, teacher, file), str(tmp_path / "w"), lines.append)
+  checked = preflight.check(
+    setup_lib.run_spec(user_config(student, teacher, file)), str(tmp_path / "w"), lines.append
+  )
   assert (len(checked.train_prompts), len(checked.eval_prompts)) == (4, 3)
   assert "3 prompts of" in lines[-2] and "(data.eval_size=4, capped at half the file" in lines[-2]
   one = numbered_prompts(tmp_path, 1, "one.jsonl")
@@ -231,12 +239,14 @@ def test_a_small_prompt_file_gives_at_most_half_and_one_prompt_is_refused(corrup
     trainer.run(user_config(student, teacher, one), str(tmp_path / "w"), log=quiet)
   # Without evaluation nothing is held out; with an eval file neither.
   off = preflight.check(
-    user_config(student, teacher, one, **{"train.eval_every": 0}), str(tmp_path / "w"), quiet
+    setup_lib.run_spec(user_config(student, teacher, one, **{"train.eval_every": 0})),
+    str(tmp_path / "w"),
+    quiet,
   )
   assert len(off.train_prompts) == 1 and off.eval_prompts is None
   eval_file = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x", "answer": 1}])
   config = user_config(student, teacher, file, **{"data.eval_file": eval_file})
-  with_file = preflight.check(config, str(tmp_path / "w"), quiet)
+  with_file = preflight.check(setup_lib.run_spec(config), str(tmp_path / "w"), quiet)
   assert len(with_file.train_prompts) == 7 and texts(with_file.eval_prompts) == ["x"]
 
 
@@ -261,7 +271,7 @@ def loaded(models):
   student, teacher = models
   s_cfg, s_params = hf.load_checkpoint(str(student))
   t_cfg, t_params = hf.load_checkpoint(str(teacher))
-  tok = build.plan_models(user_config(student, teacher, "")).tokenizer
+  tok = build.plan_models(setup_lib.run_spec(user_config(student, teacher, ""))).tokenizer
   return s_params, s_cfg, t_params, t_cfg, tok
 
 
@@ -431,7 +441,7 @@ def test_without_an_eval_file_the_run_evaluates_its_held_out_slice(models, tmp_p
   file = numbered_prompts(tmp_path, 12)
   config = user_config(student, teacher, file)
   result = trainer.run(config, str(tmp_path / "w"), log=quiet)
-  checked = preflight.check(config, str(tmp_path / "w2"), quiet)
+  checked = preflight.check(setup_lib.run_spec(config), str(tmp_path / "w2"), quiet)
   held = texts(checked.eval_prompts)
   samples = _samples(str(tmp_path / "w"))
   assert sorted(samples) == [0, 2]

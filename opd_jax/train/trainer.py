@@ -263,7 +263,7 @@ def make_rollouts(spec: RunSpec, setup: Setup, prompt_iter, width: int, state, n
     max_ahead=None if r.max_ahead < 0 else r.max_ahead,
     first_batch=next_batch,
     producer_timeout_s=r.producer_timeout_s,
-    dispatch=r.get("dispatch", "auto"),
+    dispatch=r.dispatch,
   )
 
 

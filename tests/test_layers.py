@@ -9,6 +9,7 @@ commands and the public `opd_jax.budget` facade, and `bench/` sits above them.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "opd_jax"
@@ -26,6 +27,19 @@ LAYERS = (
 )
 TOP = len(LAYERS)  # opd_jax/<command>.py
 BENCH = TOP + 1  # opd_jax/bench/
+
+
+def _load_tool(name):
+  path = PACKAGE.parent / "tools" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"_tools_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+reach = _load_tool("config_reach")
+# The one module below the trainer that reads the ConfigDict: the schema it is validated against.
+CONFIG_SCHEMA = "opd_jax.config.check"
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -140,3 +154,33 @@ def test_the_checks_catch_what_they_look_for():
   assert cycles(graph) == [["opd_jax.model.a", "opd_jax.train.b"]]
   assert upward(graph) == ["opd_jax.model.a (model) -> opd_jax.train.b (train)"]
   assert layer("opd_jax.main") == TOP and layer("opd_jax.bench.sampler") == BENCH
+
+
+def below_trainer_config_uses(paths) -> list[str]:
+  """Modules below `train/` that take the ConfigDict: import ml_collections, or have a function
+  with a parameter named `config` or annotated ConfigDict (`tools/config_reach.py`)."""
+  return [
+    f"{module_name(p)}: {use}"
+    for p in paths
+    if layer(module_name(p)) < LAYERS.index("train") and module_name(p) != CONFIG_SCHEMA
+    for use in reach.config_uses(p)
+  ]
+
+
+def test_no_config_dict_below_the_trainer():
+  """Below `train/` the run spec travels (`config.spec.RunSpec`), never the ConfigDict; a
+  parameter that takes a spec is named for it (`spec`, `rollout`, ...), not `config`."""
+  found = below_trainer_config_uses(sorted(PACKAGE.rglob("*.py")))
+  assert not found, "the ConfigDict below the trainer:\n" + "\n".join(found)
+
+
+def test_the_config_check_catches_what_it_looks_for(tmp_path):
+  """A made-up io module that imports ml_collections and takes `config` is caught twice; one
+  that takes a spec is not."""
+  bad = PACKAGE / "io" / "_made_up.py"  # a path inside the package, never written
+  source = "import ml_collections\ndef build(config: ml_collections.ConfigDict):\n  pass\n"
+  (tmp_path / "bad.py").write_text(source)
+  (tmp_path / "good.py").write_text("def build(spec):\n  return spec.seed\n")
+  assert reach.config_uses(tmp_path / "bad.py") == ["imports ml_collections", "build(config)"]
+  assert reach.config_uses(tmp_path / "good.py") == []
+  assert layer(module_name(bad)) < LAYERS.index("train")

@@ -38,20 +38,28 @@ def imports_ml_collections(tree: ast.AST) -> bool:
   return False
 
 
+def config_uses(path: pathlib.Path) -> list[str]:
+  """What in `path` takes or handles a ConfigDict: "imports ml_collections" and each
+  "<function>(config)" (`takes_config`)."""
+  tree = ast.parse(path.read_text(encoding="utf-8"))
+  found = ["imports ml_collections"] if imports_ml_collections(tree) else []
+  return found + [
+    f"{n.name}(config)"
+    for n in ast.walk(tree)
+    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and takes_config(n)
+  ]
+
+
 def reach(package: pathlib.Path) -> tuple[list[str], collections.Counter]:
   """(files reached, relative to `package`; functions taking the config per layer)."""
   files, per_layer = [], collections.Counter()
   for path in sorted(package.rglob("*.py")):
-    tree = ast.parse(path.read_text(encoding="utf-8"))
     rel = path.relative_to(package)
-    layer = rel.parts[0] if len(rel.parts) > 1 else "commands"
-    functions = [
-      n
-      for n in ast.walk(tree)
-      if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and takes_config(n)
-    ]
-    per_layer[layer] += len(functions)
-    if functions or imports_ml_collections(tree):
+    uses = config_uses(path)
+    per_layer[rel.parts[0] if len(rel.parts) > 1 else "commands"] += sum(
+      u.endswith("(config)") for u in uses
+    )
+    if uses:
       files.append(str(rel))
   return files, per_layer
 

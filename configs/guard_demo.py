@@ -26,6 +26,7 @@ after its first `patience` steps on noisy samples (figures: `docs/history.md`).
 import bf16_sync
 
 GUARDS = ("off", "warn", "fallback", "adaptive")
+VARIANTS = (*GUARDS, *(f"{guard},tiny" for guard in GUARDS))
 NOISE_SIGMA = 1.0
 
 

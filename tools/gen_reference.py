@@ -5,7 +5,7 @@
 
 * `config.md`: every key of `configs/base.py` with its default, the values
   `opd_jax/config/check.py`'s RULES allow, and the comment beside it in `configs/base.py`; then
-  each config file's first docstring line and variants.
+  each config file's first docstring line and its `VARIANTS`.
 * `commands.md`: every `python -m opd_jax.<command>` and `opd_jax.bench.<name>`, with the text of
   its own `--help` (each run as a subprocess, as a user runs it).
 * `docs/changelog.md`: CHANGELOG.md, as a page of the site.
@@ -499,6 +499,15 @@ def _value(value) -> str:
   return f"`{text}`" if len(text) < 60 else f"`{text[:57]}...`"
 
 
+def config_variants(path: Path) -> tuple[str, ...]:
+  """A config file's `VARIANTS` (the `:<variant>` arguments its `get_config` takes), read from
+  the loaded module so that a computed tuple is listed as well. Every config defines it."""
+  module = _load_module(path, f"_config_{path.stem}")
+  if not hasattr(module, "VARIANTS"):
+    raise ValueError(f"{path.relative_to(REPO)} defines no VARIANTS")
+  return tuple(module.VARIANTS)
+
+
 def config_page() -> str:
   from opd_jax.config import check
 
@@ -563,13 +572,7 @@ def config_page() -> str:
   for path in sorted((REPO / "configs").glob("*.py")):
     module_tree = ast.parse(path.read_text())
     doc = (ast.get_docstring(module_tree) or "").strip().split("\n\n")[0]
-    variants = ""
-    for node in module_tree.body:
-      if isinstance(node, ast.Assign) and _dotted(node.targets[0]) == "VARIANTS":
-        try:
-          variants = ", ".join(f"`:{v}`" for v in ast.literal_eval(node.value))
-        except ValueError:
-          variants = "see the file"
+    variants = ", ".join(f"`:{v}`" for v in config_variants(path))
     out.append(f"| `configs/{path.name}` | {_cell(' '.join(doc.split()))} | {variants} |\n")
   return "".join(out)
 

@@ -31,6 +31,7 @@ RESUMABLE_KEYS = (
   "train.checkpoint_every",
   "train.keep_checkpoints",
   "export.dir",  # where the finished student is written, not how it is trained
+  "log.wandb_project",  # where the scalars are logged as well
   "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
   "data.eval_file",  # what is evaluated; a change of the held-out slice is refused (initial_state)
   "data.eval_metric",

@@ -72,7 +72,7 @@ def export_dir(config, workdir: str) -> str | None:
 
 
 # In an export of a run's checkpoint: {"step": the checkpoint's step, "config": the run's
-# `run_fingerprint`}, which lets `admission.RunHistory` read that step's student from the
+# `run_fingerprint`}, which lets `RunHistory` (below) read that step's student from the
 # export's safetensors instead of the orbax checkpoint.
 EXPORT_RECORD = "opd_jax_run.json"
 

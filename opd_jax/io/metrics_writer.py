@@ -1,37 +1,16 @@
-"""Training monitoring: TensorBoard event files, a JSONL metrics log and a progress line.
+"""Training monitoring: TensorBoard event files, a JSONL log, optional Weights & Biases, and a
+progress line (docs/design.md, "Layers"; names: docs/reference/metrics.md).
 
-This module owns everything the training loop writes for people to watch:
+`MetricsWriter` checks each step's scalars once and hands them to its `ScalarWriter`s:
+`TensorBoardWriter` (`workdir/tb/`, `simple_value` scalars that `EventAccumulator.Scalars`
+reads, histograms and text as v2 tensor summaries; TensorFlow is never imported),
+`JsonlWriter` (`workdir/metrics.jsonl`, `{"step": N, ...}` per call at float64, NaN/±inf as
+"nan"/"inf"/"-inf") and, with `log.wandb_project` set, `WandbWriter`. `read_scalars` and
+`read_jsonl` read a run back; `Progress` formats `step 120/500 | 3.2 steps/s | ETA 1m58s`.
 
-* `workdir/tb/events.out.tfevents.*`: TensorBoard event files. They are written with
-  TensorBoard's own `EventFileWriter` and the `summary_v2` protobuf helpers, so TensorFlow is
-  never imported. Scalars are stored as `simple_value` summaries (float32), the encoding
-  `EventAccumulator(...).Scalars(tag)` returns, so scripts read them without TensorBoard's
-  plugins; `read_scalars` reads them back (and v2 tensor scalars of older event files).
-  Histograms and text are v2 tensor summaries (`EventAccumulator(...).Tensors(tag)`).
-* `workdir/metrics.jsonl`: one JSON object per `write_scalars` call,
-  `{"step": N, "<name>": value, ...}`, at full float64 precision. A step logged by several
-  calls appears on several lines; `read_jsonl` merges them. JSON has no NaN or infinity, so
-  those values are written as the strings "nan", "inf" and "-inf" (`float()` parses all three
-  back; `read_jsonl` does it for you).
-* Weights & Biases (optional, `pip install -e ".[wandb]"`): the same scalars, logged to the
-  project named by `log.wandb_project` ("" = off) as one W&B run per writer, named after the
-  workdir. `WANDB_MODE=offline` keeps it on the machine (`wandb sync` uploads it later).
-* `Progress`: the human-readable line `step 120/500 | 3.2 steps/s | ETA 1m58s | loss/opd=0.41`.
-
-Metric names are namespaced (`loss/*`, `teacher/*`, `quality/*`, `rollout/*`, `perf/*`,
-`mismatch/*`, `budget/*`); the writer does not enforce the namespaces, callers own them.
-
-Only process 0 should write: construct with `enabled=jax.process_index() == 0`. A disabled
-writer creates no files and every method is a no-op, so callers never branch on the process.
-
-The workdir is any `etils.epath` path. A local one is written in place. On an object store
-(`gs://bucket/run`), where objects cannot be appended to, the writer works in a local staging
-directory (the existing `metrics.jsonl` downloaded first, so a resumed run continues it) and
-uploads the whole JSONL log and each event file every `sync_secs`, on `flush()` and on
-`close()`; a process killed without closing loses at most the last `sync_secs` there.
-
-A line cut short by a kill mid-write (no trailing newline) is dropped when a writer opens the
-log again, so a resumed run's lines never join a broken one.
+Only process 0 writes (`enabled=jax.process_index() == 0`); a disabled writer creates nothing.
+An object-store workdir (`gs://...`) is staged locally and uploaded every `sync_secs`, on
+`flush()` and on `close()`. A line cut short by a kill is dropped when the log is reopened.
 """
 
 from __future__ import annotations

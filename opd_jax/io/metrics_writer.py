@@ -206,7 +206,12 @@ class WandbWriter:
     pass  # W&B's service process writes in the background; `close` waits for it
 
   def close(self) -> None:
+    import wandb
+
     self._run.finish()
+    # `finish` can return before W&B's service has written the run's last records to its file
+    # (seen offline); `teardown` waits for the service, so the files are complete on return.
+    wandb.teardown()
 
 
 class MetricsWriter:

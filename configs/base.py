@@ -196,6 +196,10 @@ def get_config(arg=None):
   # weights, config.json and generation_config.json with the token ids, the tokenizer).
   c.export = ml_collections.ConfigDict()
   c.export.dir = ""  # "" = <workdir>/export; "none" = no export; else this directory
+
+  # Where the scalars go besides TensorBoard and metrics.jsonl (opd_jax/io/metrics_writer.py).
+  c.log = ml_collections.ConfigDict()
+  c.log.wandb_project = ""  # a Weights & Biases project (pip install -e ".[wandb]"); "" = off
   return shrink_to_tiny(c) if arg == "tiny" else c
 
 

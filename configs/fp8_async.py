@@ -14,7 +14,8 @@ Expected: on 2 CPU cores about 6 minutes the first time (3 of them bootstrapping
           teacher, cached under the workdir); the student goes from 43.4% held-out
           accuracy after its warm start to 96.9% after 1,000 OPD steps (teacher 95.3%; at
           least 95% on any CPU, `teacher.target_accuracy`),
-          reaching 90% of the teacher 1.26x sooner than bf16_sync.py (README, Results).
+          reaching 90% of the teacher 1.18x sooner than bf16_sync.py
+          (docs/results/main_job.md, mean of 3 seeds).
 Tiny:     python -m opd_jax.main --config=configs/fp8_async.py:tiny --workdir=/tmp/fp8_tiny
 
 On CPU, XLA emulates e4m3, so this run shows the mismatch FP8 and staleness add and

@@ -20,12 +20,13 @@ for the seconds-long wiring check.
 
 Expected: without the guard the student collapses to a few percent held-out accuracy;
 `adaptive` trains like the reference run (`bf16_sync.py`) and `fallback` recovers most of it
-after its first `patience` steps on noisy samples (figures: `docs/history.md`).
+after its first `patience` steps on noisy samples (figures: `docs/results/guard_demo.md`).
 """
 
 import bf16_sync
 
 GUARDS = ("off", "warn", "fallback", "adaptive")
+VARIANTS = (*GUARDS, *(f"{guard},tiny" for guard in GUARDS))
 NOISE_SIGMA = 1.0
 
 

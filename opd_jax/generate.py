@@ -21,7 +21,7 @@ no tokenizer), plus `--stop-ids`; `--ignore-eos` drops the eos.
 (`rollout.weights`, `rollout.kv_cache`, `student.dtype` in configs/base.py), and mean the
 same engine: `--weights trainer --kv-cache auto --dtype float32` by default, and `auto` is
 the engine's compute dtype (bf16 with `--weights bf16`, else `--dtype`), as in
-`trainer.engine_config`. The older spellings `--weights dense` (now `trainer`) and
+`train.setup.engine_config`. The older spellings `--weights dense` (now `trainer`) and
 `--kv-cache f32` (a float32 cache whatever the weights) still work, with a deprecation
 message on stderr.
 """
@@ -148,7 +148,7 @@ def _deprecated(flag: str, value: str, warn) -> str | None:
 def engine_numerics(weights: str, kv_cache: str, dtype: str) -> tuple[str, str]:
   """(EngineConfig.weights, KV dtype name) for the trainer's option values.
 
-  The rule of `trainer.engine_config`: the engine computes in bf16 for `weights=bf16`,
+  The rule of `train.setup.engine_config`: the engine computes in bf16 for `weights=bf16`,
   else in `dtype`; `kv_cache=auto` stores the cache in that dtype.
   """
   engine_dtype = "bfloat16" if weights == "bf16" else dtype

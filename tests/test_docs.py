@@ -47,11 +47,24 @@ def test_readme_keeps_the_run_and_test_commands_that_ci_runs():
   )
   assert test_line in ci and test_line in README
   run_line = (
-    "python3.11 -m venv .venv && . .venv/bin/activate && pip install -e . && "
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
     "python -m opd_jax.main --config=configs/fp8_async.py --workdir=runs/fp8_async"
   )
   assert run_line in README
   assert README.index(run_line) < README.index("## Install")  # the two commands at the top
+
+
+def test_every_install_command_makes_its_venv_with_the_python_ci_uses():
+  """The README's two commands, CI and the docs create the venv with one interpreter name, and
+  the README states the version pyproject.toml requires."""
+  ci = (REPO / ".ci" / "run").read_text()
+  pages = [README, *(path.read_text() for path in (REPO / "docs").rglob("*.md"))]
+  pythons = {m for text in pages for m in re.findall(r"(\S+) -m venv \.venv", text)}
+  assert pythons == set(re.findall(r"(\S+) -m venv \.venv", ci)) == {"python3"}, pythons
+  two_commands = README[README.index("## Two commands") : README.index("## Install")]
+  assert len(re.findall(r"python3 -m venv \.venv", two_commands)) == 2
+  required = re.search(r'requires-python = ">=(\d+\.\d+)"', (REPO / "pyproject.toml").read_text())
+  assert f"Python {required.group(1)} or newer" in two_commands
 
 
 def test_readme_links_point_at_files_that_exist():
@@ -101,6 +114,56 @@ def test_config_reference_lists_every_checked_key_with_its_comment():
   for key in check.RULES:
     assert f"| `{key}` |" in page, key
   assert "| `rollout.max_lag` | `1` | int ≥ 0 | async: largest weight-version lag" in page
+
+
+def test_config_reference_lists_every_configs_variants():
+  """Every config file defines VARIANTS, each variant builds, and its row in config.md lists
+  every one (guard_demo.py's `off|warn|fallback|adaptive[,tiny]` went missing once)."""
+  page = (gen.REFERENCE / "config.md").read_text()
+  for path in sorted((REPO / "configs").glob("*.py")):
+    variants = gen.config_variants(path)
+    assert variants, path.name
+    module = gen._load_module(path, f"_test_config_{path.stem}")
+    for variant in variants:
+      module.get_config(variant)  # raises on a variant the file does not take
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| `configs/{path.name}` |")]
+    assert row.endswith("| " + ", ".join(f"`:{v}`" for v in variants) + " |"), row
+
+
+def _choice_rows():
+  """(page, key, listed values) for every docs table row whose first cell is a config key with
+  a fixed set of values (check.RULES' `Choice`) and whose second cell lists two or more
+  `values`, plus every inline `key` (`a | b | c`) listing; the generated reference pages and
+  the changelog are left out."""
+  from opd_jax.config import check
+
+  choices = {k: r.options for k, r in check.RULES.items() if isinstance(r, check.Choice)}
+  out = []
+  for path in sorted((REPO / "docs").rglob("*.md")):
+    if path.parent.name == "reference" or path.name == "changelog.md":
+      continue
+    text = path.read_text()
+    for key, cell in re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \| ([^|]*) \|", text, re.M):
+      listed = re.findall(r"`([^`]+)`", cell)
+      if key in choices and len(listed) >= 2:
+        out.append((path.name, key, listed, choices[key]))
+    for key, listed in re.findall(r"`([a-z_]+\.[a-z_]+)` \(`([^`]+\|[^`]+)`", text):
+      if key in choices:
+        values = [v.strip() for v in listed.split("|")]
+        out.append((path.name, key, values, choices[key]))
+  return out
+
+
+def test_docs_listing_a_keys_allowed_values_list_all_of_them():
+  """A guide that lists the values of `rollout.weights` (or any key with a fixed set) lists the
+  set config/check.py's RULES allows, in full (the FP8 guide once listed 3 of 7)."""
+  rows = _choice_rows()
+  keys = {key for _, key, _, _ in rows}
+  assert {"rollout.weights", "rollout.kv_cache", "rollout.mode"} <= keys, keys
+  wrong = [
+    (page, key, listed) for page, key, listed, allowed in rows if set(listed) != set(allowed)
+  ]
+  assert not wrong, wrong
 
 
 def test_describe_rule_says_what_each_kind_allows():

@@ -167,6 +167,66 @@ def test_format_duration(seconds, expected):
   assert mw.format_duration(seconds) == expected
 
 
+def _wandb_history(run_file) -> list[dict[str, float]]:
+  """The `history` records (one per `run.log`) of an offline W&B run file `run-<id>.wandb`.
+
+  The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks
+  of chunks, each a 7-byte header (CRC32, length, kind: 1 full, 2 first, 3 middle, 4 last)
+  and its bytes; a block's last < 7 bytes are padding. A full record is a `Record` protobuf.
+  """
+  import struct
+
+  from wandb.proto import wandb_internal_pb2
+
+  data, block, position, pending, rows = run_file.read_bytes(), 32768, 7, b"", []
+  assert data[:4] == b":W&B"
+  while position + 7 <= len(data):
+    left = block - position % block
+    if left < 7:
+      position += left
+      continue
+    _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+    if length == 0 and kind == 0:  # zero padding to the end of the block
+      position += left
+      continue
+    pending += data[position + 7 : position + 7 + length]
+    position += 7 + length
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(pending)
+      pending = b""
+      if record.WhichOneof("record_type") == "history":
+        items = record.history.item  # "loss/opd" is stored as the nested key ("loss", "opd")
+        rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+  return rows
+
+
+def test_wandb_offline_run_holds_the_scalars(tmp_path, monkeypatch):
+  """With `wandb_project` set, the scalars also go to a W&B run; offline, nothing leaves the
+  machine and the run's file under WANDB_DIR holds them, while TensorBoard and JSONL are
+  written as without W&B."""
+  pytest.importorskip("wandb", reason="W&B is the optional extra: pip install -e '.[wandb]'")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  (tmp_path / "wandb_dir").mkdir()
+  workdir = tmp_path / "run"
+  with mw.MetricsWriter(workdir, wandb_project="opd-test", wandb_config={"seed": "0"}) as w:
+    w.write_scalars(1, {"loss/opd": 0.5, "perf/compile_count": np.int32(2)})
+    w.write_scalars(2, {"loss/opd": jnp.asarray(0.25)})
+
+  (run_file,) = (tmp_path / "wandb_dir").glob("wandb/offline-run-*/run-*.wandb")
+  history = _wandb_history(run_file)
+  logged = [{k: v for k, v in row.items() if not k.startswith("_")} for row in history]
+  assert logged == [{"loss/opd": 0.5, "perf/compile_count": 2}, {"loss/opd": 0.25}]
+  assert [row["_step"] for row in history] == [1, 2]
+  assert mw.read_jsonl(workdir) == {
+    1: {"loss/opd": 0.5, "perf/compile_count": 2},
+    2: {"loss/opd": 0.25},
+  }
+  assert mw.read_scalars(workdir)["loss/opd"] == [(1, 0.5), (2, 0.25)]
+
+
 class _Clock:
   """Returns the given times in order, one per call."""
 

@@ -5,7 +5,7 @@
 
 * `config.md`: every key of `configs/base.py` with its default, the values
   `opd_jax/config/check.py`'s RULES allow, and the comment beside it in `configs/base.py`; then
-  each config file's first docstring line and variants.
+  each config file's first docstring line and its `VARIANTS`.
 * `commands.md`: every `python -m opd_jax.<command>` and `opd_jax.bench.<name>`, with the text of
   its own `--help` (each run as a subprocess, as a user runs it).
 * `docs/changelog.md`: CHANGELOG.md, as a page of the site.
@@ -130,7 +130,9 @@ METRICS: list[tuple[str, str, str, str]] = [
     "mismatch/kl",
     "nats/token",
     "Mean per-token KL(π_b ‖ π_θ) between the engine that sampled and the trainer's student; "
-    "0 for an identical engine.",
+    "0 for an identical engine. Logged per step, this is the **training KL**; the admission "
+    "check's `mismatch/kl` (the **check KL**: one student, held-out prompts, no training) is "
+    "another quantity, 0.71 to 2.0 times the training KL over round 9's runs.",
     "",
   ),
   ("mismatch/kl_p95", "nats/token", "95th percentile over tokens of the same KL.", ""),
@@ -402,7 +404,12 @@ def metrics_page() -> str:
     "Every scalar a run logs to TensorBoard (`<workdir>/tb`) and to `<workdir>/metrics.jsonl`, "
     "every `train.log_every` steps (`quality/*` at each evaluation). π_θ is the trainer's "
     "student, π_b the rollout engine's (the behaviour policy), π_T the frozen teacher; y a "
-    "sampled token. How to read them together: [reading the metrics](../guides/metrics.md).\n",
+    "sampled token. How to read them together: [reading the metrics](../guides/metrics.md).\n\n"
+    "`mismatch/kl` names two quantities. A run's per-step value is the **training KL** (this "
+    "page). The admission check, the study and the adaptive guard measure the **check KL**: the "
+    "same KL(π_b ‖ π_θ), at one fixed student on held-out prompts, with no training. Budgets "
+    "are fitted on the check KL; they differ (0.71 to 2.0 times over round 9's runs): "
+    "[two KLs](../guides/budget.md#two-kls-check-kl-and-training-kl).\n",
   ]
   namespace = None
   for name, unit, meaning, other in METRICS:
@@ -499,6 +506,15 @@ def _value(value) -> str:
   return f"`{text}`" if len(text) < 60 else f"`{text[:57]}...`"
 
 
+def config_variants(path: Path) -> tuple[str, ...]:
+  """A config file's `VARIANTS` (the `:<variant>` arguments its `get_config` takes), read from
+  the loaded module so that a computed tuple is listed as well. Every config defines it."""
+  module = _load_module(path, f"_config_{path.stem}")
+  if not hasattr(module, "VARIANTS"):
+    raise ValueError(f"{path.relative_to(REPO)} defines no VARIANTS")
+  return tuple(module.VARIANTS)
+
+
 def config_page() -> str:
   from opd_jax.config import check
 
@@ -563,13 +579,7 @@ def config_page() -> str:
   for path in sorted((REPO / "configs").glob("*.py")):
     module_tree = ast.parse(path.read_text())
     doc = (ast.get_docstring(module_tree) or "").strip().split("\n\n")[0]
-    variants = ""
-    for node in module_tree.body:
-      if isinstance(node, ast.Assign) and _dotted(node.targets[0]) == "VARIANTS":
-        try:
-          variants = ", ".join(f"`:{v}`" for v in ast.literal_eval(node.value))
-        except ValueError:
-          variants = "see the file"
+    variants = ", ".join(f"`:{v}`" for v in config_variants(path))
     out.append(f"| `configs/{path.name}` | {_cell(' '.join(doc.split()))} | {variants} |\n")
   return "".join(out)
 

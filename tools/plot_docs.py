@@ -5,8 +5,9 @@
 
 * `docs/images/quality_vs_mismatch.png`: held-out quality drop against the admission check's
   `mismatch/kl`, one point per run setting of the current study round
-  (`docs/study/round7/study.json`), by source and role, with the tolerance τ and the pooled
-  budget's limit and interval.
+  (`docs/study/round9/study.json`), by source and role, with the tolerance τ and the pooled
+  budget's limit and interval. The drop is in the round's label: accuracy points, or the rise
+  of the held-out KL to the teacher (`label: teacher_kl`, nats/token).
 * `docs/images/main_job_scalars.png`: the main job's `mismatch/*` and `rollout/*` scalars
   against the step, from its `metrics.jsonl` (`docs/results/main_job_metrics.jsonl`, a copy of
   `runs/fp8_async/metrics.jsonl`; `--metrics=PATH` reads another run's).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = REPO / "docs" / "images"
-STUDY = REPO / "docs" / "study" / "round7" / "study.json"
+STUDY = REPO / "docs" / "study" / "round9" / "study.json"
 MAIN_JOB_METRICS = REPO / "docs" / "results" / "main_job_metrics.jsonl"
 ASYNC_BENCH = REPO / "docs" / "results" / "async_vs_sync.json"
 
@@ -61,6 +62,11 @@ def plot_quality(study_path: Path, out: Path) -> Path:
   rows = [r for r in study["rows"] if r.get("mismatch/kl") is not None]
   if not rows:
     raise ValueError(f"{study_path} has no rows with a mismatch/kl")
+  if study.get("label", "accuracy") == "accuracy":  # rounds before 9 have no label: accuracy
+    scale, unit, drop = 100, "points", "held-out accuracy drop vs reference (points)"
+  else:
+    scale, unit = 1, "nats/token"
+    drop = "held-out KL to the teacher, rise vs reference (nats/token)"
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7.5, 4.5))
   sources = sorted(
@@ -80,7 +86,7 @@ def plot_quality(study_path: Path, out: Path) -> Path:
         continue
       ax.scatter(
         [max(r["mismatch/kl"], floor) for r in pts],
-        [100 * r["quality_drop"] for r in pts],
+        [scale * r["quality_drop"] for r in pts],
         marker=marker,
         color=colors[source],
         label=f"{role.replace('_', '-')}: {source}",
@@ -89,9 +95,9 @@ def plot_quality(study_path: Path, out: Path) -> Path:
         s=30,
       )
   budget = study["budget"]
-  tau = 100 * study["tolerance"]
+  tau = scale * study["tolerance"]
   ax.axhline(tau, color="gray", linestyle="--", linewidth=1)
-  ax.text(floor * 1.5, tau + 0.5, f"τ = {tau:.1f} points", color="gray")
+  ax.text(floor * 1.5, tau * 1.05, f"τ = {tau:.3g} {unit}", color="gray")
   lo, hi = budget["interval"]
   ax.axvspan(lo, hi, color="tab:red", alpha=0.08)
   ax.axvline(budget["max_kl"], color="tab:red", linewidth=1)
@@ -103,8 +109,9 @@ def plot_quality(study_path: Path, out: Path) -> Path:
   )
   ax.set_xscale("log")
   ax.set_xlabel("admission check's mismatch/kl (nats/token, log scale)")
-  ax.set_ylabel("held-out accuracy drop vs reference (points)")
-  ax.set_title("Quality against mismatch: the current study round (500-step runs)")
+  ax.set_ylabel(drop)
+  round_name = study_path.parent.name.replace("round", "round ")
+  ax.set_title(f"Quality against mismatch: study {round_name} ({study['run_steps']}-step runs)")
   ax.legend(fontsize=7, loc="upper left", ncol=2)
   fig.tight_layout()
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Cost of the admission check as a fraction of one training run of the same config.
 
-Command (CPU; 1 to 3 minutes with a finished run to read, plus 3 with --measure-run):
+Command (CPU; results and timings: docs/results/benchmarks.md):
 
     python -m opd_jax.bench.admission_cost --params-from=/tmp/runs/bf16_sync \\
         --config.teacher.cache_dir=/tmp/tcache              # readable
@@ -33,7 +33,7 @@ The training run. `--params-from=RUN` reads a finished run's `metrics.jsonl`: it
 the warm start, the OPD loop, evaluations and checkpoints) and `perf/train_wall_seconds` when
 the run logged it (the loop without evaluations and checkpoints). A run that bootstrapped its
 teacher counts that time: pass `--measure-run` to time a fresh run of the same config with the
-cached teacher instead (a subprocess `python -m opd_jax.main`, about 3 minutes on 2 cores),
+cached teacher instead (a subprocess `python -m opd_jax.main`),
 whose whole process is timed as the check's is (`process_wall_seconds`). Given both, the result
 has both and `fraction_of_run` (check process / run process wall time; the target is at most 2%)
 uses the measured run.

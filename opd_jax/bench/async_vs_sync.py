@@ -1,6 +1,6 @@
 """Time to quality: async and FP8 rollouts against the synchronous reference, over seeds.
 
-Command (CPU; about 2.5 minutes per run with a cached teacher, plus 5 to bootstrap one):
+Command (CPU; results and timings: docs/results/main_job.md):
 
     python -m opd_jax.bench.async_vs_sync                          # readable table
     python -m opd_jax.bench.async_vs_sync --json                   # the JSON result only

@@ -1,6 +1,6 @@
 """KV-cache capacity per recipe: bytes per cached token and tokens in a memory budget.
 
-Command (CPU, about 5 s):
+Command (CPU):
 
     python -m opd_jax.bench.kv_capacity            # readable table and floor checks
     python -m opd_jax.bench.kv_capacity --json     # {"rows": [...]} on stdout only (or =PATH)

@@ -1,6 +1,6 @@
 """Training runs side by side: a sweep with `--workers` processes against one run at a time.
 
-Command (CPU; about 15 minutes with a cached teacher and the defaults):
+Command (CPU; results: docs/results/benchmarks.md):
 
     python -m opd_jax.bench.parallel_runs --config.teacher.cache_dir=/tmp/tcache         # readable
     python -m opd_jax.bench.parallel_runs --config.teacher.cache_dir=/tmp/tcache --json  # JSON

@@ -1,6 +1,6 @@
 """Peak memory of the train step under `train.remat` and `train.microbatches`.
 
-Command (CPU, compiles only, nothing is allocated; about a minute):
+Command (compiles only, nothing is allocated):
 
     python -m opd_jax.bench.remat            # readable table
     python -m opd_jax.bench.remat --json     # {"shape": {...}, "rows": [...]} on stdout only
@@ -16,13 +16,8 @@ reads XLA's buffer assignment from `jax.jit(...).lower(...).compile().memory_ana
 * `temp_vs_none`: temp_bytes over the remat="none", K=1 row's.
 
 The numbers are the compiler's plan for the backend it runs on (CPU by default); on an
-accelerator the same command gives that backend's plan.
-
-Measured on CPU (8 layers, D=256, F=1024, V=2048, 16 rows x 128 tokens), temp MiB:
-none 826.8, layer 758.9 (0.92), dots 762.8 (0.92), dots_no_batch 762.8 (0.92);
-microbatches=4: none 246.3 (0.30), layer 230.6 (0.28). The CPU plan gains little from
-remat at this shape (not yet explained: what dominates it was not broken down);
-micro-batches divide the activation memory as expected.
+accelerator the same command gives that backend's plan. Measured plans:
+docs/results/main_job.md ("Training controls").
 """
 
 from __future__ import annotations

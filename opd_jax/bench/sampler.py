@@ -1,7 +1,7 @@
 """Sampler throughput: opd_jax against `transformers.generate`, and FP8 against BF16.
 
-Command (CPU, one core; 12 minutes measured on a busy shared 2-core machine, less
-on an idle one; `--quick` runs 2 timed calls per row instead of 3, `--kinds` a subset):
+Command (CPU, one core; `--quick` runs 2 timed calls per row instead of 3, `--kinds` a
+subset; results and timings: docs/results/benchmarks.md):
 
     python -m opd_jax.bench.sampler            # readable table
     python -m opd_jax.bench.sampler --json     # {"rows": [...]} on stdout only
@@ -22,9 +22,9 @@ time. The greedy tokens of the two engines are compared (`tokens_match`).
 Threads: the process is pinned to `--threads` cores (default 1) before either
 engine starts, and torch gets that many threads, so both engines have the same
 cores. One core is the default because on a shared machine torch's OpenMP
-barriers collapse when another process holds one of the cores (measured on a
-busy 2-core box: a 50M-model prefill takes 900 ms with 2 threads, 60 ms with 1),
-which would flatter opd_jax; `--threads 0` uses every core.
+barriers collapse when another process holds one of the cores (a 50M-model
+prefill then takes many times longer with 2 threads than with 1), which would
+flatter opd_jax; `--threads 0` uses every core.
 
 Rows (kind):
 * "vs_transformers": f32 on both sides. Torch on CPU is slow in bf16, so f32 is

@@ -1,6 +1,6 @@
 """Full versus sparse teacher (`train.teacher_top_k`): step time and memory at V = 32k, 150k.
 
-Command (CPU, about five minutes on two cores):
+Command:
 
     python -m opd_jax.bench.sparse_teacher            # readable table
     python -m opd_jax.bench.sparse_teacher --json     # {"shape": {...}, "rows": [...]} only
@@ -22,26 +22,7 @@ Per row: `temp_bytes` and `argument_bytes` from the compiled program's
 time of `--repeats` calls after one warm-up call, and the sparse/full ratios of all
 three. The loss is `forward_kl` (GKD's, where top-k teachers are usual), `--loss` to change.
 
-Measured on CPU (2 shared cores, load ~7; 1 layer, D = 64, B = 4, P = 16, C = 32, k = 64;
-ratios sparse / full, seconds are medians of 5):
-
-    V        source          time (full s)   temp MiB (full)   args MiB (full)
-    32768    step            1.11 (0.176)    0.92 (145.6)      1.00 (32.6)
-    32768    engine          0.90 (0.162)    0.85 (129.6)      0.61 (40.4)
-    32768    engine_scoring  2.34 (0.028)    2.33 (24.0)       1.00 (8.1)
-    151936   step            1.06 (0.744)    0.92 (669.3)      1.00 (148.9)
-    151936   engine          1.00 (0.386)    0.84 (595.1)      0.60 (185.9)
-    151936   engine_scoring  2.19 (0.082)    2.33 (111.3)      1.00 (37.2)
-
-The teacher a rollout carries shrinks from 16.0 MiB (V = 32k) and 74.2 MiB (V = 150k) of
-f32 logits to 65 KiB (k = 64: ids, log-probs, tail, count). The step's own buffers fall
-by 8% (teacher scored in the step: the backward pass no longer keeps π_T [B, C, V]) to
-15-16% (engine-scored), and its inputs by 40%; its time does not: the student's own
-[B, T, V] logits and their gradient dominate. On this CPU backend the top-k and the tail's
-masked pass cost more than they save: the scoring program is 2.2-2.3x slower and needs 2.3x
-the scratch (gathered logits, the top-k mask and the tail's exponentials are materialised),
-so the sparse path pays off in what the rollout holds and moves (async buffers, transfers
-to the trainer's devices), not in CPU step time.
+Measured figures: docs/results/benchmarks.md ("A top-k teacher against the full one").
 """
 
 from __future__ import annotations

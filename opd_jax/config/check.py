@@ -228,6 +228,7 @@ RULES: dict[str, Any] = {
   "train.on_policy_fraction": Num(True, 0, 1),  # GKD's λ (opd_jax/rollout/off_policy.py)
   "train.teacher_top_k": NON_NEGATIVE,  # <= V checked at build (opd_jax/model/teacher_topk.py)
   "export.dir": Kind(str),
+  "log.wandb_project": Kind(str),
   "budget.file": Kind(str),
   "budget.action": Choice(("warn", "fallback", "adaptive")),
   "budget.patience": POSITIVE,

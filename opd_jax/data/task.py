@@ -15,8 +15,8 @@ sums, so the prefix the student reaches matters for the final answer.
 
 Learnability: a 2-layer d=128 Llama-style model trained from scratch with AdamW
 (lr 1e-3, batch 64, loss on completion tokens) reached 75% held-out exact match
-(greedy) after 500 steps, 95% after 750 and 99% after 1000: about 4 minutes on 2 busy
-CPU cores. `TaskConfig(num_operands=5, min_operand=0, max_operand=9)` is easier
+(greedy) after 500 steps, 95% after 750 and 99% after 1000 (timings:
+docs/results/benchmarks.md). `TaskConfig(num_operands=5, min_operand=0, max_operand=9)` is easier
 (100% after 500 steps); more or wider operands make it harder.
 
 The chain variant (`TaskConfig(kind="chain")`) writes hundreds of tokens per completion, where
@@ -33,8 +33,8 @@ step reads only the step before it (decrement the counter, add d, copied from th
 so the chain is as easy per step at n = 40 as at n = 3, and a mistake in one step carries to
 the answer. With n = 32 and the default operands, completions run 186-219 tokens with
 `<eos>` (6-7 characters a step). Learnability: the 2-layer d=128 model above, batch 16,
-reached 94% held-out greedy exact match at n = 32 after 1,125 steps (about 25 minutes on 2
-busy CPU cores; `tests/test_task.py`, slow).
+reached 94% held-out greedy exact match at n = 32 after 1,125 steps (`tests/test_task.py`,
+slow).
 
 Examples are a pure function of `(seed, split, index)`. The train/held-out split is
 decided by a hash of the prompt, so the two splits never share a prompt whatever

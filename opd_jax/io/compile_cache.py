@@ -2,8 +2,9 @@
 
 `enable_compilation_cache(dir)` turns on jax's persistent XLA cache (`<workdir>/jax_cache`
 by default, `--compilation-cache`), so only the first check of a config on a machine
-compiles; `fast_compilation()` compiles without backend optimisation on CPU (about a third of
-the optimised compile time, the same KLs to ~1e-6 relative) when this XLA knows the flag.
+compiles; `fast_compilation()` compiles without backend optimisation on CPU (less compile time,
+the same KLs to ~1e-6 relative) when this XLA knows the flag. Measured compile times:
+docs/results/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ def compilation_cache_flag(value: str | None, workdir: str) -> None:
 FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
 
 
-# CPU code generation without XLA's newer fusion emitters and LLVM's expensive passes: on the
-# bench's FP8 candidate the sampler compiles in 0.48 s instead of 0.94 s (level 0 alone; 1.9 s
-# optimised) and the check's whole process takes 3.5 s instead of 4.1 s on 2 cores, with
-# mismatch/kl equal to every printed digit. They touch the CPU backend only.
+# CPU code generation without XLA's newer fusion emitters and LLVM's expensive passes: about
+# half the sampler's compile time again, with mismatch/kl equal to every printed digit
+# (docs/results/benchmarks.md). They touch the CPU backend only.
 FAST_COMPILE_CPU_XLA_FLAGS = (
   "--xla_cpu_use_fusion_emitters=false",
   "--xla_llvm_disable_expensive_passes=true",
@@ -41,7 +41,7 @@ def xla_knows_flag(flag: str) -> bool:
 
   Registered flag names are strings in the library (`libjax_common.so` in current jaxlib,
   `xla_extension.so` in older ones), so they are looked for there: a memory-mapped search of
-  about 10 ms, against the half second the flags save.
+  a few milliseconds, much less than the flags save.
   """
   import mmap
 
@@ -63,11 +63,9 @@ def fast_compilation() -> bool:
   """Turns XLA's backend (LLVM) optimisation off for this process; True when it took effect.
 
   A check runs each of its programs once, on a few dozen prompts, so compiling them is most of
-  its cost. Without backend optimisation the FP8 sampler compiles in 1.4 s instead of 2.7 s and
-  the scorer in 0.6 s instead of 1.2 s on 2 busy CPU cores (the sampler: 0.94 s against 1.9 s
-  when idle), and the measured `mismatch/kl` moves by 2e-7 relative (1.3791605e-4 ->
-  1.3791629e-4 on the bench's candidate). The HLO programs are the same: only the machine code
-  is less optimised. The CPU flags of
+  its cost. Without backend optimisation the programs compile in about half the time, and the
+  measured `mismatch/kl` moves by about 2e-7 relative (docs/results/benchmarks.md). The HLO
+  programs are the same: only the machine code is less optimised. The CPU flags of
   `FAST_COMPILE_CPU_XLA_FLAGS` halve the sampler's compilation again; each is added only when
   this XLA defines it (`xla_knows_flag`). `XLA_FLAGS` is read when the backend starts, so this
   must run before anything touches a device; it is False (and changes nothing) when the
@@ -90,9 +88,8 @@ def enable_compilation_cache(directory: str) -> None:
   cache), so a later check of the same config loads them instead of compiling.
 
   A check is mostly compilation: the model init, the sampler for each KV format and weight
-  dtype, the engine transform for each noise σ, the scorer. On 2 busy CPU cores a check of the
-  reference config took 60 s with an empty cache and 7 s with a filled one
-  (`python -m opd_jax.bench.admission_cost` gives the cold and warm figures). Entries are keyed
+  dtype, the engine transform for each noise σ, the scorer (`python -m
+  opd_jax.bench.admission_cost` measures a cold and a warm check). Entries are keyed
   by the program, the jax version and the backend, so a stale entry is never used.
 
   Raises:

@@ -1,34 +1,16 @@
-"""Training monitoring: TensorBoard event files, a JSONL metrics log and a progress line.
+"""Training monitoring: TensorBoard event files, a JSONL log, optional Weights & Biases, and a
+progress line (docs/design.md, "Layers"; names: docs/reference/metrics.md).
 
-This module owns everything the training loop writes for people to watch:
+`MetricsWriter` checks each step's scalars once and hands them to its `ScalarWriter`s:
+`TensorBoardWriter` (`workdir/tb/`, `simple_value` scalars that `EventAccumulator.Scalars`
+reads, histograms and text as v2 tensor summaries; TensorFlow is never imported),
+`JsonlWriter` (`workdir/metrics.jsonl`, `{"step": N, ...}` per call at float64, NaN/±inf as
+"nan"/"inf"/"-inf") and, with `log.wandb_project` set, `WandbWriter`. `read_scalars` and
+`read_jsonl` read a run back; `Progress` formats `step 120/500 | 3.2 steps/s | ETA 1m58s`.
 
-* `workdir/tb/events.out.tfevents.*`: TensorBoard event files. They are written with
-  TensorBoard's own `EventFileWriter` and the `summary_v2` protobuf helpers, so TensorFlow is
-  never imported. Scalars are stored as `simple_value` summaries (float32), the encoding
-  `EventAccumulator(...).Scalars(tag)` returns, so scripts read them without TensorBoard's
-  plugins; `read_scalars` reads them back (and v2 tensor scalars of older event files).
-  Histograms and text are v2 tensor summaries (`EventAccumulator(...).Tensors(tag)`).
-* `workdir/metrics.jsonl`: one JSON object per `write_scalars` call,
-  `{"step": N, "<name>": value, ...}`, at full float64 precision. A step logged by several
-  calls appears on several lines; `read_jsonl` merges them. JSON has no NaN or infinity, so
-  those values are written as the strings "nan", "inf" and "-inf" (`float()` parses all three
-  back; `read_jsonl` does it for you).
-* `Progress`: the human-readable line `step 120/500 | 3.2 steps/s | ETA 1m58s | loss/opd=0.41`.
-
-Metric names are namespaced (`loss/*`, `teacher/*`, `quality/*`, `rollout/*`, `perf/*`,
-`mismatch/*`, `budget/*`); the writer does not enforce the namespaces, callers own them.
-
-Only process 0 should write: construct with `enabled=jax.process_index() == 0`. A disabled
-writer creates no files and every method is a no-op, so callers never branch on the process.
-
-The workdir is any `etils.epath` path. A local one is written in place. On an object store
-(`gs://bucket/run`), where objects cannot be appended to, the writer works in a local staging
-directory (the existing `metrics.jsonl` downloaded first, so a resumed run continues it) and
-uploads the whole JSONL log and each event file every `sync_secs`, on `flush()` and on
-`close()`; a process killed without closing loses at most the last `sync_secs` there.
-
-A line cut short by a kill mid-write (no trailing newline) is dropped when a writer opens the
-log again, so a resumed run's lines never join a broken one.
+Only process 0 writes (`enabled=jax.process_index() == 0`); a disabled writer creates nothing.
+An object-store workdir (`gs://...`) is staged locally and uploaded every `sync_secs`, on
+`flush()` and on `close()`. A line cut short by a kill is dropped when the log is reopened.
 """
 
 from __future__ import annotations
@@ -41,7 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from absl import logging
@@ -131,8 +113,110 @@ def _check_name(name: Any) -> str:
   return name
 
 
+class ScalarWriter(Protocol):
+  """One destination of a run's scalars. `MetricsWriter` checks the names and converts the
+  values once (`_scalar_value`), then hands every destination the same `{name: int | float}`."""
+
+  def write_scalars(self, step: int, values: Mapping[str, int | float]) -> None: ...
+
+  def flush(self) -> None: ...
+
+  def close(self) -> None: ...
+
+
+class JsonlWriter:
+  """Appends one `{"step": N, ...}` line per call to a local `metrics.jsonl`, opened and closed
+  per line so that a crash loses no logged line. A partial last line (a kill mid-write) is
+  dropped when the writer opens the log."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "a", encoding="utf-8"):
+      pass  # the log exists from the start, even before the first scalar
+    dropped = drop_partial_line(path)
+    if dropped:
+      logging.warning("%s: dropped an incomplete last line (%d bytes)", JSONL_NAME, dropped)
+
+  def write_scalars(self, step: int, values: Mapping[str, int | float]) -> None:
+    record = {"step": step, **{name: _json_value(v) for name, v in values.items()}}
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record, allow_nan=False) + "\n")
+
+  def flush(self) -> None:
+    pass  # every line is written and closed at once
+
+  def close(self) -> None:
+    pass
+
+
+class TensorBoardWriter:
+  """Writes TensorBoard event files to a local directory: scalars as `simple_value` summaries,
+  histograms and text as v2 tensor summaries (module docstring). Flushed every `flush_secs`."""
+
+  def __init__(self, tb_dir: str, flush_secs: float = 30.0):
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    os.makedirs(tb_dir, exist_ok=True)
+    self._events = EventFileWriter(tb_dir, flush_secs=flush_secs)
+
+  def add_summary(self, step: int, summary: summary_pb2.Summary) -> None:
+    event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+    self._events.add_event(event)
+
+  def write_scalars(self, step: int, values: Mapping[str, int | float]) -> None:
+    summary = summary_pb2.Summary(
+      value=[summary_pb2.Summary.Value(tag=name, simple_value=v) for name, v in values.items()]
+    )
+    self.add_summary(step, summary)
+
+  def flush(self) -> None:
+    self._events.flush()
+
+  def close(self) -> None:
+    self._events.close()
+
+
+class WandbWriter:
+  """Logs scalars to a Weights & Biases run: `wandb.init(project, dir, name, config)` once,
+  `run.log(values, step=step)` per call, `run.finish()` on close. Needs the optional extra
+  (`pip install -e ".[wandb]"`); where the run goes (online, `WANDB_MODE=offline`, entity) is
+  W&B's own environment. W&B keeps a run's steps increasing: a resumed run starts a new W&B
+  run (its steps continue from the checkpoint)."""
+
+  def __init__(
+    self,
+    project: str,
+    directory: str | None,
+    name: str,
+    run_config: Mapping[str, Any] | None = None,
+  ):
+    try:
+      import wandb
+    except ImportError as e:
+      raise ImportError(
+        f"log.wandb_project={project!r} needs Weights & Biases: pip install -e '.[wandb]' "
+        '(or set log.wandb_project to "" to log to TensorBoard and metrics.jsonl only)'
+      ) from e
+    self._run = wandb.init(project=project, dir=directory, name=name, config=dict(run_config or {}))
+
+  def write_scalars(self, step: int, values: Mapping[str, int | float]) -> None:
+    self._run.log(dict(values), step=step)
+
+  def flush(self) -> None:
+    pass  # W&B's service process writes in the background; `close` waits for it
+
+  def close(self) -> None:
+    import wandb
+
+    self._run.finish()
+    # `finish` can return before W&B's service has written the run's last records to its file
+    # (seen offline); `teardown` waits for the service, so the files are complete on return.
+    wandb.teardown()
+
+
 class MetricsWriter:
-  """Writes scalars, histograms and text to TensorBoard, and scalars to `metrics.jsonl`.
+  """Writes scalars, histograms and text to TensorBoard, and scalars to `metrics.jsonl` (and to
+  Weights & Biases when `wandb_project` is set).
 
   Usage:
 
@@ -143,6 +227,8 @@ class MetricsWriter:
     workdir: run directory; event files go to `workdir/tb/`, the log to `workdir/metrics.jsonl`.
     enabled: write anything at all. Pass `jax.process_index() == 0`.
     flush_secs: how often the event-file writer flushes in the background.
+    wandb_project: a W&B project to log the scalars to as well; "" = none (`WandbWriter`).
+    wandb_config: the run's config, recorded with the W&B run.
 
   Files are created in the constructor (when enabled). Each JSONL line is appended and closed
   at once, so a resumed run continues the same log and a crash loses no logged line; the event
@@ -157,6 +243,8 @@ class MetricsWriter:
     enabled: bool = True,
     flush_secs: float = 30.0,
     sync_secs: float = 60.0,
+    wandb_project: str = "",
+    wandb_config: Mapping[str, Any] | None = None,
   ):
     self.enabled = enabled
     self.workdir = os.fspath(workdir)
@@ -164,7 +252,8 @@ class MetricsWriter:
     self._sync_secs = sync_secs
     self._last_sync = time.monotonic()
     self._staging = None  # the local directory written when the workdir is remote
-    self._events = None
+    self._tb: TensorBoardWriter | None = None
+    self._writers: list[ScalarWriter] = []
     self._closed = False
     local = self.workdir
     if enabled and self._remote:
@@ -176,16 +265,14 @@ class MetricsWriter:
     self._jsonl_path = os.path.join(local, JSONL_NAME)
     if not enabled:
       return
-    tb_dir = os.path.join(local, TB_SUBDIR)
-    os.makedirs(tb_dir, exist_ok=True)
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-    self._events = EventFileWriter(tb_dir, flush_secs=flush_secs)
-    with open(self._jsonl_path, "a", encoding="utf-8"):
-      pass  # the log exists from the start, even before the first scalar
-    dropped = drop_partial_line(self._jsonl_path)
-    if dropped:
-      logging.warning("%s: dropped an incomplete last line (%d bytes)", JSONL_NAME, dropped)
+    self._tb = TensorBoardWriter(os.path.join(local, TB_SUBDIR), flush_secs)
+    self._writers = [self._tb, JsonlWriter(self._jsonl_path)]
+    if wandb_project:
+      # W&B's files go to WANDB_DIR when it is set, else into a local workdir (a remote one:
+      # W&B's default, the current directory).
+      directory = None if self._remote or "WANDB_DIR" in os.environ else self.workdir
+      name = os.path.basename(self.workdir.rstrip("/")) or self.workdir
+      self._writers.append(WandbWriter(wandb_project, directory, name, wandb_config))
     self._sync(force=True)
 
   def _sync(self, force: bool = False) -> None:
@@ -194,8 +281,8 @@ class MetricsWriter:
       force or time.monotonic() - self._last_sync >= self._sync_secs
     ):
       return
-    if self._events is not None:
-      self._events.flush()
+    if self._tb is not None:
+      self._tb.flush()
     root = epath.Path(self.workdir)
     (root / TB_SUBDIR).mkdir(parents=True, exist_ok=True)
     with open(self._jsonl_path, "rb") as f:
@@ -212,12 +299,9 @@ class MetricsWriter:
       raise ValueError(f"write to a closed MetricsWriter({self.workdir!r})")
     return self.enabled
 
-  def _add_summary(self, step: int, summary: summary_pb2.Summary) -> None:
-    event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
-    self._events.add_event(event)
-
   def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
-    """Logs scalar metrics for one step: one TensorBoard event and one JSONL line.
+    """Logs scalar metrics for one step: one TensorBoard event and one JSONL line (and one W&B
+    `log` call).
 
     Args:
       step: the training step (a non-negative integer).
@@ -230,13 +314,8 @@ class MetricsWriter:
     values = {_check_name(name): _scalar_value(name, v) for name, v in scalars.items()}
     if not values:
       return
-    summary = summary_pb2.Summary(
-      value=[summary_pb2.Summary.Value(tag=name, simple_value=v) for name, v in values.items()]
-    )
-    self._add_summary(step, summary)
-    record = {"step": step, **{name: _json_value(v) for name, v in values.items()}}
-    with open(self._jsonl_path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(record, allow_nan=False) + "\n")
+    for writer in self._writers:
+      writer.write_scalars(step, values)
     self._sync()
 
   def write_histogram(self, step: int, name: str, values: Any, buckets: int = 30) -> None:
@@ -257,7 +336,7 @@ class MetricsWriter:
     step, name = _check_step(step), _check_name(name)
     values_n = np.asarray(values, dtype=np.float64).ravel()
     values_n = values_n[np.isfinite(values_n)]
-    self._add_summary(step, histogram_summary.histogram_pb(name, values_n, buckets=buckets))
+    self._tb.add_summary(step, histogram_summary.histogram_pb(name, values_n, buckets=buckets))
 
   def write_text(self, step: int, name: str, text: str) -> None:
     """Logs a text summary (rendered as Markdown by TensorBoard), e.g. rollout samples.
@@ -274,21 +353,24 @@ class MetricsWriter:
     step, name = _check_step(step), _check_name(name)
     if not isinstance(text, str):
       raise ValueError(f"text for {name!r} must be a str, got {type(text).__name__}")
-    self._add_summary(step, text_summary.text_pb(name, text))
+    self._tb.add_summary(step, text_summary.text_pb(name, text))
 
   def flush(self) -> None:
     """Writes everything pending to disk."""
     if not self._active():
       return
-    self._events.flush()
+    for writer in self._writers:
+      writer.flush()
     self._sync(force=True)
 
   def close(self) -> None:
-    """Flushes and closes the event file (and uploads everything to a remote workdir); later
-    writes raise ValueError. Closing twice is fine."""
-    if self._events is not None:
-      events, self._events = self._events, None
-      events.close()
+    """Flushes and closes the event file, finishes the W&B run (and uploads everything to a
+    remote workdir); later writes raise ValueError. Closing twice is fine."""
+    if self._writers:
+      writers, self._writers = self._writers, []
+      self._tb = None  # closed: the last upload below has nothing left to flush
+      for writer in writers:
+        writer.close()
       self._sync(force=True)
     if self._staging is not None:
       shutil.rmtree(self._staging, ignore_errors=True)

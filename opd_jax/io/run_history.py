@@ -31,6 +31,7 @@ RESUMABLE_KEYS = (
   "train.checkpoint_every",
   "train.keep_checkpoints",
   "export.dir",  # where the finished student is written, not how it is trained
+  "log.wandb_project",  # where the scalars are logged as well
   "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
   "data.eval_file",  # what is evaluated; a change of the held-out slice is refused (initial_state)
   "data.eval_metric",
@@ -72,7 +73,7 @@ def export_dir(spec: RunSpec, workdir: str) -> str | None:
 
 
 # In an export of a run's checkpoint: {"step": the checkpoint's step, "config": the run's
-# `run_fingerprint`}, which lets `admission.RunHistory` read that step's student from the
+# `run_fingerprint`}, which lets `RunHistory` (below) read that step's student from the
 # export's safetensors instead of the orbax checkpoint.
 EXPORT_RECORD = "opd_jax_run.json"
 

@@ -491,7 +491,7 @@ class LiveGuard:
 
   Args:
     config: the run config (budget.* and rollout.* as given).
-    setup: `trainer.Setup` (models and task; adaptive measures with them).
+    setup: `train.setup.Setup` (models and task; adaptive measures with them).
     guard: the `Guard`.
     make_source: (spec, state, next_batch) -> a rollout source (`trainer.make_rollouts`
       with the run's setup, prompt iterator and width bound).

@@ -198,8 +198,9 @@ class RolloutWorker:
       completions differ under sampling. Process i's B/P prompts become the contiguous
       rows [i·B·n/P, (i+1)·B·n/P), the rows its own devices decode.
     on_policy_fraction: λ (`train.on_policy_fraction`): below 1, a share 1 − λ of each batch's
-      prompts train on their reference completions instead of samples (`opd_jax.off_policy`;
-      the rows are chosen by the key stream "rollout/on_policy" and the batch index). The
+      prompts train on their reference completions instead of samples
+      (`opd_jax.rollout.off_policy`; the rows are chosen by the key stream "rollout/on_policy"
+      and the batch index). The
       realised share is logged as `rollout/on_policy_fraction`.
   """
 

@@ -177,7 +177,12 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
   from opd_jax.io import checkpointing
 
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)
-  writer = metrics_writer.MetricsWriter(workdir, enabled=jax.process_index() == 0)
+  writer = metrics_writer.MetricsWriter(
+    workdir,
+    enabled=jax.process_index() == 0,
+    wandb_project=config.log.wandb_project,
+    wandb_config=run_fingerprint(config),
+  )
   try:
     resumed = {}
     state, next_batch = initial_state(

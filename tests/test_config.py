@@ -21,6 +21,29 @@ def test_base_config_keys_match_schema():
   assert keys == set(config_check.RULES)
 
 
+def spec_keys(cls, prefix=""):
+  """Every leaf field of a spec dataclass as a dotted key (`values` is not a config key)."""
+  import dataclasses
+
+  from opd_jax.config import spec as spec_lib
+
+  for f in dataclasses.fields(cls):
+    if f.name == "values":
+      continue
+    sub = spec_lib.SUB_SPECS.get(f.type) if isinstance(f.type, str) else None
+    if sub is None:
+      yield prefix + f.name
+    else:
+      yield from spec_keys(sub, f"{prefix}{f.name}.")
+
+
+def test_run_spec_mirrors_every_config_key():
+  """The spec reads every key of the schema, so none is dropped on the way below the trainer."""
+  from opd_jax.config.spec import RunSpec
+
+  assert set(spec_keys(RunSpec)) == set(config_check.RULES)
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.py")))
 def test_every_config_file_and_variant_validates(name):
   import importlib.util

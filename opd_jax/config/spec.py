@@ -165,6 +165,11 @@ class ExportSpec:
 
 
 @frozen
+class LogSpec:
+  wandb_project: str
+
+
+@frozen
 class RunSpec:
   """A validated run config (`configs/base.py` documents every field)."""
 
@@ -178,6 +183,7 @@ class RunSpec:
   train: TrainSpec
   budget: BudgetSpec
   export: ExportSpec
+  log: LogSpec
   # Every config key with the repr of its value as the ConfigDict held it, in its order: what
   # a checkpoint records (`io.run_history.run_fingerprint`), unchanged by the spec's tuples.
   values: tuple[tuple[str, str], ...] = ()
@@ -219,5 +225,6 @@ SUB_SPECS = {
     TrainSpec,
     BudgetSpec,
     ExportSpec,
+    LogSpec,
   )
 }

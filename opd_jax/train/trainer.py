@@ -180,8 +180,8 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
   writer = metrics_writer.MetricsWriter(
     workdir,
     enabled=jax.process_index() == 0,
-    wandb_project=config.log.wandb_project,
-    wandb_config=run_fingerprint(config),
+    wandb_project=spec.log.wandb_project,
+    wandb_config=run_fingerprint(spec),
   )
   try:
     resumed = {}

@@ -24,7 +24,6 @@ of admitting everything (the baseline a limit has to beat).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import numpy as np
 from opd_jax.experiments import runs, stats
 from opd_jax.experiments import study as study_lib
 from opd_jax.experiments.study_report import pairs_markdown as markdown  # main's name
+from opd_jax.io import json_file
 from opd_jax.mismatch import budget
 
 LABELS = ("accuracy", "teacher_kl")
@@ -44,8 +44,7 @@ AXES = ("absolute", "relative")
 def load(workdir: str) -> dict:
   """A calibration's study.json, with "start_kl": the reference runs' mean held-out
   KL(student ‖ teacher) at step 0 (their runs' `student_teacher_kl_before`)."""
-  with open(os.path.join(workdir, study_lib.STUDY_FILE), encoding="utf-8") as f:
-    result = json.load(f)
+  result = json_file.read_json(os.path.join(workdir, study_lib.STUDY_FILE))
   before = []
   for r in result["rows"]:
     if r["role"] == study_lib.REFERENCE:

@@ -2,7 +2,7 @@
 
 `write_json(path, value)`: indented (`indent=1`), numpy scalars as floats, newline-terminated,
 written to `path.tmp` and renamed so that a reader never sees half a file; `path` "-" prints
-it to stdout instead. `read_json(path, default)`: the file's value, or `default` when absent.
+it to stdout instead. `read_json(path[, default])`: the file's value, or `default` when absent.
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ def write_json(target: str, value: Any) -> None:
   write_text(target, json.dumps(value, indent=1, default=float))
 
 
-def read_json(path: str, default: Any = None) -> Any:
-  """The JSON value in `path`, or `default` when there is no such file."""
-  if not os.path.exists(path):
+_NO_DEFAULT = object()
+
+
+def read_json(path: str, default: Any = _NO_DEFAULT) -> Any:
+  """The JSON value in `path`, or `default` when there is no such file (without a default,
+  FileNotFoundError)."""
+  if default is not _NO_DEFAULT and not os.path.exists(path):
     return default
   with open(path, encoding="utf-8") as f:
     return json.load(f)

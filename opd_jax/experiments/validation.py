@@ -19,14 +19,13 @@ the pooled rule's (`admitted_pooled`). Beside them:
                     quality, ∞ when none did.
 
 A setting kept quality iff the mean drop over its runs d̄ ≤ τ. Agreement a = (true accepts +
-true refusals) / n, with the Wilson score interval at level 1 − α:
-
-  (p̂ + z²/2n ± z·sqrt(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n).
+true refusals) / n, with the Wilson score interval at level 1 − α (`stats.wilson`).
 
 Paired comparison of rule R with baseline B on the same n settings: b = settings R gets right
-and B wrong, c = the reverse. Exact one-sided McNemar: p = P(X ≥ b), X ~ Binomial(b + c, 1/2)
-(H1: R agrees more often). Non-inferiority of R to B with margin m: the one-sided lower bound
-of the paired difference Δ = (b − c)/n (Wald: Δ − z_(1−α)·sqrt((b + c)/n − Δ²)/sqrt(n)) above −m.
+and B wrong, c = the reverse. Exact one-sided McNemar (`stats.mcnemar_one_sided`): p = P(X ≥ b),
+X ~ Binomial(b + c, 1/2) (H1: R agrees more often). Non-inferiority of R to B with margin m:
+the one-sided Wald lower bound of the paired difference Δ = (b − c)/n
+(`stats.paired_lower_bound`) above −m.
 
 One scale. On the single-source calibration records (one per run: x = the check's KL, y = the
 drop), drop = g(x) + δ_s with g non-decreasing (isotonic) and δ_reference = 0, fitted by

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from opd_jax.data import toy_checkpoints
-from opd_jax.experiments import calibrate
+from opd_jax.experiments import calibrate, stats
 from opd_jax.experiments import study as study_lib
 from opd_jax.mismatch import budget_file
 
@@ -131,7 +131,7 @@ def test_the_label_by_hand():
   with pytest.raises(ValueError, match="must be one of"):
     study_lib.choose_label("bleu", [accuracy])
   # KL label: sd of (−0.2, −0.22) = 0.01414; se = 0.025 · 0.21 = 0.00525; τ = 2 · sd
-  floor = study_lib.noise_floor([-0.2, -0.22], 512, "teacher_kl")
+  floor = stats.noise_floor([-0.2, -0.22], 512, "teacher_kl")
   assert floor["se"] == pytest.approx(0.00525)
   assert floor["tolerance"] == pytest.approx(2 * math.sqrt(2) * 0.01)
 

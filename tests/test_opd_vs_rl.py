@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax.experiments import opd_vs_rl
+from opd_jax.experiments import opd_vs_rl, opd_vs_rl_report, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "configs"))
@@ -38,10 +38,10 @@ def test_drops_are_against_the_same_methods_reference():
     _row("rl", "fp8", 0.60),
     _row("rl_is", "fp8", 0.40),  # its reference has not finished: no drop yet
   ]
-  opd_vs_rl.add_drops(rows)
+  opd_vs_rl_report.add_drops(rows)
   assert [r["drop_points"] for r in rows[:4]] == pytest.approx([0.0, 0.0, 5.0, -10.0])
   assert math.isnan(rows[4]["drop_points"])
-  table = opd_vs_rl.markdown_table(rows)
+  table = opd_vs_rl_report.markdown_table(rows)
   assert (
     "| fp8 | rl | 0 | 60.0 % | -10.0 |" in table and "| fp8 | rl_is | 0 | 40.0 % | — |" in table
   )
@@ -148,16 +148,16 @@ def test_cells_summarise_seeds_against_the_mean_reference():
     dict(_row("opd", "reference", 0.8), seed=1),
     dict(_row("opd", "noise", 0.6), seed=1),
   ]
-  opd_vs_rl.add_drops(rows)
+  opd_vs_rl_report.add_drops(rows)
   assert [r["drop_points"] for r in rows] == pytest.approx([-5.0, 15.0, 5.0, 25.0])
-  ref, noise = opd_vs_rl.summarise(rows)
+  ref, noise = opd_vs_rl_report.summarise(rows)
   assert (ref["setting"], noise["setting"]) == ("reference", "noise")
   assert noise["seeds"] == [0, 1] and noise["accuracy"] == pytest.approx(0.65)
   assert noise["accuracy_sd"] == pytest.approx(0.1 / math.sqrt(2))
   assert noise["drop_points"] == pytest.approx(20.0) and ref["drop_points"] == pytest.approx(0.0)
   assert noise["gain_kept"] == pytest.approx((0.65 - 0.45) / (0.85 - 0.45))
   assert "| noise | opd | 2 | 65.0 ± 7.1 % | +20.0 [-10.4, 50.4] | 0.50 [" in (
-    opd_vs_rl.summary_table([ref, noise])
+    opd_vs_rl_report.summary_table([ref, noise])
   )
 
 
@@ -211,30 +211,31 @@ def test_bad_workers_are_refused_before_anything_trains(tmp_path):
 def test_intervals_gain_kept_and_spikes_by_hand():
   """Welch for 0.9/0.8 against 0.7/0.6: d = 0.2, se = √(0.0025 + 0.0025), ν = 2,
   t_{0.975, 2} = 4.3027, so 0.2 ± 0.3043; gain kept with warm start 0.45: 0.20 / 0.40."""
-  lo, hi = opd_vs_rl.welch_interval([0.9, 0.8], [0.7, 0.6])
+  lo, hi = stats.welch_interval([0.9, 0.8], [0.7, 0.6])
   assert (lo, hi) == pytest.approx(
     (0.2 - 4.30265 * math.sqrt(0.005), 0.2 + 4.30265 * math.sqrt(0.005)), abs=1e-4
   )
-  assert all(math.isnan(x) for x in opd_vs_rl.welch_interval([0.9], [0.7, 0.6]))
-  kept, (k_lo, k_hi) = opd_vs_rl.gain_kept([0.9, 0.8], [0.7, 0.6], 0.45)
+  assert all(math.isnan(x) for x in stats.welch_interval([0.9], [0.7, 0.6]))
+  kept, (k_lo, k_hi) = stats.gain_kept([0.9, 0.8], [0.7, 0.6], 0.45)
   assert kept == pytest.approx(0.5) and k_lo <= kept <= k_hi
-  assert math.isnan(opd_vs_rl.gain_kept([0.45, 0.452], [0.4, 0.41], 0.45)[0])  # no gain to keep
-  assert opd_vs_rl.spike_count([1.0, 2.0, 7.0, 10.0], 2.0) == 2  # above 3 × 2
+  assert math.isnan(stats.gain_kept([0.45, 0.452], [0.4, 0.41], 0.45)[0])  # no gain to keep
+  assert opd_vs_rl_report.spike_count([1.0, 2.0, 7.0, 10.0], 2.0) == 2  # above 3 × 2
   rows = [
     dict(_row("grpo", "reference", 0.5), seed=0, grad_norms=[1.0, 1.0, 4.0]),
     dict(_row("grpo", "reference", 0.4), seed=1, grad_norms=[1.0, 2.0]),
     dict(_row("grpo", "noise", 0.3), seed=0, grad_norms=[1.0, 3.5, 9.0]),
     dict(_row("grpo", "noise", 0.2), seed=1, grad_norms=[1.0]),
   ]
-  ref, noise = opd_vs_rl.summarise(rows)  # the reference median is 1.0: spikes are > 3.0
+  ref, noise = opd_vs_rl_report.summarise(rows)  # the reference median is 1.0: spikes are > 3.0
   assert (ref["grad_norm_spikes"], noise["grad_norm_spikes"]) == (1, 2)
   assert noise["drop_points"] == pytest.approx(20.0)
   assert noise["drop_ci_points"] == pytest.approx(
     [20.0 - 100 * 4.30265 * math.sqrt(0.005), 20.0 + 100 * 4.30265 * math.sqrt(0.005)], abs=0.01
   )
   assert math.isnan(noise["gain_kept"])  # the reference mean 0.45 gained nothing over 0.45
-  assert "| noise | grpo | 2 | 25.0 ± 7.1 % | +20.0 [-10.4, 50.4] |" in opd_vs_rl.summary_table(
-    [ref, noise]
+  assert (
+    "| noise | grpo | 2 | 25.0 ± 7.1 % | +20.0 [-10.4, 50.4] |"
+    in opd_vs_rl_report.summary_table([ref, noise])
   )
 
 
@@ -269,13 +270,13 @@ def test_at_equal_mismatch_interpolates_over_the_ladder_without_extrapolating():
       "gain_kept": 0.0,
     },
   ]
-  at = {e["kl"]: e for e in opd_vs_rl.matched(cells, ["mid", "high"], [0.05, 0.2, 0.4])}
+  at = {e["kl"]: e for e in opd_vs_rl_report.matched(cells, ["mid", "high"], [0.05, 0.2, 0.4])}
   assert at[0.05]["drop_points"] == pytest.approx(2.0) and at[0.05]["gain_kept"] == pytest.approx(
     0.95
   )
   assert at[0.2]["drop_points"] == pytest.approx(7.0)
   assert math.isnan(at[0.4]["drop_points"])  # beyond the ladder's largest mismatch (0.3)
-  table = opd_vs_rl.matched_table(list(at.values()))
+  table = opd_vs_rl_report.matched_table(list(at.values()))
   assert "| opd | +2.0 / 0.95 | +7.0 / 0.80 | — / — |" in table
 
 
@@ -313,7 +314,7 @@ def test_report_sections_come_in_order(tmp_path):
     dict(_row("opd", "noise", 0.6), seed=1),
   ]
   meta = {"summary": "s", "matched_settings": ["noise"], "matched_kl": [0.005]}
-  report = opd_vs_rl.write_report(rows, str(tmp_path), meta, log=lambda *_: None)
+  report = opd_vs_rl_report.write_report(rows, str(tmp_path), meta, log=lambda *_: None)
   text = (tmp_path / "opd_vs_rl.md").read_text()
   heads = [line for line in text.splitlines() if line.startswith("## ")]
   assert heads == ["## Over seeds", "## At equal training mismatch", "## Every run"]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from opd_jax.experiments import pairs
+from opd_jax.experiments import pairs, study_report
 
 
 def _row(name, role, source, kl, accuracy_runs, teacher_kl_runs):
@@ -77,7 +77,7 @@ def test_transfer_counts_the_target_settings_each_limit_gets_right(tmp_path):
   assert absolute["agreement"] == {"right": 2, "n": 3, "rate": pytest.approx(2 / 3)}
   assert absolute["own_agreement"]["right"] == 3 and absolute["admit_all"]["right"] == 2
   assert moves[("a", "b", "relative")]["agreement"]["right"] == 3
-  text = pairs.markdown(
+  text = study_report.pairs_markdown(
     [pairs.pair_summary(n, r) for n, r in results.items()], list(moves.values())
   )
   assert "| a → b | accuracy | absolute |" in text and "2/3" in text

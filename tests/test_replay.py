@@ -33,7 +33,7 @@ import warnings
 
 import pytest
 
-from opd_jax.experiments import study
+from opd_jax.experiments import stats, study_rules
 from opd_jax.mismatch import admission, budget, budget_file
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -104,7 +104,9 @@ def test_each_committed_budget_names_the_rule_its_study_applied(directory):
   name, crossing, (right, n) = ROUNDS[directory]
   # a study.json written since budgets carry their rule records it; earlier ones, the flags
   recorded = result["rule"] if isinstance(result.get("rule"), dict) else None
-  assert fitted.rule.name == name == (recorded or {"name": study.study_rule(result).name})["name"]
+  assert (
+    fitted.rule.name == name == (recorded or {"name": study_rules.study_rule(result).name})["name"]
+  )
   assert fitted.rule.params == {"conservative": False}
   assert fitted.min_crossing_records == crossing
   validation = fitted.rule.validation
@@ -135,7 +137,9 @@ def test_the_check_reproduces_every_recorded_verdict(directory):
     for r in result["rows"]
     if r["role"] == "held_out"
   ]
-  assert study.confusion(held_out, result["tolerance"], study.LABEL_DROP) == result["confusion"]
+  assert (
+    stats.confusion(held_out, result["tolerance"], study_rules.LABEL_DROP) == result["confusion"]
+  )
 
 
 @pytest.mark.parametrize("directory", list(ROUNDS))
@@ -156,7 +160,7 @@ def test_every_recorded_rule_variant_is_reproduced(directory):
       {**r, "admitted": replay(r, fitted, RECORDED_VARIANTS[name], base)[0].admitted}
       for r in held_out
     ]
-    scored = study.confusion(judged, result["tolerance"], study.LABEL_DROP)
+    scored = stats.confusion(judged, result["tolerance"], study_rules.LABEL_DROP)
     assert scored == result["rule_variants"][name], f"{directory}: {name}"
 
 

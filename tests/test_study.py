@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opd_jax.experiments import study
+from opd_jax.experiments import stats, study, study_rules
 from opd_jax.io import run_history
 from opd_jax.mismatch import admission, budget, budget_file
 from opd_jax.train import setup as setup_lib
@@ -21,12 +21,12 @@ import study as study_config  # noqa: E402  (configs/study.py)
 
 
 def test_noise_floor_by_hand():
-  floor = study.noise_floor([0.90, 0.94, 0.92], num_eval=100)
+  floor = stats.noise_floor([0.90, 0.94, 0.92], num_eval=100)
   assert floor["mean"] == pytest.approx(0.92)
   assert floor["sd"] == pytest.approx(0.02)  # sample sd of (-0.02, 0.02, 0)
   assert floor["se"] == pytest.approx(math.sqrt(0.92 * 0.08 / 100))  # 0.0271
   assert floor["tolerance"] == pytest.approx(2 * math.sqrt(0.92 * 0.08 / 100))
-  one = study.noise_floor([0.5], num_eval=10_000)
+  one = stats.noise_floor([0.5], num_eval=10_000)
   assert one["sd"] == 0.0 and one["tolerance"] == pytest.approx(2 * 0.005)
 
 
@@ -38,18 +38,18 @@ def test_confusion_counts_and_agreement():
     {"quality_drop": 0.30, "admitted": False},  # refused & degraded
     {"quality_drop": 0.02, "admitted": True},  # kept: equal to the tolerance
   ]
-  c = study.confusion(rows, tolerance=0.02)
+  c = stats.confusion(rows, tolerance=0.02)
   assert (c["admitted_kept"], c["admitted_degraded"]) == (2, 1)
   assert (c["refused_kept"], c["refused_degraded"]) == (1, 1)
   assert c["n"] == 5 and c["agreement"] == pytest.approx(3 / 5)
 
 
 def test_spearman_by_hand():
-  assert study.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-  assert study.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+  assert stats.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+  assert stats.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
   # ranks x (1,2,3), y (1,3,2): 1 - 6*(0+1+1)/(3*8) = 0.5
-  assert study.spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
-  assert math.isnan(study.spearman([1, 2], [1, 2]))
+  assert stats.spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
+  assert math.isnan(stats.spearman([1, 2], [1, 2]))
 
 
 ROUND3_HELD_OUT = (  # configs/study.py's draw as committed in 7de44e6, "rollout." left out
@@ -333,17 +333,17 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert {"reference_seed0", "reference_seed1", "noise_sigma-0.5", "stale_k-1"} <= names
   assert result["confusion"]["n"] == len(config.held_out)
   assert config.min_crossing_records == result["min_crossing_records"] == 2
-  assert sorted(result["rule_variants"]) == sorted([*study.RULES, "whole_min_crossing_1"])
+  assert sorted(result["rule_variants"]) == sorted([*study_rules.RULES, "whole_min_crossing_1"])
   assert result["rule"]["name"] == "per_part"  # the configured rule, fixed before the runs
   assert result["rule_variants"]["per_part"] == result["confusion"]
   held_pooled = [{**r, "admitted": r["admitted_pooled"]} for r in result["rows"]]
   held_pooled = [r for r in held_pooled if r["role"] == "held_out"]
-  assert result["rule_variants"]["pooled"] == study.confusion(
+  assert result["rule_variants"]["pooled"] == stats.confusion(
     held_pooled, result["tolerance"], "label_drop"
   )
   held_rows = [r for r in result["rows"] if r["role"] == "held_out"]
   called = [r for r in held_rows if not r["too_close"]]
-  expected = study.confusion(called, result["tolerance"], "label_drop")
+  expected = stats.confusion(called, result["tolerance"], "label_drop")
   assert json.dumps(result["confusion_called"], sort_keys=True) == json.dumps(  # NaN == NaN
     expected, sort_keys=True
   )
@@ -443,19 +443,19 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
 
 
 def test_the_study_rule_is_the_configs():
-  assert study.study_rule(study_config.get_config()) == budget.Rule("per_part")
-  assert study.study_rule(study_config.get_config("round6")) == budget.Rule("whole")
-  assert study.study_rule({"per_source": False}) == budget.Rule("pooled")
+  assert study_rules.study_rule(study_config.get_config()) == budget.Rule("per_part")
+  assert study_rules.study_rule(study_config.get_config("round6")) == budget.Rule("whole")
+  assert study_rules.study_rule({"per_source": False}) == budget.Rule("pooled")
   named = study_config.get_config()
   named.rule = "sum_of_fractions"
-  assert study.study_rule(named) == budget.Rule("sum_of_fractions")
+  assert study_rules.study_rule(named) == budget.Rule("sum_of_fractions")
   named.rule = "per_parts"
   with pytest.raises(ValueError, match="unknown admission rule 'per_parts'; known: pooled"):
-    study.study_rule(named)
+    study_rules.study_rule(named)
 
 
 def test_study_verdicts_go_through_the_checks_path_with_the_parts_measured():
-  """`study.verdicts` judges a row as the admission check does: per_part reads the parts the
+  """`study_rules.verdicts` judges a row as the admission check does: per_part reads the parts the
   study measured; a row without them is refused, not judged on its whole."""
   config = study_config.get_config()
   records = [
@@ -472,13 +472,13 @@ def test_study_verdicts_go_through_the_checks_path_with_the_parts_measured():
     "mismatch/kl/part/noise": 0.1,
     "mismatch/kl/part/stale": 0.2,
   }
-  (per_part,) = study.verdicts([row], config, fitted, budget.Rule("per_part"))
-  (whole,) = study.verdicts([row], config, fitted, budget.Rule("whole"))
+  (per_part,) = study_rules.verdicts([row], config, fitted, budget.Rule("per_part"))
+  (whole,) = study_rules.verdicts([row], config, fitted, budget.Rule("whole"))
   assert (per_part.admitted, per_part.limit_source, per_part.measured_kl) == (True, "noise", 0.1)
   assert not whole.admitted and whole.measured_kl == 0.25
   unmeasured = {k: v for k, v in row.items() if k != "mismatch/kl/part/stale"}
   with pytest.raises(ValueError, match="needs its stale part"):
-    study.verdicts([unmeasured], config, fitted, budget.Rule("per_part"))
+    study_rules.verdicts([unmeasured], config, fitted, budget.Rule("per_part"))
 
 
 def test_bad_workers_are_refused_before_anything_trains(tmp_path):

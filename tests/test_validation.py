@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from opd_jax.experiments import validation
+from opd_jax.experiments import stats, validation
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "configs"))
@@ -25,20 +25,20 @@ def test_wilson_by_hand():
   z = 1.959963984540054
   centre = (0.9 + z * z / 60) / (1 + z * z / 30)
   half = z * math.sqrt(0.09 / 30 + z * z / 3600) / (1 + z * z / 30)
-  lo, hi = validation.wilson(27, 30)
+  lo, hi = stats.wilson(27, 30)
   assert lo == pytest.approx(centre - half, abs=1e-12)
   assert hi == pytest.approx(centre + half, abs=1e-12)
   assert lo == pytest.approx(0.7438, abs=1e-4) and hi == pytest.approx(0.9654, abs=1e-4)
-  assert validation.wilson(0, 10)[0] == pytest.approx(0.0, abs=1e-12)
-  assert validation.wilson(10, 10)[1] == pytest.approx(1.0, abs=1e-12)
-  assert all(math.isnan(x) for x in validation.wilson(0, 0))
+  assert stats.wilson(0, 10)[0] == pytest.approx(0.0, abs=1e-12)
+  assert stats.wilson(10, 10)[1] == pytest.approx(1.0, abs=1e-12)
+  assert all(math.isnan(x) for x in stats.wilson(0, 0))
 
 
 def test_mcnemar_exact_by_hand():
-  assert validation.mcnemar_one_sided(5, 0) == pytest.approx(1 / 32)
-  assert validation.mcnemar_one_sided(6, 1) == pytest.approx(8 / 128)  # (1 + 7) / 2^7
-  assert validation.mcnemar_one_sided(0, 0) == 1.0
-  assert validation.mcnemar_one_sided(0, 3) == 1.0
+  assert stats.mcnemar_one_sided(5, 0) == pytest.approx(1 / 32)
+  assert stats.mcnemar_one_sided(6, 1) == pytest.approx(8 / 128)  # (1 + 7) / 2^7
+  assert stats.mcnemar_one_sided(0, 0) == 1.0
+  assert stats.mcnemar_one_sided(0, 3) == 1.0
 
 
 def test_paired_lower_bound_by_hand():
@@ -46,8 +46,8 @@ def test_paired_lower_bound_by_hand():
   delta = 5 / 30
   var = (7 / 30 - delta**2) / 30
   want = delta - 1.6448536269514722 * math.sqrt(var)
-  assert validation.paired_lower_bound(6, 1, 30) == pytest.approx(want, abs=1e-12)
-  assert validation.paired_lower_bound(0, 0, 30) == 0.0
+  assert stats.paired_lower_bound(6, 1, 30) == pytest.approx(want, abs=1e-12)
+  assert stats.paired_lower_bound(0, 0, 30) == 0.0
 
 
 def _run_cfg():
@@ -132,7 +132,7 @@ def test_validate_counts_every_table_by_hand():
   assert t["mcnemar_p"] == pytest.approx(0.25)
   assert block["tests"]["pooled"]["difference"] == pytest.approx(0.2)
   assert block["goal_met"] and not block["beats"]["admit_all"] and block["noninferior"]
-  assert rule["interval"] == pytest.approx(list(validation.wilson(5, 5)))
+  assert rule["interval"] == pytest.approx(list(stats.wilson(5, 5)))
   assert [s["kept"] for s in out["settings"]] == [False, True, True, True, False]
 
 

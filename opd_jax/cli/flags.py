@@ -38,6 +38,8 @@ import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
+from opd_jax.io import json_file
+
 CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
 
@@ -84,16 +86,9 @@ def bare_json_to_stdout(argv: list[str]) -> list[str]:
 
 
 def write_json(payload: str, target: str) -> None:
-  """Writes JSON text to `target`: a file path (parent folders made), or "-" for stdout."""
-  if not target:
-    raise ValueError("--json needs a path, or - for stdout")
-  if target == "-":
-    sys.stdout.write(payload if payload.endswith("\n") else payload + "\n")
-    sys.stdout.flush()
-    return
-  path = Path(target)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(payload if payload.endswith("\n") else payload + "\n")
+  """Writes JSON text to `target`: a file path (parent folders made), or "-" for stdout
+  (`json_file.write_text`)."""
+  json_file.write_text(target, payload)
 
 
 @contextlib.contextmanager

@@ -51,8 +51,9 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import runs
+from opd_jax.experiments import runs, study_rules
 from opd_jax.experiments import study as study_lib
+from opd_jax.io import json_file
 from opd_jax.mismatch import admission, budget, budget_file
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -330,7 +331,9 @@ def screen(plan: Plan, workdir: str, log: Callable = print) -> list[dict]:
   fitted, _ = budget_file.load_budget(os.path.join(workdir, study_lib.BUDGET_FILE))
   rows = [{"spec": s.spec, "source": s.source, **measured[s.spec]} for s in settings]
   out = []
-  for row, verdict in zip(rows, study_lib.verdicts(rows, config, fitted, fitted.rule), strict=True):
+  for row, verdict in zip(
+    rows, study_rules.verdicts(rows, config, fitted, fitted.rule), strict=True
+  ):
     out.append(
       {
         "spec": row["spec"],
@@ -372,5 +375,5 @@ def calibrate(plan: Plan, workdir: str, log: Callable = print) -> dict:
     f"run measured ({plan.cost_runs:.1f}× planned in steps)"
   )
   result["calibration"] = summary
-  study_lib.write_json(os.path.join(workdir, study_lib.STUDY_FILE), result)
+  json_file.write_json(os.path.join(workdir, study_lib.STUDY_FILE), result)
   return result

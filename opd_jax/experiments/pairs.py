@@ -24,7 +24,6 @@ of admitting everything (the baseline a limit has to beat).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -32,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from opd_jax.experiments import runs
+from opd_jax.experiments import runs, stats
 from opd_jax.experiments import study as study_lib
+from opd_jax.experiments.study_report import pairs_markdown as markdown  # main's name
+from opd_jax.io import json_file
 from opd_jax.mismatch import budget
 
 LABELS = ("accuracy", "teacher_kl")
@@ -43,8 +44,7 @@ AXES = ("absolute", "relative")
 def load(workdir: str) -> dict:
   """A calibration's study.json, with "start_kl": the reference runs' mean held-out
   KL(student ‖ teacher) at step 0 (their runs' `student_teacher_kl_before`)."""
-  with open(os.path.join(workdir, study_lib.STUDY_FILE), encoding="utf-8") as f:
-    result = json.load(f)
+  result = json_file.read_json(os.path.join(workdir, study_lib.STUDY_FILE))
   before = []
   for r in result["rows"]:
     if r["role"] == study_lib.REFERENCE:
@@ -75,7 +75,7 @@ def label_records(result: dict, label: str, axis: str = "absolute"):
     if r["role"] in (study_lib.REFERENCE, "calibration")
   ]
   reference = [q for r in rows if r["role"] == study_lib.REFERENCE for q in r["quality_runs"]]
-  floor = study_lib.noise_floor(reference, result["num_eval"], label)
+  floor = stats.noise_floor(reference, result["num_eval"], label)
   return study_lib.budget_records(rows, floor["mean"]), floor
 
 
@@ -150,7 +150,7 @@ def label_agreement(result: dict) -> dict[str, Any]:
   by_kl = settings(result, "teacher_kl")
   same = sum(a["kept"] == k["kept"] for a, k in zip(by_accuracy, by_kl, strict=True))
   return {
-    "spearman": study_lib.spearman(accuracy, minus_kl),
+    "spearman": stats.spearman(accuracy, minus_kl),
     "runs": len(accuracy),
     "same_call": same,
     "settings": len(by_accuracy),
@@ -200,77 +200,6 @@ def pair_summary(name: str, result: dict) -> dict[str, Any]:
       "engine_id": recipe["engine_id"],
     }
   return out
-
-
-def _g(x) -> str:
-  return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.3g}"
-
-
-def _limit(entry: dict) -> str:
-  lo, hi = entry["interval"]
-  flag = "" if entry["censored"] == "none" else f" ({entry['censored']})"
-  return f"{_g(entry['max_kl'])} [{_g(lo)}, {_g(hi)}]{flag}"
-
-
-def markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
-  """The pairs table, the sensitivity table and the transfer table."""
-  lines = [
-    "| pair | teacher | student start → end (ref) | start KL | label | τ | pooled limit "
-    "(nats/token) [95% interval] | relative limit | per-source limits |",
-    "|---|---|---|---|---|---|---|---|---|",
-  ]
-  for s in summaries:
-    for label, e in s["labels"].items():
-      tau = f"{100 * e['tolerance']:.1f} pts" if label == "accuracy" else _g(e["tolerance"])
-      per_source = "; ".join(
-        f"{k} {_g(v['limit'])}{'' if v['censored'] == 'none' else ' (' + v['censored'] + ')'}"
-        for k, v in e["sources"].items()
-      )
-      lines.append(
-        f"| {s['pair']} | {100 * s['teacher_accuracy']:.1f}% | "
-        f"{100 * s['student_accuracy_before']:.1f}% → {100 * s['student_accuracy_after']:.1f}% | "
-        f"{_g(s['start_kl'])} | {label} | {tau} | {_limit(e)} | {_g(e['relative_max'])} | "
-        f"{per_source} |"
-      )
-  lines += [
-    "",
-    "| pair | Spearman(accuracy, −KL) over runs | settings both labels call alike |",
-    "|---|---|---|",
-  ]
-  for s in summaries:
-    a = s["label_agreement"]
-    lines.append(
-      f"| {s['pair']} | {_g(a['spearman'])} ({a['runs']} runs) | {a['same_call']}/{a['settings']} |"
-    )
-  lines += [
-    "",
-    "| pair | FP8-weight layers, most sensitive first | FP8-KV layers | noise modules (top 3) | "
-    "FP8 recipe: BF16 layers | its mismatch/kl | KV capacity vs BF16 |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for s in summaries:
-    if "ranking" not in s:
-      continue
-    rank, recipe = s["ranking"], s["recipe"]
-    lines.append(
-      f"| {s['pair']} | {', '.join(rank.get('fp8_weights', []))} | "
-      f"{', '.join(rank.get('fp8_kv', []))} | {', '.join(rank.get('noise_modules', [])[:3])} | "
-      f"{recipe['bf16_layers']} | {_g(recipe['mismatch/kl'])} | {recipe['capacity_ratio']:.2f}× |"
-    )
-  lines += [
-    "",
-    "| from → to | label | axis | limit | agreement on the target's settings | target's own "
-    "limit (in sample) | admit-all |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for m in moves:
-    a, o = m["agreement"], m["own_agreement"]
-    lines.append(
-      f"| {m['from']} → {m['to']} | {m['label']} | {m['axis']} | {_g(m['limit'])} | "
-      f"{a['right']}/{a['n']} | {_g(m['own_limit'])}: {o['right']}/{o['n']} | "
-      f"{m['admit_all']['right']}/{m['admit_all']['n']} |"
-    )
-  return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -17,7 +17,6 @@ finish a sweep sooner (`python -m opd_jax.bench.parallel_runs` measures by how m
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import math
 import multiprocessing
 import os
@@ -29,7 +28,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.io import metrics_writer
+from opd_jax.io import json_file, metrics_writer
 from opd_jax.mismatch import guard
 from opd_jax.train import setup as setup_lib
 
@@ -89,11 +88,7 @@ def training_summary(run_dir: str) -> dict[str, Any]:
 
 def read_result(run_dir: str) -> dict[str, Any] | None:
   """The recorded result of `run_dir`, or None when it has not finished."""
-  path = os.path.join(run_dir, RESULT_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json_file.read_json(os.path.join(run_dir, RESULT_FILE), None)
 
 
 def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = print) -> dict:
@@ -129,10 +124,7 @@ def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = pr
     )
   result.update(training_summary(run_dir))
   result["config"] = wanted
-  tmp = os.path.join(run_dir, RESULT_FILE + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
-  os.replace(tmp, os.path.join(run_dir, RESULT_FILE))
+  json_file.write_json(os.path.join(run_dir, RESULT_FILE), result)
   return result
 
 

@@ -42,14 +42,13 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    fingerprint of θ_P and the teacher and its rule, with the held-out result as the rule's
    validation (`rule_validation`).
 6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
-   (`study_report`). The check's mismatch is also set beside each run's training-time mean
+   (`plots`, `study_report`). The check's mismatch is also set beside each run's training-time mean
    `mismatch/kl` (agreement of the two x-axes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -61,8 +60,16 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import runs
+from opd_jax.experiments import plots, runs, stats, study_report
+from opd_jax.experiments.study_rules import (
+  LABEL_DROP,  # the drop a held-out verdict is judged by: over its runs (step 5)
+  rule_validation,
+  rule_variants,
+  study_rule,
+  verdicts,
+)
 from opd_jax.io import run_history
+from opd_jax.io.json_file import read_json, write_json
 from opd_jax.mismatch import (
   admission,
   budget,
@@ -81,15 +88,10 @@ REFERENCE_SPEC = "rollout.weights=trainer"  # a candidate that changes nothing: 
 MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
-LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs (step 5)
 # What a run's quality q is (`run_quality`; `config.label`): held-out accuracy, the held-out
 # KL(student ‖ teacher) per token (q = −KL, for a pair whose accuracy cannot resolve a drop),
 # or "auto", which picks one from the reference runs (`choose_label`).
 LABELS = ("accuracy", "teacher_kl", "auto")
-# The teacher_kl label's resolution: one run's KL is taken to be known to within this fraction
-# of the reference's mean KL, so τ >= 2 · KL_RELATIVE_SE · mean KL (5%) when the seeds agree
-# more closely than that by chance (two seeds give an sd with one degree of freedom).
-KL_RELATIVE_SE = 0.025
 # "auto" takes accuracy when the reference's mean held-out accuracy is at least this and the
 # teacher's is above it too; below, a drop of a few points is unresolvable and it takes the KL.
 AUTO_MIN_ACCURACY = 0.1
@@ -199,21 +201,6 @@ def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
   return directory
 
 
-def read_json(path: str, default):
-  if not os.path.exists(path):
-    return default
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
-
-
-def write_json(path: str, value) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=1, default=float)
-    f.write("\n")
-  os.replace(tmp, path)
-
-
 def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callable = print):
   """The admission check's measurement of every setting at the probe's student, and of each
   part of a combination alone (`candidates_lib.source_parts`: what the per-part rule reads).
@@ -300,26 +287,6 @@ def choose_label(label: str, reference_results: Sequence[dict]) -> str:
   return "accuracy" if solves else "teacher_kl"
 
 
-def noise_floor(
-  reference_quality: Sequence[float], num_eval: int, label: str = "accuracy"
-) -> dict[str, float]:
-  """The seed-to-seed noise of the reference and the tolerance it implies.
-
-  sd = sample standard deviation of q_ref over seeds (0 with one seed);
-  se = sqrt(q̄(1 − q̄)/n_eval), the binomial standard error of one run's held-out accuracy,
-  or for the teacher_kl label (q = −KL) KL_RELATIVE_SE·|q̄|;
-  τ = 2·max(sd, se).
-  """
-  q = np.asarray(reference_quality, np.float64)
-  mean = float(q.mean())
-  sd = float(q.std(ddof=1)) if q.size > 1 else 0.0
-  if label == "teacher_kl":
-    se = KL_RELATIVE_SE * abs(mean)
-  else:
-    se = math.sqrt(max(mean * (1.0 - mean), 0.0) / num_eval)
-  return {"mean": mean, "sd": sd, "se": se, "tolerance": 2.0 * max(sd, se), "n": int(q.size)}
-
-
 def quality_runs(row: dict) -> list[float]:
   """A row's quality per run: `quality_runs`, or in a study recorded before labels other than
   accuracy existed, `accuracy_runs`."""
@@ -372,50 +339,6 @@ def is_borderline(drop: float, tolerance: float, spread: float) -> bool:
   return abs(drop - tolerance) < spread
 
 
-def confusion(
-  rows: Sequence[dict], tolerance: float, drop_key: str = budget.DROP_KEY
-) -> dict[str, Any]:
-  """Held-out verdicts against what training showed.
-
-  A setting "kept quality" iff its drop `row[drop_key]` ≤ τ. Counts: admitted & kept (true
-  accept), admitted & degraded (false accept), refused & kept (false refuse), refused &
-  degraded (true refuse).
-  """
-  return confusion_counts([r["admitted"] for r in rows], [r[drop_key] <= tolerance for r in rows])
-
-
-def confusion_counts(admitted: Sequence[bool], kept: Sequence[bool]) -> dict[str, Any]:
-  """The confusion table of verdicts against kept-quality labels, with n and the agreement
-  (true accepts + true refusals) / n."""
-  table = {"admitted_kept": 0, "admitted_degraded": 0, "refused_kept": 0, "refused_degraded": 0}
-  for a, k in zip(admitted, kept, strict=True):
-    table[("admitted" if a else "refused") + ("_kept" if k else "_degraded")] += 1
-  n = sum(table.values())
-  agree = table["admitted_kept"] + table["refused_degraded"]
-  return {**table, "n": n, "agreement": agree / n if n else math.nan}
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-  """Spearman rank correlation (average ranks for ties); NaN with fewer than 3 points."""
-  if len(x) < 3:
-    return math.nan
-
-  def ranks(v):
-    v = np.asarray(v, np.float64)
-    order = np.argsort(v, kind="stable")
-    r = np.empty(len(v))
-    r[order] = np.arange(len(v), dtype=np.float64)
-    for value in np.unique(v):
-      tie = v == value
-      r[tie] = r[tie].mean()
-    return r
-
-  rx, ry = ranks(x), ranks(y)
-  if rx.std() == 0 or ry.std() == 0:
-    return math.nan
-  return float(np.corrcoef(rx, ry)[0, 1])
-
-
 def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   """The check's pre-training mismatch/kl against each run's training-time mean."""
   pairs = [
@@ -425,87 +348,12 @@ def agreement(rows: Sequence[dict]) -> dict[str, Any]:
   ]
   ratios = [c / t for c, t in pairs if t > admission.ROUNDING_KL]
   return {
-    "spearman": spearman([c for c, _ in pairs], [t for _, t in pairs]),
+    "spearman": stats.spearman([c for c, _ in pairs], [t for _, t in pairs]),
     "ratio_median": float(np.median(ratios)) if ratios else math.nan,
     "ratio_min": float(np.min(ratios)) if ratios else math.nan,
     "ratio_max": float(np.max(ratios)) if ratios else math.nan,
     "n": len(pairs),
   }
-
-
-# The rules every study scores beside its configured one: each rule of the registry, and the
-# pooled and whole ones at the lower ends of their intervals.
-RULES = {
-  **{name: budget.Rule(name) for name in budget.RULE_NAMES},
-  "pooled_conservative": budget.Rule("pooled", {"conservative": True}),
-  "whole_conservative": budget.Rule("whole", {"conservative": True}),
-}
-
-
-CROSSING_VARIANTS = (1, 2)  # min_crossing_records of the whole-rule variants refitted beside
-
-
-def study_rule(config) -> budget.Rule:
-  """The admission rule the study validates, fixed by its config: `config.rule` (a name of
-  `budget.RULE_NAMES`) when set, else "per_part" with `per_part`, "whole" with `per_source`,
-  "pooled" without (no validation yet: `rule_validation` adds it).
-
-  Raises:
-    ValueError: an unknown rule name.
-  """
-  if config.get("rule", ""):
-    return budget.Rule(config.rule)
-  if config.get("per_part", False):
-    return budget.Rule("per_part")
-  return budget.Rule("whole" if config.get("per_source", False) else "pooled")
-
-
-def rule_validation(held_out_confusion: dict, tolerance: float) -> dict:
-  """The validation a study gives its configured rule: its confusion table on the held-out
-  settings (none of which the budget was fitted on), labelled by their full runs."""
-  return {
-    **held_out_confusion,
-    "tolerance": tolerance,
-    "label": "a held-out setting kept quality iff its mean drop over its runs <= tolerance",
-  }
-
-
-def verdicts(rows: Sequence[dict], config, fitted: budget.Budget, rule: budget.Rule) -> list:
-  """The verdict of `rule` on every row (a setting's measurement, with its parts), through
-  `admission.candidate_verdict`: the admission check's own path."""
-  out = []
-  for r in rows:
-    candidate = candidates_lib.parse_candidate(r["spec"], config.run)
-    out.append(admission.candidate_verdict(candidate, config.run, r, fitted, None, rule)[1])
-  return out
-
-
-def rule_variants(rows: Sequence[dict], config, fitted: budget.Budget, tolerance: float) -> dict:
-  """The confusion table of every rule in RULES on the same (held-out) rows, so the
-  configured rule can be read beside the others; only the configured one is a pre-set test.
-
-  Also "whole_min_crossing_<c>" for each c of CROSSING_VARIANTS other than the budget's own:
-  the whole rule on the same records refitted with min_crossing_records = c."""
-  out = {}
-  for name, rule in RULES.items():
-    judged = verdicts(rows, config, fitted, rule)
-    labelled = [{**r, "admitted": v.admitted} for r, v in zip(rows, judged, strict=True)]
-    out[name] = confusion(labelled, tolerance, LABEL_DROP)
-  for c in CROSSING_VARIANTS:
-    if c == fitted.min_crossing_records:
-      continue
-    refit = budget.fit_budget(
-      fitted.records,
-      tolerance,
-      level=fitted.level,
-      num_bootstrap=fitted.num_bootstrap,
-      seed=fitted.seed,
-      min_crossing_records=c,
-    )
-    judged = verdicts(rows, config, refit, RULES["whole"])
-    labelled = [{**r, "admitted": v.admitted} for r, v in zip(rows, judged, strict=True)]
-    out[f"whole_min_crossing_{c}"] = confusion(labelled, tolerance, LABEL_DROP)
-  return out
 
 
 ROLES = ("calibration", "held_out")  # the roles whose settings can be re-run
@@ -603,8 +451,6 @@ def _workers(config) -> int:
 
 def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = print) -> dict:
   """Runs the study (module docstring) in `workdir`; returns what `study.json` holds."""
-  from opd_jax.experiments import study_report
-
   start = time.time()
   os.makedirs(workdir, exist_ok=True)
   config_check.validate(config.run)
@@ -633,7 +479,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   )
   reference = [run_quality(results[s.name], label) for s in settings if s.role == REFERENCE]
   num_eval = int(config.get("num_eval", 0) or config.run.data.eval_size)  # held-out prompts
-  floor = noise_floor(reference, num_eval, label)
+  floor = stats.noise_floor(reference, num_eval, label)
   tolerance = config.tolerance or floor["tolerance"]
 
   rows = []
@@ -671,7 +517,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]
-  validated = confusion(held_out, tolerance, LABEL_DROP)
+  validated = stats.confusion(held_out, tolerance, LABEL_DROP)
   if held_out:
     rule = dataclasses.replace(rule, validation=rule_validation(validated, tolerance))
   fitted = dataclasses.replace(fitted, rule=rule)
@@ -692,36 +538,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "tolerance_rule": "config"
     if config.tolerance
     else "2 max(sd of seeds, "
-    + ("binomial SE)" if label == "accuracy" else f"{KL_RELATIVE_SE:g} x mean KL)"),
-    "budget": {
-      "file": budget_path,
-      "max_kl": fitted.max_kl,
-      "interval": list(fitted.interval),
-      "censored": fitted.censored,
-      "curve_kl": list(fitted.overall.curve_kl),
-      "curve_drop": list(fitted.overall.curve_drop),
-      "sources": {
-        name: {
-          "max_kl": t.max_kl,
-          "interval": list(t.interval),
-          "censored": t.censored,
-          "limit": fitted.source_limit(name),
-          "curve_kl": list(t.curve_kl),
-          "curve_drop": list(t.curve_drop),
-        }
-        for name, t in sorted(fitted.sources.items())
-      },
-      "training": None
-      if fitted.training is None
-      else {
-        "max_kl": fitted.training.max_kl,
-        "interval": list(fitted.training.interval),
-        "censored": fitted.training.censored,
-        "limits": {
-          name: fitted.training.source_limit(name) for name in sorted(fitted.training.sources)
-        },
-      },
-    },
+    + ("binomial SE)" if label == "accuracy" else f"{stats.KL_RELATIVE_SE:g} x mean KL)"),
+    "budget": study_report.budget_summary(fitted, budget_path),
     "rule": budget_file.rule_dict(rule),
     "per_source": per_source,
     "min_crossing_records": min_crossing,
@@ -729,8 +547,8 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "borderline_seeds": [int(x) for x in config.get("borderline_seeds", ())],
     "rerun_all_roles": list(config.get("rerun_all_roles", ())),
     "confusion": validated,
-    "confusion_single_run": confusion(held_out, tolerance),
-    "confusion_called": confusion(
+    "confusion_single_run": stats.confusion(held_out, tolerance),
+    "confusion_called": stats.confusion(
       [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
     ),
     "rule_variants": rule_variants(held_out, config, fitted, tolerance),
@@ -750,7 +568,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
         log=log,
       )
     result["sensitivity"] = read_json(sens_json, None)
-  result["plots"] = study_report.plot_all(result, workdir)
+  result["plots"] = plots.study_plots(result, workdir)
   result["seconds"] = time.time() - start
   result["num_runs"] = sum(len(r["accuracy_runs"]) for r in rows)
   result["train_seconds"] = sum(sum(r["wall_seconds_runs"]) for r in rows)  # every run

@@ -1,178 +1,49 @@
-"""The study's outputs: PNG plots and the markdown report, from the `study.json` dict.
-
-Plots (`plot_all`):
-- `quality_vs_mismatch.png`: quality drop d against the check's mismatch/kl (log axis), one
-  marker per source, calibration filled and held-out hollow; the isotonic fit, the budget
-  max_kl with its bootstrap interval, each source's own crossing of τ (dotted, in the source's
-  colour) and the tolerance τ;
-- `training_curves.png`: held-out accuracy against step for the reference seeds and the
-  worst run of each source;
-- `check_vs_training.png`: the check's mismatch/kl against each run's training-time mean;
-- the sensitivity bar chart is written by the scan itself (`sensitivity.png`).
+"""The study's reports: study.json's budget block and the markdown of a study
+(`markdown`), of its pre-registered validation (`validation_markdown`) and of several
+calibrated pairs side by side (`pairs_markdown`). The plots are `plots.study_plots`.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-KL_FLOOR = 1e-8  # exact engines read ~1e-9 (f32 rounding); drawn at this floor on log axes
-MARKERS = "osD^v<>pXhP"
 
-
-def _plt():
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  return plt
-
-
-def _x(kl: float) -> float:
-  return max(kl, KL_FLOOR)
-
-
-def plot_quality(result: dict, path: str) -> str:
-  """Quality drop against the check's mismatch/kl with the fit and the budget. A held-out
-  setting is drawn at the drop it was judged by (`label_drop`: the mean of its runs when it was
-  borderline)."""
-  plt = _plt()
-  fig, ax = plt.subplots(figsize=(7.5, 4.6))
-  sources = sorted({r["source"] for r in result["rows"]})
-  for i, source in enumerate(sources):
-    for role, fill in (("reference", True), ("calibration", True), ("held_out", False)):
-      rs = [r for r in result["rows"] if r["source"] == source and r["role"] == role]
-      if not rs:
-        continue
-      ax.scatter(
-        [_x(r["mismatch/kl"]) for r in rs],
-        [100 * r.get("label_drop", r["quality_drop"]) for r in rs],
-        marker=MARKERS[i % len(MARKERS)],
-        facecolors=f"C{i}" if fill else "none",
-        edgecolors=f"C{i}",
-        label=f"{source}{' (held out)' if not fill else ''}",
-        s=36,
-      )
-  b = result["budget"]
-  ax.plot(
-    [_x(x) for x in b["curve_kl"]],
-    [100 * d for d in b["curve_drop"]],
-    "k-",
-    lw=1,
-    label="isotonic fit",
-  )
-  for i, source in enumerate(sources):
-    own = b.get("sources", {}).get(source)
-    if own and own["censored"] == "none":
-      ax.axvline(_x(own["max_kl"]), color=f"C{i}", ls=":", lw=1.2, label=f"{source} limit")
-  ax.axhline(100 * result["tolerance"], color="gray", ls=":", lw=1, label="tolerance τ")
-  if b["max_kl"] > 0:
-    ax.axvline(_x(b["max_kl"]), color="r", ls="--", lw=1, label=f"budget {b['max_kl']:.3g}")
-  low, high = b["interval"]
-  if high > 0:
-    ax.axvspan(_x(low), _x(high), color="r", alpha=0.1, label="95% interval")
-  ax.set_xscale("log")
-  ax.set_xlabel("mismatch/kl measured by the admission check (nats/token)")
-  ax.set_ylabel(
-    "quality drop (KL to the teacher, nats/token × 100)"
-    if result.get("label") == "teacher_kl"
-    else "quality drop (accuracy points)"
-  )
-  ax.set_title(f"OPD quality against mismatch ({result['run_steps']} steps per run)", fontsize=10)
-  ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def _worst_per_source(rows: list[dict]) -> list[dict]:
-  worst: dict[str, dict] = {}
-  for r in rows:
-    if r["role"] == "reference":
-      continue
-    if r["source"] not in worst or r["quality_drop"] > worst[r["source"]]["quality_drop"]:
-      worst[r["source"]] = r
-  return list(worst.values())
-
-
-def plot_curves(result: dict, path: str) -> str:
-  """Held-out accuracy against step: the reference seeds and each source's worst run."""
-  plt = _plt()
-  fig, ax = plt.subplots(figsize=(7, 4.2))
-  shown = [r for r in result["rows"] if r["role"] == "reference"] + _worst_per_source(
-    result["rows"]
-  )
-  for r in shown:
-    curve = result["curves"].get(r["name"], [])
-    if curve:
-      ref = r["role"] == "reference"
-      ax.plot(
-        [c[0] for c in curve],
-        [100 * c[1] for c in curve],
-        color="k" if ref else None,
-        alpha=0.5 if ref else 1.0,
-        lw=1,
-        marker=".",
-        label=r["name"],
-      )
-  ax.axhline(100 * result["teacher_accuracy"], color="gray", ls=":", lw=1, label="teacher")
-  ax.set_xlabel("OPD step")
-  ax.set_ylabel("held-out accuracy (%)")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def plot_agreement(result: dict, path: str) -> str:
-  """The check's mismatch/kl against the run's training-time mean, log-log, with y = x."""
-  plt = _plt()
-  fig, ax = plt.subplots(figsize=(5, 4.4))
-  rs = [r for r in result["rows"] if r["role"] != "reference" and "train/mismatch/kl_mean" in r]
-  for i, source in enumerate(sorted({r["source"] for r in rs})):
-    pts = [r for r in rs if r["source"] == source]
-    ax.scatter(
-      [_x(r["mismatch/kl"]) for r in pts],
-      [_x(r["train/mismatch/kl_mean"]) for r in pts],
-      marker=MARKERS[i % len(MARKERS)],
-      label=source,
-      s=30,
-    )
-  if rs:
-    values = [_x(r["mismatch/kl"]) for r in rs] + [_x(r["train/mismatch/kl_mean"]) for r in rs]
-    lo, hi = min(values), max(values)
-    ax.plot([lo, hi], [lo, hi], "k:", lw=1, label="y = x")
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("admission check, before training")
-  ax.set_ylabel("training-time mean")
-  ax.set_title("mismatch/kl (nats/token)", fontsize=10)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
-def plot_all(result: dict, workdir: str) -> list[str]:
-  """Writes every plot into `workdir`; returns their paths (empty without matplotlib)."""
-  try:
-    _plt()
-  except ImportError:
-    return []
-  paths = [
-    plot_quality(result, os.path.join(workdir, "quality_vs_mismatch.png")),
-    plot_curves(result, os.path.join(workdir, "training_curves.png")),
-    plot_agreement(result, os.path.join(workdir, "check_vs_training.png")),
-  ]
-  sens = result.get("sensitivity") or {}
-  if sens.get("png"):
-    paths.append(sens["png"])
-  return paths
+def budget_summary(fitted, path: str) -> dict[str, Any]:
+  """study.json's "budget": the fitted `budget.Budget`'s pooled and per-source limits with
+  their intervals, censoring and isotonic curves, its training-axis fit (None without), and
+  the file it was saved to."""
+  return {
+    "file": path,
+    "max_kl": fitted.max_kl,
+    "interval": list(fitted.interval),
+    "censored": fitted.censored,
+    "curve_kl": list(fitted.overall.curve_kl),
+    "curve_drop": list(fitted.overall.curve_drop),
+    "sources": {
+      name: {
+        "max_kl": t.max_kl,
+        "interval": list(t.interval),
+        "censored": t.censored,
+        "limit": fitted.source_limit(name),
+        "curve_kl": list(t.curve_kl),
+        "curve_drop": list(t.curve_drop),
+      }
+      for name, t in sorted(fitted.sources.items())
+    },
+    "training": None
+    if fitted.training is None
+    else {
+      "max_kl": fitted.training.max_kl,
+      "interval": list(fitted.training.interval),
+      "censored": fitted.training.censored,
+      "limits": {
+        name: fitted.training.source_limit(name) for name in sorted(fitted.training.sources)
+      },
+    },
+  }
 
 
 def _pct(x: float) -> str:
@@ -374,7 +245,7 @@ def confusion_table(conf: dict) -> list[str]:
 
 
 def rules_table(result: dict) -> list[str]:
-  """Every admission rule's agreement on the held-out settings (`study.rule_variants`)."""
+  """Every admission rule's agreement on the held-out settings (`study_rules.rule_variants`)."""
   variants = result.get("rule_variants")
   if not variants:
     return []
@@ -442,4 +313,177 @@ def markdown(result: dict) -> str:
       "",
     ]
   lines += ["## Plots", ""] + [f"- `{os.path.basename(p)}`" for p in result.get("plots", [])]
+  return "\n".join(lines) + "\n"
+
+
+def _num(x) -> str:
+  """A validation table's number: – for none, ∞, 3 significant digits, else as it is."""
+  if x is None:
+    return "–"
+  if isinstance(x, float) and math.isinf(x):
+    return "∞"
+  return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def validation_markdown(report: Mapping) -> str:
+  """The tables of a study's scored validation (`experiments.validation.report`)."""
+  v = report["validation"]
+  lines = [
+    f"Held-out settings: {v['n']}, of which {v['degraded']} degraded "
+    f"(label {v['label']}, τ = {_num(v['tolerance'])}).",
+    f"Measure-nothing thresholds: σ* = {_num(v['thresholds']['sigma'])}, "
+    f"k* = {_num(v['thresholds']['lag'])}, refused formats: "
+    f"{', '.join(v['thresholds']['formats']) or 'none'}.",
+    f"τ's 95 % interval over the reference seeds: [{_num(v['tolerance_interval'][0])}, "
+    f"{_num(v['tolerance_interval'][1])}]; {v['labels_within_tolerance_interval']} held-out "
+    "labels lie within it.",
+    f"Accuracy label: τ = {_num(v['accuracy_tolerance'])}; the two labels agree on "
+    f"{v['labels_agree']}/{v['n']} settings; Spearman(accuracy, −KL) over every run "
+    f"{_num(v['spearman_accuracy_vs_minus_kl'])}.",
+    "",
+  ]
+  for key, title in (("primary_label", "primary label"), ("accuracy_label", "accuracy label")):
+    block = v[key]
+    lines += [
+      f"**{title}**",
+      "",
+      "| rule | agreement | 95 % Wilson | admitted kept | admitted degraded | refused kept "
+      "| refused degraded |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for name in (report["primary"], "pooled", "admit_all", "measure_nothing"):
+      s = block[name]
+      lo, hi = s["interval"]
+      lines.append(
+        f"| {name} | {s['admitted_kept'] + s['refused_degraded']}/{s['n']} = "
+        f"{s['agreement']:.1%} | [{lo:.1%}, {hi:.1%}] | {s['admitted_kept']} | "
+        f"{s['admitted_degraded']} | {s['refused_kept']} | {s['refused_degraded']} |"
+      )
+    lines += [
+      "",
+      "| against | rule only right | other only right | McNemar p (one-sided) | Δ | Δ lower |",
+      "|---|---|---|---|---|---|",
+    ]
+    for name, t in block["tests"].items():
+      lines.append(
+        f"| {name} | {t['rule_only_right']} | {t['other_only_right']} | "
+        f"{t['mcnemar_p']:.3g} | {t['difference']:+.3f} | {t['difference_lower']:+.3f} |"
+      )
+    lines += [
+      "",
+      f"goal ≥ 90 % met: {block['goal_met']}; beats "
+      + ", ".join(f"{k}: {b}" for k, b in block["beats"].items())
+      + f"; non-inferior to pooled: {block['noninferior']}",
+      "",
+    ]
+  lines += [
+    "| setting | source | check KL | drop | kept | " + report["primary"] + " | pooled | "
+    "measure_nothing |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for s in v["settings"]:
+    lines.append(
+      f"| `{s['spec']}` | {s['source']} | {_num(s['kl'])} | {_num(s['drop'])} | {s['kept']} | "
+      f"{s[report['primary']]} | {s['pooled']} | {s['measure_nothing']} |"
+    )
+  for axis, block in report["one_scale"].items():
+    lines += [
+      "",
+      f"**one scale, axis {axis}**",
+      "",
+      "| source | offset δ_s | 95 % interval | LOSO knee | own knee | LOSO right |",
+      "|---|---|---|---|---|---|",
+    ]
+    for s, loso in block["leave_one_source_out"].items():
+      o = block["offsets"].get(s, {"offset": math.nan, "interval": [math.nan, math.nan]})
+      lines.append(
+        f"| {s} | {_num(o['offset'])} | [{_num(o['interval'][0])}, {_num(o['interval'][1])}] | "
+        f"{_num(loso['predicted_knee'])} ({loso['predicted_censored']}) | "
+        f"{_num(loso['own_knee'])} ({loso['own_censored']}) | {loso['right']}/{loso['settings']} |"
+      )
+  lines += [
+    "",
+    "| combination | KL | parts' KL | Σ parts | drop | parts' drops | kept | parts kept |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for f in report["factorial"]:
+    parts = f["part_kl"]
+    total = sum(x for x in parts.values() if x is not None)
+    lines.append(
+      f"| `{f['spec']}` | {_num(f['kl'])} | "
+      + ", ".join(f"{s} {_num(x)}" for s, x in parts.items())
+      + f" | {_num(total)} | {_num(f['drop'])} | "
+      + ", ".join(f"{s} {_num(x)}" for s, x in f["part_drop"].items())
+      + f" | {f['kept']} | "
+      + ", ".join(f"{s} {x}" for s, x in f["parts_kept"].items())
+      + " |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def _limit(entry: dict) -> str:
+  lo, hi = entry["interval"]
+  flag = "" if entry["censored"] == "none" else f" ({entry['censored']})"
+  return f"{_g(entry['max_kl'])} [{_g(lo)}, {_g(hi)}]{flag}"
+
+
+def pairs_markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
+  """Calibrated pairs side by side (`experiments.pairs`): the pairs table, the sensitivity
+  table and the transfer table."""
+  lines = [
+    "| pair | teacher | student start → end (ref) | start KL | label | τ | pooled limit "
+    "(nats/token) [95% interval] | relative limit | per-source limits |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for s in summaries:
+    for label, e in s["labels"].items():
+      tau = f"{100 * e['tolerance']:.1f} pts" if label == "accuracy" else _g(e["tolerance"])
+      per_source = "; ".join(
+        f"{k} {_g(v['limit'])}{'' if v['censored'] == 'none' else ' (' + v['censored'] + ')'}"
+        for k, v in e["sources"].items()
+      )
+      lines.append(
+        f"| {s['pair']} | {100 * s['teacher_accuracy']:.1f}% | "
+        f"{100 * s['student_accuracy_before']:.1f}% → {100 * s['student_accuracy_after']:.1f}% | "
+        f"{_g(s['start_kl'])} | {label} | {tau} | {_limit(e)} | {_g(e['relative_max'])} | "
+        f"{per_source} |"
+      )
+  lines += [
+    "",
+    "| pair | Spearman(accuracy, −KL) over runs | settings both labels call alike |",
+    "|---|---|---|",
+  ]
+  for s in summaries:
+    a = s["label_agreement"]
+    lines.append(
+      f"| {s['pair']} | {_g(a['spearman'])} ({a['runs']} runs) | {a['same_call']}/{a['settings']} |"
+    )
+  lines += [
+    "",
+    "| pair | FP8-weight layers, most sensitive first | FP8-KV layers | noise modules (top 3) | "
+    "FP8 recipe: BF16 layers | its mismatch/kl | KV capacity vs BF16 |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for s in summaries:
+    if "ranking" not in s:
+      continue
+    rank, recipe = s["ranking"], s["recipe"]
+    lines.append(
+      f"| {s['pair']} | {', '.join(rank.get('fp8_weights', []))} | "
+      f"{', '.join(rank.get('fp8_kv', []))} | {', '.join(rank.get('noise_modules', [])[:3])} | "
+      f"{recipe['bf16_layers']} | {_g(recipe['mismatch/kl'])} | {recipe['capacity_ratio']:.2f}× |"
+    )
+  lines += [
+    "",
+    "| from → to | label | axis | limit | agreement on the target's settings | target's own "
+    "limit (in sample) | admit-all |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for m in moves:
+    a, o = m["agreement"], m["own_agreement"]
+    lines.append(
+      f"| {m['from']} → {m['to']} | {m['label']} | {m['axis']} | {_g(m['limit'])} | "
+      f"{a['right']}/{a['n']} | {_g(m['own_limit'])}: {o['right']}/{o['n']} | "
+      f"{m['admit_all']['right']}/{m['admit_all']['n']} |"
+    )
   return "\n".join(lines) + "\n"

@@ -19,14 +19,13 @@ the pooled rule's (`admitted_pooled`). Beside them:
                     quality, ∞ when none did.
 
 A setting kept quality iff the mean drop over its runs d̄ ≤ τ. Agreement a = (true accepts +
-true refusals) / n, with the Wilson score interval at level 1 − α:
-
-  (p̂ + z²/2n ± z·sqrt(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n).
+true refusals) / n, with the Wilson score interval at level 1 − α (`stats.wilson`).
 
 Paired comparison of rule R with baseline B on the same n settings: b = settings R gets right
-and B wrong, c = the reverse. Exact one-sided McNemar: p = P(X ≥ b), X ~ Binomial(b + c, 1/2)
-(H1: R agrees more often). Non-inferiority of R to B with margin m: the one-sided lower bound
-of the paired difference Δ = (b − c)/n (Wald: Δ − z_(1−α)·sqrt((b + c)/n − Δ²)/sqrt(n)) above −m.
+and B wrong, c = the reverse. Exact one-sided McNemar (`stats.mcnemar_one_sided`): p = P(X ≥ b),
+X ~ Binomial(b + c, 1/2) (H1: R agrees more often). Non-inferiority of R to B with margin m:
+the one-sided Wald lower bound of the paired difference Δ = (b − c)/n
+(`stats.paired_lower_bound`) above −m.
 
 One scale. On the single-source calibration records (one per run: x = the check's KL, y = the
 drop), drop = g(x) + δ_s with g non-decreasing (isotonic) and δ_reference = 0, fitted by
@@ -46,47 +45,20 @@ KLs, its drop and the parts' drops, and whether each kept quality.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from opd_jax.config import check as config_check
+from opd_jax.experiments import stats
 from opd_jax.experiments import study as study_lib
+from opd_jax.experiments.study_report import validation_markdown as markdown  # main's name
 from opd_jax.mismatch import budget
 from opd_jax.mismatch import candidates as candidates_lib
 
-LABEL_DROP = "label_drop"
+LABEL_DROP = study_lib.LABEL_DROP
 INF = math.inf
-
-
-def wilson(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
-  """The Wilson score interval of a binomial proportion (module docstring); (nan, nan) for n = 0."""
-  if n <= 0:
-    return (math.nan, math.nan)
-  z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
-  p = successes / n
-  center = (p + z * z / (2 * n)) / (1 + z * z / n)
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-  return (max(center - half, 0.0), min(center + half, 1.0))
-
-
-def mcnemar_one_sided(b: int, c: int) -> float:
-  """Exact one-sided McNemar p = P(X ≥ b), X ~ Binomial(b + c, 1/2); 1.0 with no discordance."""
-  if b + c == 0:
-    return 1.0
-  n = b + c
-  return sum(math.comb(n, i) for i in range(b, n + 1)) / 2.0**n
-
-
-def paired_lower_bound(b: int, c: int, n: int, alpha: float = 0.05) -> float:
-  """One-sided (1 − α) Wald lower bound of Δ = (b − c)/n, the paired difference in agreement."""
-  if n <= 0:
-    return math.nan
-  delta = (b - c) / n
-  var = max((b + c) / n - delta * delta, 0.0) / n
-  return delta - statistics.NormalDist().inv_cdf(1 - alpha) * math.sqrt(var)
 
 
 def kept(row: Mapping, tolerance: float, key: str = LABEL_DROP) -> bool:
@@ -126,9 +98,9 @@ def nothing_admits(spec: str, thresholds: Mapping, run_cfg) -> bool:
 def score(admitted: Sequence[bool], labels: Sequence[bool], level: float = 0.95) -> dict:
   """The confusion table and agreement of verdicts against kept-quality labels, with the
   agreement's Wilson interval."""
-  table = study_lib.confusion_counts(admitted, labels)
+  table = stats.confusion_counts(admitted, labels)
   right = table["admitted_kept"] + table["refused_degraded"]
-  return {**table, "interval": list(wilson(right, table["n"], level))}
+  return {**table, "interval": list(stats.wilson(right, table["n"], level))}
 
 
 def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool], alpha: float):
@@ -141,9 +113,9 @@ def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool],
   return {
     "rule_only_right": b,
     "other_only_right": c,
-    "mcnemar_p": mcnemar_one_sided(b, c),
+    "mcnemar_p": stats.mcnemar_one_sided(b, c),
     "difference": (b - c) / n if n else math.nan,
-    "difference_lower": paired_lower_bound(b, c, n, alpha),
+    "difference_lower": stats.paired_lower_bound(b, c, n, alpha),
   }
 
 
@@ -151,7 +123,7 @@ def accuracy_labels(result: Mapping, rows: Sequence[Mapping]) -> tuple[list[bool
   """The held-out rows' kept-quality labels under held-out accuracy, with τ from the reference
   accuracies (2 · max(seed sd, binomial SE))."""
   reference = [a for r in result["rows"] if r["role"] == "reference" for a in r["accuracy_runs"]]
-  floor = study_lib.noise_floor(reference, int(result["num_eval"]), "accuracy")
+  floor = stats.noise_floor(reference, int(result["num_eval"]), "accuracy")
   labels = [floor["mean"] - float(np.mean(r["accuracy_runs"])) <= floor["tolerance"] for r in rows]
   return labels, floor
 
@@ -160,15 +132,15 @@ def tolerance_interval(
   result: Mapping, num_bootstrap: int = 2000, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
   """τ's bootstrap interval: the reference runs' qualities resampled with replacement and τ
-  recomputed from each resample as the study computes it (`study.noise_floor`)."""
+  recomputed from each resample as the study computes it (`stats.noise_floor`)."""
   reference = [
     q for r in result["rows"] if r["role"] == "reference" for q in study_lib.quality_runs(r)
   ]
   rng = np.random.default_rng(seed)
   taus = [
-    study_lib.noise_floor(
-      rng.choice(reference, len(reference)), result["num_eval"], result["label"]
-    )["tolerance"]
+    stats.noise_floor(rng.choice(reference, len(reference)), result["num_eval"], result["label"])[
+      "tolerance"
+    ]
     for _ in range(num_bootstrap)
   ]
   lo, hi = np.quantile(taus, [(1 - level) / 2, (1 + level) / 2])
@@ -232,7 +204,7 @@ def validate(result: Mapping, config) -> dict[str, Any]:
   out["labels_agree"] = sum(a == b for a, b in zip(acc_labels, primary_labels, strict=True))
   acc = [a for r in result["rows"] for a in r["accuracy_runs"]]
   kl = [k for r in result["rows"] for k in r["teacher_kl_runs"]]
-  out["spearman_accuracy_vs_minus_kl"] = study_lib.spearman(acc, [-k for k in kl])
+  out["spearman_accuracy_vs_minus_kl"] = stats.spearman(acc, [-k for k in kl])
   return out
 
 
@@ -448,110 +420,6 @@ def load_config(path: str):
   if "analysis" not in config:
     raise ValueError(f"{path} has no `analysis` section: nothing was pre-registered to score")
   return config
-
-
-def _g(x) -> str:
-  if x is None:
-    return "–"
-  if isinstance(x, float) and math.isinf(x):
-    return "∞"
-  return f"{x:.3g}" if isinstance(x, float) else str(x)
-
-
-def markdown(report: Mapping) -> str:
-  """The validation's tables (module docstring)."""
-  v = report["validation"]
-  lines = [
-    f"Held-out settings: {v['n']}, of which {v['degraded']} degraded "
-    f"(label {v['label']}, τ = {_g(v['tolerance'])}).",
-    f"Measure-nothing thresholds: σ* = {_g(v['thresholds']['sigma'])}, "
-    f"k* = {_g(v['thresholds']['lag'])}, refused formats: "
-    f"{', '.join(v['thresholds']['formats']) or 'none'}.",
-    f"τ's 95 % interval over the reference seeds: [{_g(v['tolerance_interval'][0])}, "
-    f"{_g(v['tolerance_interval'][1])}]; {v['labels_within_tolerance_interval']} held-out "
-    "labels lie within it.",
-    f"Accuracy label: τ = {_g(v['accuracy_tolerance'])}; the two labels agree on "
-    f"{v['labels_agree']}/{v['n']} settings; Spearman(accuracy, −KL) over every run "
-    f"{_g(v['spearman_accuracy_vs_minus_kl'])}.",
-    "",
-  ]
-  for key, title in (("primary_label", "primary label"), ("accuracy_label", "accuracy label")):
-    block = v[key]
-    lines += [
-      f"**{title}**",
-      "",
-      "| rule | agreement | 95 % Wilson | admitted kept | admitted degraded | refused kept "
-      "| refused degraded |",
-      "|---|---|---|---|---|---|---|",
-    ]
-    for name in (report["primary"], "pooled", "admit_all", "measure_nothing"):
-      s = block[name]
-      lo, hi = s["interval"]
-      lines.append(
-        f"| {name} | {s['admitted_kept'] + s['refused_degraded']}/{s['n']} = "
-        f"{s['agreement']:.1%} | [{lo:.1%}, {hi:.1%}] | {s['admitted_kept']} | "
-        f"{s['admitted_degraded']} | {s['refused_kept']} | {s['refused_degraded']} |"
-      )
-    lines += [
-      "",
-      "| against | rule only right | other only right | McNemar p (one-sided) | Δ | Δ lower |",
-      "|---|---|---|---|---|---|",
-    ]
-    for name, t in block["tests"].items():
-      lines.append(
-        f"| {name} | {t['rule_only_right']} | {t['other_only_right']} | "
-        f"{t['mcnemar_p']:.3g} | {t['difference']:+.3f} | {t['difference_lower']:+.3f} |"
-      )
-    lines += [
-      "",
-      f"goal ≥ 90 % met: {block['goal_met']}; beats "
-      + ", ".join(f"{k}: {b}" for k, b in block["beats"].items())
-      + f"; non-inferior to pooled: {block['noninferior']}",
-      "",
-    ]
-  lines += [
-    "| setting | source | check KL | drop | kept | " + report["primary"] + " | pooled | "
-    "measure_nothing |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
-  for s in v["settings"]:
-    lines.append(
-      f"| `{s['spec']}` | {s['source']} | {_g(s['kl'])} | {_g(s['drop'])} | {s['kept']} | "
-      f"{s[report['primary']]} | {s['pooled']} | {s['measure_nothing']} |"
-    )
-  for axis, block in report["one_scale"].items():
-    lines += [
-      "",
-      f"**one scale, axis {axis}**",
-      "",
-      "| source | offset δ_s | 95 % interval | LOSO knee | own knee | LOSO right |",
-      "|---|---|---|---|---|---|",
-    ]
-    for s, loso in block["leave_one_source_out"].items():
-      o = block["offsets"].get(s, {"offset": math.nan, "interval": [math.nan, math.nan]})
-      lines.append(
-        f"| {s} | {_g(o['offset'])} | [{_g(o['interval'][0])}, {_g(o['interval'][1])}] | "
-        f"{_g(loso['predicted_knee'])} ({loso['predicted_censored']}) | "
-        f"{_g(loso['own_knee'])} ({loso['own_censored']}) | {loso['right']}/{loso['settings']} |"
-      )
-  lines += [
-    "",
-    "| combination | KL | parts' KL | Σ parts | drop | parts' drops | kept | parts kept |",
-    "|---|---|---|---|---|---|---|---|",
-  ]
-  for f in report["factorial"]:
-    parts = f["part_kl"]
-    total = sum(x for x in parts.values() if x is not None)
-    lines.append(
-      f"| `{f['spec']}` | {_g(f['kl'])} | "
-      + ", ".join(f"{s} {_g(x)}" for s, x in parts.items())
-      + f" | {_g(total)} | {_g(f['drop'])} | "
-      + ", ".join(f"{s} {_g(x)}" for s, x in f["part_drop"].items())
-      + f" | {f['kept']} | "
-      + ", ".join(f"{s} {x}" for s, x in f["parts_kept"].items())
-      + " |"
-    )
-  return "\n".join(lines) + "\n"
 
 
 def report(result: Mapping, config) -> dict[str, Any]:

@@ -53,6 +53,7 @@ import numpy as np
 from opd_jax.config import check as config_check
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing, transform
+from opd_jax.io import json_file
 from opd_jax.mismatch import admission, sensitivity
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch import measure as measure_lib
@@ -371,5 +372,6 @@ def run_prefix_shift(
     "seconds": time.perf_counter() - start,
   }
   if json_path:
-    sensitivity.write_json(json_path, result, log)
+    json_file.write_json(json_path, result)
+    log(f"wrote {json_path}")
   return result

@@ -35,8 +35,6 @@ amortised over `seq_len` slots).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,7 +43,7 @@ import ml_collections
 
 from opd_jax.config import check as config_check
 from opd_jax.inference import transform
-from opd_jax.io import build, run_history
+from opd_jax.io import build, json_file, run_history
 from opd_jax.mismatch import admission
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.model import kvcache
@@ -502,14 +500,6 @@ def run_sensitivity(
       log("matplotlib is not installed: no PNG written")
   result["seconds"] = time.perf_counter() - start
   if json_path:
-    write_json(json_path, result, log)
+    json_file.write_json(json_path, result)
+    log(f"wrote {json_path}")
   return result
-
-
-def write_json(path: str, result: dict, log=print) -> None:
-  """Writes a command's result as indented JSON at `path` (parents created)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
-    f.write("\n")
-  log(f"wrote {path}")

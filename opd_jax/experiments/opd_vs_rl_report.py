@@ -1,0 +1,257 @@
+"""OPD against RL: the comparison's report from its finished rows (`write_report`).
+
+Per (setting, method) cell over its seeds (`summarise`): the mean and sd of the accuracy, the
+drop against the method's own reference with Welch's interval, the share of its gain kept with
+a bootstrap interval (`stats`), grad-norm spikes; the drops at equal training mismatch
+(`matched`); the markdown tables of those and of every run; the JSON with every number; and
+the two plots (`plots.opd_vs_rl_mismatch`, `plots.opd_vs_rl_curves`). The runs themselves are
+`experiments.opd_vs_rl`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opd_jax.experiments import plots, stats
+from opd_jax.io import json_file
+
+REFERENCE = plots.REFERENCE  # the reference engine's setting name
+# The arms (`opd_vs_rl.method_overrides`), in the order the report draws them (each its marker).
+METHODS = (
+  "opd",
+  "opd_sampled",
+  "opd_sampled_tis",
+  "rl",
+  "rl_is",
+  "grpo",
+  "grpo_tis",
+  "grpo_mis",
+  "grpo_seq_tis",
+  "grpo_seq_mis",
+)
+REPORT_NAME = "opd_vs_rl"  # <workdir>/opd_vs_rl.{md,json,png}
+
+
+def reference_runs(rows: Sequence[dict]) -> dict[str, list[dict]]:
+  """method -> its finished reference runs (one per seed)."""
+  by_method: dict[str, list[dict]] = {}
+  for r in rows:
+    if r["setting"] == REFERENCE:
+      by_method.setdefault(r["method"], []).append(r)
+  return by_method
+
+
+def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
+  """method -> mean accuracy of its finished reference runs (over seeds)."""
+  return {
+    m: float(np.mean([r["accuracy"] for r in mine])) for m, mine in reference_runs(rows).items()
+  }
+
+
+def add_drops(rows: Sequence[dict]) -> None:
+  """Sets each row's `drop` (points): its method's reference accuracy (the mean over the
+  reference's seeds) minus its accuracy; nan while that reference has no finished run."""
+  ref = reference_accuracy(rows)
+  for r in rows:
+    r["drop_points"] = (
+      100.0 * (ref[r["method"]] - r["accuracy"]) if r["method"] in ref else math.nan
+    )
+
+
+SPIKE_FACTOR = 3.0  # a logged grad-norm above this times its method's reference median spikes
+LEVEL = 0.95  # of every interval in the summary
+
+
+def spike_count(values: Sequence[float], reference_median: float) -> int:
+  """Logged steps whose grad-norm exceeds SPIKE_FACTOR × the method's reference median."""
+  if not math.isfinite(reference_median):
+    return 0
+  return int(np.sum(np.asarray(values, np.float64) > SPIKE_FACTOR * reference_median))
+
+
+def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
+  """One entry per (setting, method) cell over its seeds, in the rows' order:
+
+      accuracy = mean_s q_s,  accuracy_sd = sample sd of q_s (nan for one seed),
+      drop_points = 100·(mean of the method's reference − accuracy), with Welch's interval
+        (`stats.welch_interval`, reference seeds against the cell's),
+      gain_kept = (accuracy − w) / (reference − w), w the warm start, with its bootstrap
+        interval (`stats.gain_kept`),
+      grad_norm_spikes = logged steps over SPIKE_FACTOR × the method's reference median
+        grad-norm, summed over seeds, out of grad_norm_logged_steps,
+
+  and the seed means of the training-time mismatch/kl, the grad-norm and loss statistics.
+  """
+  cells: dict[tuple[str, str], list[dict]] = {}
+  for r in rows:
+    cells.setdefault((r["setting"], r["method"]), []).append(r)
+  references = reference_runs(rows)
+  out = []
+  for (setting, method), mine in cells.items():
+    q = np.asarray([r["accuracy"] for r in mine], np.float64)
+    warm = float(np.mean([r["accuracy_before"] for r in mine]))
+    ref = [r["accuracy"] for r in references.get(method, [])]
+    lo, hi = stats.welch_interval(ref, q) if setting != REFERENCE else (math.nan, math.nan)
+    kept, kept_ci = stats.gain_kept(ref, q, warm) if setting != REFERENCE else (1.0, (1.0, 1.0))
+    norms = [v for r in references.get(method, []) for v in r.get("grad_norms", [])]
+    median = float(np.median(norms)) if norms else math.nan
+    entry = {
+      "setting": setting,
+      "method": method,
+      "seeds": [r.get("seed", 0) for r in mine],
+      "accuracy": float(q.mean()),
+      "accuracy_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
+      "warm_start": warm,
+      "drop_points": 100.0 * (float(np.mean(ref)) - float(q.mean())) if ref else math.nan,
+      "drop_ci_points": [100.0 * lo, 100.0 * hi],
+      "gain_kept": kept,
+      "gain_kept_ci": list(kept_ci),
+      "grad_norm_spikes": sum(spike_count(r.get("grad_norms", []), median) for r in mine),
+      "grad_norm_logged_steps": sum(r.get("grad_norm_logged_steps", 0) for r in mine),
+    }
+    for key in (
+      "mismatch_kl_mean",
+      "grad_norm_mean",
+      "grad_norm_max",
+      "loss_mean",
+      "loss_max",
+      "train_reward_last",
+    ):
+      entry[key] = float(np.mean([r.get(key, math.nan) for r in mine]))
+    entry["mismatch_kl_sd"] = float(np.std([r["mismatch_kl_mean"] for r in mine], ddof=0))
+    out.append(entry)
+  return out
+
+
+def matched(
+  cells: Sequence[dict], family: Sequence[str], kl_values: Sequence[float]
+) -> list[dict[str, Any]]:
+  """Each method's drop at equal training-time mismatch: for each κ in `kl_values`, the drop
+  (points) and the share of gain kept, interpolated linearly in mismatch/kl between the
+  method's cells of `family` (setting names; the reference sits at mismatch/kl 0), nan
+  where κ lies beyond the method's largest such mismatch (no extrapolation)."""
+  out = []
+  for method in dict.fromkeys(c["method"] for c in cells):
+    mine = [
+      c
+      for c in cells
+      if c["method"] == method and (c["setting"] in family or c["setting"] == REFERENCE)
+    ]
+    pts = sorted((0.0 if c["setting"] == REFERENCE else c["mismatch_kl_mean"], c) for c in mine)
+    if len(pts) < 2:
+      continue
+    x = np.asarray([p for p, _ in pts])
+    ys = {
+      key: np.asarray([c[key] for _, c in pts], np.float64) for key in ("drop_points", "gain_kept")
+    }
+    for kappa in kl_values:
+      entry = {"method": method, "kl": float(kappa)}
+      for key, y in ys.items():
+        entry[key] = float(np.interp(kappa, x, y)) if kappa <= x.max() else math.nan
+      out.append(entry)
+  return out
+
+
+def matched_table(entries: Sequence[dict]) -> str:
+  """`matched` as a markdown table: one row per method, one column pair per κ."""
+  kls = sorted({e["kl"] for e in entries})
+  head = "| method | " + " | ".join(f"drop at KL {k:g} / share kept" for k in kls) + " |\n"
+  head += "|---|" + "---:|" * len(kls) + "\n"
+  lines = []
+  for method in dict.fromkeys(e["method"] for e in entries):
+    by_kl = {e["kl"]: e for e in entries if e["method"] == method}
+    lines.append(
+      f"| {method} | "
+      + " | ".join(
+        f"{_fmt(by_kl[k]['drop_points'], '+.1f')} / {_fmt(by_kl[k]['gain_kept'], '.2f')}"
+        if k in by_kl
+        else "—"
+        for k in kls
+      )
+      + " |"
+    )
+  return head + "\n".join(lines) + "\n"
+
+
+def summary_table(cells: Sequence[dict]) -> str:
+  """The per-cell summary over seeds as a markdown table."""
+  head = (
+    "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
+    "share of gain kept [95 %] | train mismatch/kl | grad-norm mean / max | spikes | "
+    "loss max |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
+    f"{_fmt(100 * c['accuracy'], '.1f')} ± {_fmt(100 * c['accuracy_sd'], '.1f')} % | "
+    f"{_fmt(c['drop_points'], '+.1f')} {_interval(c.get('drop_ci_points'), '.1f')} | "
+    f"{_fmt(c.get('gain_kept', math.nan), '.2f')} {_interval(c.get('gain_kept_ci'), '.2f')} | "
+    f"{_fmt(c['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(c['grad_norm_mean'], '.3g')} / {_fmt(c['grad_norm_max'], '.3g')} | "
+    f"{c.get('grad_norm_spikes', 0)}/{c.get('grad_norm_logged_steps', 0)} | "
+    f"{_fmt(c.get('loss_max', math.nan), '.3g')} |"
+    for c in cells
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def _interval(ci, spec: str) -> str:
+  if not ci or any(x is None or math.isnan(x) for x in ci):
+    return ""
+  return f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
+
+
+def _fmt(x: float, spec: str) -> str:
+  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+  """The comparison as a markdown table, one line per (setting, method)."""
+  head = (
+    "| setting | method | seed | accuracy | drop vs own ref (pts) | train mismatch/kl | "
+    "grad-norm mean | grad-norm max | grad-norm std | last reward |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {r['setting']} | {r['method']} | {r.get('seed', 0)} | "
+    f"{_fmt(100 * r['accuracy'], '.1f')} % | "
+    f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
+    f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
+    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} |"
+    for r in rows
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
+  """Writes <workdir>/opd_vs_rl.{md,json,png} from the finished rows; returns the JSON dict."""
+  add_drops(rows)
+  table = markdown_table(rows)
+  cells = summarise(rows)
+  text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
+  if any(len(c["seeds"]) > 1 for c in cells):
+    text += f"## Over seeds\n\n{summary_table(cells)}\n"
+  at_equal_kl = matched(cells, meta.get("matched_settings", ()), meta.get("matched_kl", ()))
+  if at_equal_kl:
+    text += (
+      "## At equal training mismatch\n\nDrop (points) and share of gain kept, interpolated "
+      f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference (an arm "
+      "trained on some of them only, over those it has).\n\n"
+      f"{matched_table(at_equal_kl)}\n"
+    )
+  if text.count("\n## "):
+    text += "## Every run\n\n"
+  base = os.path.join(workdir, REPORT_NAME)
+  with open(base + ".md", "w", encoding="utf-8") as f:
+    f.write(text + table)
+  report = dict(meta, rows=rows, cells=cells, matched=at_equal_kl, table_markdown=table)
+  json_file.write_json(base + ".json", report)
+  if not plots.opd_vs_rl_mismatch(cells, base + ".png", METHODS, meta.get("matched_settings", ())):
+    log("matplotlib is not installed: no PNG written")
+  plots.opd_vs_rl_curves(rows, base + "_curves.png", METHODS)
+  return report

@@ -1,5 +1,6 @@
 """Config schema and CLI validation: every bad value is named before anything compiles."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,6 +10,10 @@ import pytest
 
 from opd_jax.cli.flags import resolve_config_arg
 from opd_jax.config import check as config_check
+from opd_jax.config import spec as spec_lib
+from opd_jax.io import build
+from opd_jax.model.config import ModelConfig
+from opd_jax.train import setup as setup_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "configs"))
@@ -54,7 +59,53 @@ def test_every_config_file_and_variant_validates(name):
   for variant in (None, *getattr(module, "VARIANTS", ())):
     config = module.get_config(variant)
     # An experiment config (study.py, opd_vs_rl.py) holds the run it varies under `run`.
-    config_check.validate(config.run if "run" in config else config)
+    run = config.run if "run" in config else config
+    config_check.validate(run)
+    assert_spec_holds(run)
+
+
+def spec_leaves(node, prefix=""):
+  """(dotted key, value) of every leaf field of a spec dataclass tree, `values` left out."""
+  for field in dataclasses.fields(node):
+    value = getattr(node, field.name)
+    if dataclasses.is_dataclass(value):
+      yield from spec_leaves(value, f"{prefix}{field.name}.")
+    elif field.name != "values":
+      yield f"{prefix}{field.name}", value
+
+
+def assert_spec_holds(config):
+  """`run_spec(config)` holds every key of `config` with its value (lists as tuples), its
+  `values` are the checkpoint fingerprint's reprs, and it cannot be changed."""
+  spec = setup_lib.run_spec(config)
+  flat = dict(config_check.flatten(config))
+  leaves = dict(spec_leaves(spec))
+  assert set(leaves) == set(flat) == set(config_check.RULES)
+  for key, value in flat.items():
+    assert leaves[key] == (tuple(value) if isinstance(value, list) else value), key
+  assert spec.values == tuple((k, repr(v)) for k, v in config_check.flatten(config))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    spec.rollout.weights = "fp8"
+
+
+def test_typed_settings_are_derived_from_the_spec_fields():
+  """`derive` takes every field of the same name; the renamed and converted ones are given."""
+  config = base.get_config()
+  config.train.is_clip, config.train.advantage_clip, config.train.ppo_epochs = 0.0, 3.0, 2
+  config.rollout.weight_block_size, config.rollout.top_k = 64, 5
+  spec = setup_lib.run_spec(config)
+  loss = setup_lib.loss_config(spec)
+  assert (loss.name, loss.is_clip, loss.advantage_clip) == ("reverse_kl_full", None, 3.0)
+  assert (loss.ppo_epochs, loss.group_size) == (2, config.rollout.samples_per_prompt)
+  engine = setup_lib.engine_config(spec, "float32")
+  assert (engine.weight_block_size, engine.weight_group_size) == (64, None)
+  assert engine.kv.dtype == "float32"  # kv_cache=auto: the compute dtype
+  sampling = setup_lib.sampler_config(spec, 1, engine.kv, 64)
+  assert (sampling.top_k, sampling.stop_tokens, sampling.attention) == (5, (1,), "blockwise")
+  arch = build.arch_config(spec.student.arch, 64)
+  assert (arch.num_layers, arch.hidden_size, arch.qk_norm) == (2, 128, True)
+  with pytest.raises(TypeError):  # a field the target lacks is refused, not dropped
+    spec_lib.derive(ModelConfig, spec.student.arch, colour="red")
 
 
 @pytest.mark.parametrize(

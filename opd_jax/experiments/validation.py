@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from opd_jax.config import check as config_check
+from opd_jax.config import values
 from opd_jax.experiments import study as study_lib
 from opd_jax.mismatch import budget
 from opd_jax.mismatch import candidates as candidates_lib
@@ -412,7 +413,7 @@ def third_runs(result: Mapping, config, workdir: str, seed: int = 2, log=print) 
 
 def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
   """`KEY=VALUE` texts as dotted-key overrides of `run_cfg`, each value parsed as
-  `--config.KEY=VALUE` would parse it for the key's current value (`candidates.parse_value`);
+  `--config.KEY=VALUE` would parse it for the key's current value (`config.values.parse_value`);
   `runs.with_overrides` then refuses an unknown key or a value the config check refuses.
 
   Raises:
@@ -424,7 +425,7 @@ def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
     key, sep, raw = item.partition("=")
     if not sep:
       raise ValueError(f"--run-override={item!r}: expected KEY=VALUE")
-    out[key] = candidates_lib.parse_value(raw, current.get(key))
+    out[key] = values.parse_value(raw, current.get(key))
   return out
 
 

@@ -15,6 +15,10 @@ import re
 from absl import flags as absl_flags
 from ml_collections.config_flags import tuple_parser
 
+# Calibration prompts per measurement (`mismatch.admission`), here so that the commands' flags
+# name the default without importing the measurement (and JAX).
+DEFAULT_NUM_PROMPTS = 64
+
 
 def split_spec(spec: str) -> list[str]:
   """Splits "a=1,b=(0,1),c=x" at the commas outside brackets: ["a=1", "b=(0,1)", "c=x"]."""

@@ -21,13 +21,95 @@ def _command(*args, timeout=300):
   )
 
 
-@pytest.mark.parametrize("command", ["opd_jax.admit", "opd_jax.sensitivity", "opd_jax.export"])
+@pytest.mark.parametrize("command", ["opd_jax.admit", "opd_jax.sensitivity", "opd_jax.main"])
 def test_help_shows_config_and_workdir_points_to_the_reference_and_exits_0(command):
   proc = _command(command, "--help")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "  --config: " in proc.stdout and "  --workdir: " in proc.stdout
   assert cli_flags.CONFIG_REFERENCE in proc.stdout
   assert "orbax" not in proc.stdout and "--verbosity" not in proc.stdout  # only its own flags
+
+
+# The commands on `cli.runner.run_command`: --help parses the flags without importing JAX.
+RUNNER_COMMANDS = (
+  "main",
+  "study",
+  "calibrate",
+  "export",
+  "sensitivity",
+  "prefix_shift",
+  "opd_vs_rl",
+)
+
+
+@pytest.mark.parametrize("command", RUNNER_COMMANDS)
+def test_help_exits_0_without_importing_jax(command):
+  code = (
+    "import runpy, sys\n"
+    f"sys.argv = ['python -m opd_jax.{command}', '--help']\n"
+    "try:\n"
+    f"  runpy.run_module('opd_jax.{command}', run_name='__main__', alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "  print('exit', e.code, 'jax' in sys.modules, 'flax' in sys.modules, file=sys.stderr)\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
+  assert proc.stderr.strip().splitlines()[-1] == "exit 0 False False", proc.stderr[-2000:]
+  assert "flags:" in proc.stdout and f"python -m opd_jax.{command}" in proc.stdout
+
+
+def test_export_help_hides_the_old_workdir_and_names_params_from():
+  proc = _command("opd_jax.export", "--help")
+  assert proc.returncode == 0
+  assert "  --params-from: " in proc.stdout and "  --workdir" not in proc.stdout
+  assert "--out: Directory to write the Hugging Face checkpoint to. (required)" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["opd_jax.main", "opd_jax.study", "opd_jax.calibrate"])
+def test_workdir_is_required_where_a_command_writes(command):
+  proc = _command(command, "--config=configs/bf16_sync.py:tiny")
+  assert proc.returncode == 1
+  assert "error: --workdir is required: Where logs and checkpoints go." in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_prefix_shift_needs_a_workdir_only_for_its_default_json():
+  proc = _command(
+    "opd_jax.prefix_shift", "--config=configs/bf16_sync.py:tiny", "--candidate=rollout.weights=fp8"
+  )
+  assert proc.returncode == 1
+  assert "error: pass --workdir=DIR (where the JSON goes)" in proc.stderr
+
+
+def test_a_tuple_of_bare_words_parses_alike_in_config_overrides_and_candidates():
+  """`(attention,)` is a tuple of strings in `--config.rollout.noise_modules=` (main's flags) as in
+  `--candidate` (admit's), and the config main would train passes the trainer's check."""
+  from opd_jax.config import values
+  from opd_jax.mismatch import candidates
+
+  text = "(attention,)"
+  code = (
+    "from opd_jax.cli import flags as f\n"
+    "from opd_jax.config import check\n"
+    "argv = ['main', '--config=configs/bf16_sync.py:tiny', '--config.rollout.noise_sigma=0.33',\n"
+    f"  '--config.rollout.noise_modules={text}']\n"
+    "import sys; sys.argv = argv  # as under python -m\n"
+    "f.parse_flags(f.resolve_config_arg(argv))\n"
+    "check.validate(f.CONFIG.value)\n"
+    "print(repr(f.CONFIG.value.rollout.noise_modules))\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "('attention',)"
+  from conftest import tiny_config
+
+  spec = f"rollout.noise_sigma=0.33,rollout.noise_modules={text}"
+  candidate = candidates.parse_candidate(spec, tiny_config(""))
+  assert candidate.overrides["rollout.noise_modules"] == ("attention",)
+  assert values.parse_value("('mlp', 'o')", ()) == ("mlp", "o")  # quoted text as before
 
 
 def test_argparse_help_lists_json_path():

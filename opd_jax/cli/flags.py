@@ -48,9 +48,10 @@ HIDDEN: set[str] = set()  # flags `command_help` leaves out: deprecated spelling
 
 def needed_workdir(what: str) -> str:
   """`--workdir`'s value, for a command that writes `what` there only when told nowhere else."""
-  if not WORKDIR.value:
+  workdir = flags.FLAGS["workdir"].value  # WORKDIR.value refuses None, the runner's default
+  if not workdir:
     raise ValueError(f"pass --workdir=DIR (where {what} goes)")
-  return WORKDIR.value
+  return workdir
 
 
 def warn_deprecated(old: str, new: str) -> None:

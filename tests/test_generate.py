@@ -17,6 +17,7 @@ from opd_jax import generate
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
 from opd_jax.io import hf
+from opd_jax.io.build import DTYPES
 from opd_jax.train import setup as setup_lib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
@@ -89,8 +90,10 @@ def test_bad_arguments(make_hf_checkpoint):
     generate.main(["--checkpoint", ckpt])
   with pytest.raises(ValueError, match="--dtype 'float16' is not one of: float32, bfloat16"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--dtype", "float16"])
-  with pytest.raises(ValueError, match="--kv-cache 'int8' is not one of: auto, bf16, fp8"):
-    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--kv-cache", "int8"])
+  with pytest.raises(ValueError, match="rollout.kv_cache 'int8' is not one of: auto, bf16, fp8"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--rollout=rollout.kv_cache=int8"])
+  with pytest.raises(ValueError, match="--rollout 'rollout.kv=fp8': expected one of"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--rollout=rollout.kv=fp8"])
   with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--top-p", "2"])
   with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -99,7 +102,7 @@ def test_bad_arguments(make_hf_checkpoint):
 
 def test_options_and_defaults_are_the_trainers():
   config = base.get_config()
-  args = generate.build_parser().parse_args(["--checkpoint", "x", "--prompt-ids", "1"])
+  args = generate.parse_args(["--checkpoint", "x", "--prompt-ids", "1"])
   assert (args.weights, args.kv_cache, args.dtype) == (
     config.rollout.weights,
     config.rollout.kv_cache,
@@ -108,11 +111,9 @@ def test_options_and_defaults_are_the_trainers():
   rules = config_check.RULES
   assert rules["rollout.weights"].options == generate.WEIGHTS
   assert rules["rollout.kv_cache"].options == generate.KV_CACHES
-  assert tuple(generate.DTYPES) == rules["student.dtype"].options
+  assert tuple(DTYPES) == rules["student.dtype"].options == generate.DTYPE_NAMES
   # Each combination names the engine the trainer builds for the same values.
-  for weights, kv, dtype in itertools.product(
-    generate.WEIGHTS, generate.KV_CACHES, generate.DTYPES
-  ):
+  for weights, kv, dtype in itertools.product(generate.WEIGHTS, generate.KV_CACHES, DTYPES):
     config.rollout.weights, config.rollout.kv_cache = weights, kv
     config.rollout.weight_group_size = 32 if weights == "fp4" else 0  # fp4 needs its MX blocks
     ref = setup_lib.engine_config(config, dtype)
@@ -128,11 +129,11 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert generate.main(base_argv) == 0  # the defaults: trainer weights, f32 compute and cache
   captured = capsys.readouterr()
   assert captured.out.startswith("engine w=trainer,kv=float32,") and captured.err == ""
-  default = generate.generate(generate.build_parser().parse_args(base_argv))
+  default = generate.generate(generate.parse_args(base_argv))
 
   messages = []
   old = base_argv + ["--weights", "dense", "--kv-cache", "f32", "--dtype", "bfloat16"]
-  got = generate.generate(generate.build_parser().parse_args(old), warn=messages.append)
+  got = generate.generate(generate.parse_args(old), warn=messages.append)
   assert messages == [
     "warning: --weights dense is deprecated; use --weights trainer",
     "warning: --kv-cache f32 is deprecated; use --kv-cache auto with --dtype float32 "
@@ -142,11 +143,11 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert len(got["completions"][0]) == 4
 
   # The line in docs/guides/fp8_async.md: fp8 weights and an fp8 KV cache.
-  readme = base_argv + ["--weights", "fp8", "--kv-cache", "fp8", "--json"]
+  readme = base_argv + ["--rollout=rollout.weights=fp8,rollout.kv_cache=fp8", "--json"]
   assert generate.main(readme) == 0
   fp8 = json.loads(capsys.readouterr().out)
   assert len(fp8["completions"][0]) == 4 and len(default["completions"][0]) == 4
-  bf16 = generate.generate(generate.build_parser().parse_args(base_argv + ["--weights", "bf16"]))
+  bf16 = generate.generate(generate.parse_args(base_argv + ["--rollout=rollout.weights=bf16"]))
   assert bf16["engine_id"].startswith("w=bf16,kv=bfloat16,")  # auto follows the engine dtype
 
 

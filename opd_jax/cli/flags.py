@@ -226,13 +226,15 @@ class ProgressLog:
     out.flush()
 
 
-def command_help(doc: str | None, flag_values: flags.FlagValues | None = None, required=()) -> str:
+def command_help(
+  doc: str | None, flag_values: flags.FlagValues | None = None, required=(), hidden=()
+) -> str:
   """The `--help` text of a command: its docstring, its own flags and the shared ones
   (`--config`, `--workdir` where it reads a run config), and where the config keys are.
 
   `flag_values` is a command's own `FlagValues` (`runner.parse_own_flags`), else the global
-  flags of the `__main__` module and `opd_jax`; a flag in `HIDDEN` is left out, one in `required`
-  says so instead of its default."""
+  flags of the `__main__` module and `opd_jax`; a flag in `HIDDEN` or `hidden` is left out, one
+  in `required` says so instead of its default."""
   lines = [(doc or "").strip(), "", "flags:"]
   by_module = (flag_values or flags.FLAGS).flags_by_module_dict()
   shown = set()
@@ -243,7 +245,7 @@ def command_help(doc: str | None, flag_values: flags.FlagValues | None = None, r
     ):
       continue  # absl's own flags and those of libraries (orbax): --helpfull lists them
     for flag in sorted(by_module[module], key=lambda f: f.name):
-      if flag.name in shown or flag.name in HIDDEN:
+      if flag.name in shown or flag.name in HIDDEN or flag.name in hidden:
         continue
       shown.add(flag.name)
       if flag.name in required:

@@ -102,21 +102,22 @@ def parse_own_flags(
   doc: str | None,
   required: Sequence[str] = (),
   renames: dict[str, str] | None = None,
+  hidden: Sequence[str] = (),
 ) -> argparse.Namespace:
   """Parses `argv` (without the program name; None = sys.argv[1:]) against the flags `define`
   puts on a fresh `FlagValues`, so the command's `main(argv)` can be called again in one process.
 
   `--help` prints `doc` and the flags and exits 0; a bare `--json` is `--json=-`; a bad or
   missing flag exits with one line; an old spelling in `renames` is rewritten with a warning
-  (`flags.rewrite_deprecated`). Returns the values as attributes, dashes turned into
-  underscores (`--max-new-tokens` -> `.max_new_tokens`).
+  (`flags.rewrite_deprecated`); `hidden` flags are left out of `--help`. Returns the values as
+  attributes, dashes turned into underscores (`--max-new-tokens` -> `.max_new_tokens`).
   """
   flag_values = flags.FlagValues()
   define(flag_values)
   args = list(sys.argv[1:] if argv is None else argv)
   args = cli_flags.rewrite_deprecated(["command", *args], renames or {})[1:]
   if any(arg in cli_flags.HELP_ARGS for arg in args):
-    print(cli_flags.command_help(doc, flag_values, required))
+    print(cli_flags.command_help(doc, flag_values, required, hidden))
     sys.exit(0)
   try:
     rest = flag_values(["command", *cli_flags.bare_json_to_stdout(args)])

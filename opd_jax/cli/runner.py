@@ -30,6 +30,8 @@ from absl import app, flags, logging
 
 from opd_jax.cli import flags as cli_flags
 
+SHARED_FLAGS = ("config", "workdir")  # defined by cli.flags for every command
+
 
 def _check_required(flag_values: flags.FlagValues, required: Sequence[str]) -> None:
   """Exits with one line naming the first required flag that was not given."""
@@ -60,6 +62,7 @@ def run_command(
   verbosity: int = logging.WARNING,
   error_status: int = 1,
   own_flags: bool = False,
+  shared: Sequence[str] = SHARED_FLAGS,
 ) -> None:
   """Runs `main` as the `__main__` command and exits with its status.
 
@@ -74,15 +77,20 @@ def run_command(
     verbosity: absl's verbosity unless `--verbosity` is given (orbax logs every restore at INFO).
     error_status: the exit status of a ValueError or FileNotFoundError.
     own_flags: `main(argv)` parses its own flags (`parse_own_flags`).
+    shared: the flags of `cli.flags` the command takes (`--config`, `--workdir`); the others
+      are left out of `--help` and refused.
   """
   if own_flags:
     sys.exit(_exit_on_error(lambda: main(sys.argv[1:]), error_status))
   argv = cli_flags.rewrite_deprecated(sys.argv, renames or {})
-  cli_flags.HIDDEN.update(hidden)
+  cli_flags.HIDDEN.update(hidden, set(SHARED_FLAGS) - set(shared))
   flags.FLAGS.set_default("workdir", None)  # no silent /tmp/opd_jax on this runner
 
   def parse(args: list[str]) -> list[str]:
     rest = cli_flags.parse_flags(args, required=required)
+    for name in set(SHARED_FLAGS) - set(shared):
+      if flags.FLAGS[name].present:
+        sys.exit(f"error: this command takes no --{name}")
     _check_required(flags.FLAGS, required)
     return rest
 

@@ -112,9 +112,10 @@ def test_a_tuple_of_bare_words_parses_alike_in_config_overrides_and_candidates()
   assert values.parse_value("('mlp', 'o')", ()) == ("mlp", "o")  # quoted text as before
 
 
-def test_argparse_help_lists_json_path():
+def test_bench_help_describes_the_bench_and_lists_json_path():
   proc = _command("opd_jax.bench.kv_capacity", "--help")
-  assert proc.returncode == 0 and "--json [PATH]" in proc.stdout
+  assert proc.returncode == 0 and "KV-cache capacity per recipe" in proc.stdout
+  assert "  --json: Write the rows to PATH; - (or a bare --json) prints only it" in proc.stdout
 
 
 def test_json_to_stdout_to_a_file_and_bare(tmp_path):

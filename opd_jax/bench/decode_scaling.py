@@ -37,18 +37,18 @@ carry attention="before" and time that tree's one path.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from opd_jax.bench.sampler import MODELS
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.model import kvcache
 from opd_jax.model import transformer as model
 
@@ -166,18 +166,22 @@ def ratios(rows: list[dict]) -> dict:
   return {"s4096_over_s256_at_t32": growth, "fp8_over_bf16_speed": fp8}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv, '{"rows": [...], "ratios": {...}}')
+  flags.DEFINE_bool("quick", False, "Batch 1 only, 3 timed calls per row.", flag_values=fv)
+  flags.DEFINE_string(
+    "attention",
+    "",
+    "Comma-separated subset of blockwise,reference,pallas (default blockwise,reference; "
+    "pallas runs in interpret mode on a CPU).",
+    flag_values=fv,
+  )
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; prints a table, or {"rows": [...], "ratios": {...}} with --json."""
-  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.decode_scaling")
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 timed calls per row")
-  parser.add_argument(
-    "--attention",
-    default="",
-    help="comma-separated subset of blockwise,reference,pallas (default blockwise,reference; "
-    "pallas runs in interpret mode on a CPU)",
-  )
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
   attentions = tuple(a for a in args.attention.split(",") if a) or None
   if attentions and (not _NEW or set(attentions) - set(model.ATTENTIONS)):
     raise ValueError(f"--attention must name paths of {getattr(model, 'ATTENTIONS', ())}")
@@ -203,4 +207,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -28,11 +28,13 @@ fp8_paper on Qwen3-1.7B with its best granularity holds ≥ 1.93×.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from absl import flags
+
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
@@ -206,17 +208,20 @@ def format_table(rows: list[dict], checks: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv, "the rows")
+  flags.DEFINE_float("budget-gib", 16.0, "KV memory budget, GiB.", flag_values=fv)
+  flags.DEFINE_integer("seq-len", 4096, "Slots per sequence.", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
   """Prints the capacity table (or JSON rows); returns 1 when a floor fails."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget, GiB")
-  parser.add_argument("--seq-len", type=int, default=4096, help="slots per sequence")
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
   if args.budget_gib <= 0:
-    parser.error(f"--budget-gib must be positive, got {args.budget_gib}")
+    raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")
   if args.seq_len <= 0:
-    parser.error(f"--seq-len must be positive, got {args.seq_len}")
+    raise ValueError(f"--seq-len must be positive, got {args.seq_len}")
   rows = capacity_rows(int(args.budget_gib * 2**30), args.seq_len)
   checks = check_floors(rows)
   if args.json:
@@ -231,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

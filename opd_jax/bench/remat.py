@@ -27,14 +27,13 @@ micro-batches divide the activation memory as expected.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -110,9 +109,7 @@ def run(rows=ROWS) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(cli_flags.define_json_flag, argv, __doc__)
   rows = run()
   c = BENCH_CONFIG
   shape = {
@@ -140,4 +137,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -46,17 +46,17 @@ to the trainer's devices), not in CPU step time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing
 from opd_jax.model import teacher_topk
@@ -186,14 +186,23 @@ def _pair(vocab: int, source: str, full: dict, top: dict) -> dict:
   return row
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv)
+  flags.DEFINE_integer(
+    "top-k", TOP_K, "Teacher logits kept per position (train.teacher_top_k).", flag_values=fv
+  )
+  flags.DEFINE_string(
+    "loss", "forward_kl", "The loss both teachers are timed with (train.loss).", flag_values=fv
+  )
+  flags.DEFINE_integer("repeats", 5, "Timed steps per row (median).", flag_values=fv)
+  flags.DEFINE_string(
+    "vocabs", ",".join(map(str, VOCABS)), "Comma-separated vocabulary sizes.", flag_values=fv
+  )
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--top-k", type=int, default=TOP_K)
-  parser.add_argument("--loss", default="forward_kl")
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)))
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
   vocabs = tuple(int(v) for v in args.vocabs.split(","))
   rows = run(vocabs, args.top_k, args.loss, args.repeats)
   c = bench_config(vocabs[0])
@@ -231,4 +240,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -121,24 +121,21 @@ def json_output(target: str | None):
       write_json(f.read(), "-")
 
 
-def add_json_argument(parser, what: str = "the JSON result") -> None:
-  """`--json[=PATH]` for an argparse command: PATH, or "-" (a bare `--json`) for stdout only."""
-  parser.add_argument(
-    "--json",
-    nargs="?",
-    const="-",
-    default=None,
-    metavar="PATH",
-    help=f"write {what} to PATH; - (or a bare --json) prints only it to stdout",
+def define_json_flag(flag_values: flags.FlagValues, what: str = "the JSON result") -> None:
+  """`--json[=PATH]` on a command's own flags: PATH, or "-" (a bare `--json`) for stdout only."""
+  flags.DEFINE_string(
+    "json",
+    None,
+    f"Write {what} to PATH; - (or a bare --json) prints only it to stdout.",
+    flag_values=flag_values,
   )
 
 
-def add_teacher_cache_argument(parser, help_text: str) -> None:
-  """`--config.teacher.cache_dir=DIR` for an argparse command (the run config's own key), with
-  the old `--teacher-cache` kept for this release (`rewrite_deprecated`)."""
-  parser.add_argument(
-    "--config.teacher.cache_dir", dest="teacher_cache", default="", help=help_text
-  )
+def define_teacher_cache_flag(flag_values: flags.FlagValues, help_text: str) -> None:
+  """`--config.teacher.cache_dir=DIR` on a command's own flags (the run config's own key; the
+  parsed value is `.teacher_cache`), with the old `--teacher-cache` kept for this release
+  (`rewrite_deprecated`)."""
+  flags.DEFINE_string("config.teacher.cache_dir", "", help_text, flag_values=flag_values)
 
 
 def log_for_json(target: str | None):

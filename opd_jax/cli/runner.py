@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from opd_jax.cli import flags as cli_flags
 
 SHARED_FLAGS = ("config", "workdir")  # defined by cli.flags for every command
+ATTRIBUTES = {"config.teacher.cache_dir": "teacher_cache"}  # parse_own_flags' dotted names
 
 
 def _check_required(flag_values: flags.FlagValues, required: Sequence[str]) -> None:
@@ -118,7 +119,8 @@ def parse_own_flags(
   `--help` prints `doc` and the flags and exits 0; a bare `--json` is `--json=-`; a bad or
   missing flag exits with one line; an old spelling in `renames` is rewritten with a warning
   (`flags.rewrite_deprecated`); `hidden` flags are left out of `--help`. Returns the values as
-  attributes, dashes turned into underscores (`--max-new-tokens` -> `.max_new_tokens`).
+  attributes, dashes turned into underscores (`--max-new-tokens` -> `.max_new_tokens`;
+  `--config.teacher.cache_dir` -> `.teacher_cache`).
   """
   flag_values = flags.FlagValues()
   define(flag_values)
@@ -134,4 +136,6 @@ def parse_own_flags(
   if len(rest) > 1:
     sys.exit(f"error: unexpected arguments: {rest[1:]}")
   _check_required(flag_values, required)
-  return argparse.Namespace(**{n.replace("-", "_"): flag_values[n].value for n in flag_values})
+  return argparse.Namespace(
+    **{ATTRIBUTES.get(n, n.replace("-", "_")): flag_values[n].value for n in flag_values}
+  )

@@ -51,10 +51,8 @@ import time
 
 from absl import flags
 
-from opd_jax.budget import fit_budget, save_budget
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.io import metrics_writer
 
 DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
 TARGET = 0.02
@@ -67,6 +65,8 @@ _RECORDS = [
 
 def run_wall_seconds(run_dir: str) -> dict:
   """The run's last `perf/wall_seconds` and `perf/train_wall_seconds` (None when not logged)."""
+  from opd_jax.io import metrics_writer
+
   rows = metrics_writer.read_jsonl(run_dir)
 
   def last(name):
@@ -161,6 +161,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv: list[str] | None = None) -> int:
   renames = {"--teacher-cache": "--config.teacher.cache_dir", "--run": "--params-from"}
   args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
+  from opd_jax.budget import fit_budget, save_budget
+
   args.run = args.params_from
   if not args.run and not args.measure_run:
     raise SystemExit("give --params-from=RUN (a finished run to read) or --measure-run")

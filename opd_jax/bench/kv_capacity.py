@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.model import kvcache
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 # The tiny CPU model: small enough to allocate, 4 layers so that fp8_paper keeps 1 of 4.
@@ -98,6 +101,8 @@ PAPER_FLOOR_MODEL = "qwen3-1.7b"
 
 def recipe_specs() -> list[tuple[str, str | None, kvcache.KVCacheSpec]]:
   """(recipe, granularity, spec) for every benchmarked cache configuration."""
+  from opd_jax.model import kvcache
+
   out = [("bf16", None, kvcache.KVCacheSpec(dtype="bfloat16"))]
   for recipe, layers in (("fp8_all", ()), ("fp8_paper", PAPER_BF16_LAYERS)):
     for granularity in kvcache.KV_GRANULARITIES:
@@ -121,6 +126,8 @@ def capacity_rows(budget_bytes: int, seq_len: int = 4096) -> list[dict]:
     num_bf16_layers (layers whose cache is BF16), seq_len, source,
     kv_bytes_per_token, budget_bytes, tokens_in_budget, ratio_vs_bf16.
   """
+  from opd_jax.model import kvcache
+
   if budget_bytes <= 0:
     raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
   if seq_len <= 0:

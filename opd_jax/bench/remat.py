@@ -28,16 +28,14 @@ micro-batches divide the activation memory as expected.
 from __future__ import annotations
 
 import json
-
-import jax
-import jax.numpy as jnp
+from typing import TYPE_CHECKING
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.data.rollout_types import Rollout
-from opd_jax.model import transformer as model
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.data.rollout_types import Rollout
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import train_step
 
 # Small but not tiny: 8 layers, so that what each layer keeps for the backward pass counts.
 BENCH_CONFIG = ModelConfig(
@@ -57,6 +55,11 @@ ROWS = [("none", 1), ("layer", 1), ("dots", 1), ("dots_no_batch", 1), ("none", 4
 
 def abstract_rollout(batch: int, prompt: int, completion: int) -> Rollout:
   """Shapes and dtypes of a sampled batch (no teacher logits: the step scores the teacher)."""
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.data.rollout_types import Rollout
+
   i32, f32 = jnp.int32, jnp.float32
   s = jax.ShapeDtypeStruct
   return Rollout(
@@ -72,6 +75,11 @@ def abstract_rollout(batch: int, prompt: int, completion: int) -> Rollout:
 
 def measure(remat: str, microbatches: int, cfg: ModelConfig = BENCH_CONFIG) -> dict:
   """The compiled step's memory analysis for one setting, as a row."""
+  import jax
+
+  from opd_jax.model import transformer as model
+  from opd_jax.train import train_step
+
   tx = train_step.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
   params = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg))
   state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
@@ -110,6 +118,8 @@ def run(rows=ROWS) -> list[dict]:
 
 def main(argv=None) -> int:
   args = runner.parse_own_flags(cli_flags.define_json_flag, argv, __doc__)
+  import jax
+
   rows = run()
   c = BENCH_CONFIG
   shape = {

@@ -61,18 +61,16 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.inference import sampler, transform
-from opd_jax.io import hf
-from opd_jax.model import kvcache, quant
-from opd_jax.model import transformer as model
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 MODELS = {
@@ -113,6 +111,10 @@ def _timed(fn):
 
 
 def _opd_runner(params, prompts, cfg: ModelConfig, kv: kvcache.KVCacheSpec):
+  import jax
+
+  from opd_jax.inference import sampler
+
   scfg = sampler.SamplerConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, kv=kv)
 
   def run():
@@ -199,8 +201,15 @@ def _vs_transformers_row(name, cfg, batch, params, hf_model, tokens_bp, prompts,
 
 def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   """The rows of `kinds` for one model shape."""
+  import jax
+  import jax.numpy as jnp
   import torch
   import transformers
+
+  from opd_jax.inference import transform
+  from opd_jax.io import hf
+  from opd_jax.model import kvcache, quant
+  from opd_jax.model import transformer as model
 
   cfg = MODELS[name]
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
@@ -316,6 +325,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; prints a table, or {"rows": [...]} with --json."""
   args = runner.parse_own_flags(define_flags, argv, __doc__)
+  import jax
+
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in MODELS]
   if unknown:

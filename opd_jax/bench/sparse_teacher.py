@@ -49,21 +49,17 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.data.rollout_types import Rollout
-from opd_jax.inference import teacher_forcing
-from opd_jax.model import teacher_topk
-from opd_jax.model import transformer as model
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.data.rollout_types import Rollout
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout import worker as rollout_worker
-from opd_jax.train import train_step
 
 VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
 TOP_K = 64
@@ -88,6 +84,10 @@ def bench_config(vocab: int) -> ModelConfig:
 
 def make_rollout(vocab: int, seed: int = 0) -> Rollout:
   """A batch of random prompt and completion tokens (all counted)."""
+  import jax.numpy as jnp
+
+  from opd_jax.data.rollout_types import Rollout
+
   rng = np.random.default_rng(seed)
   i32 = jnp.int32
   return Rollout(
@@ -103,6 +103,8 @@ def make_rollout(vocab: int, seed: int = 0) -> Rollout:
 
 def _timed(fn, args, repeats: int, feed_state: bool) -> float:
   """Median seconds of `repeats` calls after one warm-up (the state fed back when donated)."""
+  import jax
+
   out = fn(*args)
   jax.block_until_ready(out)
   times = []
@@ -126,6 +128,11 @@ def _memory(compiled) -> dict:
 
 def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: int) -> dict:
   """The train step with the full (top_k = 0) or sparse teacher: memory plan and time."""
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.train import train_step
+
   tx = train_step.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
   loss_cfg = train_step.LossConfig(loss, is_clip=None, teacher_top_k=top_k)
   fn = jax.jit(
@@ -142,6 +149,11 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
 
 def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
   """The engine's teacher scoring: full logits, or the top-k plus tail in one program."""
+  import jax
+
+  from opd_jax.inference import teacher_forcing
+  from opd_jax.rollout import worker as rollout_worker
+
   if top_k:
     fn = jax.jit(lambda t, r: rollout_worker.sparse_teacher(t, r, cfg, None, top_k, 1.0))
   else:
@@ -154,6 +166,13 @@ def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
 
 
 def run(vocabs=VOCABS, top_k: int = TOP_K, loss: str = "forward_kl", repeats: int = 5) -> list:
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.inference import teacher_forcing
+  from opd_jax.model import teacher_topk
+  from opd_jax.model import transformer as model
+
   rows = []
   for vocab in vocabs:
     cfg = bench_config(vocab)
@@ -203,6 +222,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def main(argv=None) -> int:
   args = runner.parse_own_flags(define_flags, argv, __doc__)
+  import jax
+
   vocabs = tuple(int(v) for v in args.vocabs.split(","))
   rows = run(vocabs, args.top_k, args.loss, args.repeats)
   c = bench_config(vocabs[0])

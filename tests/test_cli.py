@@ -155,6 +155,11 @@ def test_rewrite_deprecated_maps_old_spellings_and_warns_once(capsys):
 
 def test_bare_json_means_stdout():
   assert cli_flags.bare_json_to_stdout(["p", "--json", "--json=x"]) == ["p", "--json=-", "--json=x"]
+  assert cli_flags.bare_json_to_stdout(["p", "--json", "out.json", "--json"]) == [
+    "p",
+    "--json=out.json",
+    "--json=-",
+  ]
 
 
 def test_admission_cost_old_spellings_warn_and_still_parse(capsys):

@@ -87,8 +87,15 @@ def rewrite_deprecated(argv: list[str], renames: dict[str, str]) -> list[str]:
 
 
 def bare_json_to_stdout(argv: list[str]) -> list[str]:
-  """A bare `--json` (no value) means `--json=-`: the JSON on stdout."""
-  return [arg if arg != "--json" else "--json=-" for arg in argv]
+  """A bare `--json` means `--json=-`, the JSON on stdout; `--json PATH` (a next argument that
+  is no flag: no command takes positional arguments) is `--json=PATH`."""
+  out, args = [], list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg == "--json":
+      arg = f"--json={args.pop(0)}" if args and not args[0].startswith("-") else "--json=-"
+    out.append(arg)
+  return out
 
 
 def write_json(payload: str, target: str) -> None:

@@ -233,13 +233,17 @@ class ProgressLog:
 def command_help(
   doc: str | None, flag_values: flags.FlagValues | None = None, required=(), hidden=()
 ) -> str:
-  """The `--help` text of a command: its docstring, its own flags and the shared ones
-  (`--config`, `--workdir` where it reads a run config), and where the config keys are.
+  """The `--help` text of a command: `usage: python -m <module>`, its docstring, its own flags
+  and the shared ones (`--config`, `--workdir` where it reads a run config), and where the
+  config keys are.
 
   `flag_values` is a command's own `FlagValues` (`runner.parse_own_flags`), else the global
   flags of the `__main__` module and `opd_jax`; a flag in `HIDDEN` or `hidden` is left out, one
   in `required` says so instead of its default."""
-  lines = [(doc or "").strip(), "", "flags:"]
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  module = getattr(spec, "name", "") or ""
+  usage = [f"usage: python -m {module} [flags]", ""] if module.startswith("opd_jax.") else []
+  lines = [*usage, (doc or "").strip(), "", "flags:"]
   by_module = (flag_values or flags.FLAGS).flags_by_module_dict()
   shown = set()
   main_file = getattr(sys.modules.get("__main__"), "__file__", None)

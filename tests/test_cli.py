@@ -275,3 +275,28 @@ def test_sensitivity_old_scan_flags_warn_and_still_parse():
   assert "--sources is deprecated" in proc.stderr and "use --candidate" in proc.stderr
   assert "--noise-sigma is deprecated" in proc.stderr
   assert "--layers takes layer indices, got ['x']" in proc.stderr
+
+
+def test_run_command_passes_main_s_status_and_ends_an_error_with_one_line(monkeypatch, capsys):
+  """A command's `main` returns its exit status (admit: 1 for a refusal); a ValueError, or a bad
+  flag, is one `error:` line and `error_status` (admit: 2)."""
+  from opd_jax.cli import runner
+
+  monkeypatch.setattr(sys, "argv", ["cmd"])
+  with pytest.raises(SystemExit) as refused:
+    runner.run_command(lambda argv: 1, own_flags=True, error_status=2)
+  assert refused.value.code == 1
+
+  def bad(argv):
+    raise ValueError("no such candidate")
+
+  with pytest.raises(SystemExit) as failed:
+    runner.run_command(bad, own_flags=True, error_status=2)
+  assert failed.value.code == 2 and capsys.readouterr().err == "error: no such candidate\n"
+
+  def bad_flag(argv):
+    return runner.parse_own_flags(cli_flags.define_json_flag, ["--nope"], "doc")
+
+  with pytest.raises(SystemExit) as misspelt:
+    runner.run_command(bad_flag, own_flags=True, error_status=2)
+  assert misspelt.value.code == 2 and "Unknown command line flag 'nope'" in capsys.readouterr().err

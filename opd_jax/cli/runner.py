@@ -44,13 +44,18 @@ def _check_required(flag_values: flags.FlagValues, required: Sequence[str]) -> N
       sys.exit(f"error: --{name} is required: {help_text}")
 
 
-def _exit_on_error(call: Callable[[], int | None], error_status: int) -> int:
-  """`call()`'s status (None = 0); a ValueError or FileNotFoundError ends the process with one
-  `error: ...` line and `error_status`."""
+def _exit_on_error(call: Callable[[], int | None], error_status: int):
+  """`call()`'s value (None = 0); a ValueError or FileNotFoundError, or an exit with a message
+  (a bad flag), ends the process with one `error: ...` line and `error_status`."""
   try:
     return call() or 0
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(error_status)
+  except SystemExit as e:
+    if not isinstance(e.code, str):
+      raise
+    print(e.code, file=sys.stderr, flush=True)
     sys.exit(error_status)
 
 
@@ -76,7 +81,7 @@ def run_command(
     renames: old flag -> new flag, rewritten with a warning (`flags.rewrite_deprecated`); with
       `own_flags`, `parse_own_flags` takes them.
     verbosity: absl's verbosity unless `--verbosity` is given (orbax logs every restore at INFO).
-    error_status: the exit status of a ValueError or FileNotFoundError.
+    error_status: the exit status of a ValueError or FileNotFoundError, or of a bad flag.
     own_flags: `main(argv)` parses its own flags (`parse_own_flags`).
     shared: the flags of `cli.flags` the command takes (`--config`, `--workdir`); the others
       are left out of `--help` and refused.
@@ -95,6 +100,9 @@ def run_command(
     _check_required(flags.FLAGS, required)
     return rest
 
+  def parse_or_exit(args: list[str]) -> list[str]:
+    return _exit_on_error(lambda: parse(args), error_status)
+
   def wrapped(args: list[str]) -> int:
     if len(args) > 1:
       raise app.UsageError(f"unexpected arguments: {args[1:]}")
@@ -102,7 +110,7 @@ def run_command(
       logging.set_verbosity(verbosity)
     return _exit_on_error(main, error_status)
 
-  app.run(wrapped, argv=cli_flags.resolve_config_arg(argv), flags_parser=parse)
+  app.run(wrapped, argv=cli_flags.resolve_config_arg(argv), flags_parser=parse_or_exit)
 
 
 def parse_own_flags(

@@ -171,3 +171,27 @@ def test_padded_rows_are_never_generated(make_hf_checkpoint, tmp_path, capsys):
   assert generate.main(argv) == 0
   masked = json.loads(capsys.readouterr().out)["completions"][0]
   assert len(masked) == 4 and max(masked) < 100
+
+
+def test_rollout_spec_and_the_old_engine_flags_parse_alike(capsys):
+  """`--rollout=rollout.<key>=<value>,...` (the candidates' syntax) sets what the old flags set;
+  each old flag still parses, with a warning, and is hidden from --help."""
+  base_argv = ["--checkpoint=x", "--prompt-ids=1", "--prompt=a", "--prompt-ids=2"]
+  spec = "rollout.weights=fp4,rollout.kv_cache=fp8,rollout.weight_group_size=32"
+  new = generate.parse_args([*base_argv, f"--rollout={spec},rollout.kv_granularity=tensor"])
+  assert capsys.readouterr().err == ""
+  old = generate.parse_args(
+    [*base_argv, "--weights", "fp4", "--kv-cache=fp8", "--weight-group-size=32"]
+    + ["--kv-granularity=tensor"]
+  )
+  err = capsys.readouterr().err
+  assert "--weights is deprecated" in err and "use --rollout=rollout.weights=VALUE" in err
+  for key in ("weights", "kv_cache", "kv_granularity", "weight_group_size"):
+    assert getattr(new, key) == getattr(old, key), key
+  assert (new.weights, new.kv_cache, new.weight_group_size) == ("fp4", "fp8", 32)
+  assert new.prompts == [("ids", "1"), ("text", "a"), ("ids", "2")]  # in the order given
+  with pytest.raises(SystemExit) as shown:
+    generate.parse_args(["--help"])
+  assert shown.value.code == 0
+  text = capsys.readouterr().out
+  assert "  --rollout: " in text and "  --weights" not in text and "  --kv-cache" not in text

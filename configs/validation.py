@@ -4,7 +4,7 @@ trains.
 
     python -m opd_jax.study --config=configs/validation.py --workdir=DIR \
         --config.run.teacher.cache_dir=DIR/teacher_cache
-    python -m opd_jax.experiments.validation --study=DIR/study.json --config=configs/validation.py
+    python -m opd_jax.validation --study=DIR/study.json --config=configs/validation.py
 
 `--config=configs/validation.py:fp4_kv` on a copy of the same workdir calibrates, after the
 fact and outside the validation, the KV formats that landed after this config was fixed (FP8
@@ -14,7 +14,7 @@ The first command is the study (`opd_jax.experiments.study`): a 65-step probe, t
 check's measurement of every setting (and of each part of a combination) at the probe's
 student, 200-step OPD runs of every setting with two seeds, the fit, and the frozen rule's
 verdicts. The second scores the pre-registered analysis below from its `study.json`
-(`opd_jax.experiments.validation`).
+(`python -m opd_jax.validation`, the logic in `opd_jax.experiments.validation`).
 
 The runs: `bf16_sync.py` on the built-in task, shortened to 200 steps as `calibrate --quick`
 shortens it (`RUN_OVERRIDES`; the teacher at its fixed 1000 pretraining steps), 256 held-out

@@ -22,12 +22,12 @@ The logic is `opd_jax.experiments.calibrate`.
 from __future__ import annotations
 
 import json
-import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.mismatch import admission
+from opd_jax.cli import runner
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 
 _QUICK = flags.DEFINE_bool(
   "quick", False, "The quick design: noise and the candidates' sources, two seeds, short runs."
@@ -51,7 +51,7 @@ _LABEL = flags.DEFINE_enum(
   "the pair solves the task).",
 )
 _PROMPTS = flags.DEFINE_integer(
-  "prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts per measurement."
+  "prompts", DEFAULT_NUM_PROMPTS, "Calibration prompts per measurement."
 )
 _WORKERS = flags.DEFINE_integer("workers", 2, "Runs trained side by side.")
 _SENSITIVITY = flags.DEFINE_bool(
@@ -64,43 +64,35 @@ _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
 )
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def main() -> None:
   from opd_jax.experiments import calibrate
   from opd_jax.io import compile_cache
 
   log = cli_flags.log_for_json(_JSON.value)
   workdir = cli_flags.WORKDIR.value
-  try:
-    plan = calibrate.make_plan(
-      cli_flags.CONFIG.value,
-      quick=_QUICK.value,
-      candidates=_CANDIDATES.value or (),
-      run_steps=_RUN_STEPS.value,
-      seeds=[int(s) for s in _SEEDS.value],
-      rule=_RULE.value,
-      label=_LABEL.value,
-      num_prompts=_PROMPTS.value,
-      workers=_WORKERS.value,
-      sensitivity=_SENSITIVITY.value,
-    )
-    log(plan.describe())
-    plan.study.num_eval = calibrate.check_prompts(
-      plan.study.run, workdir, plan.study.num_prompts, log
-    )
-    if _PLAN_ONLY.value:
-      return
-    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, workdir)
-    result = calibrate.calibrate(plan, workdir, log)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+  plan = calibrate.make_plan(
+    cli_flags.CONFIG.value,
+    quick=_QUICK.value,
+    candidates=_CANDIDATES.value or (),
+    run_steps=_RUN_STEPS.value,
+    seeds=[int(s) for s in _SEEDS.value],
+    rule=_RULE.value,
+    label=_LABEL.value,
+    num_prompts=_PROMPTS.value,
+    workers=_WORKERS.value,
+    sensitivity=_SENSITIVITY.value,
+  )
+  log(plan.describe())
+  plan.study.num_eval = calibrate.check_prompts(
+    plan.study.run, workdir, plan.study.num_prompts, log
+  )
+  if _PLAN_ONLY.value:
+    return
+  compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, workdir)
+  result = calibrate.calibrate(plan, workdir, log)
   if _JSON.value:
     cli_flags.write_json(json.dumps(result, indent=1, default=float), _JSON.value)
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config", "workdir"))

@@ -13,35 +13,28 @@ still works for this release, with a warning. A finished run also exports itself
 
 from __future__ import annotations
 
-import sys
-
-from absl import app, flags, logging
+from absl import flags, logging
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.train import export as exporting
+from opd_jax.cli import runner
 
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step to export; default: the latest.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write the Hugging Face checkpoint to.")
 _PARAMS_FROM = flags.DEFINE_string("params-from", None, "The trained run to export (its workdir).")
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.ERROR)  # orbax warns about every restore it does
+def main() -> None:
+  from opd_jax.train import export as exporting
+
   run = _PARAMS_FROM.value
   if not run and flags.FLAGS["workdir"].present:
     cli_flags.warn_deprecated("--workdir (the run to export)", "--params-from=RUN")
     run = flags.FLAGS.workdir
   if not run:
-    sys.exit("error: pass --params-from=RUN, the training run to export")
-  try:
-    exporting.export_run(run, _OUT.value, _STEP.value, flags.FLAGS.config)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+    raise ValueError("pass --params-from=RUN, the training run to export")
+  exporting.export_run(run, _OUT.value, _STEP.value, cli_flags.CONFIG.value)
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("out")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  # orbax warns about every restore it does; --workdir is the old spelling of --params-from
+  runner.run_command(main, required=("out",), hidden=("workdir",), verbosity=logging.ERROR)

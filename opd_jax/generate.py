@@ -4,9 +4,9 @@ Loads a Hugging Face style checkpoint directory, optionally turns the weights in
 the rollout engine's FP8 weights and picks the KV-cache numerics, then runs
 `sampler.sample` once on every prompt. Example:
 
-    python -m opd_jax.generate --checkpoint /path/to/ckpt --prompt-ids 1,2,3 \
-        --prompt-ids 7,7 --max-new-tokens 16 --temperature 0 --weights fp8 \
-        --kv-cache fp8 --json
+    python -m opd_jax.generate --checkpoint=/path/to/ckpt --prompt-ids=1,2,3
+        --prompt-ids=7,7 --max-new-tokens=16 --temperature=0
+        --rollout=rollout.weights=fp8,rollout.kv_cache=fp8 --json
 
 With `--json` (or `--json=-`) it prints one object (`--json=PATH` writes it to PATH)
 
@@ -17,36 +17,44 @@ With `--json` (or `--json=-`) it prints one object (`--json=PATH` writes it to P
 Stop tokens are the tokenizer's eos (or config.json's `eos_token_id` when there is
 no tokenizer), plus `--stop-ids`; `--ignore-eos` drops the eos.
 
-`--weights`, `--kv-cache` and `--dtype` take the trainer's values and defaults
-(`rollout.weights`, `rollout.kv_cache`, `student.dtype` in configs/base.py), and mean the
-same engine: `--weights trainer --kv-cache auto --dtype float32` by default, and `auto` is
-the engine's compute dtype (bf16 with `--weights bf16`, else `--dtype`), as in
-`train.setup.engine_config`. The older spellings `--weights dense` (now `trainer`) and
-`--kv-cache f32` (a float32 cache whatever the weights) still work, with a deprecation
-message on stderr.
+`--rollout` is a rollout spec in the admission check's syntax, `rollout.<key>=<value>[,...]`
+with the keys rollout.weights, rollout.kv_cache, rollout.kv_granularity and
+rollout.weight_group_size; they and `--dtype` take the trainer's values and defaults
+(configs/base.py) and mean the same engine: trainer weights, `kv_cache=auto` and float32 by
+default, and `auto` is the engine's compute dtype (bf16 with `rollout.weights=bf16`, else
+`--dtype`), as in `train.setup.engine_config`. The older `--weights`, `--kv-cache`,
+`--kv-granularity` and `--weight-group-size` flags still work for this release, with a
+warning, as do their old values `dense` (now `trainer`) and `f32` (a float32 cache whatever
+the weights).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-import jax
-import numpy as np
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.config import check as config_check
-from opd_jax.inference import sampler, transform
-from opd_jax.io import build, hf
-from opd_jax.io.build import DTYPES
-from opd_jax.model import kvcache, tokenizer
+from opd_jax.config import values
 
 WEIGHTS = config_check.RULES["rollout.weights"].options  # rollout.weights, the trainer's formats
-KV_CACHES = ("auto", *kvcache.KV_CACHE_NAMES)  # rollout.kv_cache
+KV_CACHES = config_check.RULES["rollout.kv_cache"].options  # rollout.kv_cache
+KV_GRANULARITIES = config_check.RULES["rollout.kv_granularity"].options
+DTYPE_NAMES = config_check.RULES["student.dtype"].options  # io.build.DTYPES
 DEFAULT_WEIGHTS, DEFAULT_KV_CACHE, DEFAULT_DTYPE = "trainer", "auto", "float32"  # as configs/base
-# Older spellings -> (the value used, the message printed once per use).
+# The keys --rollout takes -> the attribute of the parsed arguments each sets, and its default.
+ROLLOUT_KEYS = {
+  "rollout.weights": ("weights", DEFAULT_WEIGHTS),
+  "rollout.kv_cache": ("kv_cache", DEFAULT_KV_CACHE),
+  "rollout.kv_granularity": ("kv_granularity", "token_head"),
+  "rollout.weight_group_size": ("weight_group_size", 0),
+}
+OLD_ROLLOUT_FLAGS = ("weights", "kv-cache", "kv-granularity", "weight-group-size")
+# Older values -> (the value used, the message printed once per use).
 DEPRECATED = {
   ("--weights", "dense"): ("trainer", "--weights dense is deprecated; use --weights trainer"),
   ("--kv-cache", "f32"): (
@@ -58,67 +66,85 @@ DEPRECATED = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The command-line interface (see the module docstring)."""
-  p = argparse.ArgumentParser(prog="python -m opd_jax.generate", description=__doc__.split("\n")[0])
-  p.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + weights)")
-  p.add_argument(
-    "--prompt",
-    dest="prompts",
-    action="append",
-    type=lambda s: ("text", s),
-    default=[],
-    help="a text prompt (needs a tokenizer); repeatable",
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags (see the module docstring), on `fv`."""
+  flags.DEFINE_string(
+    "checkpoint", None, "Checkpoint directory (config.json + weights).", flag_values=fv
   )
-  p.add_argument(
-    "--prompt-ids",
-    dest="prompts",
-    action="append",
-    type=lambda s: ("ids", s),
-    help="a prompt as comma-separated token ids, e.g. 1,2,3; repeatable",
+  flags.DEFINE_multi_string("prompt", [], "A text prompt (needs a tokenizer).", flag_values=fv)
+  flags.DEFINE_multi_string(
+    "prompt-ids",
+    [],
+    "A prompt as comma-separated token ids, e.g. 1,2,3.",
+    flag_values=fv,
   )
-  p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
-  p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off")
-  p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
-  p.add_argument("--seed", type=int, default=0, help="PRNG seed")
-  p.add_argument(
-    "--dtype",
-    default=DEFAULT_DTYPE,
-    help=f"load/compute dtype, as student.dtype: {', '.join(DTYPES)} (default {DEFAULT_DTYPE})",
+  flags.DEFINE_integer("max-new-tokens", 32, "Tokens to generate per prompt.", flag_values=fv)
+  flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.", flag_values=fv)
+  flags.DEFINE_integer("top-k", 0, "Top-k sampling; 0 = off.", flag_values=fv)
+  flags.DEFINE_float("top-p", 1.0, "Nucleus mass in (0, 1].", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "PRNG seed.", flag_values=fv)
+  flags.DEFINE_string(
+    "dtype",
+    DEFAULT_DTYPE,
+    f"Load/compute dtype, as student.dtype: {', '.join(DTYPE_NAMES)}.",
+    flag_values=fv,
   )
-  p.add_argument(
-    "--weights",
-    default=DEFAULT_WEIGHTS,
-    help="as rollout.weights: trainer (as loaded in --dtype), bf16, or a quantized format of "
-    f"the layer matrices: {', '.join(WEIGHTS[2:])} (default {DEFAULT_WEIGHTS})",
+  flags.DEFINE_string(
+    "rollout",
+    "",
+    "rollout.<key>=<value>[,...]: the engine, as the trainer's rollout config names it. "
+    f"rollout.weights: trainer (as loaded in --dtype), bf16, or {', '.join(WEIGHTS[2:])}; "
+    f"rollout.kv_cache: auto (the engine's compute dtype), {', '.join(KV_CACHES[1:])}; "
+    f"rollout.kv_granularity: {', '.join(KV_GRANULARITIES)}; rollout.weight_group_size: one "
+    "scale per this many inputs of a quantized matrix (fp4 needs one, e.g. 32), 0 = per "
+    "output channel. Default: trainer weights, kv_cache=auto.",
+    flag_values=fv,
   )
-  p.add_argument(
-    "--weight-group-size",
-    type=int,
-    default=None,
-    help="as rollout.weight_group_size: one scale per this many inputs of a quantized matrix "
-    "(fp4 needs one, e.g. 32); default: one scale per output channel",
+  for name, key in zip(OLD_ROLLOUT_FLAGS, ROLLOUT_KEYS, strict=True):
+    flags.DEFINE_string(name, None, f"Deprecated: --rollout={key}=VALUE.", flag_values=fv)
+  flags.DEFINE_string("stop-ids", "", "Extra stop token ids, comma-separated.", flag_values=fv)
+  flags.DEFINE_bool("ignore-eos", False, "Do not stop at the eos token.", flag_values=fv)
+  flags.DEFINE_string(
+    "tokenizer", None, "Tokenizer directory or 'char'; default: the checkpoint's.", flag_values=fv
   )
-  p.add_argument(
-    "--kv-cache",
-    default=DEFAULT_KV_CACHE,
-    help="as rollout.kv_cache: auto (the engine's compute dtype: bf16 with --weights bf16, "
-    "else --dtype), bf16, fp8 (e4m3), fp8_e5m2 or fp4 (e2m1, one byte per value) "
-    f"(default {DEFAULT_KV_CACHE})",
+  flags.DEFINE_string(
+    "json",
+    None,
+    "Write one JSON object to PATH; - (or a bare --json) prints only it to stdout.",
+    flag_values=fv,
   )
-  p.add_argument(
-    "--kv-granularity",
-    default="token_head",
-    help=f"quantized KV scale granularity: {', '.join(kvcache.KV_GRANULARITIES)}",
+
+
+def parse_args(argv: list[str] | None, warn=cli_flags.warn_deprecated):
+  """The parsed command line: the flags as attributes, `prompts` as ("text"|"ids", value) in
+  the order given, and the engine settings of `--rollout` (or the old flags, with a warning)
+  as `weights`, `kv_cache`, `kv_granularity` and `weight_group_size`."""
+  args_in = list(sys.argv[1:] if argv is None else argv)
+  args = runner.parse_own_flags(
+    define_flags, args_in, __doc__, required=("checkpoint",), hidden=OLD_ROLLOUT_FLAGS
   )
-  p.add_argument("--stop-ids", default="", help="extra stop token ids, comma-separated")
-  p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
-  p.add_argument(
-    "--tokenizer", default=None, help="tokenizer directory or 'char' (default: the checkpoint dir)"
-  )
-  cli_flags.add_json_argument(p, "one JSON object")
-  return p
+  texts, ids = iter(args.prompt), iter(args.prompt_ids)
+  given = [
+    a.split("=", 1)[0] for a in args_in if a.split("=", 1)[0] in ("--prompt", "--prompt-ids")
+  ]
+  args.prompts = [("text", next(texts)) if g == "--prompt" else ("ids", next(ids)) for g in given]
+  for key, (attr, default) in ROLLOUT_KEYS.items():
+    old = getattr(args, attr)
+    if old is not None:
+      warn(f"--{attr.replace('_', '-')}", f"--rollout={key}=VALUE")
+      setattr(args, attr, values.parse_value(old, default))
+    else:
+      setattr(args, attr, default)
+  for item in values.split_spec(args.rollout) if args.rollout else []:
+    key, sep, raw = item.partition("=")
+    if not sep or key not in ROLLOUT_KEYS:
+      raise ValueError(
+        f"--rollout {item!r}: expected one of {', '.join(ROLLOUT_KEYS)} as KEY=VALUE"
+      )
+    attr, default = ROLLOUT_KEYS[key]
+    setattr(args, attr, values.parse_value(raw, default))
+  args.weight_group_size = args.weight_group_size or None
+  return args
 
 
 def _parse_ids(text: str, flag: str) -> list[int]:
@@ -151,12 +177,16 @@ def engine_numerics(weights: str, kv_cache: str, dtype: str) -> tuple[str, str]:
   The rule of `train.setup.engine_config`: the engine computes in bf16 for `weights=bf16`,
   else in `dtype`; `kv_cache=auto` stores the cache in that dtype.
   """
+  from opd_jax.model import kvcache
+
   engine_dtype = "bfloat16" if weights == "bf16" else dtype
   return weights, {"auto": engine_dtype, **kvcache.KV_CACHE_NAMES}[kv_cache]
 
 
 def _load_tokenizer(args):
   """The tokenizer named by --tokenizer, or the checkpoint's own, or None."""
+  from opd_jax.model import tokenizer
+
   if args.tokenizer is not None:
     return tokenizer.load_tokenizer(args.tokenizer)
   if any(os.path.exists(os.path.join(args.checkpoint, f)) for f in TOKENIZER_FILES):
@@ -166,6 +196,8 @@ def _load_tokenizer(args):
 
 def _config_eos_ids(checkpoint: str) -> list[int]:
   """`eos_token_id` (an int or a list) from config.json, or []."""
+  from opd_jax.io import hf
+
   with open(os.path.join(checkpoint, hf.CONFIG_FILE)) as f:
     eos = json.load(f).get("eos_token_id")
   if eos is None:
@@ -177,7 +209,7 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
   """Runs the sampler for parsed arguments.
 
   Args:
-    args: the `argparse.Namespace` from `build_parser()`.
+    args: the parsed command line, `parse_args(argv)`.
     warn: called with each deprecation message (default: printed to stderr).
 
   Returns:
@@ -188,16 +220,24 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
     ValueError: a bad flag value, no prompt, or a text prompt without a tokenizer.
     FileNotFoundError: a missing checkpoint or tokenizer directory.
   """
+  import jax
+  import numpy as np
+
+  from opd_jax.inference import sampler, transform
+  from opd_jax.io import build, hf
+  from opd_jax.io.build import DTYPES
+  from opd_jax.model import kvcache, tokenizer
+
   dtype_name = _choice(args.dtype, DTYPES, "--dtype")
   dtype = DTYPES[dtype_name]
   weights = _deprecated("--weights", args.weights, warn) or _choice(
-    args.weights, WEIGHTS, "--weights"
+    args.weights, WEIGHTS, "rollout.weights"
   )
   kv_f32 = _deprecated("--kv-cache", args.kv_cache, warn)
-  kv_flag = "auto" if kv_f32 else _choice(args.kv_cache, KV_CACHES, "--kv-cache")
+  kv_flag = "auto" if kv_f32 else _choice(args.kv_cache, KV_CACHES, "rollout.kv_cache")
   weights, kv_dtype = engine_numerics(weights, kv_flag, dtype_name)
   kv_dtype = kv_f32 or kv_dtype
-  granularity = _choice(args.kv_granularity, kvcache.KV_GRANULARITIES, "--kv-granularity")
+  granularity = _choice(args.kv_granularity, KV_GRANULARITIES, "rollout.kv_granularity")
   if not args.prompts:
     raise ValueError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
   if not os.path.isdir(args.checkpoint):
@@ -257,7 +297,9 @@ def generate(args, warn=lambda message: print(message, file=sys.stderr)) -> dict
 
 def main(argv: list[str] | None = None) -> int:
   """Parses `argv`, samples, and prints the result (JSON with --json)."""
-  args = build_parser().parse_args(argv)
+  import numpy as np
+
+  args = parse_args(argv)
   result = generate(args)
   if args.json:
     payload = {k: result[k] for k in ("completions", "logprobs", "text") if k in result}
@@ -273,8 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  try:
-    sys.exit(main())
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  runner.run_command(main, own_flags=True, error_status=2)

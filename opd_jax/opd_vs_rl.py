@@ -20,13 +20,11 @@ kind loads the sampler, train step and evaluation instead of compiling them. The
 from __future__ import annotations
 
 import json
-import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.experiments import opd_vs_rl
-from opd_jax.io import compile_cache
+from opd_jax.cli import runner
 
 _JSON = flags.DEFINE_string(
   "json", None, "Also write the report JSON to PATH; - (or a bare --json) prints it to stdout."
@@ -36,21 +34,16 @@ _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
 )
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def main() -> None:
+  from opd_jax.experiments import opd_vs_rl
+  from opd_jax.io import compile_cache
+
   log = cli_flags.log_for_json(_JSON.value)
-  try:
-    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
-    report = opd_vs_rl.run_comparison(flags.FLAGS.config, flags.FLAGS.workdir, log=log)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+  compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
+  report = opd_vs_rl.run_comparison(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, log=log)
   if _JSON.value:
     cli_flags.write_json(json.dumps(report, indent=1), _JSON.value)
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config", "workdir"))

@@ -4,6 +4,8 @@
         --candidate=rollout.<key>=<value>[,rollout.<key>=<value> ...] [--candidate=...]
         [--params-from=RUN] [--prompts=N] [--json=PATH|-] [--workdir=DIR]
 
+`--workdir` is needed when the JSON goes there (no --json).
+
 For each source, the perturbed and the unperturbed engine sample the same calibration prompts
 with the same random numbers; the command prints the teacher-forced mismatch (both policies
 on the unperturbed engine's samples), the own-prefix mismatch (on the perturbed engine's own
@@ -20,12 +22,12 @@ stdout) holds every figure and the first-divergence histograms. The logic is
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.mismatch import admission, candidates, prefix_shift
+from opd_jax.cli import runner
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 
 _CANDIDATES = flags.DEFINE_multi_string(
   "candidate", None, "rollout.<key>=<value>[,rollout.<key>=<value> ...]; repeat for several."
@@ -33,7 +35,7 @@ _CANDIDATES = flags.DEFINE_multi_string(
 _SOURCES = flags.DEFINE_multi_string(
   "source", None, "Deprecated: --candidate. noise:<sigma>[:...], kernel:<name>, fp8, ..."
 )
-_PROMPTS = flags.DEFINE_integer("prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts.")
+_PROMPTS = flags.DEFINE_integer("prompts", DEFAULT_NUM_PROMPTS, "Calibration prompts.")
 _JSON = flags.DEFINE_string(
   "json", None, "Result JSON to PATH (- = stdout); default <workdir>/prefix_shift.json."
 )
@@ -42,34 +44,28 @@ _PARAMS_FROM = flags.DEFINE_string(
 )
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  target = _JSON.value or os.path.join(flags.FLAGS.workdir, "prefix_shift.json")
-  try:
-    if _SOURCES.value:
-      cli_flags.warn_deprecated("--source", "--candidate=rollout.<key>=<value>[,...]")
-    sources = list(_CANDIDATES.value or [])
-    for spec in sources:
-      candidates.parse_candidate(spec, flags.FLAGS.config)  # a bad key or value fails here
-    sources += _SOURCES.value or []
-    if not sources:
-      raise ValueError("give at least one --candidate=rollout.<key>=<value>[,...]")
-    with cli_flags.json_output(target) as json_path:
-      prefix_shift.run_prefix_shift(
-        flags.FLAGS.config,
-        sources,
-        params_from=_PARAMS_FROM.value,
-        num_prompts=_PROMPTS.value,
-        json_path=json_path,
-        log=cli_flags.log_for_json(_JSON.value),
-      )
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+def main() -> None:
+  from opd_jax.mismatch import candidates, prefix_shift
+
+  if _SOURCES.value:
+    cli_flags.warn_deprecated("--source", "--candidate=rollout.<key>=<value>[,...]")
+  sources = list(_CANDIDATES.value or [])
+  for spec in sources:
+    candidates.parse_candidate(spec, cli_flags.CONFIG.value)  # a bad key or value fails here
+  sources += _SOURCES.value or []
+  if not sources:
+    raise ValueError("give at least one --candidate=rollout.<key>=<value>[,...]")
+  target = _JSON.value or os.path.join(cli_flags.needed_workdir("the JSON"), "prefix_shift.json")
+  with cli_flags.json_output(target) as json_path:
+    prefix_shift.run_prefix_shift(
+      cli_flags.CONFIG.value,
+      sources,
+      params_from=_PARAMS_FROM.value,
+      num_prompts=_PROMPTS.value,
+      json_path=json_path,
+      log=cli_flags.log_for_json(_JSON.value),
+    )
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config",), hidden=("source",))

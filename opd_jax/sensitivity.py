@@ -27,14 +27,14 @@ the one a run starts from (the HF checkpoint, or the warm-started built-in stude
 from __future__ import annotations
 
 import os
-import sys
 
-from absl import app, flags, logging
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.mismatch import admission, candidates, sensitivity
+from opd_jax.cli import runner
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 
-_PROMPTS = flags.DEFINE_integer("prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts.")
+_PROMPTS = flags.DEFINE_integer("prompts", DEFAULT_NUM_PROMPTS, "Calibration prompts.")
 _TARGET = flags.DEFINE_float(
   "target-kl",
   None,
@@ -55,12 +55,8 @@ _PNG = flags.DEFINE_string("png", None, "Bar chart; default the JSON path with .
 _PARAMS_FROM = flags.DEFINE_string(
   "params-from", None, "A trainer workdir: scan the student of its latest checkpoint."
 )
-_SIGMA = flags.DEFINE_float(
-  "noise-sigma", sensitivity.DEFAULT_NOISE_SIGMA, "Deprecated: --candidate=rollout.noise_sigma=S."
-)
-_SOURCES = flags.DEFINE_list(
-  "sources", list(sensitivity.SOURCES), "Deprecated: --candidate (one per source)."
-)
+_SIGMA = flags.DEFINE_float("noise-sigma", None, "Deprecated: --candidate=rollout.noise_sigma=S.")
+_SOURCES = flags.DEFINE_list("sources", None, "Deprecated: --candidate (one per source).")
 _LAYERS = flags.DEFINE_list("layers", [], "Decoder layers to scan; default all.")
 _MODULES = flags.DEFINE_list(
   "modules", [], "Module types or groups for the noise-by-module rows; default all; none = off."
@@ -95,6 +91,8 @@ def scan_from_candidates(specs: list[str], config) -> dict:
     {"sources": (...), "noise_sigma", "weight_block_size", "kv_granularity"}: the values the
     candidates set, else the old flags' defaults and the config's KV granularity.
   """
+  from opd_jax.mismatch import candidates, sensitivity
+
   out = {
     "sources": [],
     "noise_sigma": sensitivity.DEFAULT_NOISE_SIGMA,
@@ -134,7 +132,9 @@ def scan_from_candidates(specs: list[str], config) -> dict:
 
 
 _SEQ_LEN = flags.DEFINE_integer(
-  "seq-len", sensitivity.DEFAULT_SEQ_LEN, "Sequence slots for the KV capacity accounting."
+  "seq-len",
+  None,
+  "Sequence slots for the KV capacity accounting; default mismatch.sensitivity.DEFAULT_SEQ_LEN.",
 )
 
 
@@ -145,53 +145,52 @@ def _layers(values: list[str]) -> tuple[int, ...]:
     raise ValueError(f"--layers takes layer indices, got {values}") from e
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
-  config = flags.FLAGS.config
-  default_json = os.path.join(flags.FLAGS.workdir, "sensitivity.json")
-  png_path = (
-    _PNG.value
-    or os.path.splitext(_JSON.value if _JSON.value not in (None, "-") else default_json)[0] + ".png"
-  )
+def main() -> None:
+  from opd_jax.mismatch import sensitivity
+
+  config = cli_flags.CONFIG.value
   old = [name for name in OLD_SCAN_FLAGS if flags.FLAGS[name].present]
-  try:
-    if old and _CANDIDATES.value:
-      raise ValueError(f"give --candidate or the old --{', --'.join(old)}, not both")
-    for name in old:
-      cli_flags.warn_deprecated(f"--{name}", OLD_SCAN_FLAGS[name])
-    if _CANDIDATES.value:
-      scan = scan_from_candidates(_CANDIDATES.value, config)
-    else:
-      scan = {
-        "sources": tuple(_SOURCES.value),
-        "noise_sigma": _SIGMA.value,
-        "weight_block_size": _BLOCK.value or None,
-        "kv_granularity": _KV_GRANULARITY.value or config.rollout.kv_granularity,
-      }
-    settings = sensitivity.ScanSettings(
-      layers=_layers(_LAYERS.value),
-      modules=None if _MODULES.value == ["none"] else tuple(_MODULES.value),
-      **scan,
+  if old and _CANDIDATES.value:
+    raise ValueError(f"give --candidate or the old --{', --'.join(old)}, not both")
+  for name in old:
+    cli_flags.warn_deprecated(f"--{name}", OLD_SCAN_FLAGS[name])
+  if _CANDIDATES.value:
+    scan = scan_from_candidates(_CANDIDATES.value, config)
+  else:
+    scan = {
+      "sources": tuple(_SOURCES.value or sensitivity.SOURCES),
+      "noise_sigma": _SIGMA.value or sensitivity.DEFAULT_NOISE_SIGMA,
+      "weight_block_size": _BLOCK.value or None,
+      "kv_granularity": _KV_GRANULARITY.value or config.rollout.kv_granularity,
+    }
+  settings = sensitivity.ScanSettings(
+    layers=_layers(_LAYERS.value),
+    modules=None if _MODULES.value == ["none"] else tuple(_MODULES.value),
+    **scan,
+  )
+  if _JSON.value not in (None, "-"):
+    json_target = _JSON.value
+  else:
+    json_target = _JSON.value or os.path.join(
+      cli_flags.needed_workdir("the JSON"), "sensitivity.json"
     )
-    with cli_flags.json_output(_JSON.value or default_json) as json_path:
-      sensitivity.run_sensitivity(
-        config,
-        params_from=_PARAMS_FROM.value,
-        num_prompts=_PROMPTS.value,
-        target_kl=_TARGET.value,
-        settings=settings,
-        seq_len=_SEQ_LEN.value,
-        json_path=json_path,
-        png_path=png_path,
-        log=cli_flags.log_for_json(_JSON.value),
-      )
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+  stem = os.path.splitext(json_target)[0] if json_target != "-" else None
+  png_path = (
+    _PNG.value or f"{stem or os.path.join(cli_flags.needed_workdir('the PNG'), 'sensitivity')}.png"
+  )
+  with cli_flags.json_output(json_target) as json_path:
+    sensitivity.run_sensitivity(
+      config,
+      params_from=_PARAMS_FROM.value,
+      num_prompts=_PROMPTS.value,
+      target_kl=_TARGET.value,
+      settings=settings,
+      seq_len=_SEQ_LEN.value or sensitivity.DEFAULT_SEQ_LEN,
+      json_path=json_path,
+      png_path=png_path,
+      log=cli_flags.log_for_json(_JSON.value),
+    )
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config",), hidden=tuple(OLD_SCAN_FLAGS))

@@ -1,7 +1,7 @@
 """Entry point: the mismatch study.
 
     python -m opd_jax.study --config=configs/study.py[:tiny] [--config.<key>=<value> ...]
-        [--workdir=DIR] [--compilation-cache=DIR]
+        --workdir=DIR [--compilation-cache=DIR]
 
 Calibrates the mismatch budget on the embedded task (a probe run, the admission check's
 measurement of every setting, one OPD run per setting, the isotonic fit at a tolerance above
@@ -17,32 +17,21 @@ terminal a status line under the log says where the study is. The logic is
 
 from __future__ import annotations
 
-import sys
-
-from absl import app, flags, logging
-
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 
 _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "every run and measurement after the first of its kind loads its programs."
 )
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def main() -> None:
   from opd_jax.experiments import study
   from opd_jax.io import compile_cache
 
-  try:
-    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
-    study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, cli_flags.ProgressLog())
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+  compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
+  study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, cli_flags.ProgressLog())
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("config")
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config", "workdir"))

@@ -2,6 +2,7 @@
 shared flags, `--json=PATH` or `-`, `--params-from`, the teacher cache's config key, the candidate
 syntax, the old spellings' deprecation warnings, and the ETA on progress lines."""
 
+import importlib.util
 import io
 import json
 import subprocess
@@ -21,7 +22,7 @@ def _command(*args, timeout=300):
   )
 
 
-@pytest.mark.parametrize("command", ["opd_jax.admit", "opd_jax.sensitivity", "opd_jax.export"])
+@pytest.mark.parametrize("command", ["opd_jax.admit", "opd_jax.sensitivity", "opd_jax.main"])
 def test_help_shows_config_and_workdir_points_to_the_reference_and_exits_0(command):
   proc = _command(command, "--help")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -30,9 +31,98 @@ def test_help_shows_config_and_workdir_points_to_the_reference_and_exits_0(comma
   assert "orbax" not in proc.stdout and "--verbosity" not in proc.stdout  # only its own flags
 
 
-def test_argparse_help_lists_json_path():
+def _load_tool(name):
+  spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# Every `python -m` command (tools/gen_reference.py lists them for the reference page) but admit,
+# which moves to `cli.runner.run_command` with its new exit codes.
+RUNNER_COMMANDS = [m for m in _load_tool("gen_reference").command_modules() if m != "opd_jax.admit"]
+
+
+@pytest.mark.parametrize("command", RUNNER_COMMANDS)
+def test_help_exits_0_without_importing_jax(command):
+  """`--help` exits 0 with the command's usage line and flags, and imports neither JAX nor flax
+  (each is run as `python -m` runs it)."""
+  code = (
+    "import runpy, sys\n"
+    f"sys.argv = ['python -m {command}', '--help']\n"
+    "try:\n"
+    f"  runpy.run_module('{command}', run_name='__main__', alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "  print('exit', e.code, 'jax' in sys.modules, 'flax' in sys.modules, file=sys.stderr)\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
+  assert proc.stderr.strip().splitlines()[-1] == "exit 0 False False", proc.stderr[-2000:]
+  assert proc.stdout.startswith(f"usage: python -m {command} [flags]\n"), proc.stdout[:300]
+  assert "\nflags:\n  --" in proc.stdout
+  for line in proc.stdout.split("\nflags:\n")[1].splitlines():
+    if line.startswith("  --"):  # every flag has help text
+      assert len(line.split(": ", 1)) == 2 and line.split(": ", 1)[1].strip(), line
+
+
+def test_export_help_hides_the_old_workdir_and_names_params_from():
+  proc = _command("opd_jax.export", "--help")
+  assert proc.returncode == 0
+  assert "  --params-from: " in proc.stdout and "  --workdir" not in proc.stdout
+  assert "--out: Directory to write the Hugging Face checkpoint to. (required)" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["opd_jax.main", "opd_jax.study", "opd_jax.calibrate"])
+def test_workdir_is_required_where_a_command_writes(command):
+  proc = _command(command, "--config=configs/bf16_sync.py:tiny")
+  assert proc.returncode == 1
+  assert "error: --workdir is required: Where logs and checkpoints go." in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_prefix_shift_needs_a_workdir_only_for_its_default_json():
+  proc = _command(
+    "opd_jax.prefix_shift", "--config=configs/bf16_sync.py:tiny", "--candidate=rollout.weights=fp8"
+  )
+  assert proc.returncode == 1
+  assert "error: pass --workdir=DIR (where the JSON goes)" in proc.stderr
+
+
+def test_a_tuple_of_bare_words_parses_alike_in_config_overrides_and_candidates():
+  """`(attention,)` is a tuple of strings in `--config.rollout.noise_modules=` (main's flags) as in
+  `--candidate` (admit's), and the config main would train passes the trainer's check."""
+  from opd_jax.config import values
+  from opd_jax.mismatch import candidates
+
+  text = "(attention,)"
+  code = (
+    "from opd_jax.cli import flags as f\n"
+    "from opd_jax.config import check\n"
+    "argv = ['main', '--config=configs/bf16_sync.py:tiny', '--config.rollout.noise_sigma=0.33',\n"
+    f"  '--config.rollout.noise_modules={text}']\n"
+    "import sys; sys.argv = argv  # as under python -m\n"
+    "f.parse_flags(f.resolve_config_arg(argv))\n"
+    "check.validate(f.CONFIG.value)\n"
+    "print(repr(f.CONFIG.value.rollout.noise_modules))\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "('attention',)"
+  from conftest import tiny_config
+
+  spec = f"rollout.noise_sigma=0.33,rollout.noise_modules={text}"
+  candidate = candidates.parse_candidate(spec, tiny_config(""))
+  assert candidate.overrides["rollout.noise_modules"] == ("attention",)
+  assert values.parse_value("('mlp', 'o')", ()) == ("mlp", "o")  # quoted text as before
+
+
+def test_bench_help_describes_the_bench_and_lists_json_path():
   proc = _command("opd_jax.bench.kv_capacity", "--help")
-  assert proc.returncode == 0 and "--json [PATH]" in proc.stdout
+  assert proc.returncode == 0 and "KV-cache capacity per recipe" in proc.stdout
+  assert "  --json: Write the rows to PATH; - (or a bare --json) prints only it" in proc.stdout
 
 
 def test_json_to_stdout_to_a_file_and_bare(tmp_path):
@@ -72,6 +162,11 @@ def test_rewrite_deprecated_maps_old_spellings_and_warns_once(capsys):
 
 def test_bare_json_means_stdout():
   assert cli_flags.bare_json_to_stdout(["p", "--json", "--json=x"]) == ["p", "--json=-", "--json=x"]
+  assert cli_flags.bare_json_to_stdout(["p", "--json", "out.json", "--json"]) == [
+    "p",
+    "--json=out.json",
+    "--json=-",
+  ]
 
 
 def test_admission_cost_old_spellings_warn_and_still_parse(capsys):
@@ -180,3 +275,28 @@ def test_sensitivity_old_scan_flags_warn_and_still_parse():
   assert "--sources is deprecated" in proc.stderr and "use --candidate" in proc.stderr
   assert "--noise-sigma is deprecated" in proc.stderr
   assert "--layers takes layer indices, got ['x']" in proc.stderr
+
+
+def test_run_command_passes_main_s_status_and_ends_an_error_with_one_line(monkeypatch, capsys):
+  """A command's `main` returns its exit status (admit: 1 for a refusal); a ValueError, or a bad
+  flag, is one `error:` line and `error_status` (admit: 2)."""
+  from opd_jax.cli import runner
+
+  monkeypatch.setattr(sys, "argv", ["cmd"])
+  with pytest.raises(SystemExit) as refused:
+    runner.run_command(lambda argv: 1, own_flags=True, error_status=2)
+  assert refused.value.code == 1
+
+  def bad(argv):
+    raise ValueError("no such candidate")
+
+  with pytest.raises(SystemExit) as failed:
+    runner.run_command(bad, own_flags=True, error_status=2)
+  assert failed.value.code == 2 and capsys.readouterr().err == "error: no such candidate\n"
+
+  def bad_flag(argv):
+    return runner.parse_own_flags(cli_flags.define_json_flag, ["--nope"], "doc")
+
+  with pytest.raises(SystemExit) as misspelt:
+    runner.run_command(bad_flag, own_flags=True, error_status=2)
+  assert misspelt.value.code == 2 and "Unknown command line flag 'nope'" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from opd_jax import generate
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
 from opd_jax.io import hf
+from opd_jax.io.build import DTYPES
 from opd_jax.train import setup as setup_lib
 from opd_jax.train.setup import run_spec
 
@@ -90,8 +91,10 @@ def test_bad_arguments(make_hf_checkpoint):
     generate.main(["--checkpoint", ckpt])
   with pytest.raises(ValueError, match="--dtype 'float16' is not one of: float32, bfloat16"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--dtype", "float16"])
-  with pytest.raises(ValueError, match="--kv-cache 'int8' is not one of: auto, bf16, fp8"):
-    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--kv-cache", "int8"])
+  with pytest.raises(ValueError, match="rollout.kv_cache 'int8' is not one of: auto, bf16, fp8"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--rollout=rollout.kv_cache=int8"])
+  with pytest.raises(ValueError, match="--rollout 'rollout.kv=fp8': expected one of"):
+    generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--rollout=rollout.kv=fp8"])
   with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 2.0"):
     generate.main(["--checkpoint", ckpt, "--prompt-ids", "1", "--top-p", "2"])
   with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -100,7 +103,7 @@ def test_bad_arguments(make_hf_checkpoint):
 
 def test_options_and_defaults_are_the_trainers():
   config = base.get_config()
-  args = generate.build_parser().parse_args(["--checkpoint", "x", "--prompt-ids", "1"])
+  args = generate.parse_args(["--checkpoint", "x", "--prompt-ids", "1"])
   assert (args.weights, args.kv_cache, args.dtype) == (
     config.rollout.weights,
     config.rollout.kv_cache,
@@ -109,11 +112,9 @@ def test_options_and_defaults_are_the_trainers():
   rules = config_check.RULES
   assert rules["rollout.weights"].options == generate.WEIGHTS
   assert rules["rollout.kv_cache"].options == generate.KV_CACHES
-  assert tuple(generate.DTYPES) == rules["student.dtype"].options
+  assert tuple(DTYPES) == rules["student.dtype"].options == generate.DTYPE_NAMES
   # Each combination names the engine the trainer builds for the same values.
-  for weights, kv, dtype in itertools.product(
-    generate.WEIGHTS, generate.KV_CACHES, generate.DTYPES
-  ):
+  for weights, kv, dtype in itertools.product(generate.WEIGHTS, generate.KV_CACHES, DTYPES):
     config.rollout.weights, config.rollout.kv_cache = weights, kv
     config.rollout.weight_group_size = 32 if weights == "fp4" else 0  # fp4 needs its MX blocks
     ref = setup_lib.engine_config(run_spec(config), dtype)
@@ -129,11 +130,11 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert generate.main(base_argv) == 0  # the defaults: trainer weights, f32 compute and cache
   captured = capsys.readouterr()
   assert captured.out.startswith("engine w=trainer,kv=float32,") and captured.err == ""
-  default = generate.generate(generate.build_parser().parse_args(base_argv))
+  default = generate.generate(generate.parse_args(base_argv))
 
   messages = []
   old = base_argv + ["--weights", "dense", "--kv-cache", "f32", "--dtype", "bfloat16"]
-  got = generate.generate(generate.build_parser().parse_args(old), warn=messages.append)
+  got = generate.generate(generate.parse_args(old), warn=messages.append)
   assert messages == [
     "warning: --weights dense is deprecated; use --weights trainer",
     "warning: --kv-cache f32 is deprecated; use --kv-cache auto with --dtype float32 "
@@ -143,11 +144,11 @@ def test_defaults_and_deprecated_spellings(make_hf_checkpoint, capsys):
   assert len(got["completions"][0]) == 4
 
   # The line in docs/guides/fp8_async.md: fp8 weights and an fp8 KV cache.
-  readme = base_argv + ["--weights", "fp8", "--kv-cache", "fp8", "--json"]
+  readme = base_argv + ["--rollout=rollout.weights=fp8,rollout.kv_cache=fp8", "--json"]
   assert generate.main(readme) == 0
   fp8 = json.loads(capsys.readouterr().out)
   assert len(fp8["completions"][0]) == 4 and len(default["completions"][0]) == 4
-  bf16 = generate.generate(generate.build_parser().parse_args(base_argv + ["--weights", "bf16"]))
+  bf16 = generate.generate(generate.parse_args(base_argv + ["--rollout=rollout.weights=bf16"]))
   assert bf16["engine_id"].startswith("w=bf16,kv=bfloat16,")  # auto follows the engine dtype
 
 
@@ -171,3 +172,27 @@ def test_padded_rows_are_never_generated(make_hf_checkpoint, tmp_path, capsys):
   assert generate.main(argv) == 0
   masked = json.loads(capsys.readouterr().out)["completions"][0]
   assert len(masked) == 4 and max(masked) < 100
+
+
+def test_rollout_spec_and_the_old_engine_flags_parse_alike(capsys):
+  """`--rollout=rollout.<key>=<value>,...` (the candidates' syntax) sets what the old flags set;
+  each old flag still parses, with a warning, and is hidden from --help."""
+  base_argv = ["--checkpoint=x", "--prompt-ids=1", "--prompt=a", "--prompt-ids=2"]
+  spec = "rollout.weights=fp4,rollout.kv_cache=fp8,rollout.weight_group_size=32"
+  new = generate.parse_args([*base_argv, f"--rollout={spec},rollout.kv_granularity=tensor"])
+  assert capsys.readouterr().err == ""
+  old = generate.parse_args(
+    [*base_argv, "--weights", "fp4", "--kv-cache=fp8", "--weight-group-size=32"]
+    + ["--kv-granularity=tensor"]
+  )
+  err = capsys.readouterr().err
+  assert "--weights is deprecated" in err and "use --rollout=rollout.weights=VALUE" in err
+  for key in ("weights", "kv_cache", "kv_granularity", "weight_group_size"):
+    assert getattr(new, key) == getattr(old, key), key
+  assert (new.weights, new.kv_cache, new.weight_group_size) == ("fp4", "fp8", 32)
+  assert new.prompts == [("ids", "1"), ("text", "a"), ("ids", "2")]  # in the order given
+  with pytest.raises(SystemExit) as shown:
+    generate.parse_args(["--help"])
+  assert shown.value.code == 0
+  text = capsys.readouterr().out
+  assert "  --rollout: " in text and "  --weights" not in text and "  --kv-cache" not in text

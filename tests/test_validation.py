@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from opd_jax import validation as validation_command
 from opd_jax.experiments import stats, validation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +206,7 @@ def test_the_command_scores_a_study_and_refuses_a_config_without_analysis(tmp_pa
     "  return c\n"
   )
   out_json = tmp_path / "v.json"
-  validation.main(["--study", str(study), "--config", str(cfg), "--json", str(out_json)])
+  validation_command.main(["--study", str(study), "--config", str(cfg), "--json", str(out_json)])
   text = capsys.readouterr().out
   assert "| sum_of_fractions | 5/5 = 100.0%" in text
   assert json.loads(out_json.read_text())["validation"]["n"] == 5
@@ -213,10 +214,10 @@ def test_the_command_scores_a_study_and_refuses_a_config_without_analysis(tmp_pa
   bare.write_text(
     "import ml_collections\ndef get_config():\n  return ml_collections.ConfigDict()\n"
   )
-  with pytest.raises(SystemExit, match="no `analysis` section"):
-    validation.main(["--study", str(study), "--config", str(bare)])
-  with pytest.raises(SystemExit, match="no such file"):
-    validation.main(["--study", str(study), "--config", str(tmp_path / "none.py")])
+  with pytest.raises(ValueError, match="no `analysis` section"):
+    validation_command.main(["--study", str(study), "--config", str(bare)])
+  with pytest.raises(ValueError, match="no such file"):
+    validation_command.main(["--study", str(study), "--config", str(tmp_path / "none.py")])
 
 
 def test_the_committed_draw_is_fixed_and_disjoint_from_calibration():
@@ -281,11 +282,11 @@ def test_run_overrides_parse_as_the_config_flags_do():
     validation.run_overrides(["train.steps=many"], run)
 
 
-def test_the_command_refuses_a_malformed_run_override(tmp_path):
+def test_the_command_refuses_a_malformed_run_override(tmp_path, capsys):
   study = tmp_path / "study.json"
   study.write_text(json.dumps(_result()))
-  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-    validation.main(
+  with pytest.raises(ValueError, match="expected --config.run.KEY=VALUE"):
+    validation_command.main(
       [
         "--study",
         str(study),
@@ -293,5 +294,14 @@ def test_the_command_refuses_a_malformed_run_override(tmp_path):
         str(ROOT / "configs" / "validation.py"),
         "--run-override",
         "teacher.cache_dir",
+      ]
+    )
+  assert "--run-override=KEY=VALUE is deprecated" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="config.run.train.steps"):  # the new spelling
+    validation_command.main(
+      [
+        f"--study={study}",
+        f"--config={ROOT / 'configs' / 'validation.py'}",
+        "--config.run.train.steps=many",
       ]
     )

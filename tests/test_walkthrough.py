@@ -40,7 +40,11 @@ def test_readme_walkthrough_from_toy_checkpoints_to_a_transformers_student(tmp_p
     "--config.train.eval_every=10",
     "--config.rollout.max_new_tokens=32",
     "--config.data.batch_size=8",
+    f"--json={workdir}/done.json",
   )
+  done = json.loads((workdir / "done.json").read_text())  # main --json: the final record
+  assert done["end_step"] == 20 and done["export_dir"] == str(workdir / "export")
+  assert "done: {" in log  # the readable line stays on stdout
   assert "embedding rows: student 128, teacher 160" in log
   assert f"KL(student||teacher) on 64 prompts of {out}/eval.jsonl" in log
 

@@ -28,12 +28,16 @@ def takes_config(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def imports_ml_collections(tree: ast.AST) -> bool:
+  """Whether `tree` imports ml_collections' ConfigDict side; its flag-text parsers
+  (`ml_collections.config_flags`, which `config.values` shares with `--config.key=value`) hold
+  no config."""
   for node in ast.walk(tree):
     if isinstance(node, ast.Import) and any(
       a.name.startswith("ml_collections") for a in node.names
     ):
       return True
-    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ml_collections"):
+    module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+    if module.startswith("ml_collections") and not module.startswith("ml_collections.config_flags"):
       return True
   return False
 

@@ -41,7 +41,6 @@ uses the measured run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -50,9 +49,10 @@ import sys
 import tempfile
 import time
 
-from opd_jax.budget import fit_budget, save_budget
+from absl import flags
+
 from opd_jax.cli import flags as cli_flags
-from opd_jax.io import metrics_writer
+from opd_jax.cli import runner
 
 DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
 TARGET = 0.02
@@ -65,6 +65,8 @@ _RECORDS = [
 
 def run_wall_seconds(run_dir: str) -> dict:
   """The run's last `perf/wall_seconds` and `perf/train_wall_seconds` (None when not logged)."""
+  from opd_jax.io import metrics_writer
+
   rows = metrics_writer.read_jsonl(run_dir)
 
   def last(name):
@@ -138,25 +140,30 @@ def _median(checks: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in checks) for k in keys}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv)
+  flags.DEFINE_string("config", "configs/bf16_sync.py", "The run's config file.", flag_values=fv)
+  cli_flags.define_teacher_cache_flag(fv, "The cached teacher's directory.")
+  flags.DEFINE_string(
+    "params-from", "", "A finished run of the config (its workdir).", flag_values=fv
+  )
+  flags.DEFINE_bool("measure-run", False, "Time a fresh training run.", flag_values=fv)
+  flags.DEFINE_string("candidate", DEFAULT_CANDIDATE, "One candidate spec.", flag_values=fv)
+  flags.DEFINE_integer("prompts", 64, "Calibration prompts.", flag_values=fv)
+  flags.DEFINE_integer("repeats", 2, "Cold and warm checks (median).", flag_values=fv)
+  flags.DEFINE_enum(
+    "student", "run", ["run", "initial"], "--params-from=RUN or warm start.", flag_values=fv
+  )
+  flags.DEFINE_string("workdir", "", "Scratch directory (default: a temp dir).", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.admission_cost")
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--config", default="configs/bf16_sync.py", help="the run's config file")
-  cli_flags.add_teacher_cache_argument(parser, "the cached teacher's directory")
-  parser.add_argument(
-    "--params-from", dest="run", default="", help="a finished run of the config (its workdir)"
-  )
-  parser.add_argument("--measure-run", action="store_true", help="time a fresh training run")
-  parser.add_argument("--candidate", default=DEFAULT_CANDIDATE, help="one candidate spec")
-  parser.add_argument("--prompts", type=int, default=64, help="calibration prompts")
-  parser.add_argument("--repeats", type=int, default=2, help="cold and warm checks (median)")
-  parser.add_argument(
-    "--student", choices=("run", "initial"), default="run", help="--params-from=RUN or warm start"
-  )
-  parser.add_argument("--workdir", default="", help="scratch directory (default: a temp dir)")
-  argv = sys.argv[1:] if argv is None else list(argv)
   renames = {"--teacher-cache": "--config.teacher.cache_dir", "--run": "--params-from"}
-  args = parser.parse_args(cli_flags.rewrite_deprecated(["", *argv], renames)[1:])
+  args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
+  from opd_jax.budget import fit_budget, save_budget
+
+  args.run = args.params_from
   if not args.run and not args.measure_run:
     raise SystemExit("give --params-from=RUN (a finished run to read) or --measure-run")
   if args.student == "run" and not args.run:
@@ -230,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -52,7 +52,6 @@ measure the mismatch's effect on learning, not an FP8 speed-up.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
@@ -63,7 +62,10 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 from opd_jax.io import metrics_writer
 
 RUNS = {
@@ -268,29 +270,29 @@ def serialized_split(name: str, args, workdir: str) -> dict:
   }
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv)
+  flags.DEFINE_integer("steps", 700, "OPD steps per run.", flag_values=fv)
+  flags.DEFINE_integer("seeds", 3, "OPD seeds per row (train.seed).", flag_values=fv)
+  flags.DEFINE_integer("eval-every", 10, "Steps between evaluations.", flag_values=fv)
+  flags.DEFINE_integer("eval-size", 128, "Held-out prompts evaluated.", flag_values=fv)
+  flags.DEFINE_float("target", 0.9, "Target, x teacher accuracy.", flag_values=fv)
+  flags.DEFINE_string(
+    "runs",
+    "sync_bf16,async_bf16,sync_fp8,async_fp8",
+    f"Rows, a subset of {', '.join(RUNS)}.",
+    flag_values=fv,
+  )
+  flags.DEFINE_integer("split-batches", 8, "Batches timed per program.", flag_values=fv)
+  flags.DEFINE_string("dtype", "float32", "Trainer dtype: float32 | bfloat16.", flag_values=fv)
+  flags.DEFINE_string("workdir", "", "Keep the runs here (default: a temp dir).", flag_values=fv)
+  cli_flags.define_teacher_cache_flag(fv, "Teacher cache (default: the workdir's).")
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-    prog="python -m opd_jax.bench.async_vs_sync",
-    description="Time to quality of async/FP8 rollouts against sync BF16, over seeds.",
-  )
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--steps", type=int, default=700, help="OPD steps per run")
-  parser.add_argument("--seeds", type=int, default=3, help="OPD seeds per row (train.seed)")
-  parser.add_argument("--eval-every", type=int, default=10, help="steps between evaluations")
-  parser.add_argument("--eval-size", type=int, default=128, help="held-out prompts evaluated")
-  parser.add_argument("--target", type=float, default=0.9, help="target, x teacher accuracy")
-  parser.add_argument(
-    "--runs",
-    default="sync_bf16,async_bf16,sync_fp8,async_fp8",
-    help=f"rows, a subset of {', '.join(RUNS)}",
-  )
-  parser.add_argument("--split-batches", type=int, default=8, help="batches timed per program")
-  parser.add_argument("--dtype", default="float32", help="trainer dtype: float32 | bfloat16")
-  parser.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
-  cli_flags.add_teacher_cache_argument(parser, "teacher cache (default: the workdir's)")
-  argv = sys.argv[1:] if argv is None else list(argv)
   renames = {"--teacher-cache": "--config.teacher.cache_dir"}
-  args = parser.parse_args(cli_flags.rewrite_deprecated(["", *argv], renames)[1:])
+  args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
   names = [n for n in args.runs.split(",") if n]
   unknown = sorted(set(names) - set(RUNS))
   if unknown:
@@ -373,4 +375,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -37,41 +37,47 @@ carry attention="before" and time that tree's one path.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import statistics
-import sys
 import time
 
-import jax
-import jax.numpy as jnp
+from absl import flags
 
 from opd_jax.bench.sampler import MODELS
 from opd_jax.cli import flags as cli_flags
-from opd_jax.model import kvcache
-from opd_jax.model import transformer as model
+from opd_jax.cli import runner
 
 MODEL = "qwen3-50m"
 CAPACITIES = (256, 1024, 4096)
 POSITIONS = (32, 256, 1024, 4000)
 BATCHES = (1, 16)
+# The KV-cache formats timed, as `kvcache.KVCacheSpec` arguments.
 KV_FORMATS = {
-  "bf16": kvcache.KVCacheSpec(dtype="bfloat16"),
-  "fp8_token_head": kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="token_head"),
-  "fp8_tensor": kvcache.KVCacheSpec(dtype="float8_e4m3fn", granularity="tensor"),
+  "bf16": {"dtype": "bfloat16"},
+  "fp8_token_head": {"dtype": "float8_e4m3fn", "granularity": "token_head"},
+  "fp8_tensor": {"dtype": "float8_e4m3fn", "granularity": "tensor"},
 }
-_NEW = "attention" in inspect.signature(model.forward_with_cache).parameters
-BLOCK = 256
-if _NEW:
+
+
+def _attention_paths() -> tuple[bool, int]:
+  """(whether this tree's `forward_with_cache` takes `attention`, the decode block size)."""
+  from opd_jax.model import transformer as model
+
+  if "attention" not in inspect.signature(model.forward_with_cache).parameters:
+    return False, 256
   from opd_jax.model import decode_attention
 
-  BLOCK = decode_attention.BLOCK
+  return True, decode_attention.BLOCK
 
 
 def _stepper(cfg, spec, attention: str):
   """A jitted one-token step at positions pos_b, the cache donated (as in the decode loop)."""
-  extra = {"attention": attention} if _NEW else {}
+  import jax
+
+  from opd_jax.model import transformer as model
+
+  extra = {"attention": attention} if _attention_paths()[0] else {}
 
   def step(params, token_b1, pos_b, cache):
     return model.forward_with_cache(params, token_b1, pos_b, cache, cfg, spec, **extra)
@@ -86,9 +92,15 @@ def _group(cfg, params, attention: str, batch: int, repeats: int) -> dict:
   whose load changes during the run slows all of them alike; each is called twice before
   (compiles, and the first write adds the "tensor" clipping counters to the cache).
   """
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.model import kvcache
+
   token_b1 = jnp.full((batch, 1), 7, jnp.int32)
   steps, caches, configs = {}, {}, []
-  for kv, spec in KV_FORMATS.items():
+  for kv, fields in KV_FORMATS.items():
+    spec = kvcache.KVCacheSpec(**fields)
     for slots in CAPACITIES:
       steps[kv, slots] = _stepper(cfg, spec, attention)
       caches[kv, slots] = kvcache.init_cache(cfg, batch, slots, spec)
@@ -114,20 +126,26 @@ def _group(cfg, params, attention: str, batch: int, repeats: int) -> dict:
 
 def run(batches=BATCHES, repeats: int = 7, attentions=None, log=print) -> list[dict]:
   """The rows of the module docstring."""
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.model import transformer as model
+
   cfg = MODELS[MODEL]
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
   itemsize = jnp.dtype(model.compute_dtype(params)).itemsize
   # K and V of every layer in the compute dtype, per slot (no format here stores f32).
   dequant = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+  new, block = _attention_paths()
   if attentions is None:
-    attentions = ("blockwise", "reference") if _NEW else ("before",)
+    attentions = ("blockwise", "reference") if new else ("before",)
   groups = [(attention, batch) for attention in attentions for batch in batches]
   rows = []
   for i, (attention, batch) in enumerate(groups):
     timed = _group(cfg, params, attention, batch, repeats)
     for (kv, slots, t), (ms, per_token) in timed.items():
       if attention in ("blockwise", "pallas"):  # both read only the filled blocks
-        size = min(BLOCK, slots)
+        size = min(block, slots)
         read = min(-(-(t + 1) // size) * size, slots)
       else:
         read = slots
@@ -166,23 +184,32 @@ def ratios(rows: list[dict]) -> dict:
   return {"s4096_over_s256_at_t32": growth, "fp8_over_bf16_speed": fp8}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv, '{"rows": [...], "ratios": {...}}')
+  flags.DEFINE_bool("quick", False, "Batch 1 only, 3 timed calls per row.", flag_values=fv)
+  flags.DEFINE_string(
+    "attention",
+    "",
+    "Comma-separated subset of blockwise,reference,pallas (default blockwise,reference; "
+    "pallas runs in interpret mode on a CPU).",
+    flag_values=fv,
+  )
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; prints a table, or {"rows": [...], "ratios": {...}} with --json."""
-  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.decode_scaling")
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--quick", action="store_true", help="batch 1 only, 3 timed calls per row")
-  parser.add_argument(
-    "--attention",
-    default="",
-    help="comma-separated subset of blockwise,reference,pallas (default blockwise,reference; "
-    "pallas runs in interpret mode on a CPU)",
-  )
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
+  import jax
+
+  from opd_jax.model import transformer as model
+
+  new, block = _attention_paths()
   attentions = tuple(a for a in args.attention.split(",") if a) or None
-  if attentions and (not _NEW or set(attentions) - set(model.ATTENTIONS)):
+  if attentions and (not new or set(attentions) - set(model.ATTENTIONS)):
     raise ValueError(f"--attention must name paths of {getattr(model, 'ATTENTIONS', ())}")
   log = cli_flags.log_for_json(args.json)
-  log(f"jax {jax.__version__} on {jax.devices()[0].platform}; model {MODEL}, block {BLOCK}")
+  log(f"jax {jax.__version__} on {jax.devices()[0].platform}; model {MODEL}, block {block}")
   batches = (1,) if args.quick else BATCHES
   rows = run(batches, 3 if args.quick else 7, attentions, log)
   result = {"rows": rows, "ratios": ratios(rows)}
@@ -203,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -28,12 +28,17 @@ fp8_paper on Qwen3-1.7B with its best granularity holds ≥ 1.93×.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.model import kvcache
+from opd_jax.cli import runner
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 # The tiny CPU model: small enough to allocate, 4 layers so that fp8_paper keeps 1 of 4.
@@ -96,6 +101,8 @@ PAPER_FLOOR_MODEL = "qwen3-1.7b"
 
 def recipe_specs() -> list[tuple[str, str | None, kvcache.KVCacheSpec]]:
   """(recipe, granularity, spec) for every benchmarked cache configuration."""
+  from opd_jax.model import kvcache
+
   out = [("bf16", None, kvcache.KVCacheSpec(dtype="bfloat16"))]
   for recipe, layers in (("fp8_all", ()), ("fp8_paper", PAPER_BF16_LAYERS)):
     for granularity in kvcache.KV_GRANULARITIES:
@@ -119,6 +126,8 @@ def capacity_rows(budget_bytes: int, seq_len: int = 4096) -> list[dict]:
     num_bf16_layers (layers whose cache is BF16), seq_len, source,
     kv_bytes_per_token, budget_bytes, tokens_in_budget, ratio_vs_bf16.
   """
+  from opd_jax.model import kvcache
+
   if budget_bytes <= 0:
     raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
   if seq_len <= 0:
@@ -206,17 +215,20 @@ def format_table(rows: list[dict], checks: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv, "the rows")
+  flags.DEFINE_float("budget-gib", 16.0, "KV memory budget, GiB.", flag_values=fv)
+  flags.DEFINE_integer("seq-len", 4096, "Slots per sequence.", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
   """Prints the capacity table (or JSON rows); returns 1 when a floor fails."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--budget-gib", type=float, default=16.0, help="KV memory budget, GiB")
-  parser.add_argument("--seq-len", type=int, default=4096, help="slots per sequence")
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
   if args.budget_gib <= 0:
-    parser.error(f"--budget-gib must be positive, got {args.budget_gib}")
+    raise ValueError(f"--budget-gib must be positive, got {args.budget_gib}")
   if args.seq_len <= 0:
-    parser.error(f"--seq-len must be positive, got {args.seq_len}")
+    raise ValueError(f"--seq-len must be positive, got {args.seq_len}")
   rows = capacity_rows(int(args.budget_gib * 2**30), args.seq_len)
   checks = check_floors(rows)
   if args.json:
@@ -231,4 +243,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -22,7 +22,6 @@ the run's programs, data and seeds are the same, so they must.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -30,7 +29,10 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+
 from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
 
 RESULT_KEYS = ("student_accuracy_after", "student_teacher_kl_after", "train/mismatch/kl_mean")
 
@@ -82,17 +84,19 @@ def sweep(root: str, args, workers: int, log) -> dict:
   }
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv)
+  flags.DEFINE_integer("runs", 4, "Runs in each sweep.", flag_values=fv)
+  flags.DEFINE_integer("workers", 2, "Processes of the parallel sweep.", flag_values=fv)
+  flags.DEFINE_integer("steps", 0, "OPD steps per run (0: the study's).", flag_values=fv)
+  flags.DEFINE_string("workdir", "", "Keep the runs here (default: a temp dir).", flag_values=fv)
+  cli_flags.define_teacher_cache_flag(fv, "Teacher cache (default: the workdir's).")
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.parallel_runs")
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--runs", type=int, default=4, help="runs in each sweep")
-  parser.add_argument("--workers", type=int, default=2, help="processes of the parallel sweep")
-  parser.add_argument("--steps", type=int, default=0, help="OPD steps per run (0: the study's)")
-  parser.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
-  cli_flags.add_teacher_cache_argument(parser, "teacher cache (default: the workdir's)")
-  argv = sys.argv[1:] if argv is None else list(argv)
   renames = {"--teacher-cache": "--config.teacher.cache_dir"}
-  args = parser.parse_args(cli_flags.rewrite_deprecated(["", *argv], renames)[1:])
+  args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
   if args.runs < 1 or args.workers < 2 or args.steps < 0:
     raise SystemExit("--runs must be >= 1, --workers >= 2 and --steps >= 0")
   log = cli_flags.log_for_json(args.json)
@@ -131,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

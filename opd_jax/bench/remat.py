@@ -22,18 +22,15 @@ docs/results/main_job.md ("Training controls").
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-
-import jax
-import jax.numpy as jnp
+from typing import TYPE_CHECKING
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.data.rollout_types import Rollout
-from opd_jax.model import transformer as model
+from opd_jax.cli import runner
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.data.rollout_types import Rollout
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import train_step
 
 # Small but not tiny: 8 layers, so that what each layer keeps for the backward pass counts.
 BENCH_CONFIG = ModelConfig(
@@ -53,6 +50,11 @@ ROWS = [("none", 1), ("layer", 1), ("dots", 1), ("dots_no_batch", 1), ("none", 4
 
 def abstract_rollout(batch: int, prompt: int, completion: int) -> Rollout:
   """Shapes and dtypes of a sampled batch (no teacher logits: the step scores the teacher)."""
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.data.rollout_types import Rollout
+
   i32, f32 = jnp.int32, jnp.float32
   s = jax.ShapeDtypeStruct
   return Rollout(
@@ -68,6 +70,11 @@ def abstract_rollout(batch: int, prompt: int, completion: int) -> Rollout:
 
 def measure(remat: str, microbatches: int, cfg: ModelConfig = BENCH_CONFIG) -> dict:
   """The compiled step's memory analysis for one setting, as a row."""
+  import jax
+
+  from opd_jax.model import transformer as model
+  from opd_jax.train import train_step
+
   tx = train_step.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
   params = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg))
   state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
@@ -105,9 +112,9 @@ def run(rows=ROWS) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(cli_flags.define_json_flag, argv, __doc__)
+  import jax
+
   rows = run()
   c = BENCH_CONFIG
   shape = {
@@ -135,4 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -55,23 +55,22 @@ each with a 64-token prompt and 128 new tokens, at batch 1 and 16.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.inference import sampler, transform
-from opd_jax.io import hf
-from opd_jax.model import kvcache, quant
-from opd_jax.model import transformer as model
+from opd_jax.cli import runner
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.model import kvcache
 from opd_jax.model.config import ModelConfig
 
 MODELS = {
@@ -112,6 +111,10 @@ def _timed(fn):
 
 
 def _opd_runner(params, prompts, cfg: ModelConfig, kv: kvcache.KVCacheSpec):
+  import jax
+
+  from opd_jax.inference import sampler
+
   scfg = sampler.SamplerConfig(max_new_tokens=NEW_TOKENS, temperature=0.0, kv=kv)
 
   def run():
@@ -198,8 +201,15 @@ def _vs_transformers_row(name, cfg, batch, params, hf_model, tokens_bp, prompts,
 
 def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   """The rows of `kinds` for one model shape."""
+  import jax
+  import jax.numpy as jnp
   import torch
   import transformers
+
+  from opd_jax.inference import transform
+  from opd_jax.io import hf
+  from opd_jax.model import kvcache, quant
+  from opd_jax.model import transformer as model
 
   cfg = MODELS[name]
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
@@ -299,21 +309,24 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   return rows
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv, '{"rows": [...]}')
+  flags.DEFINE_bool("quick", False, "2 timed runs per row instead of 3.", flag_values=fv)
+  flags.DEFINE_integer("threads", 1, "Cores for both engines; 0 = all.", flag_values=fv)
+  flags.DEFINE_string(
+    "models", ",".join(MODELS), f"Comma-separated subset of {', '.join(MODELS)}.", flag_values=fv
+  )
+  flags.DEFINE_string(
+    "kinds", ",".join(KINDS), f"Comma-separated subset of {', '.join(KINDS)}.", flag_values=fv
+  )
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the benchmark; prints a table, or {"rows": [...]} with --json."""
-  parser = argparse.ArgumentParser(prog="python -m opd_jax.bench.sampler")
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--quick", action="store_true", help="2 timed runs per row instead of 3")
-  parser.add_argument(
-    "--threads", type=int, default=1, help="cores for both engines; 0 = all (default 1)"
-  )
-  parser.add_argument(
-    "--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}"
-  )
-  parser.add_argument(
-    "--kinds", default=",".join(KINDS), help=f"comma-separated subset of {', '.join(KINDS)}"
-  )
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
+  import jax
+
   names = [m for m in args.models.split(",") if m]
   unknown = [m for m in names if m not in MODELS]
   if unknown:
@@ -358,4 +371,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

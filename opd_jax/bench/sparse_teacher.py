@@ -27,24 +27,20 @@ Measured figures: docs/results/benchmarks.md ("A top-k teacher against the full 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.data.rollout_types import Rollout
-from opd_jax.inference import teacher_forcing
-from opd_jax.model import teacher_topk
-from opd_jax.model import transformer as model
+from opd_jax.cli import runner
+
+if TYPE_CHECKING:  # annotations only: --help imports no JAX
+  from opd_jax.data.rollout_types import Rollout
 from opd_jax.model.config import ModelConfig
-from opd_jax.rollout import worker as rollout_worker
-from opd_jax.train import train_step
 
 VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
 TOP_K = 64
@@ -69,6 +65,10 @@ def bench_config(vocab: int) -> ModelConfig:
 
 def make_rollout(vocab: int, seed: int = 0) -> Rollout:
   """A batch of random prompt and completion tokens (all counted)."""
+  import jax.numpy as jnp
+
+  from opd_jax.data.rollout_types import Rollout
+
   rng = np.random.default_rng(seed)
   i32 = jnp.int32
   return Rollout(
@@ -84,6 +84,8 @@ def make_rollout(vocab: int, seed: int = 0) -> Rollout:
 
 def _timed(fn, args, repeats: int, feed_state: bool) -> float:
   """Median seconds of `repeats` calls after one warm-up (the state fed back when donated)."""
+  import jax
+
   out = fn(*args)
   jax.block_until_ready(out)
   times = []
@@ -107,6 +109,11 @@ def _memory(compiled) -> dict:
 
 def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: int) -> dict:
   """The train step with the full (top_k = 0) or sparse teacher: memory plan and time."""
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.train import train_step
+
   tx = train_step.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
   loss_cfg = train_step.LossConfig(loss, is_clip=None, teacher_top_k=top_k)
   fn = jax.jit(
@@ -123,6 +130,11 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
 
 def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
   """The engine's teacher scoring: full logits, or the top-k plus tail in one program."""
+  import jax
+
+  from opd_jax.inference import teacher_forcing
+  from opd_jax.rollout import worker as rollout_worker
+
   if top_k:
     fn = jax.jit(lambda t, r: rollout_worker.sparse_teacher(t, r, cfg, None, top_k, 1.0))
   else:
@@ -135,6 +147,13 @@ def measure_scoring(cfg, teacher, rollout, top_k: int, repeats: int) -> dict:
 
 
 def run(vocabs=VOCABS, top_k: int = TOP_K, loss: str = "forward_kl", repeats: int = 5) -> list:
+  import jax
+  import jax.numpy as jnp
+
+  from opd_jax.inference import teacher_forcing
+  from opd_jax.model import teacher_topk
+  from opd_jax.model import transformer as model
+
   rows = []
   for vocab in vocabs:
     cfg = bench_config(vocab)
@@ -167,14 +186,25 @@ def _pair(vocab: int, source: str, full: dict, top: dict) -> dict:
   return row
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  cli_flags.define_json_flag(fv)
+  flags.DEFINE_integer(
+    "top-k", TOP_K, "Teacher logits kept per position (train.teacher_top_k).", flag_values=fv
+  )
+  flags.DEFINE_string(
+    "loss", "forward_kl", "The loss both teachers are timed with (train.loss).", flag_values=fv
+  )
+  flags.DEFINE_integer("repeats", 5, "Timed steps per row (median).", flag_values=fv)
+  flags.DEFINE_string(
+    "vocabs", ",".join(map(str, VOCABS)), "Comma-separated vocabulary sizes.", flag_values=fv
+  )
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  cli_flags.add_json_argument(parser)
-  parser.add_argument("--top-k", type=int, default=TOP_K)
-  parser.add_argument("--loss", default="forward_kl")
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--vocabs", default=",".join(map(str, VOCABS)))
-  args = parser.parse_args(argv)
+  args = runner.parse_own_flags(define_flags, argv, __doc__)
+  import jax
+
   vocabs = tuple(int(v) for v in args.vocabs.split(","))
   rows = run(vocabs, args.top_k, args.loss, args.repeats)
   c = bench_config(vocabs[0])
@@ -212,4 +242,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  runner.run_command(main, own_flags=True)

@@ -34,7 +34,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import jax
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -46,6 +45,15 @@ WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpo
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_REFERENCE = "docs/reference/config.md"  # every config key, its default and meaning
 HELP_ARGS = ("--help", "-h", "--helpshort", "-?")
+HIDDEN: set[str] = set()  # flags `command_help` leaves out: deprecated spellings that still work
+
+
+def needed_workdir(what: str) -> str:
+  """`--workdir`'s value, for a command that writes `what` there only when told nowhere else."""
+  workdir = flags.FLAGS["workdir"].value  # WORKDIR.value refuses None, the runner's default
+  if not workdir:
+    raise ValueError(f"pass --workdir=DIR (where {what} goes)")
+  return workdir
 
 
 def warn_deprecated(old: str, new: str) -> None:
@@ -81,8 +89,15 @@ def rewrite_deprecated(argv: list[str], renames: dict[str, str]) -> list[str]:
 
 
 def bare_json_to_stdout(argv: list[str]) -> list[str]:
-  """A bare `--json` (no value) means `--json=-`: the JSON on stdout."""
-  return [arg if arg != "--json" else "--json=-" for arg in argv]
+  """A bare `--json` means `--json=-`, the JSON on stdout; `--json PATH` (a next argument that
+  is no flag: no command takes positional arguments) is `--json=PATH`."""
+  out, args = [], list(argv)
+  while args:
+    arg = args.pop(0)
+    if arg == "--json":
+      arg = f"--json={args.pop(0)}" if args and not args[0].startswith("-") else "--json=-"
+    out.append(arg)
+  return out
 
 
 def write_json(payload: str, target: str) -> None:
@@ -108,24 +123,21 @@ def json_output(target: str | None):
       write_json(f.read(), "-")
 
 
-def add_json_argument(parser, what: str = "the JSON result") -> None:
-  """`--json[=PATH]` for an argparse command: PATH, or "-" (a bare `--json`) for stdout only."""
-  parser.add_argument(
-    "--json",
-    nargs="?",
-    const="-",
-    default=None,
-    metavar="PATH",
-    help=f"write {what} to PATH; - (or a bare --json) prints only it to stdout",
+def define_json_flag(flag_values: flags.FlagValues, what: str = "the JSON result") -> None:
+  """`--json[=PATH]` on a command's own flags: PATH, or "-" (a bare `--json`) for stdout only."""
+  flags.DEFINE_string(
+    "json",
+    None,
+    f"Write {what} to PATH; - (or a bare --json) prints only it to stdout.",
+    flag_values=flag_values,
   )
 
 
-def add_teacher_cache_argument(parser, help_text: str) -> None:
-  """`--config.teacher.cache_dir=DIR` for an argparse command (the run config's own key), with
-  the old `--teacher-cache` kept for this release (`rewrite_deprecated`)."""
-  parser.add_argument(
-    "--config.teacher.cache_dir", dest="teacher_cache", default="", help=help_text
-  )
+def define_teacher_cache_flag(flag_values: flags.FlagValues, help_text: str) -> None:
+  """`--config.teacher.cache_dir=DIR` on a command's own flags (the run config's own key; the
+  parsed value is `.teacher_cache`), with the old `--teacher-cache` kept for this release
+  (`rewrite_deprecated`)."""
+  flags.DEFINE_string("config.teacher.cache_dir", "", help_text, flag_values=flag_values)
 
 
 def log_for_json(target: str | None):
@@ -213,21 +225,36 @@ class ProgressLog:
     out.flush()
 
 
-def command_help(doc: str | None) -> str:
-  """The `--help` text of an absl command: its docstring, its own flags and the shared ones
-  (`--config`, `--workdir` where it reads a run config), and where the config keys are."""
-  lines = [(doc or "").strip(), "", "flags:"]
-  by_module = flags.FLAGS.flags_by_module_dict()
+def command_help(
+  doc: str | None, flag_values: flags.FlagValues | None = None, required=(), hidden=()
+) -> str:
+  """The `--help` text of a command: `usage: python -m <module>`, its docstring, its own flags
+  and the shared ones (`--config`, `--workdir` where it reads a run config), and where the
+  config keys are.
+
+  `flag_values` is a command's own `FlagValues` (`runner.parse_own_flags`), else the global
+  flags of the `__main__` module and `opd_jax`; a flag in `HIDDEN` or `hidden` is left out, one
+  in `required` says so instead of its default."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  module = getattr(spec, "name", "") or ""
+  usage = [f"usage: python -m {module} [flags]", ""] if module.startswith("opd_jax.") else []
+  lines = [*usage, (doc or "").strip(), "", "flags:"]
+  by_module = (flag_values or flags.FLAGS).flags_by_module_dict()
   shown = set()
   main_file = getattr(sys.modules.get("__main__"), "__file__", None)
   for module in sorted(by_module, key=lambda m: (m != __name__, m)):
-    if module not in (__name__, main_file, sys.argv[0]) and not module.startswith("opd_jax"):
+    if flag_values is None and (
+      module not in (__name__, main_file, sys.argv[0]) and not module.startswith("opd_jax")
+    ):
       continue  # absl's own flags and those of libraries (orbax): --helpfull lists them
     for flag in sorted(by_module[module], key=lambda f: f.name):
-      if flag.name in shown:
+      if flag.name in shown or flag.name in HIDDEN or flag.name in hidden:
         continue
       shown.add(flag.name)
-      default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+      if flag.name in required:
+        default = " (required)"
+      else:
+        default = "" if flag.default is None else f" (default: {flag.default_as_str})"
       if flag.name == "config":
         help_text = (
           "a config file, configs/<name>.py[:variant], with --config.<key>=<value> overrides"
@@ -240,7 +267,8 @@ def command_help(doc: str | None) -> str:
   lines.append("")
   if "config" in shown:
     lines.append(f"Every config key, its default and meaning: {CONFIG_REFERENCE}")
-  lines.append("absl's own flags: --helpfull")
+  if flag_values is None:
+    lines.append("absl's own flags: --helpfull")
   return "\n".join(lines)
 
 
@@ -294,6 +322,8 @@ def exit_multiprocess_error(error: Exception) -> None:
   collective fails as soon as the dead peer's connection drops), named as such. Checkpoints
   are committed atomically, so the last one still resumes the run.
   """
+  import jax  # here, not at the top: `--help` and the flags never import JAX
+
   text = str(error).strip()
   first_line = text.splitlines()[0][:300] if text else type(error).__name__
   where = f"process {jax.process_index()}/{jax.process_count()}"
@@ -351,20 +381,52 @@ def exit_at_once() -> None:
   os._exit(0)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
+def _override_path(config, key: str):
+  """The ConfigDict holding `key` ("a.b.c") and the last name, or None when there is none."""
+  *parents, name = key.split(".")
+  for parent in parents:
+    config = getattr(config, parent, None)
+  return (config, name) if config is not None and name in config else None
+
+
+def reparse_tuple_overrides(argv: list[str], config) -> None:
+  """Parses each `--config.<key>=<value>` of a tuple field again with `values.parse_value`.
+
+  ml_collections reads `(attention,)` as the one string "(attention,)" (it is no Python
+  literal); `parse_value`, the parser of `--candidate` specs, reads it as ("attention",), so the
+  same text means the same value in both. Quoted and other values parse as before.
+  """
+  from opd_jax.config import values
+
+  for arg in argv[1:]:
+    if not arg.startswith("--config.") or "=" not in arg:
+      continue
+    key, raw = arg[len("--config.") :].split("=", 1)
+    found = _override_path(config, key)
+    if found and isinstance(found[0][found[1]], tuple):
+      found[0][found[1]] = values.parse_value(raw, found[0][found[1]])
+
+
+def parse_flags(argv: list[str], required=()) -> list[str]:
   """absl flag parsing, with a one-line error for a misspelt --config.key override.
 
-  `--help` prints `command_help` for the `__main__` module and exits 0; a bare `--json` is
-  `--json=-`.
+  `--help` prints `command_help` for the `__main__` module (`required` flags marked) and exits
+  0; a bare `--json` is `--json=-`; a tuple override parses as a `--candidate` value does
+  (`reparse_tuple_overrides`).
   """
   if any(arg in HELP_ARGS for arg in argv[1:]):
-    print(command_help(getattr(sys.modules.get("__main__"), "__doc__", None)))
+    print(command_help(getattr(sys.modules.get("__main__"), "__doc__", None), None, required))
     sys.exit(0)
   argv = bare_json_to_stdout(argv)
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+      reparse_tuple_overrides(argv, flags.FLAGS["config"].value)
+    return rest
   except (AttributeError, KeyError) as e:
     message = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
     sys.exit(f"error: bad --config override: {message}")
   except flags.Error as e:
     sys.exit(f"error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+  except ValueError as e:
+    sys.exit(f"error: bad --config override: {e}")

@@ -1,7 +1,6 @@
 """Small random Hugging Face checkpoints and JSONL files to try a distillation run on.
 
-    python -m opd_jax.toy_checkpoints --out=/tmp/mine
-
+`write_toy_files(out)` (the command: `python -m opd_jax.toy_checkpoints --out=/tmp/mine`)
 writes, with no download and no PyTorch:
 
     /tmp/mine/student/         a random Qwen3 decoder (2 layers, D=32) with its tokenizer
@@ -28,7 +27,6 @@ as real checkpoints pad their tables beyond the tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -180,35 +178,3 @@ def write_toy_files(
     [{"prompt": heldout[i]["prompt"], "answer": heldout[i]["answer"]} for i in range(num_eval)],
   )
   return paths
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", required=True, help="output directory")
-  parser.add_argument("--num-prompts", type=int, default=512)
-  parser.add_argument("--num-eval", type=int, default=64)
-  parser.add_argument(
-    "--chat-every", type=int, default=4, help="every n-th prompt as chat; 0 = none"
-  )
-  parser.add_argument("--student-vocab-rows", type=int, default=128)
-  parser.add_argument("--teacher-vocab-rows", type=int, default=0, help="0 = the student's")
-  parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
-  try:
-    paths = write_toy_files(
-      args.out,
-      num_prompts=args.num_prompts,
-      num_eval=args.num_eval,
-      chat_every=args.chat_every,
-      student_vocab_rows=args.student_vocab_rows,
-      teacher_vocab_rows=args.teacher_vocab_rows,
-      seed=args.seed,
-    )
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from e
-  for name, path in paths.items():
-    print(f"{name:8s} {path}")
-
-
-if __name__ == "__main__":
-  main()

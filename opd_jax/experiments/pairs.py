@@ -1,10 +1,8 @@
 """Calibrations of several student–teacher pairs side by side: their limits under both labels,
 their layer sensitivity and FP8 recipe, and whether one pair's budget predicts another's runs.
 
-    python -m opd_jax.experiments.pairs --pair=embedded=/tmp/cal_A --pair=llama4=/tmp/cal_B \
-        --pair=chain=/tmp/cal_C [--json=PATH] [--md=PATH]
-
-Each DIR is an `opd_jax.calibrate` workdir (its `study.json` and `runs/`). For each pair and
+The command is `python -m opd_jax.pairs --pair=NAME=DIR ...`. Each DIR is an `opd_jax.calibrate`
+workdir (its `study.json` and `runs/`). For each pair and
 each label (held-out accuracy, and the held-out KL(student ‖ teacher) as a continuous label,
 both read from the same runs) the budget is refitted on its records (`label_records`,
 `budget.fit_budget` at the pair's own τ) on two axes:
@@ -23,7 +21,6 @@ of admitting everything (the baseline a limit has to beat).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from collections.abc import Sequence
@@ -33,7 +30,6 @@ import numpy as np
 
 from opd_jax.experiments import runs, stats
 from opd_jax.experiments import study as study_lib
-from opd_jax.experiments.study_report import pairs_markdown as markdown  # main's name
 from opd_jax.io import json_file
 from opd_jax.mismatch import budget
 
@@ -202,28 +198,5 @@ def pair_summary(name: str, result: dict) -> dict[str, Any]:
   return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--pair", action="append", required=True, help="NAME=DIR, repeat")
-  parser.add_argument("--json", default=None, help="write the tables' data to PATH")
-  parser.add_argument("--md", default=None, help="write the markdown tables to PATH")
-  args = parser.parse_args(argv)
-  results = {}
-  for spec in args.pair:
-    name, sep, directory = spec.partition("=")
-    if not sep:
-      parser.error(f"--pair={spec!r}: expected NAME=DIR")
-    results[name] = load(directory)
-  summaries = [pair_summary(n, r) for n, r in results.items()]
-  moves = [m for label in LABELS for axis in AXES for m in transfer(results, label, axis)]
-  text = markdown(summaries, moves)
-  print(text)
-  if args.md:
-    with open(args.md, "w", encoding="utf-8") as f:
-      f.write(text)
-  if args.json:
-    study_lib.write_json(args.json, {"pairs": summaries, "transfer": moves})
-
-
-if __name__ == "__main__":
-  main()
+if __name__ == "__main__":  # the command moved up, above the library it runs
+  raise SystemExit("error: the command is `python -m opd_jax.pairs` (the same flags)")

@@ -1,11 +1,10 @@
 """A study's pre-registered validation scored: the frozen rule beside simple baselines, and the
 one-scale and interaction analyses of its calibration runs.
 
-    python -m opd_jax.experiments.validation --study=DIR/study.json \
-        --config=configs/validation.py [--json=OUT] [--md=OUT]
-
-Everything here reads a finished `study.json` (`opd_jax.experiments.study`) and the analysis
-its config froze (`config.analysis`); nothing trains. The pieces are pure functions.
+The command is `python -m opd_jax.validation --study=DIR/study.json
+--config=configs/validation.py`. Everything here reads a finished `study.json`
+(`opd_jax.experiments.study`) and the analysis its config froze (`config.analysis`); nothing
+trains. The pieces are pure functions.
 
 Verdicts on the held-out settings. Each row of the study carries the frozen rule's verdict
 (`admitted`, reached through `admission.candidate_verdict`, the admission check's own path) and
@@ -51,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from opd_jax.config import check as config_check
+from opd_jax.config import values
 from opd_jax.experiments import stats
 from opd_jax.experiments import study as study_lib
-from opd_jax.experiments.study_report import validation_markdown as markdown  # main's name
 from opd_jax.mismatch import budget
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -384,7 +383,7 @@ def third_runs(result: Mapping, config, workdir: str, seed: int = 2, log=print) 
 
 def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
   """`KEY=VALUE` texts as dotted-key overrides of `run_cfg`, each value parsed as
-  `--config.KEY=VALUE` would parse it for the key's current value (`candidates.parse_value`);
+  `--config.KEY=VALUE` would parse it for the key's current value (`config.values.parse_value`);
   `runs.with_overrides` then refuses an unknown key or a value the config check refuses.
 
   Raises:
@@ -395,8 +394,11 @@ def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
   for item in items:
     key, sep, raw = item.partition("=")
     if not sep:
-      raise ValueError(f"--run-override={item!r}: expected KEY=VALUE")
-    out[key] = candidates_lib.parse_value(raw, current.get(key))
+      raise ValueError(f"--config.run.{item}: expected --config.run.KEY=VALUE")
+    try:
+      out[key] = values.parse_value(raw, current.get(key))
+    except ValueError as e:
+      raise ValueError(f"--config.run.{key}={raw}: {e}") from None
   return out
 
 
@@ -432,56 +434,5 @@ def report(result: Mapping, config) -> dict[str, Any]:
   }
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  import argparse
-  import json
-
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--study", required=True, help="a finished study's study.json")
-  parser.add_argument("--config", required=True, help="the study's config file (its analysis)")
-  parser.add_argument("--json", default=None, help="write the report's data to PATH")
-  parser.add_argument("--md", default=None, help="write the markdown tables to PATH")
-  parser.add_argument(
-    "--third-run",
-    default=None,
-    metavar="DIR",
-    help="post hoc: train each held-out setting whose label lies within τ's interval once "
-    "more (seed 2) with DIR as the study's workdir, and score the relabelled settings too",
-  )
-  parser.add_argument(
-    "--run-override",
-    action="append",
-    default=[],
-    metavar="KEY=VALUE",
-    help="with --third-run: a key of the study's run config as the study ran it, e.g. "
-    "teacher.cache_dir=DIR (repeat)",
-  )
-  args = parser.parse_args(argv)
-  try:
-    config = load_config(args.config)
-    overrides = run_overrides(args.run_override, config.run)
-    if overrides:
-      from opd_jax.experiments import runs
-
-      config.run = runs.with_overrides(config.run, overrides)
-    with open(args.study, encoding="utf-8") as f:
-      result = json.load(f)
-    out = report(result, config)
-    if args.third_run:
-      out["third_run"] = validate(third_runs(result, config, args.third_run), config)
-  except (OSError, ValueError) as e:
-    raise SystemExit(f"error: {e}") from None
-  text = markdown(out)
-  if "third_run" in out:
-    text += "\n## Post hoc: a third run for the labels within τ's interval\n\n"
-    text += markdown({**out, "validation": out["third_run"], "one_scale": {}, "factorial": []})
-  print(text)
-  if args.md:
-    with open(args.md, "w", encoding="utf-8") as f:
-      f.write(text)
-  if args.json:
-    study_lib.write_json(args.json, out)
-
-
-if __name__ == "__main__":
-  main()
+if __name__ == "__main__":  # the command moved up, above the library it runs
+  raise SystemExit("error: the command is `python -m opd_jax.validation` (the same flags)")

@@ -110,6 +110,7 @@ from typing import Any
 import ml_collections
 
 from opd_jax.config import check as config_check
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.data import pipeline as data
 from opd_jax.data import prompts as prompts_lib
 from opd_jax.data import task
@@ -135,9 +136,6 @@ QUANT_FORMAT = "fp8_e4m3fn"
 
 
 CALIBRATION_SEED_OFFSET = 2  # calibration prompts: seed + 2 (evaluation uses seed + 1)
-
-
-DEFAULT_NUM_PROMPTS = 64
 
 
 LOG_FILE = "admission_log.jsonl"

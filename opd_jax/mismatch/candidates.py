@@ -32,19 +32,16 @@ or a format no source is named for, is refused with a message saying so. The sou
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import re
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
-from absl import flags as absl_flags
-from ml_collections.config_flags import tuple_parser
 
 from opd_jax.config import check as config_check
+from opd_jax.config import values
 from opd_jax.inference import transform
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.model import kvcache
@@ -161,106 +158,6 @@ class Candidate:
     return self.engine_cfg.engine_id
 
 
-def split_spec(spec: str) -> list[str]:
-  """Splits "a=1,b=(0,1),c=x" at the commas outside brackets: ["a=1", "b=(0,1)", "c=x"]."""
-  parts, depth, current = [], 0, []
-  for ch in spec:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-      if depth < 0:
-        raise ValueError(f"candidate {spec!r}: unbalanced {ch!r}")
-    if ch == "," and depth == 0:
-      parts.append("".join(current))
-      current = []
-    else:
-      current.append(ch)
-  if depth:
-    raise ValueError(f"candidate {spec!r}: unbalanced brackets")
-  parts.append("".join(current))
-  return [p.strip() for p in parts]
-
-
-def _literal(raw: str):
-  """A value of unknown type, as ml_collections parses one: a Python literal, else the text."""
-  if raw in ("true", "false"):
-    raw = raw.capitalize()
-  try:
-    return ast.literal_eval(raw)
-  except (SyntaxError, ValueError):
-    return raw
-
-
-def parse_value(raw: str, current):
-  """Parses `raw` as ml_collections' `--config.key=raw` would for a field now holding `current`.
-
-  int, float and bool fields use absl's parsers ("1" becomes 1.0 for a float field), tuple
-  fields `ast.literal_eval` with a single value wrapped ("0" -> (0,), "(0,1)" -> (0, 1)) and
-  bare words in brackets taken as strings ("(mlp,)" -> ("mlp",), `_bracketed_tuple`), str
-  fields keep the text; a field of another type (or an unknown key) takes a Python literal,
-  else the text.
-
-  Raises:
-    ValueError: the text does not parse as the field's type.
-  """
-  parsers = (
-    (bool, absl_flags.BooleanParser()),
-    (int, absl_flags.IntegerParser()),
-    (float, absl_flags.FloatParser()),
-    (tuple, tuple_parser.TupleParser()),
-  )
-  if isinstance(current, tuple) and not isinstance(current, bool):
-    bracketed = _bracketed_tuple(raw)
-    if bracketed is not None:
-      return bracketed
-  for kind, parser in parsers:
-    if isinstance(current, kind):
-      return parser.parse(raw)
-  if isinstance(current, str):
-    return raw
-  return _literal(raw)
-
-
-_BARE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _bracketed_tuple(raw: str) -> tuple | None:
-  """A bracketed tuple "(a, b)" or "[a, b]" whose strings may be unquoted: each item a Python
-  literal, else a bare word taken as a string ("(mlp,)" -> ("mlp",)); None when `raw` is not
-  bracketed.
-
-  Raises:
-    ValueError: an item that is neither, with the quoted form to type instead.
-  """
-  text = raw.strip()
-  if len(text) < 2 or (text[0], text[-1]) not in (("(", ")"), ("[", "]")):
-    return None
-  try:
-    value = ast.literal_eval(text)
-  except (SyntaxError, ValueError):
-    value = None
-  if isinstance(value, tuple | list):
-    return tuple(value)
-  inner = text[1:-1].strip()
-  tokens = [t.strip() for t in split_spec(inner)] if inner else []
-  if tokens and tokens[-1] == "":
-    tokens = tokens[:-1]  # "(mlp,)": the trailing comma of a 1-tuple
-  items = []
-  for token in tokens:
-    try:
-      items.append(ast.literal_eval(token))
-    except (SyntaxError, ValueError):
-      if not _BARE_WORD.fullmatch(token):
-        quoted = "(" + ", ".join(repr(t) for t in tokens) + ("," if len(tokens) == 1 else "") + ")"
-        raise ValueError(
-          f"{raw!r} is not a tuple: {token!r} is neither a value nor a bare word; quote the "
-          f"strings: {quoted}"
-        ) from None
-      items.append(token)
-  return tuple(items)
-
-
 def _refuse_non_rollout(spec: str, key: str) -> None:
   rollout_keys = [k for k in config_check.RULES if k.startswith(CANDIDATE_PREFIX)]
   near = difflib.get_close_matches(key, rollout_keys, n=1, cutoff=0.8)
@@ -287,7 +184,7 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
     spec: comma-separated `rollout.<key>=<value>` overrides, e.g.
       "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor" or
       "rollout.bf16_layers=(0,),rollout.weights=fp8". Values parse as ml_collections parses
-      `--config.<key>=<value>` (`parse_value`).
+      `--config.<key>=<value>` (`values.parse_value`).
     config: the run config (not modified).
 
   Returns:
@@ -302,7 +199,7 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
     raise ValueError("empty candidate; give rollout.<key>=<value>[,rollout.<key>=<value> ...]")
   overrides: dict[str, Any] = {}
   raw_items = []
-  for item in split_spec(spec):
+  for item in values.split_spec(spec):
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -325,7 +222,7 @@ def parse_candidate(spec: str, config: ml_collections.ConfigDict) -> Candidate:
       raise ValueError(f"candidate {spec!r}: {key!r} is not a rollout setting (nested key)")
     current = candidate_config.rollout.get(leaf)
     try:
-      value = parse_value(raw, current)
+      value = values.parse_value(raw, current)
     except ValueError as e:
       raise ValueError(f"candidate {spec!r}: {key}={raw!r}: {e}") from e
     try:
@@ -543,7 +440,7 @@ def source_parts(candidate: Candidate, base: ml_collections.ConfigDict) -> dict[
   base_roles = [r for r in engine_roles_of(base) if r in SWITCH_OFF]
   groups: dict[str, list[str]] = {r: [] for r in roles}
   shared = []
-  for item in split_spec(candidate.spec):
+  for item in values.split_spec(candidate.spec):
     key = item.partition("=")[0].strip().removeprefix("config.")
     owners = _key_roles(key, candidate, base)
     if not owners:

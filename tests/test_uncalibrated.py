@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from opd_jax.io import metrics_writer
-from opd_jax.mismatch import admission, budget_file
+from opd_jax.mismatch import admission, budget_file, budget_rules
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.candidates import parse_candidate
@@ -67,9 +67,9 @@ def test_the_default_is_one_pooled_limit_whatever_the_sources_or_conservative():
   assert not budget_lib.is_uncalibrated(study)
   for source in ("", "noise", "noise+stale", "fp8_weights+fp8_kv"):
     for rule in (None, budget_lib.POOLED.with_params(conservative=True), budget_lib.Rule("whole")):
-      at = budget_lib.apply_rule({"mismatch/kl": LIMIT, "source": source}, default, rule)
+      at = budget_rules.apply_rule({"mismatch/kl": LIMIT, "source": source}, default, rule)
       assert at.admitted and at.limit == LIMIT and at.margin == 0.0 and not at.too_close
-      over = budget_lib.apply_rule({"mismatch/kl": 0.04, "source": source}, default, rule)
+      over = budget_rules.apply_rule({"mismatch/kl": 0.04, "source": source}, default, rule)
       assert not over.admitted and over.margin == pytest.approx(LIMIT - 0.04)
       assert over.reasons == (
         "mismatch/kl 0.04 > 0.033, the uncalibrated default limit (no calibration record of "

@@ -16,7 +16,7 @@ parses flags and calls `run_admission`. For each candidate, with no training:
    sources (`candidates.candidate_source`, what its engine changes against the trainer's:
    "noise", "stale+fp8_kv"), measures each part of a combination alone when the budget's rule
    reads parts (`candidates.source_parts`), and applies the rule the budget file records
-   (`budget.apply_rule`, docs/budget_rules.md) — the one path the live guard and the study
+   (`budget_rules.apply_rule`, docs/budget_rules.md) — the one path the live guard and the study
    take too. `--conservative` sets the rule's "conservative" parameter (every limit at the lower
    end of its interval), which is then not the rule the file was validated with; the summary
    line names the rule and what it scored. A measurement inside the band of its limit (the
@@ -117,7 +117,7 @@ from opd_jax.inference import sampler
 from opd_jax.io import metrics_writer
 from opd_jax.io.run_history import RunHistory
 from opd_jax.mismatch import budget as budget_lib
-from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import budget_file, budget_rules
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.mismatch.candidates import (
   CANDIDATE_PREFIX,
@@ -267,7 +267,7 @@ def candidate_verdict(
   budget: budget_lib.Budget,
   measure_part: Callable[[str, Candidate], float] | None,
   rule: budget_lib.Rule | None = None,
-) -> tuple[dict, budget_lib.Verdict]:
+) -> tuple[dict, budget_rules.Verdict]:
   """The verdict on one measured candidate: the path the admission check, the live guard and
   the study share.
 
@@ -275,7 +275,7 @@ def candidate_verdict(
   rule reads parts (`Rule.needs_parts`) and the candidate has two or more sources, adds
   "mismatch/kl/part/<s>" = `measure_part(s, part)` for each part (`source_parts` against
   `base`, the config the candidate modifies) that the measurement does not already hold; then
-  applies the rule (`budget.apply_rule`).
+  applies the rule (`budget_rules.apply_rule`).
 
   Args:
     candidate: the parsed candidate.
@@ -284,7 +284,7 @@ def candidate_verdict(
     budget: the loaded Budget.
     measure_part: (source, part candidate) -> that part's mismatch/kl; None when the
       measurement already holds every part it needs.
-    rule: the rule to apply; None: the budget's (`budget.apply_rule`).
+    rule: the rule to apply; None: the budget's (`budget_rules.apply_rule`).
 
   Returns:
     (the measurement with "source" and the parts, the Verdict).
@@ -305,7 +305,7 @@ def candidate_verdict(
           f"({spec!r}) measured alone, and no measurement of it was given"
         )
       out[key] = float(measure_part(source, parse_candidate(spec, base)))
-  return out, budget_lib.apply_rule(out, budget, rule)
+  return out, budget_rules.apply_rule(out, budget, rule)
 
 
 def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:
@@ -352,7 +352,7 @@ def _refuse_unmeasurable(candidates: Sequence[Candidate], history: RunHistory | 
 def candidate_row(
   candidate: Candidate,
   measurement: dict,
-  verdict: budget_lib.Verdict,
+  verdict: budget_rules.Verdict,
   student_step,
   budget_label: str = "",
   uncalibrated: bool = False,

@@ -36,7 +36,7 @@ the pooled rule and a warning naming the file: one limit for every source, the s
 since the file does not say which rule its limits were validated with.
 
 "sources" (the per-source fits) may be absent: files written before per-source limits load with
-none, and `budget.admit` then uses the overall budget for every measurement;
+none, and `budget_rules.admit` then uses the overall budget for every measurement;
 "min_crossing_records" is absent in files written before it existed, which load with 1 (the rule
 they were fitted by). "training" (the
 fit on the training-time axis, `budget.Budget.training`) is absent when the budget has none.
@@ -75,6 +75,7 @@ import numpy as np
 from etils import epath
 
 from opd_jax.mismatch import budget as budget_lib
+from opd_jax.mismatch import budget_fit
 from opd_jax.model.config import ModelConfig
 
 SCHEMA = "opd_jax.budget"
@@ -371,8 +372,8 @@ class _Reader:
     )
 
   def rule(self, doc: Mapping) -> budget_lib.Rule | None:
-    """The document's "rule"; None (which `budget.apply_rule` reads as the pooled rule), with a
-    warning, when it names none."""
+    """The document's "rule"; None (which `budget_rules.apply_rule` reads as the pooled rule),
+    with a warning, when it names none."""
     if "rule" not in doc:
       warnings.warn(
         f"budget file {self.source} names no admission rule, so it is read with the pooled "
@@ -417,7 +418,7 @@ class _Reader:
     if not isinstance(records, list):
       self.fail(f"{where}.records", f"expected a list, got {records!r}"[:200])
     try:
-      budget_lib.validate_records(records)
+      budget_fit.validate_records(records)
     except ValueError as e:
       self.fail(f"{where}.records", str(e).removeprefix("fit_budget: "))
     training = body.get("training")
@@ -445,7 +446,7 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
 
   Returns:
     (Budget, fingerprint dict); the Budget's `rule` is the file's, or None (the pooled rule for
-    `budget.apply_rule`), with a UserWarning naming the file, when the file names none.
+    `budget_rules.apply_rule`), with a UserWarning naming the file, when the file names none.
 
   Raises:
     ValueError: text that is not JSON, an unknown rule or rule parameter, another schema or

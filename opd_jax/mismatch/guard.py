@@ -19,8 +19,8 @@ draw changes every version), so the guard compares a bias-corrected exponential 
 with the budget's limit for the rung the run is on, on the training-time axis: the budget's
 `training` fit when the file has one (the study writes it; `budget`, "Two axes"), else the
 check-axis budget itself, which is lenient, since the check reads higher than training. The
-verdict is the budget file's rule (`budget.apply_rule`, the function the admission check and the
-study reach theirs through; docs/budget_rules.md) on a measurement that names the rung's sources
+verdict is the budget file's rule (`budget_rules.apply_rule`, the function the admission check and
+the study reach theirs through; docs/budget_rules.md) on a measurement that names the rung's sources
 (`rung_sources`: what its engine changes against the trainer's, as the check names a candidate's).
 `budget.per_source=False` replaces the file's rule by the pooled one, and `budget.conservative`
 sets its "conservative" parameter (every limit at its interval's lower end). A training step logs
@@ -114,7 +114,7 @@ import ml_collections
 
 from opd_jax.config import check as config_check
 from opd_jax.mismatch import budget as budget_lib
-from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import budget_file, budget_rules
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.train import trainer
 
@@ -244,7 +244,7 @@ class Guard:
     sources: the mismatch sources of each rung (`rung_sources`), for per-source limits; None
       names no source, so that every rule holds a rung to the pooled limit.
     per_source: False replaces the rule by the pooled one.
-    rule: the admission rule (`budget.Rule`); None: the budget's (`budget.apply_rule`).
+    rule: the admission rule (`budget.Rule`); None: the budget's (`budget_rules.apply_rule`).
   """
 
   def __init__(
@@ -298,8 +298,8 @@ class Guard:
       return self.budget.training
     return self.budget
 
-  def verdict(self, kl, rung: int, axis: str = "training") -> budget_lib.Verdict:
-    """The rule's verdict (`budget.apply_rule`) on a mismatch on `axis` of `rung`'s engine.
+  def verdict(self, kl, rung: int, axis: str = "training") -> budget_rules.Verdict:
+    """The rule's verdict (`budget_rules.apply_rule`) on a mismatch on `axis` of `rung`'s engine.
 
     Args:
       kl: the whole combination's mismatch/kl (a float), or a measurement (a mapping with
@@ -311,7 +311,7 @@ class Guard:
     measurement = dict(kl) if isinstance(kl, Mapping) else {KL_KEY: kl}
     if self.sources is not None:
       measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
-    return budget_lib.apply_rule(
+    return budget_rules.apply_rule(
       measurement, self.on_axis(axis), self.rule, unmeasured_parts="whole"
     )
 

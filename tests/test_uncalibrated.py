@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from opd_jax.cli import admit_check
 from opd_jax.io import metrics_writer
 from opd_jax.mismatch import admission, budget_file, budget_rules
 from opd_jax.mismatch import budget as budget_lib
@@ -112,7 +113,7 @@ def checked(config, tmp_path_factory):
   """A check of σ = 1 and σ = 3 with no budget file: (result, printed lines, workdir)."""
   workdir = tmp_path_factory.mktemp("admit")
   lines = []
-  result = admission.run_admission(
+  result = admit_check.run_admission(
     config,
     None,
     [BELOW, ABOVE],
@@ -158,7 +159,7 @@ def test_without_a_budget_the_header_the_table_and_the_json_say_uncalibrated(che
   }
   assert written["rows"] == result["rows"]
   assert written["stale_budget_reasons"] == [] and not written["forced"]
-  entries = [json.loads(x) for x in (workdir / admission.LOG_FILE).read_text().splitlines()]
+  entries = [json.loads(x) for x in (workdir / admit_check.LOG_FILE).read_text().splitlines()]
   assert [(e["budget_file"], e["budget"]) for e in entries] == [(None, "uncalibrated default")] * 2
 
 
@@ -181,7 +182,7 @@ def test_the_command_line_without_budget_checks_against_the_default(config, chec
     text=True,
     timeout=300,
   )
-  assert proc.returncode == 0, proc.stderr
+  assert proc.returncode == 1, proc.stderr  # its one candidate is refused
   assert HEADER in proc.stderr
   result = json.loads(proc.stdout)
   (row,) = result["rows"]

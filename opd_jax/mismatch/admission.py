@@ -54,8 +54,6 @@ DEFAULT_NUM_PROMPTS = 64
 ROUNDING_KL = 1e-6
 
 
-
-
 def calibration_prompts(config, tokenizer, task_cfg: task.TaskConfig, num_prompts: int):
   """The N calibration prompts as (texts, tokens [N, P], lens [N]).
 

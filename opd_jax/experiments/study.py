@@ -27,8 +27,8 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
    its mean) gives the budget, pooled and per source. The same fit on the same runs with each
    run's training-time mean mismatch/kl as x is the budget's training-axis fit
-   (`budget.Budget.training`, "Two axes"), which the live guard compares a run's per-step
-   values with.
+   (`budget.Budget.training`; docs/design.md, "Two axes"), which the live guard compares a
+   run's per-step values with.
 5. **Validate.** The admission rule is fixed in the config before anything runs (`study_rule`:
    `rule`, else "per_part" with `per_part`, "whole" with `per_source`, "pooled" without).
    For each setting, `admission.candidate_verdict` with that rule is the verdict the check

@@ -228,7 +228,7 @@ class Guard:
   def on_axis(self, axis: str) -> budget_lib.Budget:
     """The budget a value on `axis` is compared with: "training" (a training step's
     mismatch/kl) uses the budget's training-axis fit when it has one, "check" (an admission
-    check measurement) the budget itself (`budget`, "Two axes")."""
+    check measurement) the budget itself (docs/design.md, "Two axes")."""
     if axis not in AXES:
       raise ValueError(f"axis={axis!r}: expected one of {AXES}")
     if axis == "training" and self.budget.training is not None:

@@ -279,7 +279,7 @@ def get_config(arg=None):
   c.borderline_seeds = (1,)  # so a held-out label is the mean of two runs
   c.rerun_all_roles = ("held_out",)  # every setting of these roles gets borderline_seeds too
   c.per_source = True  # verdicts by per-source limits (`mismatch.budget`); False: pooled budget
-  # True: each part of a combination alone against its own source's limit (budget.admit's
+  # True: each part of a combination alone against its own source's limit (budget_rules.admit's
   # per_part); False (`:rounds`, `:round5`, `:round6`): the whole combination's KL
   c.per_part = arg not in ("rounds", "round5", "round6")
   # A source's own limit needs its fit over τ on this many of its records (1 for `:rounds`

@@ -2,17 +2,26 @@
 
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
         [--budget=FILE] --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
-        [--workdir=DIR] [--params-from=RUN] [--force] [--conservative] [--compilation-cache=DIR]
-        [--nofast-compile]
+        --workdir=DIR [--params-from=RUN] [--force] [--conservative] [--report-only]
+        [--compilation-cache=DIR] [--nofast-compile]
 
 A candidate is a rollout configuration in the config's own terms, e.g.
 `--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
 measured on N calibration prompts against the trainer's student, with no training, and
 judged by the admission rule the budget file records (docs/budget_rules.md; a combination's
 parts are measured alone when the rule reads them); the table goes to stdout, the rows to
---json (a file, or `-` for stdout, the table then on stderr), and one line per candidate to
+--json (a file, or `-` for stdout, the table then on stderr), and one line per measured candidate to
 <workdir>/admission_log.jsonl. `--config`, its overrides and `--workdir` are `opd_jax.main`'s
-own flags. The logic is `opd_jax.mismatch.admission.run_admission`.
+own flags. The logic is `opd_jax.cli.admit_check.run_admission`.
+
+A stale candidate (rollout.stale_k or rollout.max_lag > 0) is measured only from a run's
+checkpoints at steps t and t - k (--params-from=RUN); without them its row says what it needs
+(verdict "needs --params-from" or "needs checkpoints") and the other candidates are still
+measured and judged.
+
+Exit status: 0 when every candidate is admitted, 1 when any is not (refused, or a stale
+candidate that could not be measured), 2 on an error (a bad flag or candidate, a missing or
+stale budget file, ...). --report-only exits 0 whatever the verdicts (errors still exit 2).
 
 Without --budget (or with --budget=uncalibrated) the candidates are judged against the
 uncalibrated default limit, `opd_jax.mismatch.budget.UNCALIBRATED_MAX_KL` nats/token (the lowest
@@ -24,13 +33,16 @@ verdicts that are theirs.
 
 from __future__ import annotations
 
-import sys
+import traceback
 
-from absl import app, flags, logging
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
-from opd_jax.io import compile_cache
-from opd_jax.mismatch import admission
+from opd_jax.cli import runner
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
+
+EXIT_REFUSED = 1  # a candidate was not admitted (module docstring)
+EXIT_ERROR = 2  # the check could not run
 
 _BUDGET = flags.DEFINE_string(
   "budget",
@@ -42,7 +54,7 @@ _CANDIDATES = flags.DEFINE_multi_string(
   "candidate", None, "rollout.<key>=<value>[,rollout.<key>=<value> ...]; repeat for several."
 )
 _PROMPTS = flags.DEFINE_integer(
-  "prompts", admission.DEFAULT_NUM_PROMPTS, "Calibration prompts per candidate."
+  "prompts", DEFAULT_NUM_PROMPTS, "Calibration prompts per candidate."
 )
 _JSON = flags.DEFINE_string(
   "json", None, "Also write the table's rows as JSON to PATH; - prints them to stdout."
@@ -70,36 +82,46 @@ _CONSERVATIVE = flags.DEFINE_bool(
   "Take every limit of the file's rule at the lower end of its interval (then no longer the "
   "rule the file was validated with).",
 )
+_REPORT_ONLY = flags.DEFINE_bool(
+  "report-only",
+  False,
+  "Exit 0 whatever the verdicts (for a report, not a gate); errors still exit 2.",
+)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def main() -> int:
+  """Runs the check; its exit status (module docstring). A ValueError or FileNotFoundError
+  reaches the runner, which exits EXIT_ERROR; any other failure is an error too."""
+  from opd_jax.cli import admit_check
+  from opd_jax.io import compile_cache
+
   if _FAST_COMPILE.value:
     compile_cache.fast_compilation()
   try:
-    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, flags.FLAGS.workdir)
+    compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
     with cli_flags.json_output(_JSON.value) as json_path:
-      admission.run_admission(
-        flags.FLAGS.config,
+      result = admit_check.run_admission(
+        cli_flags.CONFIG.value,
         _BUDGET.value,
         _CANDIDATES.value,
         num_prompts=_PROMPTS.value,
-        workdir=flags.FLAGS.workdir,
+        workdir=cli_flags.WORKDIR.value,
         params_from=_PARAMS_FROM.value,
         force=_FORCE.value,
         conservative=_CONSERVATIVE.value,
         json_path=json_path,
         log=cli_flags.log_for_json(_JSON.value),
       )
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
-  cli_flags.exit_at_once()  # the table is printed; the JSON and the log are closed
+  except (ValueError, FileNotFoundError):
+    raise
+  except Exception:  # noqa: BLE001 (a failure of the check is an error, not a refusal)
+    traceback.print_exc()
+    cli_flags.exit_at_once(EXIT_ERROR)
+  admitted = all(row["admitted"] for row in result["rows"])
+  # The table is printed; the JSON and the log are closed.
+  cli_flags.exit_at_once(0 if admitted or _REPORT_ONLY.value else EXIT_REFUSED)
+  return 0  # not reached
 
 
 if __name__ == "__main__":
-  for name in ("config", "candidate"):
-    flags.mark_flag_as_required(name)
-  app.run(main, argv=cli_flags.resolve_config_arg(sys.argv), flags_parser=cli_flags.parse_flags)
+  runner.run_command(main, required=("config", "workdir", "candidate"), error_status=EXIT_ERROR)

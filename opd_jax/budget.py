@@ -1,7 +1,8 @@
 """`opd_jax.budget`: the stable import path of the mismatch budget and the admission check.
 
-A thin re-export: the code lives in `opd_jax.mismatch.budget` (the pure fit, the admission rules
-and `apply_rule`, the one function that applies a budget's rule, and `admit`) and
+A thin re-export: the code lives in `opd_jax.mismatch.budget` (the Budget, its thresholds and
+rules), `opd_jax.mismatch.budget_fit` (`fit_budget`, the pure fit), `opd_jax.mismatch.budget_rules`
+(`apply_rule`, the one function that applies a budget's rule, and `admit`) and
 `opd_jax.mismatch.budget_file` (the JSON budget file and its fingerprint), which document the
 equations, the record format and the file schema.
 """
@@ -12,10 +13,6 @@ from opd_jax.mismatch.budget import (
   Budget,
   Rule,
   Threshold,
-  Verdict,
-  admit,
-  apply_rule,
-  fit_budget,
   uncalibrated_budget,
 )
 from opd_jax.mismatch.budget_file import (
@@ -27,6 +24,8 @@ from opd_jax.mismatch.budget_file import (
   save_budget,
   stale_reasons,
 )
+from opd_jax.mismatch.budget_fit import fit_budget
+from opd_jax.mismatch.budget_rules import Verdict, admit, apply_rule
 
 __all__ = [
   "RULE_NAMES",

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from opd_jax.budget import Rule, fit_budget, save_budget
+from opd_jax.cli import admit_check
 from opd_jax.config import check as config_check
 from opd_jax.inference import transform
 from opd_jax.io import compile_cache, run_history
@@ -44,6 +45,7 @@ MAX_KL = 1e-3 + (0.1 - 0.04) / (0.2 - 0.04) * 1e-3
 EXACT = "rollout.weights=trainer"
 NOISE = "rollout.noise_sigma=1.0"
 COMBO = "rollout.noise_sigma=1.0,rollout.kv_cache=bf16"  # two sources: noise and bf16_kv
+STALE = "rollout.stale_k=2"  # needs a run's checkpoints: unmeasurable without --params-from
 PROMPTS = 8
 
 
@@ -86,14 +88,14 @@ def budget_path(fingerprint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checked(config, budget_path, tmp_path_factory):
-  """One check of the exact, the destructive and a combined candidate under the per_part rule:
-  (result, printed lines, workdir)."""
+  """One check of the exact, the destructive, a combined and a stale candidate (which cannot be
+  measured without a run) under the per_part rule: (result, printed lines, workdir)."""
   workdir = tmp_path_factory.mktemp("admit")
   lines = []
-  result = admission.run_admission(
+  result = admit_check.run_admission(
     config,
     str(budget_path),
-    [EXACT, NOISE, COMBO],
+    [EXACT, NOISE, COMBO, STALE],
     num_prompts=PROMPTS,
     workdir=str(workdir),
     json_path=str(workdir / "out.json"),
@@ -318,11 +320,29 @@ def test_a_non_rollout_key_is_refused(config):
     candidates_lib.parse_candidate("student.dtype=bfloat16", config)
 
 
-def test_a_stale_candidate_without_a_run_history_is_refused_before_building(config, budget_path):
-  with pytest.raises(ValueError, match=r"2 version\(s\) old.*--params-from"):
-    admission.run_admission(
-      config, str(budget_path), ["rollout.stale_k=2"], workdir="/nonexistent", log=quiet
-    )
+def test_a_stale_candidate_without_a_run_history_gets_a_row_without_building(config, budget_path):
+  lines = []
+  result = admit_check.run_admission(
+    config, str(budget_path), [STALE], workdir="/nonexistent", log=lines.append
+  )
+  (row,) = result["rows"]
+  assert row["verdict"] == "needs --params-from" and not row["admitted"]
+  assert row["lag"] == 2 and row["source"] == "stale" and row["mismatch/kl"] is None
+  (reason,) = row["reasons"]
+  assert re.search(r"2 version\(s\) old.*--params-from", reason)
+  assert result["log_file"] is None and not os.path.exists("/nonexistent")
+  table = lines[-1].splitlines()
+  assert re.split(r"\s{2,}", table[2]) == [
+    "rollout.stale_k=2",
+    "2",
+    "-",
+    "-",
+    "-",
+    "-",
+    "-",
+    "needs --params-from",
+    "unmeasured",
+  ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,22 +402,23 @@ def test_json_output_matches_the_table(checked):
   assert written["rows"] == result["rows"]
   assert written["num_prompts"] == PROMPTS and len(written["prompts"]) == PROMPTS
   table = lines[-1].splitlines()
-  assert re.split(r"\s{2,}", table[0]) == [h for h, _, _ in admission._COLUMNS]
+  assert re.split(r"\s{2,}", table[0]) == [h for h, _, _ in admit_check._COLUMNS]
   body = [line for line in table[2:] if not line.startswith("    ")]
   reasons = [line.removeprefix("    reason: ") for line in table[2:] if line not in body]
   assert len(body) == len(written["rows"])
   for line, row in zip(body, written["rows"], strict=True):
     cells = re.split(r"\s{2,}", line)
-    assert cells == [admission.format_cell(row[key], fmt) for _, key, fmt in admission._COLUMNS]
-    assert float(cells[2]) == pytest.approx(row["mismatch/kl"], rel=1e-3, abs=1e-12)
+    assert cells == [admit_check.format_cell(row[key], fmt) for _, key, fmt in admit_check._COLUMNS]
+    if row["mismatch/kl"] is not None:
+      assert float(cells[2]) == pytest.approx(row["mismatch/kl"], rel=1e-3, abs=1e-12)
   assert reasons == [r for row in written["rows"] for r in row["reasons"]]
 
 
 def test_log_gets_one_line_per_candidate(checked, fingerprint):
   result, _, workdir = checked
-  entries = [json.loads(line) for line in (workdir / admission.LOG_FILE).read_text().splitlines()]
-  assert len(entries) == 3
-  for entry, row in zip(entries, result["rows"], strict=True):
+  entries = [json.loads(line) for line in (workdir / admit_check.LOG_FILE).read_text().splitlines()]
+  assert len(entries) == 3  # the stale candidate was not measured
+  for entry, row in zip(entries, result["rows"][:3], strict=True):
     assert entry["config"]["candidate"] == row["candidate"]
     assert entry["config"]["overrides"] == row["overrides"]
     assert entry["engine_id"] == row["engine_id"]
@@ -407,8 +428,8 @@ def test_log_gets_one_line_per_candidate(checked, fingerprint):
     assert entry["verdict"]["too_close"] == row["too_close"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["time"])
   # A second check appends.
-  admission.append_log(str(workdir), [{"time": "t"}])
-  assert len((workdir / admission.LOG_FILE).read_text().splitlines()) == 4
+  admit_check.append_log(str(workdir), [{"time": "t"}])
+  assert len((workdir / admit_check.LOG_FILE).read_text().splitlines()) == 4
 
 
 def test_stale_budget_is_refused_naming_what_changed_and_accepted_with_force(
@@ -421,17 +442,19 @@ def test_stale_budget_is_refused_naming_what_changed_and_accepted_with_force(
   save_budget(path, fit_budget(RECORDS, 0.1, num_bootstrap=20), saved)
   kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), log=quiet)
   with pytest.raises(ValueError, match="the budget is stale") as e:
-    admission.run_admission(config, str(path), [EXACT], **kwargs)
+    admit_check.run_admission(config, str(path), [EXACT], **kwargs)
   assert f"jax version 0.0.1 -> {fingerprint['jax_version']}" in str(e.value)
   assert "teacher weights hash changed: 000000000000…" in str(e.value)
   assert "--force" in str(e.value)
-  assert not (tmp_path / "w" / admission.LOG_FILE).exists()
+  assert not (tmp_path / "w" / admit_check.LOG_FILE).exists()
 
-  result = admission.run_admission(config, str(path), [EXACT], force=True, **kwargs)
+  result = admit_check.run_admission(config, str(path), [EXACT], force=True, **kwargs)
   assert result["forced"]
   assert any(r.startswith("jax version 0.0.1") for r in result["stale_budget_reasons"])
   assert result["rows"][0]["admitted"]
-  (entry,) = [json.loads(x) for x in (tmp_path / "w" / admission.LOG_FILE).read_text().splitlines()]
+  (entry,) = [
+    json.loads(x) for x in (tmp_path / "w" / admit_check.LOG_FILE).read_text().splitlines()
+  ]
   assert entry["stale_budget_reasons"] == result["stale_budget_reasons"]
 
 
@@ -511,11 +534,14 @@ def test_stale_candidates_are_measured_from_a_runs_checkpoints(
   kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), params_from=str(run), log=quiet)
   # The budget was fitted on the warm-started student: stale for the run's trained student.
   with pytest.raises(ValueError, match="student weights hash changed(.|\n)*--params-from"):
-    admission.run_admission(config, str(budget_path), [EXACT], **kwargs)
-  with pytest.raises(ValueError, match=r"holds steps \[3, 6\] \(lags available from step 6: "):
-    admission.run_admission(config, str(budget_path), ["rollout.stale_k=2"], force=True, **kwargs)
+    admit_check.run_admission(config, str(budget_path), [EXACT], **kwargs)
+  (missing,) = admit_check.run_admission(
+    config, str(budget_path), ["rollout.stale_k=2"], force=True, **kwargs
+  )["rows"]
+  assert missing["verdict"] == "needs checkpoints" and not missing["admitted"]
+  assert "holds steps [3, 6] (lags available from step 6: " in missing["reasons"][0]
   specs = [EXACT, "rollout.stale_k=3", "rollout.mode=async,rollout.max_lag=3"]
-  rows = admission.run_admission(config, str(budget_path), specs, force=True, **kwargs)["rows"]
+  rows = admit_check.run_admission(config, str(budget_path), specs, force=True, **kwargs)["rows"]
   exact, stale, async_ = rows
   assert abs(exact["mismatch/kl"]) < 1e-6
   # The run sampled with the exact engine: its training-time mismatch/kl is set beside it.
@@ -559,8 +585,15 @@ def test_trained_with_compares_every_rollout_key_the_run_saved(config):
 
 
 def _admit_command(budget_path, *args: str) -> subprocess.CompletedProcess:
-  """`python -m opd_jax.admit` on the tiny config with `args`."""
-  command = ["-m", "opd_jax.admit", "--config=configs/bf16_sync.py:tiny", f"--budget={budget_path}"]
+  """`python -m opd_jax.admit` on the tiny config with `args`, its workdir beside the budget."""
+  workdir = os.path.join(os.path.dirname(budget_path), "admit_command")
+  command = [
+    "-m",
+    "opd_jax.admit",
+    "--config=configs/bf16_sync.py:tiny",
+    f"--budget={budget_path}",
+    f"--workdir={workdir}",
+  ]
   return subprocess.run(
     [sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
   )
@@ -568,7 +601,7 @@ def _admit_command(budget_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_command_line_refuses_a_misspelt_candidate_without_building(budget_path):
   proc = _admit_command(budget_path, "--candidate=rollout.wieghts=fp8")
-  assert proc.returncode == 1
+  assert proc.returncode == 2
   assert "error: candidate 'rollout.wieghts=fp8'" in proc.stderr
   assert "did you mean 'rollout.weights'?" in proc.stderr
 
@@ -578,7 +611,7 @@ def test_importing_the_check_leaves_out_what_it_does_not_run_first():
   check restores while its programs compile; optax (0.3 s) only by a training step, and
   TensorBoard's writer and reader (0.2 s, its TensorFlow stub) only by a metrics writer or
   reader, neither of which a check uses: importing the check must load none of them."""
-  code = "import sys, opd_jax.admit; print(sorted(sys.modules))"
+  code = "import sys, opd_jax.cli.admit_check; print(sorted(sys.modules))"
   proc = subprocess.run(
     [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
   )
@@ -601,5 +634,54 @@ def test_an_unusable_compilation_cache_is_refused_naming_it(budget_path, tmp_pat
   proc = _admit_command(
     budget_path, "--candidate=rollout.weights=fp8", f"--compilation-cache={blocker / 'cache'}"
   )
-  assert proc.returncode == 1
+  assert proc.returncode == 2
   assert "error: --compilation-cache" in proc.stderr and "a_file/cache" in proc.stderr
+
+
+def test_a_stale_candidate_beside_others_gets_its_row_and_the_others_are_judged(checked):
+  exact, noise, combo, stale = checked[0]["rows"]
+  assert exact["admitted"] and not noise["admitted"] and combo["mismatch/kl"] > 0
+  assert stale["candidate"] == STALE and stale["verdict"] == "needs --params-from"
+  assert not stale["admitted"] and stale["mismatch/kl"] is None
+
+
+def test_the_exit_status_says_whether_every_candidate_was_admitted(config, budget_path, tmp_path):
+  """0: all admitted; 1: one refused, or a stale one that needs --params-from (its row says so);
+  2: an error; --report-only: 0 whatever the verdicts. One workdir, so that the warm-started
+  student and the compiled programs are built once."""
+  workdir = tmp_path / "w"
+
+  def admit(*args, budget=budget_path):
+    json_path = workdir / "out.json"
+    json_path.unlink(missing_ok=True)
+    proc = _admit_command(
+      budget,
+      f"--config.teacher.cache_dir={config.teacher.cache_dir}",
+      f"--workdir={workdir}",
+      f"--prompts={PROMPTS}",
+      f"--json={json_path}",
+      "--force",  # the command's warm-started student (fast compile) is not the fixture's
+      *args,
+    )
+    rows = json.loads(json_path.read_text())["rows"] if json_path.exists() else None
+    return proc, rows
+
+  proc, rows = admit(f"--candidate={EXACT}", f"--candidate={NOISE}")
+  assert proc.returncode == 1, proc.stderr
+  assert [r["verdict"] for r in rows] == ["admitted", "rejected"]
+  proc, rows = admit(f"--candidate={EXACT}")
+  assert proc.returncode == 0, proc.stderr
+  assert [r["verdict"] for r in rows] == ["admitted"]
+  # A stale candidate alone: nothing is built, and it is not admitted.
+  proc, rows = admit(f"--candidate={STALE}")
+  assert proc.returncode == 1, proc.stderr
+  assert [r["verdict"] for r in rows] == ["needs --params-from"]
+  assert "needs --params-from" in proc.stdout
+  proc, rows = admit(f"--candidate={STALE}", "--report-only")
+  assert proc.returncode == 0, proc.stderr
+  assert [r["admitted"] for r in rows] == [False]
+  proc, rows = admit(f"--candidate={EXACT}", budget=tmp_path / "missing.json")
+  assert proc.returncode == 2 and rows is None
+  assert "error:" in proc.stderr and "missing.json" in proc.stderr
+  proc, _ = admit(f"--candidate={EXACT}", "--prompts=many")
+  assert proc.returncode == 2 and "--prompts" in proc.stderr

@@ -20,7 +20,7 @@ import pytest
 from opd_jax import budget as budget_api
 from opd_jax.budget import admit, fit_budget
 from opd_jax.mismatch import budget as budget_lib
-from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import budget_file, budget_fit
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QuantRecipe, quantize_params
 from opd_jax.model.transformer import init_params
@@ -69,16 +69,16 @@ def test_noisy_points_pool_their_violators():
 
 def test_pava_merges_cascade_backwards():
   # .1 | .6 .5 -> .55 (w 2) | .1 -> .55 > .1, so (.6 + .5 + .1) / 3 = .4 over three points.
-  x, f = budget_lib.isotonic_fit(np.array([1.0, 2, 3, 4]), np.array([0.1, 0.6, 0.5, 0.1]))
+  x, f = budget_fit.isotonic_fit(np.array([1.0, 2, 3, 4]), np.array([0.1, 0.6, 0.5, 0.1]))
   assert x.tolist() == [1, 2, 3, 4]
   assert f == pytest.approx([0.1, 0.4, 0.4, 0.4], abs=1e-15)
   # Already monotone data is returned unchanged; a decreasing run becomes its mean.
-  assert budget_lib.isotonic_fit(np.array([3.0, 1, 2]), np.array([5.0, 1, 2]))[1].tolist() == [
+  assert budget_fit.isotonic_fit(np.array([3.0, 1, 2]), np.array([5.0, 1, 2]))[1].tolist() == [
     1,
     2,
     5,
   ]
-  assert budget_lib.isotonic_fit(np.array([1.0, 2, 3]), np.array([3.0, 2, 1]))[1] == pytest.approx(
+  assert budget_fit.isotonic_fit(np.array([1.0, 2, 3]), np.array([3.0, 2, 1]))[1] == pytest.approx(
     [2, 2, 2], abs=1e-15
   )
 
@@ -90,7 +90,7 @@ def test_ties_are_pooled_with_their_counts_as_weights():
   assert b.overall.curve_drop == pytest.approx([0.1, 0.2, 1.0], abs=1e-15)
   assert b.max_kl == pytest.approx(2.5, abs=1e-12)  # 2 + (.6 - .2) / .8
   # Weights matter: three records at .3 and one at 0 pool to (3·.3 + 0) / 4 = .225, not .15.
-  x, f = budget_lib.isotonic_fit(np.array([1.0, 1, 1, 2]), np.array([0.3, 0.3, 0.3, 0.0]))
+  x, f = budget_fit.isotonic_fit(np.array([1.0, 1, 1, 2]), np.array([0.3, 0.3, 0.3, 0.0]))
   assert x.tolist() == [1, 2]
   assert f == pytest.approx([0.225, 0.225], abs=1e-15)
 

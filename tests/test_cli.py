@@ -38,9 +38,8 @@ def _load_tool(name):
   return module
 
 
-# Every `python -m` command (tools/gen_reference.py lists them for the reference page) but admit,
-# which moves to `cli.runner.run_command` with its new exit codes.
-RUNNER_COMMANDS = [m for m in _load_tool("gen_reference").command_modules() if m != "opd_jax.admit"]
+# Every `python -m` command (tools/gen_reference.py lists them for the reference page).
+RUNNER_COMMANDS = _load_tool("gen_reference").command_modules()
 
 
 @pytest.mark.parametrize("command", RUNNER_COMMANDS)

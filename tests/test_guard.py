@@ -18,7 +18,8 @@ from tensorboard.backend.event_processing import event_accumulator
 from opd_jax.io import metrics_writer
 from opd_jax.mismatch import admission, budget_file
 from opd_jax.mismatch import guard as guard_lib
-from opd_jax.mismatch.budget import Rule, fit_budget
+from opd_jax.mismatch.budget import Rule
+from opd_jax.mismatch.budget_fit import fit_budget
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
 from opd_jax.train.setup import run_spec

@@ -10,7 +10,7 @@ import pytest
 
 from opd_jax.experiments import stats, study, study_rules
 from opd_jax.io import run_history
-from opd_jax.mismatch import admission, budget, budget_file
+from opd_jax.mismatch import admission, budget, budget_file, budget_fit
 from opd_jax.train import setup as setup_lib
 from opd_jax.train.setup import run_spec
 
@@ -465,7 +465,7 @@ def test_study_verdicts_go_through_the_checks_path_with_the_parts_measured():
     {"source": "stale", "mismatch/kl": 0.1, "quality_drop": 0.0},
     {"source": "stale", "mismatch/kl": 0.3, "quality_drop": 0.2},
   ]
-  fitted = budget.fit_budget(records, 0.5, num_bootstrap=20)
+  fitted = budget_fit.fit_budget(records, 0.5, num_bootstrap=20)
   row = {
     "spec": "rollout.noise_sigma=0.1,rollout.stale_k=2",
     "mismatch/kl": 0.25,

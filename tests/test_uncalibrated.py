@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from opd_jax.cli import admit_check
 from opd_jax.io import metrics_writer
-from opd_jax.mismatch import admission, budget_file
+from opd_jax.mismatch import admission, budget_file, budget_rules
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.candidates import parse_candidate
@@ -67,9 +68,9 @@ def test_the_default_is_one_pooled_limit_whatever_the_sources_or_conservative():
   assert not budget_lib.is_uncalibrated(study)
   for source in ("", "noise", "noise+stale", "fp8_weights+fp8_kv"):
     for rule in (None, budget_lib.POOLED.with_params(conservative=True), budget_lib.Rule("whole")):
-      at = budget_lib.apply_rule({"mismatch/kl": LIMIT, "source": source}, default, rule)
+      at = budget_rules.apply_rule({"mismatch/kl": LIMIT, "source": source}, default, rule)
       assert at.admitted and at.limit == LIMIT and at.margin == 0.0 and not at.too_close
-      over = budget_lib.apply_rule({"mismatch/kl": 0.04, "source": source}, default, rule)
+      over = budget_rules.apply_rule({"mismatch/kl": 0.04, "source": source}, default, rule)
       assert not over.admitted and over.margin == pytest.approx(LIMIT - 0.04)
       assert over.reasons == (
         "mismatch/kl 0.04 > 0.033, the uncalibrated default limit (no calibration record of "
@@ -112,7 +113,7 @@ def checked(config, tmp_path_factory):
   """A check of σ = 1 and σ = 3 with no budget file: (result, printed lines, workdir)."""
   workdir = tmp_path_factory.mktemp("admit")
   lines = []
-  result = admission.run_admission(
+  result = admit_check.run_admission(
     config,
     None,
     [BELOW, ABOVE],
@@ -158,7 +159,7 @@ def test_without_a_budget_the_header_the_table_and_the_json_say_uncalibrated(che
   }
   assert written["rows"] == result["rows"]
   assert written["stale_budget_reasons"] == [] and not written["forced"]
-  entries = [json.loads(x) for x in (workdir / admission.LOG_FILE).read_text().splitlines()]
+  entries = [json.loads(x) for x in (workdir / admit_check.LOG_FILE).read_text().splitlines()]
   assert [(e["budget_file"], e["budget"]) for e in entries] == [(None, "uncalibrated default")] * 2
 
 
@@ -181,7 +182,7 @@ def test_the_command_line_without_budget_checks_against_the_default(config, chec
     text=True,
     timeout=300,
   )
-  assert proc.returncode == 0, proc.stderr
+  assert proc.returncode == 1, proc.stderr  # its one candidate is refused
   assert HEADER in proc.stderr
   result = json.loads(proc.stdout)
   (row,) = result["rows"]

@@ -40,7 +40,7 @@ from ml_collections import config_flags
 from opd_jax.io import json_file
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-WORKDIR = flags.DEFINE_string("workdir", "/tmp/opd_jax", "Where logs and checkpoints go.")
+WORKDIR = flags.DEFINE_string("workdir", None, "Where logs and checkpoints go.")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_REFERENCE = "docs/reference/config.md"  # every config key, its default and meaning
@@ -365,9 +365,9 @@ def freeze_heap_for_exit() -> None:
   gc.freeze()
 
 
-def exit_at_once() -> None:
+def exit_at_once(status: int = 0) -> None:
   """Ends a short command whose work is done and whose outputs are written and closed,
-  without the interpreter's teardown.
+  without the interpreter's teardown, with exit status `status`.
 
   The teardown (the compile threads joined, the XLA client destroyed, every module freed) does
   nothing such a command needs and costs a few percent of an admission check (see
@@ -378,7 +378,7 @@ def exit_at_once() -> None:
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(0)
+  os._exit(status)
 
 
 def _override_path(config, key: str):

@@ -13,7 +13,8 @@ chatter out of the way unless `--verbosity` is given, and ends the process: `mai
 value is the exit status (None = 0; an int, e.g. 1 for "refused", is passed on), and a
 `ValueError` or `FileNotFoundError` is one `error: ...` line on stderr with `error_status`.
 A command that returns its own codes (admit: 0 admitted, 1 refused, 2 error) passes
-`error_status=2` and returns 0 or 1 from `main`.
+`error_status=2` and returns 0 or 1 from `main` (admit ends through `flags.exit_at_once(status)`,
+skipping the interpreter's teardown).
 
 A command whose `main(argv)` is also called as a library function (tests call it with a list)
 defines its flags in a function of a `FlagValues` and parses with `parse_own_flags`; its
@@ -74,9 +75,9 @@ def run_command(
 
   Args:
     main: `main()` for a command on the global absl flags, `main(argv)` with `own_flags`.
-    required: flags that must be given. `--workdir` has no default on this runner (its old
-      /tmp/opd_jax stays only for commands not yet on it); name it here where the command
-      always writes, or call `flags.needed_workdir` where it writes there only by default.
+    required: flags that must be given. `--workdir` has no default; name it here where the
+      command always writes, or call `flags.needed_workdir` where it writes there only by
+      default.
     hidden: flags left out of `--help` (deprecated spellings that still work).
     renames: old flag -> new flag, rewritten with a warning (`flags.rewrite_deprecated`); with
       `own_flags`, `parse_own_flags` takes them.
@@ -90,7 +91,6 @@ def run_command(
     sys.exit(_exit_on_error(lambda: main(sys.argv[1:]), error_status))
   argv = cli_flags.rewrite_deprecated(sys.argv, renames or {})
   cli_flags.HIDDEN.update(hidden, set(SHARED_FLAGS) - set(shared))
-  flags.FLAGS.set_default("workdir", None)  # no silent /tmp/opd_jax on this runner
 
   def parse(args: list[str]) -> list[str]:
     rest = cli_flags.parse_flags(args, required=required)

@@ -51,10 +51,11 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.experiments import runs, study_rules
 from opd_jax.experiments import study as study_lib
 from opd_jax.io import json_file
-from opd_jax.mismatch import admission, budget, budget_file
+from opd_jax.mismatch import budget, budget_file
 from opd_jax.mismatch import candidates as candidates_lib
 
 QUICK, FULL = "quick", "full"
@@ -206,7 +207,7 @@ def make_plan(
   seeds: Sequence[int] = (),
   rule: str = DEFAULT_RULE,
   label: str = "auto",
-  num_prompts: int = admission.DEFAULT_NUM_PROMPTS,
+  num_prompts: int = DEFAULT_NUM_PROMPTS,
   workers: int = 2,
   sensitivity: bool = True,
 ) -> Plan:

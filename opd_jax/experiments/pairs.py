@@ -5,7 +5,7 @@ The command is `python -m opd_jax.pairs --pair=NAME=DIR ...`. Each DIR is an `op
 workdir (its `study.json` and `runs/`). For each pair and
 each label (held-out accuracy, and the held-out KL(student ‖ teacher) as a continuous label,
 both read from the same runs) the budget is refitted on its records (`label_records`,
-`budget.fit_budget` at the pair's own τ) on two axes:
+`budget_fit.fit_budget` at the pair's own τ) on two axes:
 
 * absolute: the check's per-token mismatch KL, nats/token;
 * relative: that KL over the pair's starting student–teacher KL, KL(π_S0 ‖ π_T) per token on
@@ -31,7 +31,7 @@ import numpy as np
 from opd_jax.experiments import runs, stats
 from opd_jax.experiments import study as study_lib
 from opd_jax.io import json_file
-from opd_jax.mismatch import budget
+from opd_jax.mismatch import budget, budget_fit
 
 LABELS = ("accuracy", "teacher_kl")
 AXES = ("absolute", "relative")
@@ -100,7 +100,7 @@ def fit(result: dict, label: str, axis: str = "absolute") -> budget.Budget:
   """The pair's budget refitted under `label` on `axis` (its own τ, two crossing records)."""
   records, floor = label_records(result, label, axis)
   crossing = int(result.get("min_crossing_records", 2))
-  return budget.fit_budget(records, floor["tolerance"], min_crossing_records=crossing)
+  return budget_fit.fit_budget(records, floor["tolerance"], min_crossing_records=crossing)
 
 
 def agreement(limit: float, rows: Sequence[dict]) -> dict[str, Any]:

@@ -23,12 +23,12 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    degradation. One run cannot label a setting whose drop lies within one seed-sd of τ
    (|d − τ| < sd): such a setting, when its role is in `borderline_roles`, is trained again with
    each of `borderline_seeds`, and so is every setting of a role in `rerun_all_roles`,
-   borderline or not (one run's label has a heavy tail, docs/study). `budget.fit_budget(records,
+   borderline or not (one run's label has a heavy tail, docs/study). `budget_fit.fit_budget(records,
    τ)` on the reference and calibration runs (one record per run, so a re-run setting counts by
    its mean) gives the budget, pooled and per source. The same fit on the same runs with each
    run's training-time mean mismatch/kl as x is the budget's training-axis fit
-   (`budget.Budget.training`, "Two axes"), which the live guard compares a run's per-step
-   values with.
+   (`budget.Budget.training`; docs/design.md, "Two axes"), which the live guard compares a
+   run's per-step values with.
 5. **Validate.** The admission rule is fixed in the config before anything runs (`study_rule`:
    `rule`, else "per_part" with `per_part`, "whole" with `per_source`, "pooled" without).
    For each setting, `admission.candidate_verdict` with that rule is the verdict the check
@@ -74,6 +74,7 @@ from opd_jax.mismatch import (
   admission,
   budget,
   budget_file,
+  budget_fit,
   sensitivity,
 )
 from opd_jax.mismatch import (
@@ -498,9 +499,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   label_runs(config, settings, rows, tolerance, floor, workdir, log, label)
   records = budget_records(rows, floor["mean"])
   min_crossing = int(config.get("min_crossing_records", budget.MIN_CROSSING_RECORDS))
-  fitted = budget.fit_budget(records, tolerance, min_crossing_records=min_crossing)
+  fitted = budget_fit.fit_budget(records, tolerance, min_crossing_records=min_crossing)
   try:
-    on_training = budget.fit_budget(
+    on_training = budget_fit.fit_budget(
       training_axis_records(records), tolerance, min_crossing_records=min_crossing
     )
     fitted = dataclasses.replace(fitted, training=on_training)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from opd_jax.experiments import stats
-from opd_jax.mismatch import admission, budget
+from opd_jax.mismatch import admission, budget, budget_fit
 from opd_jax.mismatch import candidates as candidates_lib
 
 LABEL_DROP = "label_drop"  # the drop a held-out verdict is judged by: over its runs
@@ -75,7 +75,7 @@ def rule_variants(rows: Sequence[dict], config, fitted: budget.Budget, tolerance
   for c in CROSSING_VARIANTS:
     if c == fitted.min_crossing_records:
       continue
-    refit = budget.fit_budget(
+    refit = budget_fit.fit_budget(
       fitted.records,
       tolerance,
       level=fitted.level,

@@ -32,7 +32,7 @@ backfitting (`offset_fit`, from δ = 0); δ_s ≠ 0 says source s degrades at a 
 the others at the same KL. Where the sources do not overlap in KL, g can absorb part of a shift,
 so δ_s is only partly identified: read its sign and interval, with the leave-one-out knees.
 Leave one source out (`leave_one_source_out`): the pooled knee fitted without s's
-records (`budget.fit_budget`) is s's predicted knee; its score is how many of s's settings it
+records (`budget_fit.fit_budget`) is s's predicted knee; its score is how many of s's settings it
 labels right (kept ⇔ x ≤ knee), beside s's own fitted knee. Both are run on each axis given:
 the check's KL, and each run's training-time mean KL.
 
@@ -53,7 +53,7 @@ from opd_jax.config import check as config_check
 from opd_jax.config import values
 from opd_jax.experiments import stats
 from opd_jax.experiments import study as study_lib
-from opd_jax.mismatch import budget
+from opd_jax.mismatch import budget, budget_fit
 from opd_jax.mismatch import candidates as candidates_lib
 
 LABEL_DROP = study_lib.LABEL_DROP
@@ -217,7 +217,7 @@ def offset_fit(x: Sequence[float], drop: Sequence[float], source: Sequence[str],
   g = np.zeros_like(drop)
   for _ in range(iters):
     shift = np.array([delta.get(s, 0.0) for s in source])
-    xs, fs = budget.isotonic_fit(x, drop - shift)
+    xs, fs = budget_fit.isotonic_fit(x, drop - shift)
     g = np.interp(x, xs, fs)
     new = {s: float(np.mean((drop - g)[source == s])) for s in names}
     if all(abs(new[s] - delta[s]) < 1e-9 for s in names):
@@ -261,9 +261,9 @@ def leave_one_source_out(records: Sequence[Mapping], axis: str, tolerance: float
   for s in sources:
     rest = [r for r in recs if r["source"] != s]
     own = [r for r in recs if r["source"] == s]
-    predicted = budget.fit_budget(rest, tolerance, num_bootstrap=200).overall
+    predicted = budget_fit.fit_budget(rest, tolerance, num_bootstrap=200).overall
     try:
-      fit = budget.fit_budget(
+      fit = budget_fit.fit_budget(
         own + [r for r in recs if r["source"] == budget.REFERENCE_SOURCE],
         tolerance,
         num_bootstrap=200,

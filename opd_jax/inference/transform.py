@@ -15,7 +15,7 @@ QArrays where there are). T runs once per published version, so the dequantizati
 is paid once per version rather than in every decode step; `engine_id` names the
 recipe, not the layout, so it is the same on every backend.
 
-Weight formats (`weights`, `quant` module docstring for each format's equation and error):
+Weight formats (`weights`; `quant.quantize` gives each format's equation and error):
 "fp8" (e4m3), "fp8_e5m2", "int8", "int4" and "fp4" (e2m1 with MX power-of-two scales).
 Each takes one scale grouping: per output channel (the default), b×b blocks
 (`weight_block_size`), groups of g inputs per output column (`weight_group_size`; fp4

@@ -5,9 +5,11 @@ common mismatch scale" and "Budget and admission").
   mismatch sources each one changes.
 - `measure`: one configuration's mismatch on calibration prompts, with no training (the
   procedure the admission check, the sensitivity scan and the study share).
-- `budget`: `fit_budget` and `admit`, pure functions of the logged divergences;
+- `budget`: the Budget, its thresholds and rules; `budget_fit`: `fit_budget`, and
+  `budget_rules`: `apply_rule` and `admit`, pure functions of the logged divergences;
   `budget_file`: the budget file and its fingerprint.
-- `admission`: the admission check behind `python -m opd_jax.admit` (`run_admission`).
+- `admission`: the admission check's measurement and verdict (`measure_candidate`,
+  `candidate_verdict`); the command's driver, table and log are `cli.admit_check`.
 - `sensitivity`: the per-layer/module scan behind `python -m opd_jax.sensitivity`;
   `prefix_shift`: teacher-forced against own-prefix mismatch and the first divergence.
 - `guard`: the budget as a live guard, a step hook handed to the trainer (`guard.run`).

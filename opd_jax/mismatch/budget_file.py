@@ -1,62 +1,13 @@
 """The budget file: a fitted `Budget` as JSON, with the fingerprint of the setup it was fitted on.
 
-This module owns the I/O half of the budget (the fit itself is pure, in `budget.py`): writing and
-reading the file, fingerprinting a student/teacher/engine setup, and saying what changed when a
-saved fingerprint no longer matches (a stale budget must be recalibrated; docs/design.md,
-"Budget and admission").
-
-File schema (version 1), one JSON object:
-
-  {"schema": "opd_jax.budget", "version": 1,
-   "rule": {"name": "per_part", "params": {"conservative": false},
-            "validation": {…what the rule scored in the study that wrote the file…} | null},
-   "budget": {"tolerance": τ, "level": 0.95, "num_bootstrap": B, "seed": s,
-              "min_crossing_records": c,
-              "max_kl": …, "interval": [low, high], "censored": "none" | "above" | "below",
-              "curve": {"mismatch/kl": [x_1, …, x_m], "quality_drop": [f_1, …, f_m]},
-              "num_records": n,
-              "layers": [{"layer": i, "max_kl": …, "interval": […], "censored": …,
-                          "curve": {…}, "num_records": n_i}, …],
-              "unfitted_layers": [i, …],
-              "sources": [{"source": "noise", "max_kl": …, "interval": […],
-                           "censored": … | "unconfirmed",
-                           "curve": {…}, "num_records": n_s}, …],
-              "records": [{…the calibration records as given…}, …],
-              "training": {…the same fields, without "training"…}},
-   "fingerprint": {"student": {"architecture": {…}, "weights_sha256": "…",
-                               "run_start_weights_sha256": "…"},
-                   "teacher": {"architecture": {…}, "weights_sha256": "…"},
-                   "quant_format": "…", "backend": "cpu", "device_kind": "cpu",
-                   "jax_version": "…", "jaxlib_version": "…"}}
-
-"rule" is the admission rule the budget is used with (`budget.Rule`: "pooled", "whole",
-"per_part" or "sum_of_fractions"; docs/budget_rules.md) and the validation it passed, or null
-when it passed none. A file without "rule" (written before rules were recorded) is read with
-the pooled rule and a warning naming the file: one limit for every source, the simplest rule,
-since the file does not say which rule its limits were validated with.
-
-"sources" (the per-source fits) may be absent: files written before per-source limits load with
-none, and `budget.admit` then uses the overall budget for every measurement;
-"min_crossing_records" is absent in files written before it existed, which load with 1 (the rule
-they were fitted by). "training" (the
-fit on the training-time axis, `budget.Budget.training`) is absent when the budget has none.
-
-Two students. "weights_sha256" is the student the admission check measured at (the study's
-probe, θ_P); "run_start_weights_sha256", when present, is the student the calibration runs
-started from (`with_run_start`). The admission check compares the first with the student it
-measures at; a fresh training run guarded by the budget compares the second with the student
-it starts from (`stale_reasons(..., at_run_start=True)`), since its student is the runs' start,
-not the probe's.
-
-The name "uncalibrated" (`budget.UNCALIBRATED`) stands for the uncalibrated default limit
-where a budget file is asked for (`load_budget_or_default`): no file is read, and there is no
-fingerprint, since the default belongs to no model. A file of that name is still reachable as
-`./uncalibrated`.
-
-Numbers are written with Python's shortest round-trip repr, so a saved and reloaded Budget
-compares equal to the original (numpy scalars in the records come back as Python numbers). A
-non-finite value in a record's extra keys is written as Python's `NaN`/`Infinity` token; the
-fitted numbers are always finite.
+The I/O half of the budget (the fit is pure, in `budget_fit.py`): writing and reading the file,
+fingerprinting a student/teacher/engine setup, and saying what changed when a saved fingerprint
+no longer matches (a stale budget must be recalibrated). The schema, what a file without "rule",
+"sources" or "min_crossing_records" loads as, and the two students a fingerprint names are in
+docs/budget_rules.md ("The file's schema"). The name "uncalibrated" (`budget.UNCALIBRATED`)
+stands for the uncalibrated default where a budget file is asked for: no file is read (a file
+of that name is reachable as `./uncalibrated`). Numbers are written with Python's shortest
+round-trip repr, so a saved and reloaded Budget compares equal to the original.
 """
 
 from __future__ import annotations
@@ -75,6 +26,7 @@ import numpy as np
 from etils import epath
 
 from opd_jax.mismatch import budget as budget_lib
+from opd_jax.mismatch import budget_fit
 from opd_jax.model.config import ModelConfig
 
 SCHEMA = "opd_jax.budget"
@@ -159,7 +111,7 @@ def fingerprint(
 
 def with_run_start(fp: Mapping, run_start_params) -> dict:
   """`fp` with the hash of the student the calibration runs started from, as
-  fingerprint["student"][RUN_START_KEY] (module docstring, "Two students")."""
+  fingerprint["student"][RUN_START_KEY] (docs/budget_rules.md, "The file's schema")."""
   out = json.loads(json.dumps(fp))
   out["student"][RUN_START_KEY] = weights_sha256(run_start_params)
   return out
@@ -280,7 +232,7 @@ def rule_dict(rule: budget_lib.Rule) -> dict[str, Any]:
 
 
 def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
-  """The budget file's text (schema in the module docstring); "rule" only when the budget
+  """The budget file's text (schema: docs/budget_rules.md); "rule" only when the budget
   names one."""
   doc: dict[str, Any] = {"schema": SCHEMA, "version": VERSION}
   if budget.rule is not None:
@@ -371,8 +323,8 @@ class _Reader:
     )
 
   def rule(self, doc: Mapping) -> budget_lib.Rule | None:
-    """The document's "rule"; None (which `budget.apply_rule` reads as the pooled rule), with a
-    warning, when it names none."""
+    """The document's "rule"; None (which `budget_rules.apply_rule` reads as the pooled rule),
+    with a warning, when it names none."""
     if "rule" not in doc:
       warnings.warn(
         f"budget file {self.source} names no admission rule, so it is read with the pooled "
@@ -417,7 +369,7 @@ class _Reader:
     if not isinstance(records, list):
       self.fail(f"{where}.records", f"expected a list, got {records!r}"[:200])
     try:
-      budget_lib.validate_records(records)
+      budget_fit.validate_records(records)
     except ValueError as e:
       self.fail(f"{where}.records", str(e).removeprefix("fit_budget: "))
     training = body.get("training")
@@ -445,7 +397,7 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
 
   Returns:
     (Budget, fingerprint dict); the Budget's `rule` is the file's, or None (the pooled rule for
-    `budget.apply_rule`), with a UserWarning naming the file, when the file names none.
+    `budget_rules.apply_rule`), with a UserWarning naming the file, when the file names none.
 
   Raises:
     ValueError: text that is not JSON, an unknown rule or rule parameter, another schema or

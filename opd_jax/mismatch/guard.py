@@ -1,103 +1,18 @@
 """The mismatch budget as a live guard during training (`--config.budget.file=...`).
 
 A run given a budget file compares its training-time `mismatch/kl` with the budget every step,
-logs `budget/margin`, and when it stays over budget acts as `budget.action` says. This module
-owns that logic in two layers:
+logs `budget/margin`, and when it stays over budget acts as `budget.action` says (`warn`,
+`fallback` one rung up `fallback_ladder`, or `adaptive`: measure the rungs with the admission
+check's procedure and run on the cheapest admitted one). Two layers:
 
-* `Guard`, a pure state machine: `observe(step, scalars) -> Decision | None`, and the fallback
-  ladder `fallback_ladder(rollout)`, a pure function of the rollout config. No I/O, no clock, no
-  JAX: tested on hand-made scalar sequences.
-* `LiveGuard`, the trainer's hook: it loads the budget file, feeds `Guard` the step's scalars,
-  rebuilds the rollout source when the guard switches rung, measures candidates for `adaptive`,
-  and gives the rung to the checkpoint's extra data so that a resumed run keeps it.
+* `Guard`, a pure state machine: `observe(step, scalars) -> Decision | None`, and the ladder
+  `fallback_ladder(rollout)`, a pure function of the rollout config. No I/O, no clock, no JAX.
+* `LiveGuard`, the trainer's hook: it loads and fingerprints the budget file, feeds `Guard` the
+  step's scalars, rebuilds the rollout source when the guard switches rung, measures rungs for
+  `adaptive`, and stores the rung in each checkpoint so that a resumed run keeps it.
 
-What is compared. Per-step `mismatch/kl` is noisy (one batch of B prompts; with weight noise the
-draw changes every version), so the guard compares a bias-corrected exponential moving average
-
-  m_n = α m_{n−1} + (1 − α) kl_n,   m_0 = 0,   ema_n = m_n / (1 − α^n)       (α = budget.smoothing)
-
-with the budget's limit for the rung the run is on, on the training-time axis: the budget's
-`training` fit when the file has one (the study writes it; `budget`, "Two axes"), else the
-check-axis budget itself, which is lenient, since the check reads higher than training. The
-verdict is the budget file's rule (`budget.apply_rule`, the function the admission check and the
-study reach theirs through; docs/budget_rules.md) on a measurement that names the rung's sources
-(`rung_sources`: what its engine changes against the trainer's, as the check names a candidate's).
-`budget.per_source=False` replaces the file's rule by the pooled one, and `budget.conservative`
-sets its "conservative" parameter (every limit at its interval's lower end). A training step logs
-only the whole combination's mismatch, not its parts, so a rule that reads parts takes the whole's
-value for each part there (`unmeasured_parts="whole"`: per_part then holds the whole to the
-strictest part's limit, sum_of_fractions to Σ_s kl / L_s ≤ 1); `adaptive`'s measurements, made
-with the check's procedure, measure each part alone as the check does.
-A step is *over budget* when ema_n > limit; `budget.patience` counts consecutive over-budget steps
-(one step within budget resets it to 0), and the action fires when the count reaches patience.
-α = 0.9 averages over about 10 steps; α = 0 compares the per-step value. The bias correction keeps
-the first steps from being pulled towards 0. The logged `budget/margin` is the per-step limit −
-mismatch/kl (headroom under the limit); `budget/margin_smoothed` is the one the decision uses.
-After a switch the average and the count start again, since the new engine has another mismatch.
-Only the whole-model threshold is checked: training logs no per-layer mismatch, so the budget's
-per-layer thresholds stay with the admission check.
-
-Actions.
-
-* `warn`: log a line (and a TensorBoard text) each time the count reaches patience, then start
-  counting again; the engine is never changed.
-* `fallback`: move one rung up the ladder (below), rebuild the rollout source, log the switch.
-  On the last rung it warns that no safer setting is left, as `warn` does.
-* `adaptive`: at the start, every `budget.recheck_every` steps, and early when the count reaches
-  patience, measure the ladder's configurations cheapest first with the admission check's
-  measurement (`admission.measure_candidate`: calibration prompts, the current student θ_t,
-  behaviour T(θ_{t−k}) for a stale rung; each part of a combination alone when the rule reads
-  parts, `admission.candidate_verdict`) and run on the cheapest one whose measurement is within
-  the check-axis budget (the safest rung when none is). A periodic re-check may go back to a
-  cheaper rung; an early re-check only looks at rungs safer than the current one, whose own training
-  mismatch just went over budget. Measurement stops at the first admitted rung.
-
-The fallback ladder. Rung 0 is the run's own rollout config; every later rung adds the overrides
-of one step, skipping a step that changes nothing for this config:
-
-  1. quantized KV cache (FP8, FP8 E5M2, FP4) -> BF16 (`kv_cache="bf16"`), when `kv_cache` is
-     `fp8`, `fp8_e5m2` or `fp4`;
-  2. quantized weights (FP8, FP8 E5M2, INT8, INT4, FP4) -> BF16 (`weights="bf16"`), a BF16
-     output head back to f32 (`head_dtype="float32"`) and no weight noise (`noise_sigma=0`),
-     when any applies: the noise models a perturbation of the engine's weights, so the rung that
-     restores the weights removes it too;
-  3. no staleness: `stale_k=0` in sync mode; `max_lag=0` (and `max_ahead=-1`, i.e. max_lag) in
-     async mode, the synchronous loop batch for batch.
-
-Rungs are cumulative (rung i holds the overrides of rungs 1…i), ordered from the cheapest engine
-to the safest. `rollout.kernel`, `bf16_layers` and the sampling settings are left as they are.
-
-Uncalibrated default. `budget.file=uncalibrated` guards a run with the uncalibrated default
-limit (`budget.uncalibrated_budget`: `budget.UNCALIBRATED_MAX_KL` nats/token, the lowest knee
-over the calibrated pairs at the lower end of its interval) as a backstop for a model with no
-budget of its own. It has no fingerprint (it belongs to no model), no per-source limits (every
-rung is held to the one limit, whatever `budget.per_source`), a zero-width interval (so
-`budget.conservative` changes nothing) and only the check's axis: training-time values are
-compared with it directly, which is lenient by the check-to-training ratio (the check reads a
-median 1.7× the training-time value on the embedded task), so it warns late rather than early.
-Only `budget.action=warn` runs with it (`uncalibrated_problem`): `fallback` and `adaptive`
-would change the run's engine on a number measured on another model, and because the default
-is set low on purpose, they would slow down runs whose own knee is far higher; a warning leaves
-that call to a person, who can calibrate a budget for the model and let the guard act on it.
-
-Stale budget. A fresh run fingerprints the student it starts from and the teacher
-(`budget_file.fingerprint`), and compares its student with the one the budget's calibration runs
-started from where the file records it (a study's budget does; `budget_file`, "Two students");
-a budget calibrated on another setup is refused with what changed,
-as the admission check refuses it, unless `budget.force` (then the reasons are logged and the
-run goes on). A guard fed a wrong budget acts on wrong numbers for a whole run, which is worth
-an error before the first step. A resumed run takes its rung from the checkpoint and does not
-fingerprint again (its student has moved away from the calibrated one by design).
-
-Switching. The old source is closed and a new one built from the rung's config at the old one's
-consumed data position and next batch index (`resume_state()`), with the current weights
-published as the current version: no prompt is skipped or repeated, and the weight versions go
-on. A new stale source (a rung that keeps `stale_k`) starts with only the current version, so
-its lag grows back to k over k steps. The checkpoint's extra data holds the rung (`EXTRA_KEY`).
-
-A stale rung measured by `adaptive` needs θ_{t−k}: the hook keeps copies of the last k student
-versions (k = the run's lag) while `adaptive` runs with a stale config; before k steps have
-passed it uses the oldest copy it has, as `SyncRollouts` does.
+What is compared, the actions, the uncalibrated default, a stale budget and switching are
+described in docs/design.md ("Step hooks and the live guard").
 """
 
 from __future__ import annotations
@@ -114,7 +29,7 @@ import ml_collections
 
 from opd_jax.config import check as config_check
 from opd_jax.mismatch import budget as budget_lib
-from opd_jax.mismatch import budget_file
+from opd_jax.mismatch import budget_file, budget_rules
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import trainer
@@ -149,7 +64,19 @@ class Rung:
 
 
 def fallback_ladder(rollout: Mapping[str, Any]) -> tuple[Rung, ...]:
-  """The rungs for a rollout config (module docstring), rung 0 first.
+  """The rungs for a rollout config, rung 0 first.
+
+  Rung 0 is the run's own rollout config; every later rung adds the overrides of one step,
+  skipping a step that changes nothing for this config:
+
+    1. a quantized KV cache (fp8, fp8_e5m2, fp4) -> `kv_cache="bf16"`;
+    2. quantized weights (fp8, fp8_e5m2, int8, int4, fp4), a BF16 head or weight noise ->
+       `weights="bf16"`, `head_dtype="float32"`, `noise_sigma=0` (the noise models a
+       perturbation of the engine's weights, so the rung that restores them removes it too);
+    3. no staleness: `stale_k=0` (sync); `max_lag=0`, `max_ahead=-1` (async).
+
+  Rungs are cumulative (rung i holds the overrides of rungs 1…i), from the cheapest engine to
+  the safest; `rollout.kernel`, `bf16_layers` and the sampling settings are left as they are.
 
   Args:
     rollout: `config.rollout` (or a mapping with weights, kv_cache, noise_sigma, mode, stale_k,
@@ -230,7 +157,17 @@ class Decision:
 
 
 class Guard:
-  """The budget guard's state machine (module docstring).
+  """The budget guard's state machine.
+
+  Each step it updates a bias-corrected exponential moving average of the step's mismatch/kl,
+
+    m_n = α m_{n−1} + (1 − α) kl_n,   m_0 = 0,   ema_n = m_n / (1 − α^n)   (α = smoothing),
+
+  and holds it to the current rung's verdict (`verdict`: the rule on a measurement naming the
+  rung's sources, a rule that reads parts taking the whole's kl for each part) on the training
+  axis (`Budget.training`, else the check-axis budget). A step is over budget when the rule
+  refuses ema_n; after `patience` consecutive such steps (one within budget resets the count)
+  the action fires. After a switch the average and the count start again.
 
   Args:
     budget: the fitted `Budget` (`budget_file.load_budget`).
@@ -245,7 +182,7 @@ class Guard:
     sources: the mismatch sources of each rung (`rung_sources`), for per-source limits; None
       names no source, so that every rule holds a rung to the pooled limit.
     per_source: False replaces the rule by the pooled one.
-    rule: the admission rule (`budget.Rule`); None: the budget's (`budget.apply_rule`).
+    rule: the admission rule (`budget.Rule`); None: the budget's (`budget_rules.apply_rule`).
   """
 
   def __init__(
@@ -292,32 +229,33 @@ class Guard:
   def on_axis(self, axis: str) -> budget_lib.Budget:
     """The budget a value on `axis` is compared with: "training" (a training step's
     mismatch/kl) uses the budget's training-axis fit when it has one, "check" (an admission
-    check measurement) the budget itself (`budget`, "Two axes")."""
+    check measurement) the budget itself (docs/design.md, "Two axes")."""
     if axis not in AXES:
       raise ValueError(f"axis={axis!r}: expected one of {AXES}")
     if axis == "training" and self.budget.training is not None:
       return self.budget.training
     return self.budget
 
-  def verdict(self, kl, rung: int, axis: str = "training") -> budget_lib.Verdict:
-    """The rule's verdict (`budget.apply_rule`) on a mismatch on `axis` of `rung`'s engine.
+  def verdict(self, kl, rung: int, axis: str = "training") -> budget_rules.Verdict:
+    """The rule's verdict (`budget_rules.apply_rule`) on a mismatch on `axis` of `rung`'s engine.
 
     Args:
       kl: the whole combination's mismatch/kl (a float), or a measurement (a mapping with
         "mismatch/kl" and any "mismatch/kl/part/<s>" measured); a part not given is taken as
-        the whole (module docstring).
+        the whole (a training step logs only the whole: per_part then holds it to the
+        strictest part's limit, sum_of_fractions to Σ_s kl / L_s ≤ 1).
       rung: the rung whose sources name the measurement.
       axis: "training" or "check" (`on_axis`).
     """
     measurement = dict(kl) if isinstance(kl, Mapping) else {KL_KEY: kl}
     if self.sources is not None:
       measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
-    return budget_lib.apply_rule(
+    return budget_rules.apply_rule(
       measurement, self.on_axis(axis), self.rule, unmeasured_parts="whole"
     )
 
   def limit_of(self, rung: int, axis: str = "training") -> float:
-    """The kl the guard admits on `rung` for a value on `axis` (module docstring)."""
+    """The kl the guard admits on `rung` for a value on `axis` (`verdict`'s limit)."""
     return self.verdict(0.0, rung, axis).limit
 
   @property
@@ -449,8 +387,9 @@ class Guard:
 
 
 def uncalibrated_problem(budget_cfg: Mapping[str, Any]) -> str | None:
-  """Why `config.budget` cannot run with the uncalibrated default (module docstring), or None:
-  only `budget.action=warn` can."""
+  """Why `config.budget` cannot run with the uncalibrated default, or None: only
+  `budget.action=warn` can (`fallback` and `adaptive` would change the engine on a limit
+  measured on another model)."""
   if budget_cfg.get("file") != budget_lib.UNCALIBRATED or budget_cfg.get("action") == "warn":
     return None
   return (

@@ -51,6 +51,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing, transform
 from opd_jax.io import json_file
@@ -319,7 +320,7 @@ def run_prefix_shift(
   sources: Sequence[str],
   *,
   params_from: str | None = None,
-  num_prompts: int = admission.DEFAULT_NUM_PROMPTS,
+  num_prompts: int = DEFAULT_NUM_PROMPTS,
   json_path: str | None = None,
   log: Callable[..., None] = print,
 ) -> dict:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from opd_jax.config import check as config_check
+from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.inference import transform
 from opd_jax.io import build, json_file, run_history
 from opd_jax.mismatch import admission
@@ -410,7 +411,7 @@ def run_sensitivity(
   config: ml_collections.ConfigDict,
   *,
   params_from: str | None = None,
-  num_prompts: int = admission.DEFAULT_NUM_PROMPTS,
+  num_prompts: int = DEFAULT_NUM_PROMPTS,
   target_kl: float | None = None,
   settings: ScanSettings | None = None,
   seq_len: int = DEFAULT_SEQ_LEN,

@@ -1,150 +1,15 @@
 """Low-precision weight formats (FP8 e4m3 and e5m2, INT8, INT4, FP4 e2m1) as a pure
 transform of the params pytree.
 
-Format
-------
-A quantized matrix is a `QArray`: the weight stored in the format's own dtype plus a
-scale, so that W ≈ dequantize(Q) = f32(Q) · scale. The default format, FP8 e4m3
-(`float8_e4m3fn`), is described first; the others (`WEIGHT_FORMATS`, "Other formats"
-below) change the storage dtype, the largest magnitude q_max and the rounding, and keep
-everything else. e4m3 has 3 mantissa bits and a
-max finite value of 448, so the scale maps each group's absolute maximum to 448:
-
-    scale_g = max(max(|W_g|) / 448, tiny_f32),   Q_g = round_e4m3(clip(W_g / scale_g, ±448)).
-
-The `tiny_f32` floor keeps an all-zero group finite (it quantizes to zeros), and the
-clip guards against the division landing a hair above 448, which e4m3fn (no
-infinities) would turn into NaN. Round-to-nearest in e4m3 has a relative error of
-at most 2^-4 in the normal range and an absolute error of at most 2^-10 in the
-subnormal range, so every element obeys
-
-    |Ŵ − W| ≤ scale_g · max(2^-4 · |W / scale_g|, 2^-10).
-
-Two groupings are offered, chosen by `QuantRecipe.block_size`:
-
-* per output channel (block_size=None, the default). Every weight is viewed as a
-  2-D [in, out] matrix (its contraction axes flattened first); each output column
-  gets one scale, stored as [1, out]. This is the granularity that survives
-  outlier-heavy columns best per byte of metadata, and it folds into the matmul
-  epilogue (x @ Q) · scale.
-* 128×128 blocks (block_size=128), the DeepSeek-V3 style. Each block of the 2-D
-  view gets its own scale, stored as [ceil(in/b), ceil(out/b)], which bounds error
-  from outliers that are localised in both dimensions. Edge blocks that do not fill
-  b×b get a scale of their own, computed over the entries they do hold.
-
-Two more groupings apply to every format:
-
-* per tensor (`QuantRecipe.per_tensor`): one scale for the whole matrix, stored as
-  [1, 1]: the cheapest metadata and the coarsest, since one outlier sets the step of
-  every element (what FP8 stacks with per-tensor scales do).
-* groups of g inputs (`QuantRecipe.group_size`): for each output column, every run of g
-  consecutive input rows gets its own scale, stored as [ceil(in/g), out] (the GPTQ/AWQ
-  layout of INT4 and INT8 weight-only kernels, and the MX block of FP4).
-
-The contraction ("in") axes are fixed by the params layout: axis 0 of `q_dnh`,
-`k_dkh`, `v_dkh`, `gate_df`, `up_df` and `down_fd`, and axes (n, h) of `o_nhd`.
-
-Other formats
--------------
-`WEIGHT_FORMATS` names each format with its storage dtype and q_max; every format is
-symmetric (no zero point) and stores real values of its dtype:
-
-  fp8_e4m3   float8_e4m3fn, q_max 448: 3 mantissa bits, relative rounding error ≤ 2^-4.
-  fp8_e5m2   float8_e5m2, q_max 57344: 2 mantissa bits, relative error ≤ 2^-3 in the
-             normal range (twice e4m3's step: the format of gradients, rarely of weights),
-             absolute error ≤ 2^-17 · scale below its smallest normal 2^-14.
-  int8       int8, q_max 127: q = clip(round(W/s), ±127), |Ŵ − W| ≤ s/2.
-  int4       int4, q_max 7: q = clip(round(W/s), ±7) (−8 unused, so the grid is symmetric),
-             |Ŵ − W| ≤ s/2 with s = amax/7: an error up to amax/14 per element.
-  fp4_e2m1   float4_e2m1fn, values {0, 0.5, 1, 1.5, 2, 3, 4, 6}, q_max 6: 1 mantissa bit,
-             relative error ≤ 2^-2 for |W/s| ≥ 1, absolute error ≤ 0.25 · s below 1.
-
-Integer formats round half to even (`jnp.round`), float formats round to nearest even in
-the dtype conversion. Their scale is the f32 s_g = max(amax_g / q_max, tiny_f32).
-
-FP4 follows the OCP microscaling (MX) layout: a block of g inputs (32 in MXFP4) shares one
-power-of-two scale stored as `float8_e8m0fnu` (an 8-bit exponent, no mantissa):
-
-    s_g = 2^ceil(log2(amax_g / 6)),   Q_g = round_e2m1(W_g / s_g),
-
-so |W_g / s_g| ≤ 6 and no element saturates (the MX spec's floor(log2(amax)) − 2 rule can
-put amax above 6 and clip it; rounding the exponent up instead costs at most one bit of
-precision, a scale up to twice the smallest that would do). The element error is
-
-    |Ŵ − W| ≤ s_g · max(2^-2 · |W / s_g|, 2^-2),
-
-four times e4m3's relative bound, and up to a quarter of the scale for the elements far
-below the block's maximum.
-
-What stays unquantized
-----------------------
-The embeddings, the LM head and every norm and bias stay dense in the compute
-dtype (the embedding table's dtype unless `QuantRecipe.keep_dtype` says otherwise):
-they are a small share of the bytes and the logits are most sensitive to them.
-A recipe adds whole layers (`bf16_layers`) to that list; the mismatch study shows
-some layers are much more sensitive to reduced precision than others.
-
-The output head
----------------
-The final norm and the LM head stay out of the weight formats above. An engine may still
-run them at lower precision than the trainer: `HeadDtype("bfloat16")`, a static marker in
-the params (`params[HEAD_KEY]`, read by `model.unembed`), rounds the final norm's input,
-weight and output and the LM head's weight to bf16 and emits the logits in bf16 (a bf16
-GEMM's output, then f32 for the softmax), where the trainer computes the logits in f32.
-Rounding a logit z to bf16 moves it by up to 2^-9 · |z|, a shift of the log-probabilities
-of the same size; production RL stacks report it as a cause of rollout drift, and the
-usual fix is an f32 LM head in the engine.
-
-Compute
--------
-Model code never branches on precision: every matmul goes through one helper,
-`model.linear(x, w)`, which multiplies by a plain array as it is and by a `QArray`
-in one of two ways, chosen once per published weight version by
-`prepare_for_compute` (the engine calls it right after `quantize_params`):
-
-* W8A16, emulated (hardware without FP8 matmuls: CPU, GPUs before compute
-  capability 8.9, TPUs before v7). The weight is dequantized to the compute dtype,
-  `as_dense(w, dt) = dt(f32(Q) · scale)`, and the dot runs in that dtype. Doing that
-  inside every decode step re-converts every matrix per token, so
-  `prepare_for_compute` does it once per weight version instead and hands the
-  sampler dense compute-dtype weights: the same elementwise computation, so the
-  logits are bit-identical to the per-step dequantization (tested). The FP8 memory
-  saving of the weights is given up on such hardware; the FP8 KV cache stays FP8 in
-  memory either way. Measured on CPU (`python -m opd_jax.bench.sampler`, rows
-  fp8_vs_dense): the per-step dequantization cost about 2.5% of a 58M-parameter
-  decode at batch 16 and nothing measurable at the test sizes; most of the FP8
-  engine's old slowdown (0.75× dense in CPU time at 58M, 0.22× on the tiny model)
-  was the FP8 KV-cache write (see `kvcache._scatter_time`).
-  Formats other than e4m3, and e4m3 with group scales, always take this path on every
-  backend: e5m2, INT8, INT4 and FP4 are weight-only formats here (WxA16, the weight
-  dequantized where it is used, as weight-only kernels do).
-* W8A8, native (`has_native_fp8`: NVIDIA compute capability ≥ 8.9, i.e. Ada, L4,
-  H100/H200 and later; TPU v7 Ironwood and later). The QArray is kept, marked
-  `native_fp8=True`, and `fp8_matmul` runs `lax.dot_general` on e4m3 operands with
-  f32 accumulation. A native FP8 GEMM needs the activations in e4m3 too, so each
-  token's activation row x_m (the contracted axes flattened) gets its own scale
-
-      s_m = max(max_i |x_mi| / 448, tiny_f32),   X̂_m = round_e4m3(clip(x_m / s_m, ±448)),
-
-  and y_mo = s_m · Σ_i X̂_mi · Q_io · scale_o (per channel; with b×b blocks the sum
-  is split per row block r and each partial sum is multiplied by scale_ro). The
-  weights are exactly those of the emulated path; the activation rounding
-  (relative error ≤ 2^-4 per element, like the weights) is an ADDITIONAL mismatch
-  source that the emulated path does not have. So the same recipe measures more
-  mismatch on FP8 hardware than on CPU, and a budget calibrated on one backend is
-  not valid on the other (the budget fingerprint includes the backend). Measured on
-  the test suite's 2-layer model: mean KL(W8A16 ‖ W8A8) ≈ 0.02 nats, as large as
-  the weight rounding itself (KL(f32 ‖ W8A16) ≈ 0.022). The per-token rule is the
-  simplest one a GEMM epilogue can apply (one scale per row of x); DeepSeek-V3's
-  1×128 activation tiles would be finer. This path is tested on CPU only (XLA
-  upcasts there); its speed on FP8 hardware has not been measured yet.
-
-Which hardware counts as native is a rule on the device kind, not a probe: XLA
-accepts fp8 dot_generals everywhere (CPU upcasts internally, which is how the
-tests run the native path), so "it compiles" says nothing about speed. TPU v5p and
-v6e are left on the emulated path: their matrix units take bf16 and int8, so an
-fp8 dot would be converted anyway, and W8A8 would add mismatch for no speed.
-`prepare_for_compute(..., native_fp8=...)` overrides the rule.
+A quantized matrix is a `QArray`: the weight in the format's own dtype plus a scale per group
+(per output channel, per tensor, b×b blocks or g inputs of a column: `QuantRecipe`), so that
+W ≈ f32(Q) · scale (`quantize` gives the equations, `WEIGHT_FORMATS` the formats). The
+embeddings, the LM head, norms and biases, and whole `bf16_layers`, stay dense; `HeadDtype`
+marks an engine whose output head runs in bf16. `prepare_for_compute` lays the weights out
+once per weight version: dense in the compute dtype (W8A16, emulated) or, on hardware with FP8
+matmuls (`has_native_fp8`), kept for `fp8_matmul` (W8A8), which also rounds the activations and
+so adds mismatch the emulated path does not have. docs/design.md ("Low-precision weights")
+describes the formats, groupings and compute paths.
 """
 
 from __future__ import annotations
@@ -412,6 +277,18 @@ def quantize(
       Q = round(clip(W / s_G, ±q_max))                     (fp8, fp4: in the dtype's
                                                             conversion, to nearest even)
       Q = clip(round(W / s_G), ±q_max)                     (int8, int4: half to even)
+
+  so that every element obeys, with s = s_G and r = |W / s|,
+
+      fp8_e4m3  |Ŵ − W| ≤ s · max(2^-4 · r, 2^-10)     (3 mantissa bits; q_max 448)
+      fp8_e5m2  |Ŵ − W| ≤ s · max(2^-3 · r, 2^-17)     (2 mantissa bits; q_max 57344)
+      int8/int4 |Ŵ − W| ≤ s / 2                        (q_max 127 / 7; −8 unused in int4)
+      fp4_e2m1  |Ŵ − W| ≤ s · max(2^-2 · r, 2^-2)      (1 mantissa bit; q_max 6)
+
+  The f32 floor tiny_f32 keeps an all-zero group finite, and the clip keeps e4m3fn (which has
+  no infinities) from turning a value a hair above q_max into NaN. FP4's power-of-two scale
+  rounds the exponent up, so |W / s| ≤ 6 and nothing saturates (the MX spec's
+  floor(log2(amax)) − 2 can clip amax), at the cost of at most one bit.
 
   Jitted (one compile per shape, format and grouping), so eager `quantize_params` is cheap.
 

@@ -173,7 +173,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
   state_shardings = sharding.tree_shardings(abstract, m.mesh)
   # orbax is imported by the loop that saves: the admission check and the export import this
   # module for its setup and load it only when they restore, so that a check can import it
-  # while it compiles (`admission.run_admission`).
+  # while it compiles (`cli.admit_check.run_admission`).
   from opd_jax.io import checkpointing
 
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), t.keep_checkpoints)

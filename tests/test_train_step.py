@@ -14,6 +14,7 @@ from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.train import evaluate, train_step
+from opd_jax.train import state as train_state
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]
@@ -25,14 +26,14 @@ def setup():
   teacher = model.init_params(jax.random.key(1), CFG, scale=0.3)
   scfg = sampler.SamplerConfig(max_new_tokens=6, temperature=1.0)
   rollout = sampler.sample(student, PROMPTS, jax.random.key(2), scfg, CFG)
-  tx = train_step.make_optimizer(1e-2, 10, 0, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-2, 10, 0, 0.0, 1.0)
   mesh = sharding.make_mesh((1, 1, 1))
   return student, teacher, rollout, tx, mesh
 
 
 def _jitted(tx, mesh, state, loss="reverse_kl_sampled"):
   shardings = sharding.tree_shardings(jax.eval_shape(lambda: state), mesh)
-  return train_step.jit_step(
+  return train_state.jit_step(
     train_step.train_step,
     shardings,
     tx=tx,
@@ -51,7 +52,7 @@ def test_no_retrace_after_first_step(setup):
     ),
     donate_argnums=0,
   )
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   for _ in range(3):
     state, metrics = step(state, teacher, rollout)
   assert int(state.step) == 3
@@ -60,7 +61,7 @@ def test_no_retrace_after_first_step(setup):
 
 def test_teacher_is_not_optimizer_state(setup):
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   opt_leaves = jax.tree.leaves(state.opt_state)
   n_student = len(jax.tree.leaves(student))
   # adamw keeps mu and nu shaped like the student only (plus scalar counts).
@@ -75,18 +76,18 @@ def test_teacher_is_not_optimizer_state(setup):
 def test_student_equal_to_teacher_is_a_fixed_point(setup, loss):
   """When π_θ = π_T every loss has zero gradient (up to f32 rounding of two forwards)."""
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   state, metrics = _jitted(tx, mesh, state, loss)(state, student, rollout)
   assert float(metrics["perf/grad_norm"]) < 1e-5
   assert float(metrics["teacher/reverse_kl"]) < 1e-6
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   _, metrics = _jitted(tx, mesh, state, loss)(state, teacher, rollout)
   assert float(metrics["perf/grad_norm"]) > 1e-2  # a different teacher does pull
 
 
 def test_steps_reduce_kl_to_teacher_on_fixed_rollout(setup):
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   step = _jitted(tx, mesh, state, "reverse_kl_full")
   kls = []
   for _ in range(5):

@@ -38,6 +38,7 @@ from opd_jax.cli import flags as cli_flags
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
+from opd_jax.train import state as train_state
 from opd_jax.train import train_step
 
 # Small but not tiny: 8 layers, so that what each layer keeps for the backward pass counts.
@@ -73,9 +74,9 @@ def abstract_rollout(batch: int, prompt: int, completion: int) -> Rollout:
 
 def measure(remat: str, microbatches: int, cfg: ModelConfig = BENCH_CONFIG) -> dict:
   """The compiled step's memory analysis for one setting, as a row."""
-  tx = train_step.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
   params = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg))
-  state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
+  state = jax.eval_shape(lambda p: train_state.init_state(p, tx, 0), params)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
       s,

@@ -63,6 +63,7 @@ from opd_jax.model import teacher_topk
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import worker as rollout_worker
+from opd_jax.train import state as train_state
 from opd_jax.train import train_step
 
 VOCABS = (32768, 151936)  # 32k (Llama 2), Qwen2.5's 151,936 embedding rows
@@ -126,7 +127,7 @@ def _memory(compiled) -> dict:
 
 def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: int) -> dict:
   """The train step with the full (top_k = 0) or sparse teacher: memory plan and time."""
-  tx = train_step.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
   loss_cfg = train_step.LossConfig(loss, is_clip=None, teacher_top_k=top_k)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
@@ -134,7 +135,7 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
     ),
     donate_argnums=0,
   )
-  state = train_step.init_state(jax.tree.map(jnp.copy, params), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, params), tx, 0)
   row = _memory(fn.lower(state, teacher, rollout).compile())
   row["seconds"] = _timed(fn, (state, teacher, rollout), repeats, feed_state=True)
   return row

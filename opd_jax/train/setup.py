@@ -32,6 +32,7 @@ from opd_jax.model import kvcache
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, pretrain, train_step
 from opd_jax.train import mismatch_metrics as mismatch
+from opd_jax.train import state as train_state
 
 
 def task_config(config) -> task.TaskConfig:
@@ -242,7 +243,7 @@ def teacher_accuracy_fn(config, task_cfg: task.TaskConfig, models: build.Models)
 
 
 def schedule_length(config, resumed: dict, log=print) -> int:
-  """The learning-rate schedule's length (`train_step.make_optimizer`'s total_steps).
+  """The learning-rate schedule's length (`state.make_optimizer`'s total_steps).
 
   A fresh run: `train.steps`. A resumed run: the length its checkpoint was trained with
   (extra["schedule_steps"]); when `train.steps` differs from it, `train.resume_schedule`
@@ -315,7 +316,7 @@ def initial_state(
     return state, int(extra.get("next_batch", latest))
   params = warm_started_student(config, setup, log, setup.cache_dir or None)
   seed = run_seed(config)
-  return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
+  return jax.device_put(train_state.init_state(params, tx, seed), state_shardings), 0
 
 
 def reference_student(config, setup: Setup, state, param_shardings, resumed: bool, log=print):

@@ -9,11 +9,12 @@ import numpy as np
 import optax
 import pytest
 
+from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import evaluate, train_step
+from opd_jax.train import evaluate, losses, train_step
 from opd_jax.train import state as train_state
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
@@ -199,6 +200,30 @@ def test_check_rollout_loss_refuses_what_the_filter_cannot_serve():
   train_step.check_rollout_loss(unfiltered, train_step.LossConfig(name="forward_kl"))
   with pytest.raises(ValueError, match=r"LossConfig.temperature=1.0 differs .* temperature=0.7"):
     train_step.check_rollout_loss(sampler.SamplerConfig(8, 0.7), train_step.LossConfig())
+
+
+def test_loss_registry_refuses_an_unknown_name_naming_the_allowed_ones():
+  allowed = "reverse_kl_sampled, reverse_kl_full, forward_kl, jsd"
+  with pytest.raises(ValueError, match=f"unknown distillation loss 'kl'; allowed: {allowed}"):
+    train_step.teacher_loss("kl")
+  with pytest.raises(ValueError, match=f"unknown loss 'kl'; allowed: {allowed}, reinforce, grpo"):
+    train_step.LossConfig(name="kl")
+  # Every registered loss has the registry's one signature: (student, teacher, rollout, cfg).
+  student = jnp.zeros((1, 2, 3))
+  rollout = Rollout(
+    prompt_tokens=jnp.zeros((1, 1), jnp.int32),
+    prompt_lens=jnp.ones((1,), jnp.int32),
+    completion_tokens=jnp.zeros((1, 2), jnp.int32),
+    completion_mask=jnp.ones((1, 2), jnp.int32),
+    behaviour_logprobs=jnp.full((1, 2), -np.log(3.0)),
+    model_logprobs=jnp.zeros((1, 2)),
+    weight_version=jnp.zeros((), jnp.int32),
+  )
+  for name in train_step.TEACHER_LOSSES:
+    loss, _ = train_step.teacher_loss(name)(
+      student, losses.FullTeacher(student), rollout, train_step.LossConfig(name=name)
+    )
+    assert abs(float(loss)) < 1e-6, name  # π_θ = π_T: every divergence is 0
 
 
 def test_quality_kl_at_the_rollout_transform(setup):

@@ -552,26 +552,20 @@ def grpo_updates(
 ):
   """K = epochs × minibatches GRPO updates on one batch, in one jitted program.
 
-  1. log π_old(y) of the student at the start (`state.params`): one forward pass, no
-     gradient, which also gives the step's `mismatch/*` and `student/entropy`. With a KL
-     penalty (β > 0), log π_ref(y) of `reference_params` too (`policy.reference_logprobs`): one
-     more forward pass, once per batch, split with the minibatches like log π_old.
-  2. A_b over the whole batch (`grpo_advantages`: groups stay whole whatever the split).
-  3. A `jax.lax.scan` over the K updates: update i takes minibatch i mod M (M =
-     `ppo_minibatches`, the strided split of `microbatch.split_microbatches`) and applies
-     `grpo`'s clipped loss against π_old (plus β · mean k3 against π_ref), then one `tx`
-     update. Each minibatch's loss is its own token mean (over its kept tokens), as PPO
-     implementations do.
-
-  The learning-rate schedule advances once per train step, not once per update: every one
-  of the K updates of step s uses lr(s) (Adam's own step count, its bias correction,
-  advances K times). So `train.steps` and `opt/lr` keep their meaning.
+  log π_old(y) of the student at the start (`state.params`) is scored once, with no gradient
+  (the same pass gives the step's `mismatch/*` and `student/entropy`), and so is log π_ref(y)
+  of `reference_params` with a KL penalty (`policy.reference_logprobs`). A_b is computed over
+  the whole batch (`grpo_advantages`), so groups stay whole. A `jax.lax.scan` then makes the K
+  updates: update i takes minibatch i mod M (M = `ppo_minibatches`, the strided split of
+  `microbatch.split_microbatches`), applies `grpo`'s clipped loss against π_old (each
+  minibatch's loss its own token mean, as PPO implementations do) and one `tx` update. Every
+  update of step s uses lr(s) (`state.schedule_counts`; Adam's own count advances K times), so
+  `train.steps` and `opt/lr` keep their meaning.
 
   Returns:
-    (new state, metrics): the scalars of the K updates averaged (`perf/grad_norm` the mean
-    pre-clip norm, `perf/grad_norm_max` the largest; `rl/ppo_ratio_abs_dev_max` the
-    largest), `rl/*` reward metrics (`rl/kl_ref`, `loss/kl_ref`: the K updates' mean), `mismatch/*`
-    and `student/entropy` of π_old, and per_token/advantage_bc [B, C].
+    (new state, metrics): the K updates' scalars averaged (`*_max` keys the largest;
+    `perf/grad_norm` the mean pre-clip norm, `perf/grad_norm_max` the largest), the reward
+    metrics, `mismatch/*` and `student/entropy` of π_old, and per_token/advantage_bc [B, C].
   """
   import optax
 

@@ -13,7 +13,8 @@ from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import worker as rollout_worker
-from opd_jax.train import losses, train_step
+from opd_jax.train import losses, microbatch, train_step
+from opd_jax.train import state as train_state
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3], [1, 2, 2], [1, 8], [1, 6, 5, 4], [1, 7]]
@@ -46,7 +47,7 @@ def setup():
 
 
 def _step(student, teacher, rollout, loss_cfg, tx, **kwargs):
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
       s, t, r, tx=tx, student_cfg=CFG, teacher_cfg=CFG, loss_cfg=loss_cfg, **kwargs
@@ -86,7 +87,7 @@ def test_four_microbatches_equal_the_full_batch(setup, loss_cfg):
   assert float(full["perf/grad_norm"]) > 1e-2  # a real gradient was compared
   # Normalising each micro-batch by its own token count would be a different gradient.
   w_k = np.asarray(
-    losses.microbatch_weights(train_step.split_microbatches(rollout, 4).completion_mask)
+    microbatch.microbatch_weights(microbatch.split_microbatches(rollout, 4).completion_mask)
   )
   np.testing.assert_allclose(w_k, parts / parts.sum(), rtol=1e-6)
 
@@ -95,11 +96,11 @@ def test_four_microbatches_equal_the_full_batch(setup, loss_cfg):
 def test_microbatches_with_adamw_match_the_full_batch(setup):
   """The real optimizer (clip + AdamW with a schedule) after two steps."""
   student, teacher, rollout = setup
-  tx = train_step.make_optimizer(1e-2, 10, 0, 0.01, 1.0)
+  tx = train_state.make_optimizer(1e-2, 10, 0, 0.01, 1.0)
   loss_cfg = train_step.LossConfig("reverse_kl_full")
   out = []
   for k in (1, 4):
-    state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+    state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
     fn = jax.jit(
       lambda s, t, r, k=k: train_step.train_step(
         s, t, r, tx=tx, student_cfg=CFG, teacher_cfg=CFG, loss_cfg=loss_cfg, microbatches=k
@@ -198,9 +199,9 @@ def test_student_entropy_metric_by_hand(setup, top_k):
 def test_opt_lr_is_the_schedule_at_each_step(setup):
   student, teacher, rollout = setup
   lr, steps, warmup = 1e-2, 10, 4
-  tx = train_step.make_optimizer(lr, steps, warmup, 0.0, 1.0)
-  schedule = train_step.make_schedule(lr, steps, warmup)
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  tx = train_state.make_optimizer(lr, steps, warmup, 0.0, 1.0)
+  schedule = train_state.make_schedule(lr, steps, warmup)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
       s,

@@ -1,4 +1,4 @@
-"""GRPO (opd_jax/train/rl.py, train_step.grpo_updates) against hand-computed values."""
+"""GRPO (opd_jax/train/rl.py, rl.grpo_updates) against hand-computed values."""
 
 import math
 import sys
@@ -16,6 +16,7 @@ from opd_jax.inference import sampler, teacher_forcing
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.train import losses, rl, train_step
+from opd_jax.train import state as train_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -172,7 +173,7 @@ def batch():
 
 
 def _step(student, rollout, tx, loss_cfg, schedule=None):
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   fn = jax.jit(
     lambda s, r: train_step.train_step(
       s, None, r, tx=tx, student_cfg=CFG, teacher_cfg=CFG, loss_cfg=loss_cfg, lr_schedule=schedule
@@ -195,7 +196,7 @@ def test_two_updates_match_two_hand_applied_updates(batch):
   old_lp = jnp.where(mask > 0, losses.token_logprobs(z, tokens), 0.0)  # π_old = π_θ0
 
   def loss(p):
-    return train_step.grpo_policy_loss(p, rollout, advantage_b, old_lp, CFG, cfg, "none")[0]
+    return rl.grpo_policy_loss(p, rollout, advantage_b, old_lp, CFG, cfg, "none")[0]
 
   grad_fn = jax.jit(jax.grad(loss))
   params = student
@@ -209,8 +210,8 @@ def test_minibatches_and_schedule_counts(batch):
   """epochs 2 × minibatches 2 = 4 updates: Adam counts 4, the lr schedule 1 (every update at
   lr(step)), and a fresh step-0 batch with an identical engine masks nothing."""
   student, rollout = batch
-  schedule = train_step.make_schedule(1e-2, 10, 3)
-  tx = train_step.make_optimizer(1e-2, 10, 3, 0.0, 1.0)
+  schedule = train_state.make_schedule(1e-2, 10, 3)
+  tx = train_state.make_optimizer(1e-2, 10, 3, 0.0, 1.0)
   cfg = train_step.LossConfig(
     name="grpo", group_size=2, ppo_epochs=2, ppo_minibatches=2, mismatch_correction="seq_mis"
   )

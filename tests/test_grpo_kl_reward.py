@@ -18,7 +18,8 @@ from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout.worker import RolloutWorker
-from opd_jax.train import losses, pretrain, rl, train_step
+from opd_jax.train import losses, microbatch, pretrain, rl, train_step
+from opd_jax.train import state as train_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "configs"))
 import base  # noqa: E402
@@ -171,11 +172,11 @@ def test_train_step_at_the_reference_reads_zero_and_refuses_a_missing_reference(
   student, _, rollout = batch
   tx = optax.sgd(0.1)
   cfg = train_step.LossConfig(name="grpo", group_size=2, kl_coef=0.5)
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   new, metrics = _run_step(state, rollout, student, cfg, tx)
   assert 0.0 <= float(metrics["rl/kl_ref"]) < 1e-10
   plain_cfg = train_step.LossConfig(name="grpo", group_size=2)
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   plain, _ = _run_step(state, rollout, None, plain_cfg, tx)
   for got, want in zip(jax.tree.leaves(new.params), jax.tree.leaves(plain.params), strict=True):
     np.testing.assert_allclose(got, want, atol=1e-6)
@@ -190,7 +191,7 @@ def test_minibatch_updates_match_hand_applied_updates_with_the_penalty(batch):
   student, reference, rollout = batch
   tx = optax.sgd(0.5)
   cfg = train_step.LossConfig(name="grpo", group_size=2, ppo_minibatches=2, kl_coef=0.5)
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   state, metrics = _run_step(state, rollout, reference, cfg, tx)
   assert float(metrics["rl/kl_ref"]) > 0.0
   np.testing.assert_allclose(metrics["loss/kl_ref"], 0.5 * metrics["rl/kl_ref"], rtol=1e-6)
@@ -200,11 +201,11 @@ def test_minibatch_updates_match_hand_applied_updates_with_the_penalty(batch):
   old_lp = jnp.where(mask > 0, losses.token_logprobs(z, tokens), 0.0)
   z_ref, _, _ = teacher_forcing.completion_logits(reference, rollout, CFG)
   ref_lp = jnp.where(mask > 0, losses.token_logprobs(z_ref, tokens), 0.0)
-  parts = train_step.split_microbatches((rollout, advantage_b, old_lp, ref_lp), 2, 4)
+  parts = microbatch.split_microbatches((rollout, advantage_b, old_lp, ref_lp), 2, 4)
 
   def loss(p, i):
     part, adv, old, ref = jax.tree.map(lambda x: x[i], parts)
-    return train_step.grpo_policy_loss(p, part, adv, old, CFG, cfg, "none", ref)
+    return rl.grpo_policy_loss(p, part, adv, old, CFG, cfg, "none", ref)
 
   grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
   params, kls = student, []

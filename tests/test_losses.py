@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from opd_jax.model import teacher_topk
 from opd_jax.train import losses
 
 # Two sequences of three positions over V = 4; the last position of row 1 is masked.
@@ -27,6 +28,11 @@ TCH = np.array(
 TOKENS = np.array([[1, 2, 0], [3, 3, 1]], np.int32)
 MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
 BEHAVIOUR = np.array([[-1.0, -0.2, -3.0], [-2.5, -0.9, -1.0]], np.float32)
+
+
+def _sparse(teacher_logits, k):
+  """The teacher as its top-k plus a tail bucket (a `losses.TeacherDistribution`)."""
+  return teacher_topk.from_logits(jnp.asarray(teacher_logits), k)
 
 
 def np_logsoftmax(x):
@@ -290,10 +296,11 @@ def test_reverse_and_forward_kl_full_values():
   fwd, m = losses.forward_kl(S, TCH, MASK)
   np.testing.assert_allclose(fwd, np_masked_mean(np_kl(q_lp, p_lp), MASK), rtol=1e-5)
   np.testing.assert_allclose(m["teacher/forward_kl"], fwd)
-  # top_k = V equals the exact loss; forward top-k buckets follow the teacher's top-k.
-  np.testing.assert_array_equal(losses.reverse_kl_full(S, TCH, MASK, top_k=4)[0], rev)
-  np.testing.assert_array_equal(losses.forward_kl(S, TCH, MASK, top_k=4)[0], fwd)
-  fwd1 = losses.forward_kl(S, TCH, MASK, top_k=1)[0]
+  # The same functions on the sparse teacher: k = V gives the exact loss; the top-k bins
+  # are the teacher's top-k plus a tail bucket.
+  np.testing.assert_allclose(losses.reverse_kl_full(S, _sparse(TCH, 4), MASK)[0], rev, rtol=1e-6)
+  np.testing.assert_allclose(losses.forward_kl(S, _sparse(TCH, 4), MASK)[0], fwd, rtol=1e-6)
+  fwd1 = losses.forward_kl(S, _sparse(TCH, 1), MASK)[0]
   top1 = TCH.argmax(-1)[..., None]
   pt, ps = np.exp(q_lp), np.exp(p_lp)
   t_b = np.concatenate([np.take_along_axis(pt, top1, -1), 1 - np.take_along_axis(pt, top1, -1)], -1)
@@ -325,7 +332,7 @@ def test_masks_are_respected():
   for fn in (
     functools.partial(losses.reverse_kl_sampled, tokens=TOKENS, behaviour_logprobs=BEHAVIOUR),
     losses.reverse_kl_full,
-    functools.partial(losses.forward_kl, top_k=2),
+    lambda s, t, mask: losses.forward_kl(s, _sparse(t, 2), mask),
     functools.partial(losses.jsd, beta=0.4),
   ):
     noisy_s, noisy_t = S.copy(), TCH.copy()
@@ -342,15 +349,17 @@ def test_masks_are_respected():
 def test_teacher_gets_no_gradient_and_jit_with_static_args():
   for fn in (
     losses.reverse_kl_full,
-    functools.partial(losses.reverse_kl_full, top_k=2),
+    lambda s, t, mask: losses.reverse_kl_full(s, _sparse(t, 2), mask),
     losses.forward_kl,
     functools.partial(losses.jsd, beta=0.5),
   ):
     grad_t = jax.grad(lambda t, fn=fn: fn(S, t, MASK)[0])(jnp.asarray(TCH))
     np.testing.assert_array_equal(grad_t, 0.0)
-  jitted = jax.jit(losses.forward_kl, static_argnames="top_k")
+  jitted = jax.jit(losses.jsd, static_argnames="beta")
   np.testing.assert_allclose(
-    jitted(S, TCH, MASK, top_k=2)[0], losses.forward_kl(S, TCH, MASK, top_k=2)[0], rtol=1e-6
+    jitted(S, _sparse(TCH, 2), MASK, beta=0.3)[0],
+    losses.jsd(S, _sparse(TCH, 2), MASK, beta=0.3)[0],
+    rtol=1e-6,
   )
 
 
@@ -383,8 +392,8 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="behaviour_logprobs"):
     losses.reverse_kl_sampled(S, TCH, TOKENS, MASK, BEHAVIOUR[:, :2])
   with pytest.raises(ValueError, match="top_k"):
-    losses.reverse_kl_full(S, TCH, MASK, top_k=5)
-  with pytest.raises(ValueError, match="top_k"):
-    losses.forward_kl(S, TCH, MASK, top_k=0)
+    losses.reverse_kl_full(S[..., :3], _sparse(TCH, 4), MASK)
+  with pytest.raises(ValueError, match="top-k ids"):
+    losses.forward_kl(S[:, :2], _sparse(TCH, 2), MASK[:, :2])
   with pytest.raises(ValueError, match="tokens"):
     losses.token_logprobs(S, TOKENS[:, :2])

@@ -29,10 +29,12 @@ from opd_jax.train import (
   mismatch_metrics as mismatch,
 )
 from opd_jax.train import (
+  policy,
   preflight,
   train_step,
   trainer,
 )
+from opd_jax.train import state as train_state
 from opd_jax.train.setup import run_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "configs"))
@@ -228,12 +230,12 @@ def test_mismatch_counts_sampled_rows_only_and_references_escape_the_kept_set(me
     assert abs(float(metrics[key])) < 1e-4, (key, float(metrics[key]))
   # The same metrics over every row (references included) are far from 0.
   logits_bcv, _, _ = teacher_forcing.completion_logits(student, rollout, CFG, 1.0)
-  policy_bcv = train_step.student_policy_logits(logits_bcv, rollout)
+  policy_bcv = policy.student_policy_logits(logits_bcv, rollout)
   polluted = mismatch.mismatch_metrics(policy_bcv, rollout)
   assert float(polluted["mismatch/k1"]) > 0.5
   # Reference rows under the sampled rows' kept sets: some reference token is outside.
   unmarked = rollout.replace(on_policy_b=None)
-  outside = train_step.student_policy_logits(logits_bcv, unmarked)
+  outside = policy.student_policy_logits(logits_bcv, unmarked)
   ref_lp = np.asarray(
     jnp.take_along_axis(outside, rollout.completion_tokens[..., None], axis=-1)[..., 0]
   )
@@ -268,7 +270,7 @@ def test_microbatches_weight_mismatch_by_the_sampled_tokens(mesh, params):
   tx = optax.sgd(0.1)
   out = {}
   for k in (1, 2):
-    state = train_step.init_state(jax.tree.map(jnp.copy, teacher), tx, 0)
+    state = train_state.init_state(jax.tree.map(jnp.copy, teacher), tx, 0)
     _, out[k] = train_step.train_step(
       state,
       teacher,

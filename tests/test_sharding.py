@@ -265,11 +265,11 @@ def test_sharded_forward_matches_unsharded_on_8_devices():
 def test_the_params_alone_shard_as_the_train_states_params():
   """A reader restores the params subtree alone (`Checkpointer.restore_params`) into
   `tree_shardings(params)`: the layout the trainer gives `TrainState.params`."""
-  from opd_jax.train import train_step
+  from opd_jax.train import state as train_state
 
   params = abstract_params()
-  tx = train_step.make_optimizer(1e-3, 10, 2, 0.0, 1.0)
-  state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
+  tx = train_state.make_optimizer(1e-3, 10, 2, 0.0, 1.0)
+  state = jax.eval_shape(lambda p: train_state.init_state(p, tx, 0), params)
   for mesh in (abstract_mesh(1, 8, 1), abstract_mesh(2, 2, 2)):
     assert specs(params, mesh) == specs(state, mesh).params
 

@@ -51,7 +51,7 @@ def test_from_logits_keeps_the_top_k_and_the_tail_by_hand():
   np.testing.assert_allclose(np.exp(t.tail_bc[0, 0]), 0.3, rtol=1e-6)  # 0.05 + 0.15 + 0.1
   assert int(t.tail_count_bc[0, 0]) == 3
   np.testing.assert_allclose(float(t.top_mass()[0, 0]), 0.7, rtol=1e-6)
-  np.testing.assert_allclose(np.exp(t.bins()[0, 0]).sum(), 1.0, rtol=1e-6)
+  np.testing.assert_allclose(np.exp(t.bin_logprobs()[0, 0]).sum(), 1.0, rtol=1e-6)
 
 
 def test_topk_losses_by_hand():
@@ -62,17 +62,17 @@ def test_topk_losses_by_hand():
   student_bcv = jnp.concatenate([_logits(Q_S, shift=-1.0), _logits(Q_S[::-1])], axis=1)
   mask = jnp.array([[1, 0]])
   teacher = teacher_topk.from_logits(teacher_bcv, 2)
-  fwd, m = losses.forward_kl_topk(student_bcv, teacher, mask)
+  fwd, m = losses.forward_kl(student_bcv, teacher, mask)
   np.testing.assert_allclose(float(fwd), _kl(p_bar, q_bar), rtol=1e-5)
   np.testing.assert_allclose(float(m["teacher/top_k_mass"]), 0.7, rtol=1e-6)
-  rev, m = losses.reverse_kl_topk(student_bcv, teacher, mask)
+  rev, m = losses.reverse_kl_full(student_bcv, teacher, mask)
   np.testing.assert_allclose(float(rev), _kl(q_bar, p_bar), rtol=1e-5)
   assert float(m["teacher/reverse_kl"]) == float(rev)
   mix = [0.5 * a + 0.5 * b for a, b in zip(p_bar, q_bar, strict=True)]
-  js, _ = losses.jsd_topk(student_bcv, teacher, mask, beta=0.5)
+  js, _ = losses.jsd(student_bcv, teacher, mask, beta=0.5)
   np.testing.assert_allclose(float(js), 0.5 * _kl(p_bar, mix) + 0.5 * _kl(q_bar, mix), rtol=1e-5)
   mix = [0.2 * a + 0.8 * b for a, b in zip(p_bar, q_bar, strict=True)]
-  js, _ = losses.jsd_topk(student_bcv, teacher, mask, beta=0.2)
+  js, _ = losses.jsd(student_bcv, teacher, mask, beta=0.2)
   np.testing.assert_allclose(float(js), 0.2 * _kl(p_bar, mix) + 0.8 * _kl(q_bar, mix), rtol=1e-5)
   # The coarse-grained values stay below the full-vocabulary ones.
   assert float(fwd) < _kl(P_T, Q_S) and float(rev) < _kl(Q_S, P_T)
@@ -85,13 +85,13 @@ def test_sampled_token_outside_the_top_k_gets_the_tail_spread_uniformly():
     logits = jnp.asarray(np.log(p), jnp.float32)[None, None, :]
   teacher = teacher_topk.from_logits(jnp.repeat(logits, 3, axis=1), 2)
   assert int(teacher.tail_count_bc[0, 0]) == 3  # ids 1, 2, 4; not the -inf id 5
-  lp = teacher_topk.token_logprobs(teacher, jnp.array([[3, 2, 1]]))
+  lp = teacher.token_logprobs(jnp.array([[3, 2, 1]]))
   np.testing.assert_allclose(np.asarray(lp[0]), np.log([0.4, 0.1, 0.1]), rtol=1e-5)
   # The sampled loss with is_clip=None: loss = −mean[(log π_T(y) − log π_θ(y)) · log π_θ(y)].
   q = np.array([0.2, 0.2, 0.3, 0.1, 0.1, 0.1])
   student = jnp.repeat(_logits(q), 3, axis=1)
   tokens, mask = jnp.array([[3, 2, 1]]), jnp.ones((1, 3))
-  loss, m = losses.reverse_kl_sampled_topk(
+  loss, m = losses.reverse_kl_sampled(
     student, teacher, tokens, mask, jnp.zeros((1, 3)), is_clip=None
   )
   t_lp, s_lp = np.log([0.4, 0.1, 0.1]), np.log(q[[3, 2, 1]])
@@ -115,7 +115,7 @@ def test_sampled_topk_is_the_full_sampled_loss_when_the_tail_is_uniform():
     return losses.reverse_kl_sampled(s, teacher_bcv, tokens, mask, behaviour, is_clip=2.0)[0]
 
   def sparse(s):
-    return losses.reverse_kl_sampled_topk(s, teacher, tokens, mask, behaviour, is_clip=2.0)[0]
+    return losses.reverse_kl_sampled(s, teacher, tokens, mask, behaviour, is_clip=2.0)[0]
 
   np.testing.assert_allclose(float(sparse(student_bcv)), float(full(student_bcv)), rtol=1e-6)
   np.testing.assert_allclose(
@@ -133,21 +133,13 @@ def _random_case(v, seed=0, filtered=False):
   return jnp.asarray(student, jnp.float32), teacher, mask
 
 
-FULL_AND_TOPK = {
-  "forward": (losses.forward_kl, losses.forward_kl_topk),
-  "reverse": (losses.reverse_kl_full, losses.reverse_kl_topk),
-  "jsd_0.3": (
-    lambda s, t, m: losses.jsd(s, t, m, beta=0.3),
-    lambda s, t, m: losses.jsd_topk(s, t, m, beta=0.3),
-  ),
-  "jsd_0": (
-    lambda s, t, m: losses.jsd(s, t, m, beta=0.0),
-    lambda s, t, m: losses.jsd_topk(s, t, m, beta=0.0),
-  ),
-  "jsd_1": (
-    lambda s, t, m: losses.jsd(s, t, m, beta=1.0),
-    lambda s, t, m: losses.jsd_topk(s, t, m, beta=1.0),
-  ),
+# Each loss is written once: the same function reads full logits and the sparse teacher.
+LOSSES = {
+  "forward": losses.forward_kl,
+  "reverse": losses.reverse_kl_full,
+  "jsd_0.3": functools.partial(losses.jsd, beta=0.3),
+  "jsd_0": functools.partial(losses.jsd, beta=0.0),
+  "jsd_1": functools.partial(losses.jsd, beta=1.0),
 }
 
 
@@ -155,7 +147,7 @@ FULL_AND_TOPK = {
 # (train_step.check_rollout_loss), so those pairs are not cases.
 _CASES = [
   (name, filtered)
-  for name in sorted(FULL_AND_TOPK)
+  for name in sorted(LOSSES)
   for filtered in (False, True)
   if not (filtered and name in ("forward", "jsd_0"))
 ]
@@ -165,15 +157,15 @@ _CASES = [
 def test_k_equal_to_v_gives_the_full_loss_and_gradient(name, filtered):
   v = 7
   student, teacher_bcv, mask = _random_case(v, filtered=filtered)
-  full_fn, topk_fn = FULL_AND_TOPK[name]
+  loss_fn = LOSSES[name]
   teacher = teacher_topk.from_logits(teacher_bcv, v)
   assert np.all(np.asarray(teacher.tail_bc) == -np.inf)  # nothing left for the tail
 
   def full(s):
-    return full_fn(s, teacher_bcv, mask)[0]
+    return loss_fn(s, teacher_bcv, mask)[0]
 
   def sparse(s):
-    return topk_fn(s, teacher, mask)[0]
+    return loss_fn(s, teacher, mask)[0]
 
   np.testing.assert_allclose(float(sparse(student)), float(full(student)), rtol=1e-6, atol=1e-7)
   g_sparse, g_full = jax.grad(sparse)(student), jax.grad(full)(student)
@@ -188,24 +180,24 @@ def test_k_equal_to_v_gives_the_full_sampled_loss():
   behaviour = jnp.full((2, 3), -1.5)
   teacher = teacher_topk.from_logits(teacher_bcv, v)
   full, mf = losses.reverse_kl_sampled(student, teacher_bcv, tokens, mask, behaviour)
-  sparse, ms = losses.reverse_kl_sampled_topk(student, teacher, tokens, mask, behaviour)
+  sparse, ms = losses.reverse_kl_sampled(student, teacher, tokens, mask, behaviour)
   np.testing.assert_allclose(float(sparse), float(full), rtol=1e-6)
   for key in mf:
     np.testing.assert_allclose(float(ms[key]), float(mf[key]), rtol=1e-6, err_msg=key)
 
 
-@pytest.mark.parametrize("name", sorted(FULL_AND_TOPK))
+@pytest.mark.parametrize("name", sorted(LOSSES))
 def test_coarse_grained_losses_grow_with_k_up_to_the_full_loss(name):
   """Data-processing inequality: top-k bins refine as k grows, so each loss is monotone in
   k and bounded by the full-vocabulary loss, reached at k = V."""
   v = 40
   student, teacher_bcv, mask = _random_case(v, seed=3)
-  full_fn, topk_fn = FULL_AND_TOPK[name]
+  loss_fn = LOSSES[name]
   values = [
-    float(topk_fn(student, teacher_topk.from_logits(teacher_bcv, k), mask)[0])
+    float(loss_fn(student, teacher_topk.from_logits(teacher_bcv, k), mask)[0])
     for k in (1, 4, 16, 39, 40)
   ]
-  full = float(full_fn(student, teacher_bcv, mask)[0])
+  full = float(loss_fn(student, teacher_bcv, mask)[0])
   assert all(a <= b + 1e-6 for a, b in zip(values, values[1:], strict=False)), values
   assert values[-2] <= full + 1e-6
   np.testing.assert_allclose(values[-1], full, rtol=1e-6)
@@ -416,9 +408,8 @@ def test_sparse_versus_full_on_a_32k_vocabulary():
     student_bcv, _, mask = teacher_forcing.completion_logits(params, rollout, CFG_32K)
     out = []
     for name in names:
-      full_fn, topk_fn = FULL_AND_TOPK[name]
-      out.append(full_fn(student_bcv, teacher_bcv, mask)[0])
-      out += [topk_fn(student_bcv, t, mask)[0] for t in sparse]
+      out.append(LOSSES[name](student_bcv, teacher_bcv, mask)[0])
+      out += [LOSSES[name](student_bcv, t, mask)[0] for t in sparse]
     return jnp.stack(out)
 
   args = (student, rollout, teacher_bcv, sparse)

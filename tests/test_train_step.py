@@ -9,11 +9,13 @@ import numpy as np
 import optax
 import pytest
 
+from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import evaluate, train_step
+from opd_jax.train import evaluate, losses, train_step
+from opd_jax.train import state as train_state
 
 CFG = ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 4], [1, 3]]
@@ -25,14 +27,14 @@ def setup():
   teacher = model.init_params(jax.random.key(1), CFG, scale=0.3)
   scfg = sampler.SamplerConfig(max_new_tokens=6, temperature=1.0)
   rollout = sampler.sample(student, PROMPTS, jax.random.key(2), scfg, CFG)
-  tx = train_step.make_optimizer(1e-2, 10, 0, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-2, 10, 0, 0.0, 1.0)
   mesh = sharding.make_mesh((1, 1, 1))
   return student, teacher, rollout, tx, mesh
 
 
 def _jitted(tx, mesh, state, loss="reverse_kl_sampled"):
   shardings = sharding.tree_shardings(jax.eval_shape(lambda: state), mesh)
-  return train_step.jit_step(
+  return train_state.jit_step(
     train_step.train_step,
     shardings,
     tx=tx,
@@ -51,7 +53,7 @@ def test_no_retrace_after_first_step(setup):
     ),
     donate_argnums=0,
   )
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   for _ in range(3):
     state, metrics = step(state, teacher, rollout)
   assert int(state.step) == 3
@@ -60,7 +62,7 @@ def test_no_retrace_after_first_step(setup):
 
 def test_teacher_is_not_optimizer_state(setup):
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   opt_leaves = jax.tree.leaves(state.opt_state)
   n_student = len(jax.tree.leaves(student))
   # adamw keeps mu and nu shaped like the student only (plus scalar counts).
@@ -75,18 +77,18 @@ def test_teacher_is_not_optimizer_state(setup):
 def test_student_equal_to_teacher_is_a_fixed_point(setup, loss):
   """When π_θ = π_T every loss has zero gradient (up to f32 rounding of two forwards)."""
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   state, metrics = _jitted(tx, mesh, state, loss)(state, student, rollout)
   assert float(metrics["perf/grad_norm"]) < 1e-5
   assert float(metrics["teacher/reverse_kl"]) < 1e-6
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   _, metrics = _jitted(tx, mesh, state, loss)(state, teacher, rollout)
   assert float(metrics["perf/grad_norm"]) > 1e-2  # a different teacher does pull
 
 
 def test_steps_reduce_kl_to_teacher_on_fixed_rollout(setup):
   student, teacher, rollout, tx, mesh = setup
-  state = train_step.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
   step = _jitted(tx, mesh, state, "reverse_kl_full")
   kls = []
   for _ in range(5):
@@ -198,6 +200,30 @@ def test_check_rollout_loss_refuses_what_the_filter_cannot_serve():
   train_step.check_rollout_loss(unfiltered, train_step.LossConfig(name="forward_kl"))
   with pytest.raises(ValueError, match=r"LossConfig.temperature=1.0 differs .* temperature=0.7"):
     train_step.check_rollout_loss(sampler.SamplerConfig(8, 0.7), train_step.LossConfig())
+
+
+def test_loss_registry_refuses_an_unknown_name_naming_the_allowed_ones():
+  allowed = "reverse_kl_sampled, reverse_kl_full, forward_kl, jsd"
+  with pytest.raises(ValueError, match=f"unknown distillation loss 'kl'; allowed: {allowed}"):
+    train_step.teacher_loss("kl")
+  with pytest.raises(ValueError, match=f"unknown loss 'kl'; allowed: {allowed}, reinforce, grpo"):
+    train_step.LossConfig(name="kl")
+  # Every registered loss has the registry's one signature: (student, teacher, rollout, cfg).
+  student = jnp.zeros((1, 2, 3))
+  rollout = Rollout(
+    prompt_tokens=jnp.zeros((1, 1), jnp.int32),
+    prompt_lens=jnp.ones((1,), jnp.int32),
+    completion_tokens=jnp.zeros((1, 2), jnp.int32),
+    completion_mask=jnp.ones((1, 2), jnp.int32),
+    behaviour_logprobs=jnp.full((1, 2), -np.log(3.0)),
+    model_logprobs=jnp.zeros((1, 2)),
+    weight_version=jnp.zeros((), jnp.int32),
+  )
+  for name in train_step.TEACHER_LOSSES:
+    loss, _ = train_step.teacher_loss(name)(
+      student, losses.FullTeacher(student), rollout, train_step.LossConfig(name=name)
+    )
+    assert abs(float(loss)) < 1e-6, name  # π_θ = π_T: every divergence is 0
 
 
 def test_quality_kl_at_the_rollout_transform(setup):

@@ -210,8 +210,9 @@ def serialized_split(name: str, args, workdir: str) -> dict:
   import jax
 
   from opd_jax.model import sharding
-  from opd_jax.train import preflight, train_step, trainer
+  from opd_jax.train import preflight, trainer
   from opd_jax.train import setup as setup_lib
+  from opd_jax.train import state as train_state
 
   config = _load_config(name, _settings(name, 0, args) | {"rollout.devices": 0})
   quiet = lambda *a, **k: None  # noqa: E731
@@ -225,10 +226,10 @@ def serialized_split(name: str, args, workdir: str) -> dict:
   source = setup_lib.prompt_source(spec, setup.task_cfg)
   width = setup_lib.prompt_width(source, m.tokenizer, setup.task_cfg, False)
   prompts = iter(setup_lib.process_prompt_batches(source, config.data.batch_size, 0))
-  tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
-  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
+  tx = train_state.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
+  abstract = jax.eval_shape(lambda p: train_state.init_state(p, tx, 0), params)
   shardings = sharding.tree_shardings(abstract, m.mesh)  # as the trainer lays its state out
-  state = jax.device_put(train_step.init_state(params, tx, 0), shardings)
+  state = jax.device_put(train_state.init_state(params, tx, 0), shardings)
   step_fn = trainer.make_step_fn(spec, setup, shardings, tx)
   scored_in_run = bool(config.rollout.score_teacher)  # where this row's teacher runs
   seconds, rollouts = {}, {}

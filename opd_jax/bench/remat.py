@@ -73,11 +73,12 @@ def measure(remat: str, microbatches: int, cfg: ModelConfig = BENCH_CONFIG) -> d
   import jax
 
   from opd_jax.model import transformer as model
+  from opd_jax.train import state as train_state
   from opd_jax.train import train_step
 
-  tx = train_step.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-3, 100, 10, 0.0, 1.0)
   params = jax.eval_shape(lambda: model.init_params(jax.random.key(0), cfg))
-  state = jax.eval_shape(lambda p: train_step.init_state(p, tx, 0), params)
+  state = jax.eval_shape(lambda p: train_state.init_state(p, tx, 0), params)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
       s,

@@ -112,9 +112,10 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
   import jax
   import jax.numpy as jnp
 
+  from opd_jax.train import state as train_state
   from opd_jax.train import train_step
 
-  tx = train_step.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
+  tx = train_state.make_optimizer(1e-4, 100, 0, 0.0, 1.0)
   loss_cfg = train_step.LossConfig(loss, is_clip=None, teacher_top_k=top_k)
   fn = jax.jit(
     lambda s, t, r: train_step.train_step(
@@ -122,7 +123,7 @@ def measure_step(cfg, params, teacher, rollout, loss: str, top_k: int, repeats: 
     ),
     donate_argnums=0,
   )
-  state = train_step.init_state(jax.tree.map(jnp.copy, params), tx, 0)
+  state = train_state.init_state(jax.tree.map(jnp.copy, params), tx, 0)
   row = _memory(fn.lower(state, teacher, rollout).compile())
   row["seconds"] = _timed(fn, (state, teacher, rollout), repeats, feed_state=True)
   return row

@@ -24,7 +24,7 @@ Log-probability conventions (all f32, natural log):
 
 * `support_ids` is the engine's kept set K_b (the support of π_b) at every step when
   the sampler filtered with top-k or top-p: the trainer restricts its student to the
-  same set (`train_step.student_policy_logits`), so π_θ and π_b are compared under
+  same set (`policy.student_policy_logits`), so π_θ and π_b are compared under
   one transform. Greedy rollouts carry none: their support is the sampled token.
 
 Masked positions (after the stop token) hold token 0 and log-probs 0; the `topk_*`

@@ -10,7 +10,7 @@ sit on one scale:
    (`mismatch.default_return_topk(V)` unless the caller chose one).
 2. Score the same tokens under the unperturbed trainer student θ_trainer: the
    teacher-forced logits at the rollout's temperature (`teacher_forcing.completion_logits`)
-   under the engine's kept set (`train_step.student_policy_logits`; the replayed point
+   under the engine's kept set (`policy.student_policy_logits`; the replayed point
    mass for greedy rollouts, as in `train_step.opd_loss`).
 3. `mismatch.mismatch_metrics(π_θ logits, rollout)`: the `mismatch/*` means over every
    counted completion token, plus their tails.
@@ -48,7 +48,7 @@ from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout.worker import named_stream
 from opd_jax.train import mismatch_metrics as mismatch
-from opd_jax.train import train_step
+from opd_jax.train import policy
 
 PER_TOKEN_KEY = "per_token/kl"  # the optional per-token KL array in `measure`'s result
 
@@ -117,8 +117,8 @@ def policy_logits(params, rollout: Rollout, cfg: ModelConfig, temperature: float
   """
   raw_bcv, tokens_bc, _ = teacher_forcing.completion_logits(params, rollout, cfg, temperature)
   if temperature > 0:
-    return train_step.student_policy_logits(raw_bcv, rollout)
-  return train_step.greedy_policy_logits(raw_bcv, tokens_bc)
+    return policy.student_policy_logits(raw_bcv, rollout)
+  return policy.greedy_policy_logits(raw_bcv, tokens_bc)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature"))

@@ -12,15 +12,15 @@ token dominate the memory and transfer of a distillation step. `train.teacher_to
 
 i.e. k + 1 bins ("top-k + tail", as TRL's and slime's users store the teacher). The
 student is projected onto the same bins (`project`): its probabilities at the
-teacher's k ids, and the rest summed into its tail. The losses on these bins live in
-`opd_jax.train.losses` (`forward_kl_topk`, `reverse_kl_topk`, `jsd_topk`,
-`reverse_kl_sampled_topk`); k = 0 keeps the full-vocabulary losses, the exact reference.
+teacher's k ids, and the rest summed into its tail. `TopKTeacher` is a
+`train.losses.TeacherDistribution`, so every loss there reads it as it reads full logits;
+k = 0 keeps the full-vocabulary losses, the exact reference.
 
 Teacher temperature (`teacher.temperature` = τ_T): π_T = softmax(z_T / τ_T), applied to
 the teacher's logits before the top-k, the tail and every loss or train-step metric that
 reads π_T (`teacher/*`; full and sparse). It is independent of `rollout.temperature` T_r,
 at which the student is sampled and scored (π_θ = softmax(z_θ / T_r),
-`train_step.student_policy_logits`). The losses drive softmax(z_θ / T_r) towards
+`policy.student_policy_logits`). The losses drive softmax(z_θ / T_r) towards
 softmax(z_T / τ_T), i.e. z_θ ≈ z_T · T_r / τ_T up to a constant: the student at its own
 T = 1 learns the teacher at temperature τ_T / T_r. The default τ_T = 1 matches the student
 at T_r to the teacher at T = 1; τ_T = T_r matches the two at T = 1 (what a student deployed
@@ -28,7 +28,7 @@ at T = 1 wants when sampling rollouts at T_r ≠ 1). Greedy rollouts (T_r = 0) s
 student at T = 1 and the teacher at τ_T. Held-out `quality/*` (`opd_jax.train.evaluate`) still
 compares with the teacher at T = 1.
 
-The sampled loss needs log π_T(y) of any token y (`token_logprobs`): for y ∈ S it is the
+The sampled loss needs log π_T(y) of any token y (`TopKTeacher.token_logprobs`): for y ∈ S it is the
 stored value; for y ∉ S the tail mass is spread uniformly over the n tokens it covers,
 log π_T(y) = tail − log n. This is the maximum-entropy distribution consistent with the
 k + 1 bins (it is the full distribution when k = V − 1 or n = 1, and tail − log(V − k)
@@ -65,13 +65,48 @@ class TopKTeacher:
   def k(self) -> int:
     return self.ids_bck.shape[-1]
 
-  def bins(self):
+  def check_student(self, student_logits) -> None:
+    """Raises ValueError unless student logits [B, C, V] cover these positions and V ≥ k."""
+    if self.ids_bck.shape[:2] != student_logits.shape[:2]:
+      raise ValueError(
+        f"teacher top-k ids {self.ids_bck.shape} and student logits {student_logits.shape} "
+        "disagree; expected [B, T, k] and [B, T, V]"
+      )
+    if self.k > student_logits.shape[-1]:
+      raise ValueError(
+        f"train.teacher_top_k={self.k} exceeds the student's vocabulary V="
+        f"{student_logits.shape[-1]}"
+      )
+
+  def bin_logprobs(self):
     """[..., k + 1] f32: the teacher's log-probabilities on the k + 1 bins (tail last)."""
     return jnp.concatenate([self.logprobs_bck, self.tail_bc[..., None]], axis=-1)
+
+  def student_bin_logprobs(self, student_logits):
+    """[..., k + 1] f32: the student's log-probabilities on the same bins (`project`)."""
+    return project(student_logits, self.ids_bck)
+
+  def token_logprobs(self, tokens):
+    """log π_T(y) of the tokens y [B, C], in f32.
+
+    y ∈ S:  the stored log π_T(y)
+    y ∉ S:  tail − log n,  n = `tail_count_bc` (the tail spread uniformly over the
+            tokens it covers; −inf when the tail is empty)
+    """
+    tokens = tokens.astype(jnp.int32)
+    hit = self.ids_bck == tokens[..., None]
+    top = jnp.sum(jnp.where(hit, self.logprobs_bck, 0.0), axis=-1)
+    count = jnp.maximum(self.tail_count_bc, 1).astype(jnp.float32)
+    spread = jnp.where(self.tail_count_bc > 0, self.tail_bc - jnp.log(count), -jnp.inf)
+    return jnp.where(jnp.any(hit, axis=-1), top, spread)
 
   def top_mass(self):
     """[B, C] f32: Σ_{v∈S} π_T(v), the share of the teacher's mass its top-k hold."""
     return jnp.sum(jnp.exp(self.logprobs_bck), axis=-1)
+
+  def per_position_metrics(self) -> dict:
+    """teacher/top_k_mass per position (`top_mass`), which the losses average."""
+    return {"teacher/top_k_mass": self.top_mass()}
 
 
 def check_top_k(top_k, vocab_size: int | None = None) -> None:
@@ -195,18 +230,3 @@ def project(logits, ids):
   # −inf) must not reach log Z through it.
   tail = jnp.where(tail_lse > -jnp.inf, tail_lse - log_z, -jnp.inf)
   return jnp.concatenate([top, tail], axis=-1)
-
-
-def token_logprobs(teacher: TopKTeacher, tokens):
-  """log π_T(y) of the tokens y [B, C] under the sparse teacher, in f32.
-
-  y ∈ S:  the stored log π_T(y)
-  y ∉ S:  tail − log n,  n = `tail_count_bc` (the tail spread uniformly over the
-          tokens it covers; −inf when the tail is empty)
-  """
-  tokens = tokens.astype(jnp.int32)
-  hit = teacher.ids_bck == tokens[..., None]
-  top = jnp.sum(jnp.where(hit, teacher.logprobs_bck, 0.0), axis=-1)
-  count = jnp.maximum(teacher.tail_count_bc, 1).astype(jnp.float32)
-  spread = jnp.where(teacher.tail_count_bc > 0, teacher.tail_bc - jnp.log(count), -jnp.inf)
-  return jnp.where(jnp.any(hit, axis=-1), top, spread)

@@ -41,7 +41,7 @@ What the data rows may not feed:
   average over sampled tokens only (0 when a batch has none, as at λ = 0).
 * The student's kept set: with top-k/top-p the engine's support K_b (`support_ids`) is that
   of the sampled token, not the reference's, so the train step scores data rows unfiltered
-  (`train_step.student_policy_logits`).
+  (`policy.student_policy_logits`).
 * The sampled reverse KL and the RL loss are score-function estimators, unbiased only for
   y ~ π_θ, and their importance ratio needs a behaviour probability the data does not have:
   λ < 1 is refused with them (`config_check`); reverse_kl_full, forward_kl and jsd, GKD's

@@ -1,9 +1,9 @@
 """On-policy distillation losses and the per-token f32 utilities they share.
 
 Notation: π_θ is the student, π_T the frozen teacher, π_b the rollout engine's
-behaviour policy that sampled the completion tokens y_t. Every loss takes logits
-[B, T, V] aligned so that logits[:, t] is the distribution over tokens[:, t] (the
-caller shifts), and a completion mask [B, T].
+behaviour policy that sampled the completion tokens y_t. Every loss takes student logits
+[B, T, V] aligned so that logits[:, t] is the distribution over tokens[:, t] (the caller
+shifts), the teacher, and a completion mask [B, T].
 
 Reduction, for every loss: the mean over masked tokens of the whole batch,
 
@@ -11,36 +11,38 @@ Reduction, for every loss: the mean over masked tokens of the whole batch,
 
 so an all-zero mask gives 0. Everything is computed in f32 whatever the logits' dtype.
 
-The losses:
+The teacher is a `TeacherDistribution`: its log-probabilities on K bins that partition the
+vocabulary, the student's log-probabilities on the same bins, and log π_T of any token. Full
+logits (`FullTeacher`, K = V: the bins are the tokens) and the sparse teacher
+(`teacher_topk.TopKTeacher`, `train.teacher_top_k` = k > 0: K = k + 1, the teacher's top-k and
+a tail bucket) both satisfy it, so each divergence is written once:
 - `reverse_kl_sampled`: the policy-gradient form of KL(π_θ ‖ π_T) on the sampled
   tokens (Tinker, slime), with truncated importance weights for π_b ≠ π_θ.
-- `reverse_kl_full`: exact KL(π_θ ‖ π_T) over the vocabulary, or over the student's
-  top-k plus a tail bucket.
-- `forward_kl`: exact KL(π_T ‖ π_θ), or over the teacher's top-k plus a tail bucket.
+- `reverse_kl_full`: KL(π_θ ‖ π_T) summed over the bins.
+- `forward_kl`: KL(π_T ‖ π_θ) summed over the bins.
 - `jsd`: TRL's generalized Jensen-Shannon divergence, which is `forward_kl` at β=0
   and `reverse_kl_full` at β=1.
-
-With a sparse teacher (`train.teacher_top_k` = k > 0: the teacher's top-k log-probs plus a
-tail bucket, `opd_jax.model.teacher_topk`), `forward_kl_topk`, `reverse_kl_topk`, `jsd_topk` and
-`reverse_kl_sampled_topk` compute the same divergences between the teacher and the student
-both coarse-grained onto those k + 1 bins (≤ the full divergence; equal at k = V).
+On top-k bins each is the divergence between the two coarse-grained distributions, ≤ the full
+one by the data-processing inequality, equal at k = V. By the chain rule the gap is exactly
+p(tail) · KL(p(·|tail) ‖ q(·|tail)), p the distribution the expectation is under: 0 at k = V,
+small when p's top-k hold nearly all its mass (`teacher/top_k_mass` for the forward KL).
 
 Each returns `(loss, metrics)` with namespaced metric names (`loss/*`, `teacher/*`).
-Configuration arguments (`is_clip`, `top_k`, `beta`) are Python numbers, static
-under `jax.jit`.
+Configuration arguments (`is_clip`, `beta`) are Python numbers, static under `jax.jit`.
 
 The helpers `token_logprobs`, `per_token_kl`, `topk_logprobs_with_tail`,
 `logprobs_with_tail`, `bucket_kl` and `masked_mean` also serve the mismatch metrics
 (`opd_jax.mismatch`). Student logits may hold -inf outside a top-k/top-p kept set
-(`train_step.student_policy_logits`): every helper treats exp(-inf) · (-inf) as 0.
+(`policy.student_policy_logits`): every helper treats exp(-inf) · (-inf) as 0.
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import jax
 import jax.numpy as jnp
-
-from opd_jax.model import teacher_topk
+from flax import struct
 
 
 def token_logprobs(logits, tokens):
@@ -175,40 +177,84 @@ def token_entropy(logits):
   return -jnp.sum(jnp.where(empty, 0.0, jnp.exp(safe) * safe), axis=-1)
 
 
-def microbatch_weights(mask_kbt):
-  """w_k = N_k / max(N, 1) for micro-batches k of one batch: N_k = Σ_{b,t} m_kbt counted
-  tokens of micro-batch k, N = Σ_k N_k the whole batch's.
+@runtime_checkable
+class TeacherDistribution(Protocol):
+  """π_T at every position as the losses read it: K bins that partition the vocabulary.
 
-  Every loss here is a token mean over its (micro-)batch, loss_k = Σ_{b,t∈k} m ℓ / max(N_k, 1).
-  Micro-batch k's term is loss_k · w_k, so (an empty micro-batch has loss_k = 0)
-
-      Σ_k w_k · loss_k = Σ_k Σ_{b,t∈k} m ℓ / max(N, 1) = loss of the whole batch,
-      Σ_k w_k · ∇loss_k = ∇loss of the whole batch,
-
-  i.e. the token mean is normalised by the whole batch's token count N, not each
-  micro-batch's N_k. (Exact for per-token terms; a term that couples rows, such as the
-  `batch_mean` baseline, is not split this way.)
-
-  Args:
-    mask_kbt: [K, B/K, T] the completion mask of each micro-batch.
-
-  Returns:
-    [K] f32 weights summing to 1 (to 0 when the batch has no counted token).
+  `FullTeacher` (K = V) and `teacher_topk.TopKTeacher` (K = k + 1) satisfy it.
   """
-  n_k = jnp.sum(mask_kbt.astype(jnp.float32).reshape(mask_kbt.shape[0], -1), axis=1)
-  return n_k / jnp.maximum(jnp.sum(n_k), 1.0)
+
+  def check_student(self, student_logits) -> None:
+    """Raises ValueError when student logits [B, T, V] cannot be mapped onto the bins."""
+
+  def bin_logprobs(self) -> jax.Array:
+    """[B, T, K] f32: log π_T of each bin."""
+
+  def student_bin_logprobs(self, student_logits) -> jax.Array:
+    """[B, T, K] f32: log π_θ of each bin, from student logits [B, T, V]; differentiable."""
+
+  def token_logprobs(self, tokens) -> jax.Array:
+    """[B, T] f32: log π_T(y) of the tokens y [B, T]."""
+
+  def per_position_metrics(self) -> dict:
+    """name -> [B, T] values the losses report as their masked mean (e.g. `teacher/*`)."""
 
 
-def _check_logits(student_logits, teacher_logits, mask):
+@struct.dataclass
+class FullTeacher:
+  """The teacher as full logits z_T [B, T, V] (already / τ_T): the bins are the V tokens."""
+
+  logits: jax.Array
+
+  def check_student(self, student_logits) -> None:
+    if student_logits.shape != self.logits.shape:
+      raise ValueError(
+        f"student logits {student_logits.shape} and teacher logits {self.logits.shape} differ; "
+        "student and teacher must share one vocabulary (see tokenizer.check_same_vocab)"
+      )
+
+  def bin_logprobs(self):
+    return jax.nn.log_softmax(self.logits.astype(jnp.float32), axis=-1)
+
+  def student_bin_logprobs(self, student_logits):
+    return jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+
+  def token_logprobs(self, tokens):
+    return token_logprobs(self.logits, tokens)
+
+  def per_position_metrics(self) -> dict:
+    return {}
+
+
+def as_teacher(teacher) -> TeacherDistribution:
+  """`teacher` itself when it is a `TeacherDistribution`; full logits [B, T, V] as a
+  `FullTeacher`."""
+  return teacher if isinstance(teacher, TeacherDistribution) else FullTeacher(teacher)
+
+
+def _checked(student_logits, teacher, mask) -> TeacherDistribution:
+  """`as_teacher(teacher)`, after checking the shapes of the logits, the teacher and the mask."""
   if student_logits.ndim != 3:
     raise ValueError(f"student logits must be [B, T, V], got shape {student_logits.shape}")
-  if student_logits.shape != teacher_logits.shape:
-    raise ValueError(
-      f"student logits {student_logits.shape} and teacher logits {teacher_logits.shape} differ; "
-      "student and teacher must share one vocabulary (see tokenizer.check_same_vocab)"
-    )
+  teacher = as_teacher(teacher)
+  teacher.check_student(student_logits)
   if mask.shape != student_logits.shape[:2]:
     raise ValueError(f"mask {mask.shape} must be [B, T] = {student_logits.shape[:2]}")
+  return teacher
+
+
+def _with_teacher_metrics(metrics: dict, teacher: TeacherDistribution, mask) -> dict:
+  """`metrics`, the teacher's per-position metrics masked-averaged, and loss/num_tokens."""
+  per_position = {k: masked_mean(x, mask) for k, x in teacher.per_position_metrics().items()}
+  return metrics | per_position | {"loss/num_tokens": jnp.sum(mask.astype(jnp.float32))}
+
+
+def _bins(student_logits, teacher, mask):
+  """(student [B, T, K] log-probs with gradient, teacher [B, T, K] log-probs without, the
+  teacher as a `TeacherDistribution`), on the teacher's bins."""
+  teacher = _checked(student_logits, teacher, mask)
+  teacher_lp = jax.lax.stop_gradient(teacher.bin_logprobs())
+  return teacher.student_bin_logprobs(student_logits), teacher_lp, teacher
 
 
 def _other_rows_mean(x_bt, mask_bt):
@@ -222,7 +268,7 @@ def _other_rows_mean(x_bt, mask_bt):
 
 def reverse_kl_sampled(
   student_logits,
-  teacher_logits,
+  teacher,
   tokens,
   mask,
   behaviour_logprobs,
@@ -269,13 +315,16 @@ def reverse_kl_sampled(
 
   π_θ must be the policy the rollout was sampled under when the engine is exact: the
   student's logits at the sampler's temperature, restricted to the engine's top-k/top-p
-  kept set (`train_step.student_policy_logits`, -inf elsewhere). Then r_t = 1 for an
+  kept set (`policy.student_policy_logits`, -inf elsewhere). Then r_t = 1 for an
   exact engine and the estimator targets KL(π_θ ‖ π_T) of that filtered policy. Every
   counted y_t must have finite student logit (the kept set holds it).
 
   Args:
     student_logits: [B, T, V] under θ, at the sampler's temperature and filter.
-    teacher_logits: [B, T, V]; receives no gradient.
+    teacher: a `TeacherDistribution` (or full logits [B, T, V]); receives no gradient. With
+      the sparse teacher, log π_T(y_t) of a token outside its top-k spreads the tail mass
+      uniformly over the tokens it covers (`TopKTeacher.token_logprobs`): the maximum-entropy
+      teacher π̃_T consistent with the bins, so the estimator targets KL(π_θ ‖ π̃_T).
     tokens: int [B, T] sampled tokens.
     mask: [B, T] completion mask (bool or float).
     behaviour_logprobs: [B, T] log π_b(y_t) as returned by the sampler.
@@ -289,36 +338,13 @@ def reverse_kl_sampled(
     (mean of log π_θ − log π_T), teacher/logprob, loss/student_logprob, loss/is_ratio
     (mean r_t), loss/is_clip_frac (share of tokens with ratio > C),
     loss/advantage_clip_frac (share of tokens with |A_t| > c), loss/advantage_baseline
-    (mean over tokens of the subtracted b, 0 without one), loss/num_tokens.
+    (mean over tokens of the subtracted b, 0 without one), loss/num_tokens, and the teacher's
+    per-position metrics (teacher/top_k_mass for the sparse teacher).
   """
-  _check_logits(student_logits, teacher_logits, mask)
+  teacher = _checked(student_logits, teacher, mask)
   _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline)
-  teacher_lp = token_logprobs(teacher_logits, tokens)
-  return _sampled_reverse_kl(
-    student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
-  )
-
-
-def _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline):
-  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
-    raise ValueError(
-      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
-      f"{mask.shape} must all be [B, T]"
-    )
-  if is_clip is not None and not is_clip > 0:
-    raise ValueError(f"is_clip must be None or > 0, got {is_clip!r}")
-  if advantage_clip is not None and not advantage_clip > 0:
-    raise ValueError(f"advantage_clip must be None or > 0, got {advantage_clip!r}")
-  if baseline not in ("none", "batch_mean"):
-    raise ValueError(f"baseline must be 'none' or 'batch_mean', got {baseline!r}")
-
-
-def _sampled_reverse_kl(
-  student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
-):
-  """`reverse_kl_sampled` given the teacher's log-probs of the sampled tokens [B, T]."""
+  teacher_lp = jax.lax.stop_gradient(teacher.token_logprobs(tokens))
   student_lp = token_logprobs(student_logits, tokens)
-  teacher_lp = jax.lax.stop_gradient(teacher_lp)
   advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
   if is_clip is None:
     ratio = jnp.ones_like(student_lp)
@@ -349,73 +375,68 @@ def _sampled_reverse_kl(
     "loss/is_clip_frac": masked_mean(clipped, mask),
     "loss/advantage_clip_frac": masked_mean(advantage_clipped, mask),
     "loss/advantage_baseline": masked_mean(jnp.broadcast_to(baseline_b1, mask.shape), mask),
-    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
   }
-  return loss, metrics
+  return loss, _with_teacher_metrics(metrics, teacher, mask)
 
 
-def reverse_kl_full(student_logits, teacher_logits, mask, top_k: int | None = None):
-  """Reverse KL(π_θ ‖ π_T), summed over the vocabulary at every position.
+def _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline):
+  if tokens.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
+    raise ValueError(
+      f"tokens {tokens.shape}, behaviour_logprobs {behaviour_logprobs.shape} and mask "
+      f"{mask.shape} must all be [B, T]"
+    )
+  if is_clip is not None and not is_clip > 0:
+    raise ValueError(f"is_clip must be None or > 0, got {is_clip!r}")
+  if advantage_clip is not None and not advantage_clip > 0:
+    raise ValueError(f"advantage_clip must be None or > 0, got {advantage_clip!r}")
+  if baseline not in ("none", "batch_mean"):
+    raise ValueError(f"baseline must be 'none' or 'batch_mean', got {baseline!r}")
 
-      ℓ_t = Σ_v π_θ(v) (log π_θ(v) − log π_T(v))
 
-  With top_k, the sum runs over the student's k most likely tokens plus one tail
-  bucket holding the remaining mass of each distribution (`per_token_kl`).
-  Gradients flow to the student only.
+def reverse_kl_full(student_logits, teacher, mask):
+  """Reverse KL(π_θ ‖ π_T), summed over the teacher's bins at every position.
+
+      ℓ_t = Σ_i π_θ(i) (log π_θ(i) − log π_T(i))
+
+  over the vocabulary (full logits), or over the teacher's top-k ids S and the tail
+  π(tail) = 1 − Σ_{i∈S} π(i) (the sparse teacher). Gradients flow to the student only.
 
   Args:
     student_logits: [B, T, V].
-    teacher_logits: [B, T, V]; receives no gradient.
+    teacher: a `TeacherDistribution` (or full logits [B, T, V]); receives no gradient.
     mask: [B, T].
-    top_k: None for the exact sum, else 1 ≤ top_k ≤ V.
 
   Returns:
-    (loss, metrics): loss/reverse_kl_full, teacher/reverse_kl, loss/num_tokens.
+    (loss, metrics): loss/reverse_kl_full, teacher/reverse_kl, the teacher's per-position
+    metrics, loss/num_tokens.
   """
-  _check_logits(student_logits, teacher_logits, mask)
-  kl_bt = per_token_kl(student_logits, jax.lax.stop_gradient(teacher_logits), top_k)
-  loss = masked_mean(kl_bt, mask)
-  metrics = {
-    "loss/reverse_kl_full": loss,
-    "teacher/reverse_kl": loss,
-    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
-  }
-  return loss, metrics
+  student_lp, teacher_lp, teacher = _bins(student_logits, teacher, mask)
+  loss = masked_mean(bucket_kl(student_lp, teacher_lp), mask)
+  metrics = {"loss/reverse_kl_full": loss, "teacher/reverse_kl": loss}
+  return loss, _with_teacher_metrics(metrics, teacher, mask)
 
 
-def forward_kl(student_logits, teacher_logits, mask, top_k: int | None = None):
-  """Forward KL(π_T ‖ π_θ), summed over the vocabulary at every position.
+def forward_kl(student_logits, teacher, mask):
+  """Forward KL(π_T ‖ π_θ), summed over the teacher's bins at every position.
 
-      ℓ_t = Σ_v π_T(v) (log π_T(v) − log π_θ(v))
+      ℓ_t = Σ_i π_T(i) (log π_T(i) − log π_θ(i))
 
-  With top_k, the sum runs over the teacher's k most likely tokens plus one tail
-  bucket holding the remaining mass of each distribution (`per_token_kl`).
-  Gradients flow to the student only.
-
-  Args:
-    student_logits: [B, T, V].
-    teacher_logits: [B, T, V]; receives no gradient.
-    mask: [B, T].
-    top_k: None for the exact sum, else 1 ≤ top_k ≤ V.
+  with the bins of `reverse_kl_full`. Gradients flow to the student only.
 
   Returns:
-    (loss, metrics): loss/forward_kl, teacher/forward_kl, loss/num_tokens.
+    (loss, metrics): loss/forward_kl, teacher/forward_kl, the teacher's per-position metrics,
+    loss/num_tokens.
   """
-  _check_logits(student_logits, teacher_logits, mask)
-  kl_bt = per_token_kl(jax.lax.stop_gradient(teacher_logits), student_logits, top_k)
-  loss = masked_mean(kl_bt, mask)
-  metrics = {
-    "loss/forward_kl": loss,
-    "teacher/forward_kl": loss,
-    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
-  }
-  return loss, metrics
+  student_lp, teacher_lp, teacher = _bins(student_logits, teacher, mask)
+  loss = masked_mean(bucket_kl(teacher_lp, student_lp), mask)
+  metrics = {"loss/forward_kl": loss, "teacher/forward_kl": loss}
+  return loss, _with_teacher_metrics(metrics, teacher, mask)
 
 
-def jsd(student_logits, teacher_logits, mask, beta: float = 0.5):
+def jsd(student_logits, teacher, mask, beta: float = 0.5):
   """Generalized Jensen-Shannon divergence, in TRL's `generalized_jsd_loss` convention.
 
-  For 0 < β < 1, with the mixture M = β·π_T + (1 − β)·π_θ:
+  For 0 < β < 1, with the mixture M = β·π_T + (1 − β)·π_θ on the teacher's bins:
 
       ℓ_t = β · KL(π_T ‖ M) + (1 − β) · KL(π_θ ‖ M)
 
@@ -425,31 +446,30 @@ def jsd(student_logits, teacher_logits, mask, beta: float = 0.5):
       β = 1:  ℓ_t = KL(π_θ ‖ π_T)   (exactly `reverse_kl_full`)
 
   The interior formula tends to 0 at both ends, so the endpoints are not its limits.
-  β = 0.5 is the symmetric Jensen-Shannon divergence. Gradients flow to the student only.
+  β = 0.5 is the symmetric Jensen-Shannon divergence. On top-k bins the mixture of the
+  coarse-grained distributions is the coarse-grained mixture, so this is the JSD of the
+  coarse-grained distributions. Gradients flow to the student only.
 
   Args:
     student_logits: [B, T, V].
-    teacher_logits: [B, T, V]; receives no gradient.
+    teacher: a `TeacherDistribution` (or full logits [B, T, V]); receives no gradient.
     mask: [B, T].
     beta: β in [0, 1], a Python float.
 
   Returns:
-    (loss, metrics): loss/jsd, loss/num_tokens.
+    (loss, metrics): loss/jsd, the teacher's per-position metrics, loss/num_tokens.
   """
-  _check_logits(student_logits, teacher_logits, mask)
+  teacher = _checked(student_logits, teacher, mask)
   if not 0.0 <= beta <= 1.0:
     raise ValueError(f"beta must be in [0, 1], got {beta!r}")
   if beta == 0.0:
-    loss, _ = forward_kl(student_logits, teacher_logits, mask)
+    loss, _ = forward_kl(student_logits, teacher, mask)
   elif beta == 1.0:
-    loss, _ = reverse_kl_full(student_logits, teacher_logits, mask)
+    loss, _ = reverse_kl_full(student_logits, teacher, mask)
   else:
-    student_lp = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
-    teacher_lp = jax.lax.stop_gradient(
-      jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
-    )
+    student_lp, teacher_lp, _ = _bins(student_logits, teacher, mask)
     loss = masked_mean(_generalized_jsd(student_lp, teacher_lp, beta), mask)
-  return loss, {"loss/jsd": loss, "loss/num_tokens": jnp.sum(mask.astype(jnp.float32))}
+  return loss, _with_teacher_metrics({"loss/jsd": loss}, teacher, mask)
 
 
 def _generalized_jsd(student_lp, teacher_lp, beta: float):
@@ -457,157 +477,3 @@ def _generalized_jsd(student_lp, teacher_lp, beta: float):
   from log-probabilities on any common partition (the vocabulary, or top-k bins)."""
   mixture_lp = jnp.logaddexp(teacher_lp + jnp.log(beta), student_lp + jnp.log1p(-beta))
   return beta * bucket_kl(teacher_lp, mixture_lp) + (1 - beta) * bucket_kl(student_lp, mixture_lp)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sparse teacher (`train.teacher_top_k` = k > 0, `opd_jax.model.teacher_topk`).
-#
-# The teacher is known only on k + 1 bins per position: its k most likely tokens S and one
-# tail bucket (S's complement). The student is projected on the same bins (`teacher_topk.
-# project`): p̄_θ(i) = π_θ(id_i), p̄_θ(tail) = 1 − Σ_{v∈S} π_θ(v). The losses below are the
-# divergences between these two coarse-grained distributions p̄_T, p̄_θ on k + 1 bins.
-# Coarse-graining is a deterministic map of the vocabulary onto the bins, so by the
-# data-processing inequality each is ≤ its full-vocabulary counterpart. By the chain rule
-# the gap is exactly the tail term: KL(p ‖ q) − KL(p̄ ‖ q̄) = p(tail) · KL(p(·|tail) ‖ q(·|tail)),
-# the divergence of the two distributions conditioned on the tail, weighted by p's tail mass
-# (the teacher's for the forward KL, the student's for the reverse KL). It is 0 at k = V and
-# whenever the two conditionals coincide, and small when p's top-k hold nearly all its mass
-# (`teacher/top_k_mass` for the forward KL).
-
-
-def _check_topk(student_logits, teacher, mask):
-  if student_logits.ndim != 3:
-    raise ValueError(f"student logits must be [B, T, V], got shape {student_logits.shape}")
-  if teacher.ids_bck.shape[:2] != student_logits.shape[:2]:
-    raise ValueError(
-      f"teacher top-k ids {teacher.ids_bck.shape} and student logits {student_logits.shape} "
-      "disagree; expected [B, T, k] and [B, T, V]"
-    )
-  if teacher.k > student_logits.shape[-1]:
-    raise ValueError(
-      f"train.teacher_top_k={teacher.k} exceeds the student's vocabulary V="
-      f"{student_logits.shape[-1]}"
-    )
-  if mask.shape != student_logits.shape[:2]:
-    raise ValueError(f"mask {mask.shape} must be [B, T] = {student_logits.shape[:2]}")
-
-
-def _topk_bins(student_logits, teacher):
-  """(student [B, T, k+1] log-probs with gradient, teacher [B, T, k+1] log-probs, no gradient)."""
-  teacher_lp = jax.lax.stop_gradient(teacher.bins())
-  return teacher_topk.project(student_logits, teacher.ids_bck), teacher_lp
-
-
-def _topk_metrics(teacher, mask):
-  return {
-    "teacher/top_k_mass": masked_mean(teacher.top_mass(), mask),
-    "loss/num_tokens": jnp.sum(mask.astype(jnp.float32)),
-  }
-
-
-def forward_kl_topk(student_logits, teacher, mask):
-  """Forward KL(p̄_T ‖ p̄_θ) on the teacher's top-k bins plus a tail bucket.
-
-      ℓ_t = Σ_{i∈S} π_T(i) (log π_T(i) − log π_θ(i))
-            + π_T(tail) (log π_T(tail) − log π_θ(tail)),
-      π(tail) = 1 − Σ_{i∈S} π(i),  S = the teacher's top-k ids at position t.
-
-  Exactly KL between the two coarse-grained distributions, ≤ the full forward KL
-  (data-processing inequality); equal to `forward_kl` at k = V. Gradients flow to the
-  student only.
-
-  Args:
-    student_logits: [B, T, V].
-    teacher: `teacher_topk.TopKTeacher` with fields [B, T, k] and [B, T].
-    mask: [B, T].
-
-  Returns:
-    (loss, metrics): loss/forward_kl, teacher/forward_kl, teacher/top_k_mass,
-    loss/num_tokens.
-  """
-  _check_topk(student_logits, teacher, mask)
-  student_lp, teacher_lp = _topk_bins(student_logits, teacher)
-  loss = masked_mean(bucket_kl(teacher_lp, student_lp), mask)
-  return loss, {"loss/forward_kl": loss, "teacher/forward_kl": loss} | _topk_metrics(teacher, mask)
-
-
-def reverse_kl_topk(student_logits, teacher, mask):
-  """Reverse KL(p̄_θ ‖ p̄_T) on the teacher's top-k bins plus a tail bucket.
-
-      ℓ_t = Σ_{i∈S} π_θ(i) (log π_θ(i) − log π_T(i))
-            + π_θ(tail) (log π_θ(tail) − log π_T(tail))
-
-  with the bins of `forward_kl_topk`. Exactly KL between the coarse-grained
-  distributions, ≤ the full reverse KL; equal to `reverse_kl_full` at k = V. (Unlike
-  `reverse_kl_full(top_k=...)`, the bins are the teacher's top-k, not the student's,
-  since only those are stored.) Gradients flow to the student only.
-
-  Returns:
-    (loss, metrics): loss/reverse_kl_full, teacher/reverse_kl, teacher/top_k_mass,
-    loss/num_tokens.
-  """
-  _check_topk(student_logits, teacher, mask)
-  student_lp, teacher_lp = _topk_bins(student_logits, teacher)
-  loss = masked_mean(bucket_kl(student_lp, teacher_lp), mask)
-  return loss, {"loss/reverse_kl_full": loss, "teacher/reverse_kl": loss} | _topk_metrics(
-    teacher, mask
-  )
-
-
-def jsd_topk(student_logits, teacher, mask, beta: float = 0.5):
-  """Generalized JSD (`jsd`'s convention) between the coarse-grained p̄_T and p̄_θ.
-
-      0 < β < 1:  ℓ_t = β·KL(p̄_T ‖ M̄) + (1 − β)·KL(p̄_θ ‖ M̄),  M̄ = β·p̄_T + (1 − β)·p̄_θ
-      β = 0:      `forward_kl_topk`;   β = 1: `reverse_kl_topk`
-
-  on the k + 1 bins of `forward_kl_topk` (the mixture of the coarse-grained
-  distributions is the coarse-grained mixture, so this is the JSD of the coarse-grained
-  distributions, ≤ the full JSD). Gradients flow to the student only.
-
-  Returns:
-    (loss, metrics): loss/jsd, teacher/top_k_mass, loss/num_tokens.
-  """
-  _check_topk(student_logits, teacher, mask)
-  if not 0.0 <= beta <= 1.0:
-    raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-  if beta == 0.0:
-    loss, _ = forward_kl_topk(student_logits, teacher, mask)
-  elif beta == 1.0:
-    loss, _ = reverse_kl_topk(student_logits, teacher, mask)
-  else:
-    student_lp, teacher_lp = _topk_bins(student_logits, teacher)
-    loss = masked_mean(_generalized_jsd(student_lp, teacher_lp, beta), mask)
-  return loss, {"loss/jsd": loss} | _topk_metrics(teacher, mask)
-
-
-def reverse_kl_sampled_topk(
-  student_logits,
-  teacher,
-  tokens,
-  mask,
-  behaviour_logprobs,
-  is_clip: float | None = 2.0,
-  advantage_clip: float | None = None,
-  baseline: str = "none",
-):
-  """`reverse_kl_sampled` with a sparse teacher: the same estimator and metrics, with
-
-      log π_T(y_t) = stored value                  if y_t ∈ S (the teacher's top-k)
-                   = log π_T(tail) − log n_t       otherwise (`teacher_topk.token_logprobs`)
-
-  n_t the number of tokens the tail covers: the tail mass spread uniformly over them, the
-  maximum-entropy teacher π̃_T consistent with the k + 1 bins. The estimator is then an
-  unbiased gradient of KL(π_θ ‖ π̃_T); π̃_T = π_T on S, so tokens inside the top-k get the
-  exact advantage, and a token outside gets the mean log-prob of the tail tokens' mass
-  (too high for a token the teacher rules out, too low for one just below the top-k).
-
-  Args and returns as `reverse_kl_sampled`, with `teacher` a `teacher_topk.TopKTeacher`;
-  the metrics add teacher/top_k_mass.
-  """
-  _check_topk(student_logits, teacher, mask)
-  _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline)
-  teacher_lp = teacher_topk.token_logprobs(teacher, tokens)
-  loss, metrics = _sampled_reverse_kl(
-    student_logits, teacher_lp, tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline
-  )
-  return loss, metrics | {"teacher/top_k_mass": masked_mean(teacher.top_mass(), mask)}

@@ -3,7 +3,7 @@
 Notation (docs/design.md, "The common mismatch scale"): π_b is the distribution the
 rollout engine sampled from, π_θ the trainer's student at its current parameters
 under the same temperature and the same top-k/top-p transform (the engine's kept
-set replayed, `train_step.student_policy_logits`), both on the rollout's prefixes.
+set replayed, `policy.student_policy_logits`), both on the rollout's prefixes.
 For every counted completion token y_t:
 
     ρ_t    = log π_θ(y_t) − log π_b(y_t)

@@ -1,5 +1,5 @@
-"""Supervised pretraining on the built-in task: the teacher bootstrap and the
-student warm start.
+"""Supervised pretraining on the built-in task: the supervised step (`sft_step`), the teacher
+bootstrap and the student warm start.
 
 The teacher is trained once and cached as a Hugging Face checkpoint directory
 under `cache_dir/teacher-<key>/`, where the key hashes every setting that shaped
@@ -33,13 +33,34 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 from etils import epath
 
 from opd_jax.data import task
 from opd_jax.io import build, hf
 from opd_jax.model import sharding
+from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
-from opd_jax.train import evaluate, signals, train_step
+from opd_jax.train import evaluate, losses, signals
+from opd_jax.train import state as train_state
+
+
+def sft_loss(params, tokens_bt, loss_mask_bt, cfg: ModelConfig):
+  """Next-token cross-entropy −mean_{t: m_t=1} log π_θ(x_t | x_<t), for pretraining."""
+  logits_btv = model.forward(params, tokens_bt[:, :-1], cfg)
+  logp_bt = losses.token_logprobs(logits_btv, tokens_bt[:, 1:])
+  mask_bt = loss_mask_bt[:, 1:]
+  loss = -losses.masked_mean(logp_bt, mask_bt)
+  correct = jnp.argmax(logits_btv, axis=-1) == tokens_bt[:, 1:]
+  return loss, {"loss/sft": loss, "quality/token_accuracy": losses.masked_mean(correct, mask_bt)}
+
+
+def sft_step(state: train_state.TrainState, tokens_bt, loss_mask_bt, *, tx, cfg: ModelConfig):
+  """One supervised update; `loss_mask_bt[b, t]` marks tokens that are targets."""
+  (loss, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
+    state.params, tokens_bt, loss_mask_bt, cfg
+  )
+  return train_state.apply_gradients(state, grads, tx, loss, metrics)
 
 
 def supervised_train(
@@ -61,16 +82,16 @@ def supervised_train(
   Example i of step s is `task.make_example(seed, start_index + s * batch_size + i)`, so the
   data is a pure function of the seed; a later phase passes the index after the last one
   used, so that it never repeats an example. The optimizer is AdamW with warmup to `lr` and
-  cosine decay to lr/10 over `steps` (`train_step.make_optimizer`), fresh at every call.
+  cosine decay to lr/10 over `steps` (`state.make_optimizer`), fresh at every call.
   Returns the trained params (same shardings).
   """
   if steps == 0:
     return params
-  tx = train_step.make_optimizer(lr, steps, min(100, steps // 10), 0.0, 1.0)
-  state = train_step.init_state(params, tx, seed)
+  tx = train_state.make_optimizer(lr, steps, min(100, steps // 10), 0.0, 1.0)
+  state = train_state.init_state(params, tx, seed)
   state_shardings = sharding.tree_shardings(jax.eval_shape(lambda: state), mesh)
   state = jax.device_put(state, state_shardings)
-  step_fn = train_step.jit_step(train_step.sft_step, state_shardings, tx=tx, cfg=cfg)
+  step_fn = train_state.jit_step(sft_step, state_shardings, tx=tx, cfg=cfg)
   batch_sharding = sharding.batch_sharding(mesh, 2)
   start = time.time()
   for s in range(steps):

@@ -1,75 +1,16 @@
 """The RL baselines on the task's reward: REINFORCE (`train.loss="reinforce"`) and GRPO
-(`train.loss="grpo"`).
+(`train.loss="grpo"`), and GRPO's K updates per batch (`grpo_updates`).
 
-The on-policy distillation losses learn from a dense per-token teacher signal; these losses
-learn from one sparse scalar per sequence, the task's verdict on the decoded completion
-(`task.score`), so the two can be run under the same rollout mismatch and compared.
-
-REINFORCE. With B sequences in the batch, y_b the b-th sampled completion, r_b ∈ [0, 1] its
-reward (`train.reward`: exact match in {0, 1}, or partial credit), m_bt its completion mask and
-sg the stop-gradient:
-
-    A_b   = r_b − (Σ_{j≠b} r_j) / (B − 1)                       leave-one-out baseline
-    ρ_bt  = sg(min(exp(log π_θ(y_bt) − log π_b(y_bt)), C))      truncated IS ratio, or 1
-    loss  = −Σ_bt m_bt · ρ_bt · A_b · log π_θ(y_bt) / Σ_bt m_bt  token-level mean
-
-    ∇loss = −Σ_bt m_bt ρ_bt A_b ∇log π_θ(y_bt) / Σ_bt m_bt
-
-Without importance correction (`is_clip=None`) ρ = 1: the behaviour policy's tokens are
-trained as if the trainer had sampled them. With it, each token is reweighted by the
-truncated ratio against the rollout's `behaviour_logprobs` (truncated IS, as in IMPALA's
-V-trace and the TIS fix for FP8/vLLM rollouts); ρ = 1 exactly when the engine equals the
-trainer. The leave-one-out batch mean does not depend on y_b, so the gradient stays
-unbiased; the loss is normalised per token, the aggregation the distillation losses use.
-
-GRPO. Each prompt is sampled G times (`rollout.samples_per_prompt`: G adjacent rows,
-`rollout.worker`), and a row's advantage is its reward against its own group g(b):
-
-    A_b = r_b − mean_{j∈g(b)} r_j,   optionally ÷ (std_{j∈g(b)} r_j + 1e-6)   (sample std)
-
-The batch is then used for K = epochs × minibatches updates (`train_step.grpo_updates`).
-π_old is the student at the start of the batch's updates (its log-probs computed once, no
-gradient), π_θ the student being updated and π_b the engine that sampled. Two ratios are kept
-apart:
-
-    r_bt = π_θ(y_bt) / π_old(y_bt)                   the PPO ratio (1 at the first update)
-    w_bt = sg(correction of π_old(y_bt) / π_b(y_bt))  the engine-mismatch correction
-    ℓ_bt = −w_bt · min(r_bt A_b, clip(r_bt, 1 − ε, 1 + ε) A_b)
-    loss = Σ_bt k_bt ℓ_bt / max(Σ_bt k_bt, 1),   k_bt = m_bt · keep_bt
-
-With K = 1 the ratio is r = exp(log π_θ − sg(log π_θ)) = 1, the clip is inactive and the
-gradient is the plain policy gradient −Σ k w A ∇log π_θ / Σ k. The correction
-(`mismatch_weights`, threshold C = `mismatch_clip`, 2.0 by default), with
-δ_bt = log π_old(y_bt) − log π_b(y_bt) and Δ_b = Σ_t m_bt δ_bt (the log of the product of the
-sequence's token ratios):
-
-    none      w = 1,                      keep = 1
-    tis       w = min(e^δ_bt, C),         keep = 1        token-level truncated IS
-    mis       w = 1,                      keep = [1/C ≤ e^δ_bt ≤ C]   token-level masked IS
-    seq_tis   w = min(e^Δ_b, C),          keep = 1        sequence-level truncated IS
-    seq_mis   w = 1,                      keep = [1/C ≤ e^Δ_b ≤ C]    sequence-level masked IS
-
-A masked token leaves both the loss's numerator and its denominator. An engine identical to
-the trainer gives δ = 0: every correction is 1 and nothing is masked.
-
-KL penalty to the initial student (`train.kl_coef` = β > 0, GRPO only; off by default). π_ref is
-the student at step 0, frozen; with d_bt = log π_ref(y_bt) − log π_θ(y_bt) on the counted tokens,
-the k3 estimator of KL(π_θ ‖ π_ref) at the sampled tokens (DeepSeekMath's GRPO, Schulman's k3):
-
-    k3_bt = exp(d_bt) − d_bt − 1  (≥ 0, 0 where π_θ(y_bt) = π_ref(y_bt))
-    loss  = loss_grpo + β · Σ_bt m_bt k3_bt / max(Σ_bt m_bt, 1)
-
-The penalty is a mean over every completion token (m, not the correction's k), carries no PPO
-clip and no mismatch weight, and is differentiated directly: ∂k3_bt/∂log π_θ(y_bt) =
-1 − π_ref(y_bt)/π_θ(y_bt), which lowers log π_θ(y_bt) where it exceeds log π_ref(y_bt) and
-raises it where it is below. The tokens come from the engine, not from π_θ, so this is the
-usual biased surrogate of ∇KL (as in DeepSeekMath, TRL and verl's `low_var_kl`), not an
-unbiased estimator of it. log π_ref is scored once per batch, under the same sampling transform
-as π_θ (`train_step.reference_logprobs`).
-
-Rewards are computed on the host from the decoded texts (`data.rewards.rollout_rewards`, of the
-kind `train.reward` names) by the rollout engine, which holds the tokenizer, and travel in
-`Rollout.reward_b`.
+The distillation losses learn from a dense per-token teacher signal; these learn from one
+scalar per sequence, the task's verdict on the decoded completion (`Rollout.reward_b`, scored by
+the rollout engine with `data.rewards`), so the two can be compared under the same rollout
+mismatch. Notation: y_bt the sampled token of row b at position t, m_bt the completion mask, r_b
+the reward, π_θ the student, π_b the engine that sampled, π_old the student at the start of a
+GRPO step, π_ref the student at step 0, sg the stop-gradient. Each estimator's equation is in its
+function's docstring (`reinforce`, `group_advantages`, `mismatch_weights`, `ppo_clip_loss`,
+`grpo`, `k3_kl_to_reference`); docs/rl_baseline.md derives them and lists the config keys.
+The student is scored under the rollout's sampling transform (`policy.student_policy_logits`),
+so an engine identical to the trainer gives every ratio 1 and masks nothing.
 """
 
 from __future__ import annotations
@@ -77,7 +18,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from opd_jax.train import losses
+from opd_jax.data.rollout_types import Rollout
+from opd_jax.inference import teacher_forcing
+from opd_jax.train import losses, microbatch, policy
+from opd_jax.train import mismatch_metrics as mismatch
+from opd_jax.train import state as train_state
 
 LOSS_NAME = "reinforce"
 GRPO = "grpo"
@@ -141,11 +86,18 @@ def truncated_is_ratio(student_lp_bt, behaviour_lp_bt, mask_bt, is_clip: float |
 
 
 def reinforce(student_logits, tokens, mask, reward_b, behaviour_logprobs, is_clip=None):
-  """REINFORCE with a leave-one-out baseline and optional truncated IS (module docstring).
+  """REINFORCE with a leave-one-out baseline and optional truncated IS:
+
+      A_b  = r_b − (Σ_{j≠b} r_j) / (B − 1)                      leave-one-out baseline
+      ρ_bt = sg(min(exp(log π_θ(y_bt) − log π_b(y_bt)), C))     truncated IS ratio, or 1
+      loss = −Σ_bt m_bt · ρ_bt · A_b · log π_θ(y_bt) / Σ_bt m_bt
+
+  The baseline does not depend on y_b, so the gradient stays unbiased; ρ = 1 exactly when the
+  engine equals the trainer.
 
   Args:
     student_logits: [B, T, V] π_θ's logits at the sampler's temperature and filter
-      (`train_step.student_policy_logits`).
+      (`policy.student_policy_logits`).
     tokens: int [B, T] sampled completion tokens.
     mask: [B, T] completion mask.
     reward_b: [B] sequence rewards (`Rollout.reward_b`); None raises.
@@ -198,7 +150,8 @@ def check_grpo_settings(
   correction_clip: float,
   kl_coef: float = 0.0,
 ) -> None:
-  """Raises ValueError naming the first bad GRPO setting (the module docstring's symbols)."""
+  """Raises ValueError naming the first bad GRPO setting (G, ε, epochs, minibatches, the
+  correction and its C, β)."""
   check_kl_coef(kl_coef, GRPO)
   if not isinstance(group_size, int) or group_size < 2:
     raise ValueError(
@@ -228,9 +181,14 @@ def check_kl_coef(kl_coef: float, loss_name: str) -> None:
 
 
 def k3_kl_to_reference(student_lp_bt, reference_lp_bt, mask_bt):
-  """The k3 estimator of KL(π_θ ‖ π_ref) at the sampled tokens (module docstring):
+  """The k3 estimator of KL(π_θ ‖ π_ref) at the sampled tokens (GRPO's KL penalty, β > 0):
 
       d_bt = log π_ref(y_bt) − log π_θ(y_bt),   k3_bt = exp(d_bt) − d_bt − 1
+      loss = loss_grpo + β · Σ_bt m_bt k3_bt / max(Σ_bt m_bt, 1)
+
+  The penalty is a mean over every completion token (m, not the correction's keep), without
+  the PPO clip or a mismatch weight. The tokens come from the engine, not from π_θ, so it is
+  the usual biased surrogate of ∇KL (DeepSeekMath, TRL, verl's `low_var_kl`).
 
   computed as expm1(d) − d (exact near d = 0). `reference_lp_bt` carries no gradient;
   `student_lp_bt` does. Positions outside the mask read d = 0, so k3 = 0 there and padding
@@ -294,7 +252,13 @@ def group_advantages(reward_b, group_size: int, std_normalize: bool):
 
 
 def mismatch_weights(old_lp_bt, behaviour_lp_bt, mask_bt, correction: str, clip: float):
-  """The engine-mismatch correction w_bt and keep_bt of the module docstring's table.
+  """The engine-mismatch correction w_bt and keep_bt of π_old against π_b (threshold C):
+
+      none      w = 1,                      keep = 1
+      tis       w = min(e^δ_bt, C),         keep = 1        token-level truncated IS
+      mis       w = 1,                      keep = [1/C ≤ e^δ_bt ≤ C]   token-level masked IS
+      seq_tis   w = min(e^Δ_b, C),          keep = 1        sequence-level truncated IS
+      seq_mis   w = 1,                      keep = [1/C ≤ e^Δ_b ≤ C]    sequence-level masked IS
 
   δ_bt = log π_old − log π_b on counted tokens (0 elsewhere, so padding reads ratio 1);
   Δ_b = Σ_t δ_bt, the log of the product of the sequence's token ratios. Comparisons are
@@ -383,7 +347,14 @@ def grpo(
   kl_coef: float = 0.0,
 ):
   """GRPO's clipped surrogate with the engine-mismatch correction, plus β times the k3 KL to
-  the initial student when β = `kl_coef` > 0 (module docstring).
+  the initial student when β = `kl_coef` > 0 (`k3_kl_to_reference`):
+
+      r_bt = π_θ(y_bt) / π_old(y_bt)                   the PPO ratio (1 at the first update)
+      ℓ_bt = −w_bt · min(r_bt A_b, clip(r_bt, 1 − ε, 1 + ε) A_b)
+      loss = Σ_bt k_bt ℓ_bt / max(Σ_bt k_bt, 1),   k_bt = m_bt · keep_bt
+
+  with w_bt, keep_bt the correction (`mismatch_weights`). A masked token leaves both the
+  numerator and the denominator.
 
   Args:
     student_logits: [B, T, V] π_θ's logits at the sampler's temperature and filter.
@@ -466,3 +437,188 @@ def grpo(
     metrics["loss/kl_ref"] = penalty
     loss = loss + penalty
   return loss, metrics
+
+
+def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg, reference_lp_bc=None):
+  """The RL baselines' loss (`reinforce`, or `grpo` with its single update: π_old =
+  sg(π_θ), and its KL penalty against `reference_lp_bc` = log π_ref when β > 0), reward
+  `rollout.reward_b`, and its metrics, with the same `mismatch/*` as the distillation losses;
+  the teacher is not scored.
+
+  Raises:
+    ValueError: greedy rollouts (temperature 0): a point-mass policy has no gradient.
+  """
+  if loss_cfg.temperature == 0:
+    raise ValueError(f"loss {loss_cfg.name!r} needs sampled rollouts (rollout.temperature > 0)")
+  if loss_cfg.name == GRPO:
+    advantage_b, reward_metrics = grpo_advantages(rollout, loss_cfg)
+    loss, metrics = configured_grpo(
+      student_bcv, tokens_bc, mask_bc, advantage_b, rollout, loss_cfg, None, reference_lp_bc
+    )
+    counted = (mask_bc > 0).astype(jnp.float32)
+    metrics = dict(metrics, **reward_metrics)
+    metrics["per_token/advantage_bc"] = advantage_b[:, None] * counted
+  else:
+    loss, metrics = reinforce(
+      student_bcv,
+      tokens_bc,
+      mask_bc,
+      rollout.reward_b,
+      rollout.behaviour_logprobs,
+      is_clip=loss_cfg.is_clip,
+    )
+  metrics.update(mismatch.mismatch_metrics(jax.lax.stop_gradient(student_bcv), rollout))
+  return loss, metrics
+
+
+def grpo_advantages(rollout: Rollout, loss_cfg):
+  """The whole batch's group advantages A_b (`group_advantages`) and the reward metrics
+  rl/reward_mean, rl/advantage_abs_mean and rl/group_all_equal_frac (the share of groups
+  whose rewards are all equal, which train nothing).
+
+  Raises:
+    ValueError: a rollout without `reward_b`.
+  """
+  if rollout.reward_b is None:
+    raise ValueError(
+      "loss 'grpo' needs Rollout.reward_b: the rollout engine fills it when built with "
+      "score_rewards=True (the trainer does this for train.loss='grpo')"
+    )
+  reward_b = rollout.reward_b.astype(jnp.float32)
+  g = loss_cfg.group_size
+  advantage_b = group_advantages(reward_b, g, loss_cfg.group_std_normalize)
+  r_gn = reward_b.reshape(-1, g)
+  flat_g = jnp.all(r_gn == r_gn[:, :1], axis=1).astype(jnp.float32)
+  return advantage_b, {
+    "rl/reward_mean": jnp.mean(reward_b),
+    "rl/advantage_abs_mean": jnp.mean(jnp.abs(advantage_b)),
+    "rl/group_all_equal_frac": jnp.mean(flat_g),
+  }
+
+
+def grpo_policy_loss(
+  params,
+  rollout: Rollout,
+  advantage_b,
+  old_lp_bc,
+  student_cfg,
+  loss_cfg,
+  remat,
+  reference_lp_bc=None,
+):
+  """`grpo` of the student on (a minibatch of) `rollout` against log π_old = `old_lp_bc`
+  (and, when β > 0, its KL penalty against log π_ref = `reference_lp_bc`); returns (loss,
+  scalar metrics)."""
+  raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
+    params, rollout, student_cfg, loss_cfg.temperature, remat
+  )
+  student_bcv = policy.student_policy_logits(raw_bcv, rollout)
+  return configured_grpo(
+    student_bcv, tokens_bc, mask_bc, advantage_b, rollout, loss_cfg, old_lp_bc, reference_lp_bc
+  )
+
+
+def configured_grpo(
+  student_bcv, tokens_bc, mask_bc, advantage_b, rollout: Rollout, loss_cfg, old_lp_bc, ref_lp_bc
+):
+  """`grpo` with the settings of `loss_cfg` (`train_step.LossConfig`: ε, the correction and its
+  C, β) against the rollout's behaviour log-probs, log π_old = `old_lp_bc` (None: sg(π_θ))
+  and log π_ref = `ref_lp_bc` (None without a KL penalty)."""
+  return grpo(
+    student_bcv,
+    tokens_bc,
+    mask_bc,
+    advantage_b,
+    rollout.behaviour_logprobs,
+    old_lp_bc,
+    clip_eps=loss_cfg.ppo_clip,
+    correction=loss_cfg.mismatch_correction,
+    correction_clip=loss_cfg.mismatch_clip,
+    reference_logprobs=ref_lp_bc,
+    kl_coef=loss_cfg.kl_coef,
+  )
+
+
+def grpo_updates(
+  state: train_state.TrainState,
+  rollout: Rollout,
+  *,
+  tx,
+  student_cfg,
+  loss_cfg,
+  remat: str = "none",
+  lr_schedule=None,
+  reference_params=None,
+):
+  """K = epochs × minibatches GRPO updates on one batch, in one jitted program.
+
+  log π_old(y) of the student at the start (`state.params`) is scored once, with no gradient
+  (the same pass gives the step's `mismatch/*` and `student/entropy`), and so is log π_ref(y)
+  of `reference_params` with a KL penalty (`policy.reference_logprobs`). A_b is computed over
+  the whole batch (`grpo_advantages`), so groups stay whole. A `jax.lax.scan` then makes the K
+  updates: update i takes minibatch i mod M (M = `ppo_minibatches`, the strided split of
+  `microbatch.split_microbatches`), applies `grpo`'s clipped loss against π_old (each
+  minibatch's loss its own token mean, as PPO implementations do) and one `tx` update. Every
+  update of step s uses lr(s) (`state.schedule_counts`; Adam's own count advances K times), so
+  `train.steps` and `opt/lr` keep their meaning.
+
+  Returns:
+    (new state, metrics): the K updates' scalars averaged (`*_max` keys the largest;
+    `perf/grad_norm` the mean pre-clip norm, `perf/grad_norm_max` the largest), the reward
+    metrics, `mismatch/*` and `student/entropy` of π_old, and per_token/advantage_bc [B, C].
+  """
+  import optax
+
+  if loss_cfg.temperature == 0:
+    raise ValueError("loss 'grpo' needs sampled rollouts (rollout.temperature > 0)")
+  advantage_b, reward_metrics = grpo_advantages(rollout, loss_cfg)
+  raw_bcv, tokens_bc, mask_bc = teacher_forcing.completion_logits(
+    state.params, rollout, student_cfg, loss_cfg.temperature, remat
+  )
+  old_bcv = jax.lax.stop_gradient(policy.student_policy_logits(raw_bcv, rollout))
+  old_lp_bc = jnp.where(mask_bc > 0, losses.token_logprobs(old_bcv, tokens_bc), 0.0)
+  fixed = {"student/entropy": losses.masked_mean(losses.token_entropy(old_bcv), mask_bc)}
+  fixed.update(mismatch.mismatch_metrics(old_bcv, rollout))
+  del raw_bcv, old_bcv
+  reference_lp_bc = policy.reference_lp_if_needed(reference_params, rollout, student_cfg, loss_cfg)
+  m = loss_cfg.ppo_minibatches
+  parts = microbatch.split_microbatches(
+    (rollout, advantage_b, old_lp_bc, reference_lp_bc), m, rollout.batch_size
+  )
+  grad_fn = jax.value_and_grad(grpo_policy_loss, has_aux=True)
+  start_opt = state.opt_state
+
+  def update(carry, i):
+    params, opt_state = carry
+    part, adv_b, old_bc, ref_bc = jax.tree.map(lambda x: x[i % m], parts)
+    (loss, metrics), grads = grad_fn(
+      params, part, adv_b, old_bc, student_cfg, loss_cfg, remat, ref_bc
+    )
+    opt_state = train_state.schedule_counts(opt_state, start_opt)  # every update at lr(step)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), (loss, metrics, optax.tree.norm(grads))
+
+  k = loss_cfg.updates_per_batch
+  (params, opt_state), (loss_k, metrics_k, norm_k) = jax.lax.scan(
+    update, (state.params, state.opt_state), jnp.arange(k)
+  )
+  opt_state = train_state.schedule_counts(opt_state, start_opt, increment=1)
+  metrics = {
+    key: (jnp.max(x_k) if key.endswith("_max") else jnp.mean(x_k)) for key, x_k in metrics_k.items()
+  }
+  metrics.update(fixed, **reward_metrics)
+  metrics.update(
+    {
+      "loss/total": jnp.mean(loss_k),
+      "loss/num_tokens": jnp.sum((mask_bc > 0).astype(jnp.float32)),
+      "perf/grad_norm": jnp.mean(norm_k),
+      "perf/grad_norm_max": jnp.max(norm_k),
+      "rl/ppo_updates": jnp.asarray(k, jnp.float32),
+      "per_token/advantage_bc": advantage_b[:, None] * (mask_bc > 0),
+    }
+  )
+  if lr_schedule is not None:
+    metrics["opt/lr"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+  new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
+  return new_state, metrics

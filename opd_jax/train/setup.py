@@ -35,6 +35,7 @@ from opd_jax.model import kvcache
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, pretrain, train_step
 from opd_jax.train import mismatch_metrics as mismatch
+from opd_jax.train import state as train_state
 
 
 def run_spec(config) -> RunSpec:
@@ -239,7 +240,7 @@ def teacher_accuracy_fn(spec: RunSpec, task_cfg: task.TaskConfig, models: build.
 
 
 def schedule_length(spec: RunSpec, resumed: dict, log=print) -> int:
-  """The learning-rate schedule's length (`train_step.make_optimizer`'s total_steps).
+  """The learning-rate schedule's length (`state.make_optimizer`'s total_steps).
 
   A fresh run: `train.steps`. A resumed run: the length its checkpoint was trained with
   (extra["schedule_steps"]); when `train.steps` differs from it, `train.resume_schedule`
@@ -312,7 +313,7 @@ def initial_state(
     return state, int(extra.get("next_batch", latest))
   params = warm_started_student(spec, setup, log, setup.cache_dir or None)
   seed = run_seed(spec)
-  return jax.device_put(train_step.init_state(params, tx, seed), state_shardings), 0
+  return jax.device_put(train_state.init_state(params, tx, seed), state_shardings), 0
 
 
 def reference_student(

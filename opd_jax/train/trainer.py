@@ -47,6 +47,7 @@ from opd_jax.model import sharding, teacher_topk
 from opd_jax.rollout import sources
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, hooks, preflight, rl, signals, train_step
+from opd_jax.train import state as train_state
 from opd_jax.train.export import export_student
 from opd_jax.train.setup import (
   Setup,
@@ -168,8 +169,8 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     source = prompt_source(spec, setup.task_cfg)
   width = prompt_width(source, m.tokenizer, setup.task_cfg, bool(spec.data.prompt_file))
   prompt_iter = iter(process_prompt_batches(source, spec.data.batch_size, run_seed(spec)))
-  tx = train_step.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
-  abstract = jax.eval_shape(lambda p: train_step.init_state(p, tx, spec.seed), m.student_params)
+  tx = train_state.make_optimizer(t.lr, t.steps, t.warmup_steps, t.weight_decay, t.grad_clip)
+  abstract = jax.eval_shape(lambda p: train_state.init_state(p, tx, spec.seed), m.student_params)
   state_shardings = sharding.tree_shardings(abstract, m.mesh)
   # orbax is imported by the loop that saves: the admission check and the export import this
   # module for its setup and load it only when they restore, so that a check can import it
@@ -192,7 +193,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     reference = reference_student(spec, setup, state, state_shardings.params, bool(resumed), log)
     schedule_steps = schedule_length(spec, resumed, log)
     if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
-      tx = train_step.make_optimizer(
+      tx = train_state.make_optimizer(
         t.lr, schedule_steps, t.warmup_steps, t.weight_decay, t.grad_clip
       )
     m.student_params = None  # donated into the train state; the state owns the student now
@@ -278,7 +279,7 @@ def make_step_fn(
   """The jitted OPD train step, (state, teacher_params, rollout) -> (state, metrics), with the
   state donated and laid out as `state_shardings`."""
   m, t = setup.models, spec.train
-  return train_step.jit_step(
+  return train_state.jit_step(
     train_step.train_step,
     state_shardings,
     tx=tx,
@@ -287,7 +288,7 @@ def make_step_fn(
     loss_cfg=loss_config(spec),
     microbatches=t.microbatches,
     remat=t.remat,
-    lr_schedule=train_step.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
+    lr_schedule=train_state.make_schedule(t.lr, schedule_steps or t.steps, t.warmup_steps),
   )
 
 

@@ -27,8 +27,8 @@ Expected: no learning on the built-in task. The warm-started student starts at 4
           0.14 and from 0.16 to 0.19. Groups of 8 or 16 at T = 0.7 (10-24 % of groups without
           signal instead of 61 %) end at 42.2 and 46.9 %, 128 completions per step at 46.9 %,
           and a KL penalty β = 0.1 changes neither (docs/results/opd_vs_rl.md, "GRPO: the
-          sweep"). On a smaller model and a two-operand
-          task GRPO does raise the training reward (tests/test_grpo.py, the slow learning check).
+          sweep"). On a smaller model and a two-operand task GRPO does raise the
+          training reward (tests/train/test_grpo.py, the slow learning check).
 """
 
 import base

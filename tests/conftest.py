@@ -140,6 +140,24 @@ def make_hf_checkpoint(tmp_path_factory):
   return make
 
 
+def tiny_step_cfg() -> ModelConfig:
+  """The one-layer Qwen3 (V 24, d 32, tied embeddings, q/k norms) of the train-step tests."""
+  return ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)
+
+
+def student_teacher_rollout(cfg: ModelConfig, prompts, sampler_cfg):
+  """(student, teacher, rollout): two random models of `cfg` (keys 0 and 1, init scale 0.3)
+  and the student's rollout of `prompts` under `sampler_cfg` (key 2)."""
+  import jax
+
+  from opd_jax.inference import sampler
+  from opd_jax.model import transformer as model
+
+  student = model.init_params(jax.random.key(0), cfg, scale=0.3)
+  teacher = model.init_params(jax.random.key(1), cfg, scale=0.3)
+  return student, teacher, sampler.sample(student, prompts, jax.random.key(2), sampler_cfg, cfg)
+
+
 def apply_overrides(config, overrides):
   """`config` with each dotted key of `overrides` ("train.steps": 2, ...) set; returned."""
   for key, value in overrides.items():
@@ -163,6 +181,15 @@ def tiny_config(teacher_cache, **overrides):
   config = bf16_sync.get_config("tiny")
   config.teacher.cache_dir = teacher_cache
   return apply_overrides(config, overrides)
+
+
+def with_rollout(config, **rollout):
+  """A copy of `config` with `rollout.<key>=value` for each keyword."""
+  import copy
+
+  out = copy.deepcopy(config)
+  out.rollout.update(rollout)
+  return out
 
 
 # The files that take longest on 2 cores, slowest first: they start first, so that the two

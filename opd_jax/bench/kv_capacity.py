@@ -21,7 +21,7 @@ head per K and V) and "tensor" (one scale per layer and sequence, amortised over
 `--seq-len` slots). `ratio_vs_bf16` is the BF16 bytes per token over the row's, i.e.
 how many times as many tokens fit in the same memory.
 
-Floors (checked here and in tests/test_kvcache.py; a failed floor exits 1):
+Floors (checked here and in tests/model/test_kvcache.py; a failed floor exits 1):
 fp8_all with "tensor" scales holds ≥ 1.99× the BF16 tokens on every model, and
 fp8_paper on Qwen3-1.7B with its best granularity holds ≥ 1.93×.
 """

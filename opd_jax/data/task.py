@@ -33,7 +33,7 @@ step reads only the step before it (decrement the counter, add d, copied from th
 so the chain is as easy per step at n = 40 as at n = 3, and a mistake in one step carries to
 the answer. With n = 32 and the default operands, completions run 186-219 tokens with
 `<eos>` (6-7 characters a step). Learnability: the 2-layer d=128 model above, batch 16,
-reached 94% held-out greedy exact match at n = 32 after 1,125 steps (`tests/test_task.py`,
+reached 94% held-out greedy exact match at n = 32 after 1,125 steps (`tests/data/test_task.py`,
 slow).
 
 Examples are a pure function of `(seed, split, index)`. The train/held-out split is

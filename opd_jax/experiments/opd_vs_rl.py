@@ -51,8 +51,9 @@ from opd_jax.experiments.opd_vs_rl_report import METHODS, REFERENCE, REPORT_NAME
 from opd_jax.io import metrics_writer
 from opd_jax.mismatch import candidates as candidates_lib
 
-# configs/bf16_sync_sampled.py's recipe over bf16_sync.py (tests/test_opd_vs_rl.py holds the two
-# files to it); the arms keep the run's batch so that every arm samples as many completions.
+# configs/bf16_sync_sampled.py's recipe over bf16_sync.py (tests/experiments/test_opd_vs_rl.py
+# holds the two files to it); the arms keep the run's batch so that every arm samples as many
+# completions.
 SAMPLED_OPD = {
   "train.loss": "reverse_kl_sampled",
   "train.lr": 5e-4,

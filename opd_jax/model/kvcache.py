@@ -41,7 +41,7 @@ scatter into a bf16 buffer by converting the whole buffer to f32 and back (an e4
 f16), and a bit-cast of the whole buffer and back is itself a pass over it: either way a
 decode step would touch every slot of every layer. With integer storage only the new tokens
 are bit-cast, and `decode_attention` bit-casts each block it reads
-(tests/test_decode_attention.py checks the compiled decode loop for any whole-cache copy or
+(tests/model/test_decode_attention.py checks the compiled decode loop for any whole-cache copy or
 conversion). The bytes are those of the values, so capacity (`bytes_per_token`) is
 unchanged.
 

@@ -17,7 +17,7 @@ the scores s_j = q·k_j/√H of a block (invisible slots set to the f32 minimum)
 
 from m = f32 min, l = 0, o = 0; the output is o / l. Scores, probabilities and P·V are f32
 whatever the compute dtype; q and each dequantized block are rounded to the compute dtype first,
-as in the blockwise path, so the two agree to f32 rounding (tests/test_pallas_decode.py).
+as in the blockwise path, so the two agree to f32 rounding (tests/model/test_pallas_decode.py).
 
 Layout inside the kernel. The T queries of a row and the G query heads of one KV head form
 R = T·G query rows (row r = t·G + g), padded to a power of two of at least `MIN_ROWS` = 16 so
@@ -48,7 +48,7 @@ Where it has run. Only on CPU, and the numbers only from Pallas' interpret modes
 drivers under the generic interpreter (`interpret=True`), and the "grid" driver also under the
 TPU interpreter (`pltpu.InterpretParams`), which simulates Mosaic's memories and the
 pipeline's copies and raises on an out-of-bounds read. Neither has run on a GPU or TPU. What is
-checked beyond that (tests/test_pallas_decode.py): `jax.export` for platform "tpu" lowers the
+checked beyond that (tests/model/test_pallas_decode.py): `jax.export` for platform "tpu" lowers the
 "grid" driver to a Mosaic custom call, and for "cuda" the "loop" driver to Triton IR
 (`pltriton.CompilerParams`: Triton, not Mosaic GPU), with a CPU-only jaxlib; the compilers
 behind them (Mosaic in libtpu, Triton in XLA:GPU) never ran, so whether they accept the kernels,

@@ -319,11 +319,11 @@ def forward_with_cache(
   `block` slots up to the largest position of the batch, dequantizing each block where it
   is consumed: a step costs O(position), not O(S). attention="reference" reads the whole
   cache (`kvcache.read`, a dense copy in the compute dtype) and runs `attend` over all S
-  slots; the two agree to f32 rounding (tests/test_decode_attention.py).
+  slots; the two agree to f32 rounding (tests/model/test_decode_attention.py).
   attention="pallas" (`pallas_decode.attend_cache`) runs the same blockwise online softmax as
   a Pallas kernel for steps of T ≤ `pallas_decode.MAX_QUERIES` tokens, in interpret mode on
   CPU; longer calls (prefill) and the kernel variant "bf16_attention" (two passes) take the
-  blockwise path. It equals the blockwise path to f32 rounding (tests/test_pallas_decode.py).
+  blockwise path. It equals the blockwise path to f32 rounding (tests/model/test_pallas_decode.py).
 
   Args:
     params: the params pytree.

@@ -122,7 +122,7 @@ def process_prompt_batches(source, batch_size: int, seed: int):
   keeps the contiguous rows [i·b, (i+1)·b), b = batch_size / n, for process i of n. Gathered
   in process order (`RolloutWorker.draw_prompts`), the slices are the one-process batch row
   for row, so each prompt meets the same sampling key however many processes share the run:
-  2 processes x 4 devices reproduce 1 x 8 (tests/test_launch.py). The iterator state (what a
+  2 processes x 4 devices reproduce 1 x 8 (tests/cli/test_launch.py). The iterator state (what a
   checkpoint stores) is the global batch position, the same on every process.
   """
   n, i = jax.process_count(), jax.process_index()

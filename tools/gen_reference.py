@@ -11,8 +11,8 @@
 * `docs/changelog.md`: CHANGELOG.md, as a page of the site.
 * `metrics.md`: every scalar a run logs, from the registry `METRICS` below, with its unit, meaning
   and the TRL or verl name where one exists. tests/integration/test_docs.py checks that every
-  metric-like name in the package's code is in the registry (or named in `NOT_SCALARS`), and that every
-  registry entry occurs in the code.
+  metric-like name in the package's code is in the registry (or named in `NOT_SCALARS`), and
+  that every registry entry occurs in the code.
 """
 
 from __future__ import annotations

@@ -52,12 +52,13 @@ STUDENT_CACHE = "student_cache"  # <workdir>/student_cache: the warm-started stu
 UNCALIBRATED_LABEL = "uncalibrated default"  # a row's "budget" and "limit from" without a file
 
 
-# Table columns: (header, row key, format).
+# Table columns: (header, row key, format). check_kl is the check's KL on held-out prompts,
+# not a run's training-time mismatch/kl (docs/guides/budget.md, "Two KLs").
 _COLUMNS = (
   ("candidate", "candidate", "s"),
   ("lag", "lag", "d"),
-  ("mismatch/kl", "mismatch/kl", ".4g"),
-  ("kl_p95", "mismatch/kl_p95", ".4g"),
+  ("check_kl", "mismatch/kl", ".4g"),
+  ("check_kl_p95", "mismatch/kl_p95", ".4g"),
   ("max_kl", "max_kl", ".4g"),
   ("limit from", "limit_from", "s"),
   ("margin", "margin", ".4g"),

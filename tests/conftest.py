@@ -140,6 +140,24 @@ def make_hf_checkpoint(tmp_path_factory):
   return make
 
 
+def tiny_char_cfg(hidden_size: int = 16, head_dim: int = 8) -> ModelConfig:
+  """A one-layer Qwen3 over the character tokenizer's vocabulary (2 heads, 1 KV head, q/k
+  norms, MLP 2 x hidden_size): the model of the rollout tests on the built-in task."""
+  from opd_jax.model.tokenizer import CharTokenizer
+
+  return ModelConfig(
+    model_type="qwen3",
+    vocab_size=CharTokenizer().vocab_size,
+    hidden_size=hidden_size,
+    intermediate_size=2 * hidden_size,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=head_dim,
+    qk_norm=True,
+  )
+
+
 def tiny_step_cfg() -> ModelConfig:
   """The one-layer Qwen3 (V 24, d 32, tied embeddings, q/k norms) of the train-step tests."""
   return ModelConfig("qwen3", 24, 32, 64, 1, 4, 2, 8, qk_norm=True, tie_word_embeddings=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -225,6 +226,17 @@ rounded down (where it comes from: docs/design.md, "Budget and admission")."""
 
 
 CALIBRATE_COMMAND = "python -m opd_jax.calibrate"  # how a user calibrates a budget of their own
+
+
+def finite_number(value: Any, where: str, key: str) -> float:
+  """`value` as a float. Raises ValueError naming `where` and `key` when it is a bool, not a
+  real number, or not finite (records and measurements are checked alike)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"{where} has {key} {value!r}, not a number")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"{where} has non-finite {key}: {value}")
+  return value
 
 
 def uncalibrated_note() -> str:

@@ -30,6 +30,7 @@ from opd_jax.mismatch.budget import (
   SOURCE_KEY,
   Budget,
   Threshold,
+  finite_number,
 )
 
 
@@ -41,13 +42,7 @@ def _describe(index: int, record: Any) -> str:
 def _number(index: int, record: Mapping, key: str) -> float:
   if key not in record:
     raise ValueError(f"fit_budget: {_describe(index, record)} has no {key!r}")
-  value = record[key]
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"fit_budget: {_describe(index, record)} has {key} {value!r}, not a number")
-  value = float(value)
-  if not math.isfinite(value):
-    raise ValueError(f"fit_budget: {_describe(index, record)} has non-finite {key}: {value}")
-  return value
+  return finite_number(record[key], f"fit_budget: {_describe(index, record)}", key)
 
 
 def validate_records(records: Sequence[Mapping[str, Any]]):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ from opd_jax.mismatch.budget import (
   Budget,
   Rule,
   Threshold,
+  finite_number,
 )
 
 
@@ -74,13 +74,7 @@ class Verdict:
 
 
 def _measured(measurement: Mapping, key: str) -> float:
-  value = measurement[key]
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"admit: measurement has {key} {value!r}, not a number")
-  value = float(value)
-  if not math.isfinite(value):
-    raise ValueError(f"admit: measurement has non-finite {key}: {value}")
-  return value
+  return finite_number(measurement[key], "admit: measurement", key)
 
 
 def _over(

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the conftest test_rollouts uses
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_rollouts as t  # noqa: E402

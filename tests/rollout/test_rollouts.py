@@ -17,29 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_char_cfg
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
 from opd_jax.inference import sampler, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
-from opd_jax.model.config import ModelConfig
 from opd_jax.rollout.sources import AsyncRollouts, ProducerError, SyncRollouts
 from opd_jax.rollout.worker import RolloutWorker, host_key
 
 TASK = task.TaskConfig(num_operands=2, max_operand=99)
 TOK = tokenizer.CharTokenizer()
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=TOK.vocab_size,
-  hidden_size=16,
-  intermediate_size=32,
-  num_layers=1,
-  num_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_char_cfg()
 BATCH = 4
 SAMPLER = sampler.SamplerConfig(max_new_tokens=6, stop_tokens=(TOK.eos_id,))
 

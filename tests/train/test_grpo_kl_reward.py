@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tiny_step_cfg
+from conftest import tiny_char_cfg, tiny_step_cfg
 
 from opd_jax.config import check as config_check
 from opd_jax.data import pipeline as data
@@ -17,7 +17,6 @@ from opd_jax.data import rewards, task
 from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
-from opd_jax.model.config import ModelConfig
 from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import losses, microbatch, pretrain, rl, train_step
 from opd_jax.train import state as train_state
@@ -223,17 +222,7 @@ def test_minibatch_updates_match_hand_applied_updates_with_the_penalty(batch):
 
 TASK = task.TaskConfig(num_operands=3, max_operand=19)
 TOK = tokenizer.CharTokenizer()
-WORKER_CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=TOK.vocab_size,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=1,
-  num_heads=2,
-  num_kv_heads=1,
-  head_dim=16,
-  qk_norm=True,
-)
+WORKER_CFG = tiny_char_cfg(hidden_size=32, head_dim=16)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_char_cfg
 
 from opd_jax.config import check as config_check
 from opd_jax.data import pipeline as data
@@ -223,17 +224,7 @@ def test_teacher_temperature_by_hand():
 
 TOK = tokenizer.CharTokenizer()
 TASK = task.TaskConfig(num_operands=2, max_operand=99)
-CFG = ModelConfig(
-  model_type="qwen3",
-  vocab_size=TOK.vocab_size,
-  hidden_size=16,
-  intermediate_size=32,
-  num_layers=1,
-  num_heads=2,
-  num_kv_heads=1,
-  head_dim=8,
-  qk_norm=True,
-)
+CFG = tiny_char_cfg()
 SAMPLER = sampler.SamplerConfig(max_new_tokens=5, stop_tokens=(TOK.eos_id,))
 
 

@@ -46,7 +46,7 @@ unsharded one token for token, greedy or sampled (up to f32 reduction order wher
 the tensor axis splits a matmul). The batch is padded to a multiple of data·fsdp (not to a power
 of two) with rows that start finished, and those padding rows stay in the returned
 rollout (mask 0) so that nothing is re-laid out; `sample_program` returns the lowered
-program for inspection (`sharding.hlo_collectives`).
+program for inspection (`sharding_checks.hlo_collectives`).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def get_config(arg=None):
   # one tail bucket instead of its full logits; every OPD loss is computed on those k + 1 bins.
   c.train.teacher_top_k = 0  # k in [0, V]; 0 = the full vocabulary (the exact reference)
 
-  # Mismatch budget guard (opd_jax/mismatch/guard.py): mismatch/kl against a budget file.
+  # Mismatch budget guard (opd_jax/mismatch/live_guard.py): mismatch/kl against a budget file.
   c.budget = ml_collections.ConfigDict()
   c.budget.file = ""  # budget file (opd_jax.budget.save_budget); "" = no guard
   c.budget.action = "warn"  # over budget for `patience` steps: warn | fallback | adaptive

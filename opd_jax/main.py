@@ -28,9 +28,9 @@ _JSON = flags.DEFINE_string(
 
 def run(config, workdir: str) -> dict:
   """Runs on-policy distillation as configured (the trainer validates the config first)."""
-  from opd_jax.mismatch import guard
+  from opd_jax.mismatch import live_guard
 
-  return guard.run(config, workdir)
+  return live_guard.run(config, workdir)
 
 
 def main() -> None:

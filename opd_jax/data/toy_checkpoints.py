@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from opd_jax.data import task
-from opd_jax.io import hf
+from opd_jax.io import hf, hf_export
 from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -101,7 +101,7 @@ def save_random_model(directory: str, cfg: ModelConfig, tok, seed: int) -> None:
   tokenizer's generation ids and files."""
   params = model.init_params(jax.random.key(seed), cfg, jnp.float32)
   hf.save_checkpoint(
-    directory, cfg, jax.device_get(params), generation_config=hf.generation_config(tok)
+    directory, cfg, jax.device_get(params), generation_config=hf_export.generation_config(tok)
   )
 
 

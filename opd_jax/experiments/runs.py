@@ -1,7 +1,7 @@
 """Training runs recorded once: the unit the study, the OPD-against-RL comparison and the guard
 demo are made of.
 
-`run_once(config, run_dir)` trains `config` into `run_dir` with `mismatch.guard.run` (the
+`run_once(config, run_dir)` trains `config` into `run_dir` with `mismatch.live_guard.run` (the
 trainer, guarded when `budget.file` is set) and writes
 `run_dir/result.json`: the trainer's result, the held-out curve and the run's training-time
 `mismatch/*` means. A second call with the same directory reads the file instead of training,
@@ -29,7 +29,7 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.io import json_file, metrics_writer
-from opd_jax.mismatch import guard
+from opd_jax.mismatch import live_guard
 from opd_jax.train import setup as setup_lib
 
 RESULT_FILE = "result.json"
@@ -116,7 +116,7 @@ def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = pr
         f"{', '.join(changed[:8])}); use another workdir or remove it"
       )
     return done
-  result = guard.run(config, run_dir, log)
+  result = live_guard.run(config, run_dir, log)
   if result["end_step"] < config.train.steps:
     raise ValueError(
       f"run {run_dir} stopped at step {result['end_step']} of {config.train.steps} "

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from opd_jax.config import spec as spec_lib
 from opd_jax.config.spec import ArchSpec, RunSpec, StudentSpec, TeacherSpec
 from opd_jax.io import hf
-from opd_jax.model import sharding, tokenizer
+from opd_jax.model import sharding, sharding_checks, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 
@@ -264,5 +264,5 @@ def summary(models: Models) -> str:
       f"K={cfg.num_kv_heads} H={cfg.head_dim} F={cfg.intermediate_size} V={cfg.vocab_size}"
       + (f" (logits over the first {cfg.real_vocab_size})" if cfg.logical_vocab_size else "")
     )
-    lines.append(sharding.describe(params))
+    lines.append(sharding_checks.describe(params))
   return "\n".join(lines)

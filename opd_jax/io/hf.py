@@ -37,11 +37,7 @@ transposed matrix), so a slice of ours reads the bounding range of its flat indi
 along each HF dimension (exactly the slice when only the leading dimension of a group
 is split, as the sharding rules do). `bytes_read()` counts the bytes read.
 
-Export (`export_student`) writes a directory that `transformers` loads as it
-loads a published model: the weights and config.json (with the bos/eos/pad ids),
-generation_config.json, and the tokenizer: the Hugging Face tokenizer's files
-copied as they are, or for the built-in character tokenizer a `tokenizer.json`
-built from its vocabulary (`save_char_tokenizer`).
+Export, a directory `transformers` loads with its tokenizer, is in `io.hf_export`.
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ import functools
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -62,7 +57,6 @@ import numpy as np
 import safetensors
 from safetensors.numpy import save_file
 
-from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray
 
@@ -72,18 +66,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # The token ids config.json and generation_config.json carry.
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-# The files of a Hugging Face tokenizer directory; an export copies those present.
-TOKENIZER_FILES = (
-  "tokenizer.json",
-  "tokenizer_config.json",
-  "special_tokens_map.json",
-  "added_tokens.json",
-  "vocab.json",
-  "merges.txt",
-  "tokenizer.model",
-  "chat_template.jinja",
-  "chat_template.json",
-)
 # Buffers that some older checkpoints carry and that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _SHARD_FILE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
@@ -173,7 +155,8 @@ def _checked_dir(path) -> str:
   return path
 
 
-def _read_json(file: str) -> dict[str, Any]:
+def read_json(file: str) -> dict[str, Any]:
+  """The JSON object in `file`; ValueError when it is not valid JSON or not an object."""
   try:
     with open(file, encoding="utf-8") as fh:
       data = json.load(fh)
@@ -201,7 +184,7 @@ def load_config(path) -> ModelConfig:
   file = os.path.join(_checked_dir(path), CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(path)!r}")
-  hf = _read_json(file)
+  hf = read_json(file)
   try:
     return ModelConfig.from_hf_dict(hf)
   except KeyError as e:
@@ -221,7 +204,7 @@ def _weight_map(directory: str) -> tuple[dict[str, str], str]:
     except (safetensors.SafetensorError, OSError) as e:
       raise ValueError(f"cannot read safetensors file {single}: {e}") from e
   if os.path.isfile(index):
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index} has no 'weight_map' object")
     out = {}
@@ -532,11 +515,12 @@ def save_checkpoint(
   hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "dtype": dtype}
   if generation_config is not None:
     hf |= {k: generation_config[k] for k in ID_KEYS if k in generation_config}
-    _write_json(os.path.join(directory, GENERATION_CONFIG_FILE), generation_config)
-  _write_json(os.path.join(directory, CONFIG_FILE), hf)
+    write_json(os.path.join(directory, GENERATION_CONFIG_FILE), generation_config)
+  write_json(os.path.join(directory, CONFIG_FILE), hf)
 
 
-def _write_json(file: str, data: dict) -> None:
+def write_json(file: str, data: dict) -> None:
+  """Writes `data` to `file` as Hugging Face does: indent 2, sorted keys, newline-terminated."""
   with open(file, "w", encoding="utf-8") as fh:
     json.dump(data, fh, indent=2, sort_keys=True)
     fh.write("\n")
@@ -558,180 +542,3 @@ def _check_ids(generation: dict[str, Any], vocab_size: int) -> None:
       raise ValueError(
         f"generation_config {key}={value!r} is outside the model's vocabulary [0, {vocab_size})"
       )
-
-
-# ---------------------------------------------------------------------------------------------
-# Export: a directory `transformers` loads with its tokenizer and generation ids.
-
-
-def token_ids(tokenizer) -> dict[str, int | None]:
-  """{bos,eos,pad}_token_id of an `opd_jax.model.tokenizer` tokenizer (bos may be None)."""
-  return {
-    "bos_token_id": tokenizer.bos_id,
-    "eos_token_id": tokenizer.eos_id,
-    "pad_token_id": tokenizer.pad_id,
-  }
-
-
-def generation_config(tokenizer, source_dir=None) -> dict[str, Any]:
-  """The generation_config.json of an export: the tokenizer's bos/eos/pad ids.
-
-  With `source_dir` (the HF checkpoint the student started from) its own
-  generation_config.json is the base, so its sampling defaults survive; the
-  tokenizer's ids replace its ids, except that a source eos list holding the
-  tokenizer's eos is kept (chat models stop at several tokens), and a source bos
-  stays where the tokenizer has none. Ids that are None are left out.
-
-  Args:
-    tokenizer: the run's tokenizer (`eos_id`, `bos_id`, `pad_id`).
-    source_dir: a Hugging Face checkpoint directory, or None.
-
-  Returns:
-    the JSON dict.
-  """
-  base: dict[str, Any] = {}
-  if source_dir:
-    file = os.path.join(os.fspath(source_dir), GENERATION_CONFIG_FILE)
-    if os.path.isfile(file):
-      base = _read_json(file)
-  ids = {k: v for k, v in token_ids(tokenizer).items() if v is not None}
-  source_eos = base.get("eos_token_id")
-  if isinstance(source_eos, list) and ids["eos_token_id"] in source_eos:
-    ids["eos_token_id"] = source_eos
-  return base | ids
-
-
-def tokenizer_file_names(source_dir) -> list[str]:
-  """The `TOKENIZER_FILES` present in `source_dir`, sorted.
-
-  Raises:
-    FileNotFoundError: `source_dir` is not a directory.
-    ValueError: it holds none of `TOKENIZER_FILES`.
-  """
-  source = os.fspath(source_dir)
-  if not os.path.isdir(source):
-    raise FileNotFoundError(f"tokenizer directory {source!r} does not exist")
-  names = sorted(n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n)))
-  if not names:
-    raise ValueError(
-      f"tokenizer directory {source!r} holds none of the tokenizer files "
-      f"({', '.join(TOKENIZER_FILES)})"
-    )
-  return names
-
-
-def copy_tokenizer_files(source_dir, path) -> list[str]:
-  """Copies the `TOKENIZER_FILES` present in `source_dir` into `path`, byte for byte.
-
-  Returns:
-    the names copied, sorted.
-
-  Raises:
-    FileNotFoundError: `source_dir` is not a directory.
-    ValueError: it holds none of `TOKENIZER_FILES`.
-  """
-  source = os.fspath(source_dir)
-  names = tokenizer_file_names(source)
-  os.makedirs(os.fspath(path), exist_ok=True)
-  for name in names:
-    shutil.copyfile(os.path.join(source, name), os.path.join(os.fspath(path), name))
-  return names
-
-
-def save_char_tokenizer(tokenizer, path, max_length: int = 4096) -> list[str]:
-  """Writes the built-in character tokenizer as a `transformers` fast tokenizer.
-
-  One id per character (a `tokenizers` WordLevel model over the tokenizer's
-  vocabulary, the text split into single characters, decoded by joining them),
-  with its pad/bos/eos tokens, and bos prepended when special tokens are added
-  (`[bos] prompt`, as the task encodes prompts). `AutoTokenizer` then encodes
-  text to the ids `tokenizer.encode` gives; a character outside the alphabet is
-  an error, as it is in `CharTokenizer`.
-
-  Args:
-    tokenizer: a `CharTokenizer` (`get_vocab`, `pad_id`, `bos_id`, `eos_id`).
-    path: output directory (created if needed).
-    max_length: `model_max_length` of tokenizer_config.json (the model's context).
-
-  Returns:
-    the names written, sorted.
-  """
-  import tokenizers  # the Rust tokenizers library alone: no transformers import in a run
-  from tokenizers import decoders, models, pre_tokenizers, processors
-
-  vocab = tokenizer.get_vocab()
-  by_id = {i: t for t, i in vocab.items()}
-  bos, eos, pad = (by_id[i] for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id))
-  backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=None))
-  backend.add_special_tokens([pad, bos, eos])  # ids from `vocab`; skipped when decoding
-  backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-  backend.decoder = decoders.Fuse()
-  backend.post_processor = processors.TemplateProcessing(
-    single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.bos_id)]
-  )
-  directory = os.fspath(path)
-  os.makedirs(directory, exist_ok=True)
-  backend.save(os.path.join(directory, "tokenizer.json"))
-  # PreTrainedTokenizerFast: the class name transformers 4 and 5 both load (5 aliases it).
-  config = {
-    "tokenizer_class": "PreTrainedTokenizerFast",
-    "bos_token": bos,
-    "eos_token": eos,
-    "pad_token": pad,
-    "model_max_length": max_length,
-  }
-  _write_json(os.path.join(directory, "tokenizer_config.json"), config)
-  return sorted(n for n in os.listdir(path) if n in TOKENIZER_FILES)
-
-
-def export_student(
-  path, cfg: ModelConfig, params, tokenizer, tokenizer_dir=None, source_dir=None
-) -> list[str]:
-  """Writes a student as a directory that `transformers` loads, tokenizer included.
-
-  `save_checkpoint` with `generation_config(tokenizer, source_dir)` (so config.json
-  and generation_config.json carry the bos/eos/pad ids), then the tokenizer:
-  the files of `tokenizer_dir` copied as they are, or, without one, the built-in
-  character tokenizer as a fast tokenizer (`save_char_tokenizer`). Tokenizer
-  files already in `path` are removed first, so none of an earlier export's
-  tokenizer survives.
-
-  Args:
-    path: output directory (created if needed).
-    cfg: the student's model config.
-    params: its unquantized params (fully addressable from this process).
-    tokenizer: the run's `opd_jax.model.tokenizer` tokenizer.
-    tokenizer_dir: the Hugging Face tokenizer directory to copy; None takes the directory an
-      `HFTokenizer` was loaded from (`load_tokenizer`); a `CharTokenizer` needs none.
-    source_dir: the HF checkpoint the student started from (`config.student.
-      checkpoint`), whose generation_config.json sampling defaults are kept; or None.
-
-  Returns:
-    the names of the files in `path`, sorted.
-
-  Raises:
-    ValueError / FileNotFoundError: as `save_checkpoint`; a `tokenizer_dir` without tokenizer
-      files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. Checked before
-      anything is written.
-  """
-  if not tokenizer_dir and isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-    tokenizer_dir = tokenizer.hf.name_or_path  # the local directory it was loaded from
-  if tokenizer_dir:
-    tokenizer_file_names(tokenizer_dir)
-  elif not isinstance(tokenizer, tokenizer_lib.CharTokenizer):
-    raise ValueError(
-      f"a {type(tokenizer).__name__} needs its tokenizer directory (tokenizer_dir) to be "
-      "exported; only the built-in CharTokenizer is written without one"
-    )
-  generation = generation_config(tokenizer, source_dir)
-  directory = os.fspath(path)
-  save_checkpoint(directory, cfg, params, generation_config=generation)
-  for name in TOKENIZER_FILES:
-    file = os.path.join(directory, name)
-    if os.path.isfile(file):
-      os.remove(file)
-  if tokenizer_dir:
-    copy_tokenizer_files(tokenizer_dir, directory)
-  else:
-    save_char_tokenizer(tokenizer, directory, cfg.max_position_embeddings)
-  return sorted(os.listdir(directory))

@@ -12,7 +12,8 @@ common mismatch scale" and "Budget and admission").
   `candidate_verdict`); the command's driver, table and log are `cli.admit_check`.
 - `sensitivity`: the per-layer/module scan behind `python -m opd_jax.sensitivity`;
   `prefix_shift`: teacher-forced against own-prefix mismatch and the first divergence.
-- `guard`: the budget as a live guard, a step hook handed to the trainer (`guard.run`).
+- `guard`: the fallback ladder and the guard's pure state machine; `live_guard`: the budget as a
+  live guard, a step hook handed to the trainer (`live_guard.run`).
 
 The per-step `mismatch/*` metrics the trainer logs are below it, in `train.mismatch_metrics`.
 """

@@ -18,7 +18,7 @@ The metrics:
                                  the student at T = 1 (the model itself). Always.
     quality/student_teacher_kl_at_rollout_t = the same KL with π_θ under the training
                                  rollouts' transform (temperature T, top-k, top-p, as
-                                 `sampler.process_logits` applies them to the
+                                 `distribution.process_logits` applies them to the
                                  student's own logits) and π_T at `teacher.temperature`
                                  τ_T: the quantity the OPD loss trains. Reported when
                                  `evaluate` gets the training `SamplerConfig`; equal to
@@ -58,7 +58,7 @@ import numpy as np
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import prompts as prompts_lib
 from opd_jax.data import scoring, task
-from opd_jax.inference import sampler, teacher_forcing
+from opd_jax.inference import distribution, sampler, teacher_forcing
 from opd_jax.model import sharding
 from opd_jax.model.config import ModelConfig
 from opd_jax.train import losses
@@ -320,7 +320,7 @@ def _masked_kl(student_bcv, teacher_bcv, mask_bc):
 @functools.partial(jax.jit, static_argnames=("sampling", "mesh"))
 def _masked_kl_transformed(student_bcv, teacher_bcv, mask_bc, sampling, mesh=None):
   b, c, v = student_bcv.shape
-  z_bv = sampler.process_logits(student_bcv.reshape(b * c, v), sampling, mesh)
+  z_bv = distribution.process_logits(student_bcv.reshape(b * c, v), sampling, mesh)
   z_bcv = z_bv.reshape(b, c, v)
   return losses.masked_mean(losses.per_token_kl(z_bcv, teacher_bcv), mask_bc)
 

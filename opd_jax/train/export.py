@@ -5,7 +5,7 @@
 writes `out` with `export_student`, as a finished run exports itself: model.safetensors,
 config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer (the run's
 Hugging Face tokenizer files copied, or the built-in character tokenizer as a `transformers`
-fast tokenizer; `hf.export_student`), and `run_history.EXPORT_RECORD`, the step and the run's
+fast tokenizer; `hf_export.export_student`), and `run_history.EXPORT_RECORD`, the step and the run's
 config it holds. `out` loads with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`.
 
@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
-from opd_jax.io import build, hf, run_history
+from opd_jax.io import build, hf, hf_export, run_history
 from opd_jax.io.run_history import EXPORT_RECORD, run_fingerprint
 from opd_jax.model import tokenizer
 from opd_jax.model import transformer as model
@@ -205,7 +205,7 @@ def export_run(
 def export_student(
   spec: RunSpec, models: build.Models, params, out: str, log=print, *, step: int
 ) -> list[str]:
-  """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf.export_student`):
+  """Writes the student `params` as a Hugging Face checkpoint in `out` (`hf_export.export_student`):
   the files of the run's tokenizer (`build.tokenizer_path`; the built-in character tokenizer
   when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
 
@@ -220,7 +220,7 @@ def export_student(
   if jax.process_index() != 0:
     return []
   tokenizer_path = build.tokenizer_path(spec)
-  files = hf.export_student(
+  files = hf_export.export_student(
     out,
     models.student_cfg,
     params,

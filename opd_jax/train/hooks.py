@@ -13,7 +13,7 @@ before the first rollout source is built, and then drives the hook it returned:
 
 `after_step` may add scalars (they are logged with the step's) and may return another rollout
 source (the loop closes nothing it did not build: the hook closes what it built). The live
-budget guard (`mismatch.guard.LiveGuard.create`) is the one factory the project ships.
+budget guard (`mismatch.live_guard.LiveGuard.create`) is the one factory the project ships.
 """
 
 from __future__ import annotations

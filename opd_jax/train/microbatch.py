@@ -2,7 +2,7 @@
 sum to the whole batch's, and the whole batch's metrics from theirs.
 
 Used by the OPD step's gradient accumulation (`train_step.train_step` with `train.microbatches`
-= K > 1) and by GRPO's minibatch updates (`rl.grpo_updates`).
+= K > 1) and by GRPO's minibatch updates (`rl_step.grpo_updates`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the run's base key, kept in the state so that it is checkpointed with it. The te
 GRPO's reference student) are frozen data passed beside it: never in the optimizer state, never
 checkpointed. Every step function over it is pure, `step(state, ...) -> (state, metrics)`; the
 caller jits it with the state donated (`jit_step`). The steps themselves: the OPD step
-(`train_step`), GRPO's K updates (`rl.grpo_updates`), the supervised step (`pretrain.sft_step`).
+(`train_step`), GRPO's K updates (`rl_step.grpo_updates`), the supervised step
+(`pretrain.sft_step`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def schedule_counts(opt_state, like, increment: int = 0):
   """`opt_state` with every learning-rate schedule's step count taken from `like` (+ increment),
   the other leaves (Adam's moments and its own count) unchanged.
 
-  Several updates per train step (`rl.grpo_updates`) use this to apply lr(step) at each of them
+  Several updates per train step (`rl_step.grpo_updates`) use this to apply lr(step) at each of them
   and advance the schedule once.
   """
   return jax.tree.map(

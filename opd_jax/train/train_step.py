@@ -11,7 +11,7 @@ own sampling transform (`policy.student_policy_logits`); `check_rollout_loss` re
 sampler/loss combinations this cannot serve. The distillation losses are looked up by name in
 `TEACHER_LOSSES`, one signature for all, and read the teacher as a `losses.TeacherDistribution`
 (full logits or top-k + tail). The RL losses (`rl`) read the task's reward instead; GRPO with
-K = `LossConfig.updates_per_batch` > 1 takes `rl.grpo_updates`.
+K = `LossConfig.updates_per_batch` > 1 takes `rl_step.grpo_updates`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from opd_jax.inference import teacher_forcing
 from opd_jax.model import teacher_topk
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import off_policy
-from opd_jax.train import losses, microbatch, policy, rl
+from opd_jax.train import losses, microbatch, policy, rl, rl_step
 from opd_jax.train import mismatch_metrics as mismatch
 from opd_jax.train import state as train_state
 
@@ -166,7 +166,9 @@ def opd_loss(
   entropy_bc = losses.token_entropy(jax.lax.stop_gradient(student_bcv))
   entropy = {"student/entropy": losses.masked_mean(entropy_bc, mask_bc)}
   if loss_cfg.name in rl.RL_LOSSES:  # the task's reward instead of the teacher: no teacher pass
-    loss, metrics = rl.rl_loss(student_bcv, tokens_bc, mask_bc, rollout, loss_cfg, reference_lp_bc)
+    loss, metrics = rl_step.rl_loss(
+      student_bcv, tokens_bc, mask_bc, rollout, loss_cfg, reference_lp_bc
+    )
     return loss, metrics | entropy
   teacher = teacher_scores(teacher_params, rollout, teacher_cfg, loss_cfg)
   loss, metrics = teacher_loss(loss_cfg.name)(student_bcv, teacher, rollout, loss_cfg)
@@ -317,11 +319,11 @@ def train_step(
     opt/*, perf/*, and per-token arrays [B, C] under per_token/*.
 
   GRPO with K = `loss_cfg.updates_per_batch` > 1 makes K optimizer updates on the batch
-  (`rl.grpo_updates`); with K = 1 it takes the path of every other loss.
+  (`rl_step.grpo_updates`); with K = 1 it takes the path of every other loss.
   """
   if loss_cfg.updates_per_batch > 1:
     check_microbatches(loss_cfg, microbatches, rollout.batch_size)
-    return rl.grpo_updates(
+    return rl_step.grpo_updates(
       state,
       rollout,
       tx=tx,

@@ -122,15 +122,15 @@ def run(
   """Runs OPD as configured; returns the quality at the start and the end.
 
   `step_hook` builds the hook the loop drives (`hooks`): the budget guard for a config with
-  `budget.file` (`mismatch.guard.run` passes it). A config with `budget.file` and no hook is
+  `budget.file` (`mismatch.live_guard.run` passes it). A config with `budget.file` and no hook is
   refused, so that a guard asked for is never silently left out.
   """
   config_check.validate(config)
   if config.budget.file and step_hook is None:
     raise ValueError(
       f"budget.file={config.budget.file!r} asks for the live budget guard, which this call "
-      "was not given: run with opd_jax.mismatch.guard.run (as `python -m opd_jax.main` does), "
-      "or pass step_hook=opd_jax.mismatch.guard.LiveGuard.create"
+      "was not given: run with opd_jax.mismatch.live_guard.run (as `python -m opd_jax.main` does), "
+      "or pass step_hook=opd_jax.mismatch.live_guard.LiveGuard.create"
     )
   start = time.time()
   is_main = jax.process_index() == 0

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from opd_jax.cli import admit_check
 from opd_jax.io import metrics_writer
-from opd_jax.mismatch import admission, budget_file, budget_rules
+from opd_jax.mismatch import admission, budget_file, budget_rules, live_guard
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.candidates import parse_candidate
@@ -229,14 +229,14 @@ def test_the_guard_warns_when_the_training_mismatch_exceeds_the_default():
 def test_the_guard_runs_the_default_only_to_warn():
   b = base.get_config().budget
   b.file = budget_lib.UNCALIBRATED
-  assert guard_lib.uncalibrated_problem(b) is None  # action warn, the default
+  assert live_guard.uncalibrated_problem(b) is None  # action warn, the default
   for action in ("fallback", "adaptive"):
     b.action = action
     assert f"budget.action='{action}' would change the run's engine" in (
-      guard_lib.uncalibrated_problem(b)
+      live_guard.uncalibrated_problem(b)
     )
   b.file = "budget.json"  # a calibrated file may act
-  assert guard_lib.uncalibrated_problem(b) is None
+  assert live_guard.uncalibrated_problem(b) is None
 
 
 def test_an_acting_guard_on_the_default_is_refused_before_anything_loads(tmp_path):
@@ -244,7 +244,7 @@ def test_an_acting_guard_on_the_default_is_refused_before_anything_loads(tmp_pat
   config.teacher.cache_dir = str(tmp_path / "teacher_cache")
   config.budget.file, config.budget.action = budget_lib.UNCALIBRATED, "fallback"
   with pytest.raises(ValueError, match=r"only warns: budget\.action='fallback'"):
-    guard_lib.run(config, str(tmp_path / "run"), log=quiet)
+    live_guard.run(config, str(tmp_path / "run"), log=quiet)
   assert not (tmp_path / "run").exists() and not (tmp_path / "teacher_cache").exists()
 
 
@@ -259,7 +259,7 @@ def test_a_noisy_run_guarded_by_the_default_warns_every_step_and_trains_on(tmp_p
   config.budget.patience, config.budget.smoothing = 1, 0.0
   lines = []
   workdir = tmp_path / "run"
-  result = guard_lib.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
+  result = live_guard.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
   assert result["end_step"] == 6
   text = "\n".join(lines)
   assert f"budget guard: {budget_lib.uncalibrated_note()}, rule pooled, not validated" in text

@@ -4,7 +4,7 @@ Run by tests/inference/test_sharded_sampler.py in a subprocess whose environment
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (only this process sees 8 devices).
 Prints one JSON line with, per mesh, whether the sharded greedy and sampled rollouts equal
 the unsharded ones token for token, the largest log-prob and teacher-logit differences,
-and the collectives of each compiled program (`sharding.hlo_collectives`), split into
+and the collectives of each compiled program (`sharding_checks.hlo_collectives`), split into
 those that gather the batch and the rest; then the same comparisons for the
 `RolloutWorker` (teacher scoring, rewards) and `evaluate.evaluate` on the 2x2x2 mesh.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
 from opd_jax.inference import sampler, teacher_forcing, transform
-from opd_jax.model import sharding, tokenizer
+from opd_jax.model import sharding, sharding_checks, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout.worker import RolloutWorker
@@ -50,7 +50,7 @@ def batch_gathers(hlo_text: str, local_batch: int) -> list[str]:
   """All-gathers (and all-to-alls) that concatenate along a dimension holding the
   per-shard batch: each would gather rows of other batch shards."""
   found = []
-  for op in sharding.hlo_collectives(hlo_text):
+  for op in sharding_checks.hlo_collectives(hlo_text):
     if op["op"] not in ("all-gather", "all-to-all") or op["operand"] is None:
       continue
     for d in op["dims"]:
@@ -62,7 +62,7 @@ def batch_gathers(hlo_text: str, local_batch: int) -> list[str]:
 
 def summary(hlo_text: str) -> dict:
   """Counts per collective op, and the distinct shapes the all-reduces carry."""
-  ops = sharding.hlo_collectives(hlo_text)
+  ops = sharding_checks.hlo_collectives(hlo_text)
   reduced = sorted({str(op["operand"]) for op in ops if op["op"] == "all-reduce"})
   return {"counts": dict(Counter(op["op"] for op in ops)), "all_reduce_operands": reduced}
 

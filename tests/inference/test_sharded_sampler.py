@@ -18,7 +18,7 @@ from conftest import tiny_model_cfg
 
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
-from opd_jax.model import sharding
+from opd_jax.model import sharding, sharding_checks
 from opd_jax.model import transformer as model
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import setup as setup_lib
@@ -40,7 +40,7 @@ HLO = """
 
 
 def test_hlo_collectives_reads_ops_shapes_and_dims():
-  ops = sharding.hlo_collectives(HLO)
+  ops = sharding_checks.hlo_collectives(HLO)
   got = [(op["op"], op["operand"], op["result"], op["dims"]) for op in ops]
   assert got == [
     ("all-gather", (16, 4, 8), (32, 4, 8), (0,)),

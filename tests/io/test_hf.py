@@ -16,7 +16,7 @@ import transformers
 from conftest import tiny_model_cfg
 from safetensors.numpy import load_file, save_file
 
-from opd_jax.io import hf
+from opd_jax.io import hf, hf_export
 from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -348,7 +348,7 @@ def _no_bos_tokenizer(directory):
 
 def test_save_with_generation_config_writes_the_ids(tmp_path):
   cfg = tiny_model_cfg(vocab_size=21)
-  generation = hf.generation_config(tokenizer_lib.CharTokenizer())
+  generation = hf_export.generation_config(tokenizer_lib.CharTokenizer())
   assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
   hf.save_checkpoint(tmp_path, cfg, _tiny_params(cfg), generation_config=generation)
   config = json.loads((tmp_path / "config.json").read_text())
@@ -385,7 +385,7 @@ def test_generation_config_keeps_the_sources_defaults(tmp_path):
   source = {"temperature": 0.7, "top_p": 0.8, "eos_token_id": [5, 2], "bos_token_id": 9}
   (tmp_path / "generation_config.json").write_text(json.dumps(source))
   # The tokenizer's ids win; a source eos list that holds the tokenizer's eos stays.
-  assert hf.generation_config(char, tmp_path) == {
+  assert hf_export.generation_config(char, tmp_path) == {
     "temperature": 0.7,
     "top_p": 0.8,
     "eos_token_id": [5, 2],
@@ -393,18 +393,19 @@ def test_generation_config_keeps_the_sources_defaults(tmp_path):
     "pad_token_id": 0,
   }
   (tmp_path / "generation_config.json").write_text(json.dumps(source | {"eos_token_id": [5, 7]}))
-  assert hf.generation_config(char, tmp_path)["eos_token_id"] == 2
+  assert hf_export.generation_config(char, tmp_path)["eos_token_id"] == 2
   # No bos in the tokenizer: the source's bos stays; without a source there is none.
   no_bos = _no_bos_tokenizer(tmp_path / "tok")
   assert no_bos.bos_id is None
-  assert hf.generation_config(no_bos, tmp_path)["bos_token_id"] == 9
-  assert hf.generation_config(no_bos) == {"eos_token_id": 10, "pad_token_id": 11}
-  assert hf.generation_config(char, tmp_path / "no_such_dir") == hf.token_ids(char)
+  assert hf_export.generation_config(no_bos, tmp_path)["bos_token_id"] == 9
+  assert hf_export.generation_config(no_bos) == {"eos_token_id": 10, "pad_token_id": 11}
+  assert hf_export.generation_config(char, tmp_path / "no_such_dir") == hf_export.token_ids(char)
 
 
 def test_char_tokenizer_loads_in_transformers(tmp_path):
   char = tokenizer_lib.CharTokenizer()
-  assert hf.save_char_tokenizer(char, tmp_path) == ["tokenizer.json", "tokenizer_config.json"]
+  files = hf_export.save_char_tokenizer(char, tmp_path)
+  assert files == ["tokenizer.json", "tokenizer_config.json"]
   tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
   text = tokenizer_lib.CHAR_ALPHABET + "907+1="
   assert len(tok) == char.vocab_size
@@ -425,7 +426,7 @@ def test_export_student_writes_a_loadable_directory(tmp_path):
   no_bos = _no_bos_tokenizer(tmp_path / "tok")
   (tmp_path / "tok" / "vocab.json").write_text("{}")  # a file the char export must not keep
   out = tmp_path / "out"
-  files = hf.export_student(out, cfg, params, no_bos)  # copies from where no_bos was loaded
+  files = hf_export.export_student(out, cfg, params, no_bos)  # copies from where no_bos was loaded
   copied = sorted(p.name for p in (tmp_path / "tok").iterdir())
   assert files == sorted(["config.json", "generation_config.json", "model.safetensors", *copied])
   for name in copied:
@@ -441,7 +442,7 @@ def test_export_student_writes_a_loadable_directory(tmp_path):
   ours = np.asarray(model.forward(params, jnp.asarray(tokens), cfg))
   assert np.max(np.abs(_torch_logits(reloaded, tokens) - ours)) <= 1e-5
   # Exporting again with the char tokenizer replaces the earlier tokenizer's files.
-  files = hf.export_student(out, cfg, params, tokenizer_lib.CharTokenizer())
+  files = hf_export.export_student(out, cfg, params, tokenizer_lib.CharTokenizer())
   assert "vocab.json" not in files and "tokenizer.json" in files
   assert json.loads((out / "generation_config.json").read_text())["bos_token_id"] == 1
 
@@ -453,10 +454,10 @@ def test_export_student_refuses_before_writing(tmp_path):
   out = tmp_path / "out"
   in_memory = tokenizer_lib.HFTokenizer(_no_bos_fast_tokenizer())  # loaded from no directory
   with pytest.raises(ValueError, match="HFTokenizer needs its tokenizer directory"):
-    hf.export_student(out, cfg, params, in_memory)
+    hf_export.export_student(out, cfg, params, in_memory)
   (tmp_path / "empty").mkdir()
   with pytest.raises(ValueError, match="holds none of the tokenizer files"):
-    hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "empty")
+    hf_export.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="tokenizer directory .* does not exist"):
-    hf.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "gone")
+    hf_export.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "gone")
   assert not out.exists()

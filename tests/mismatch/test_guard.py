@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from opd_jax.io import metrics_writer
-from opd_jax.mismatch import admission, budget_file
+from opd_jax.mismatch import admission, budget_file, live_guard
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.budget import Rule
 from opd_jax.mismatch.budget_fit import fit_budget
@@ -137,13 +137,13 @@ def test_apply_rung_gives_a_validated_copy():
 
 def test_resumed_rung_reads_the_checkpoint_and_refuses_another_ladder():
   ladder = guard_lib.fallback_ladder(FULL)
-  assert guard_lib.resumed_rung({}, ladder) == 0
+  assert live_guard.resumed_rung({}, ladder) == 0
   extra = {"guard": {"rung": 2, "overrides": dict(ladder[2].overrides)}}
-  assert guard_lib.resumed_rung(extra, ladder) == 2
+  assert live_guard.resumed_rung(extra, ladder) == 2
   with pytest.raises(ValueError, match="the ladder has 4"):
-    guard_lib.resumed_rung({"guard": {"rung": 7, "overrides": {}}}, ladder)
+    live_guard.resumed_rung({"guard": {"rung": 7, "overrides": {}}}, ladder)
   with pytest.raises(ValueError, match="with overrides"):
-    guard_lib.resumed_rung({"guard": {"rung": 1, "overrides": {"kv_cache": "fp8"}}}, ladder)
+    live_guard.resumed_rung({"guard": {"rung": 1, "overrides": {"kv_cache": "fp8"}}}, ladder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +494,7 @@ def fallback_run(teacher_cache, budget_path, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("guarded")
   lines = []
   config = tiny_fp8_config(teacher_cache, budget_path)
-  result = guard_lib.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
+  result = live_guard.run(config, str(workdir), log=lambda *a: lines.append(" ".join(map(str, a))))
   return workdir, result, lines
 
 
@@ -546,7 +546,7 @@ def test_adaptive_run_measures_each_rung_against_its_own_per_source_limit(
   budget_file.save_budget(path, fitted, admission.current_fingerprint(setup, student))
   config = tiny_fp8_config(teacher_cache, path, action="adaptive")
   lines = []
-  guard_lib.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
+  live_guard.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(" ".join(map(str, a))))
   text = "\n".join(lines)
   measured = [line for line in lines if "budget guard measured" in line]
   assert len(measured) == 2, text  # rung 2 is never measured
@@ -565,7 +565,7 @@ def test_a_resumed_run_keeps_the_switched_rung(fallback_run, teacher_cache, budg
   lines = []
   config = tiny_fp8_config(teacher_cache, budget_path)
   config.train.steps = 8
-  result = guard_lib.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(str(a[0])))
+  result = live_guard.run(config, str(tmp_path / "run"), log=lambda *a: lines.append(str(a[0])))
   assert (result["start_step"], result["end_step"]) == (6, 8)
   text = "\n".join(lines)
   assert "on rung 2" in text
@@ -586,7 +586,7 @@ def test_a_study_budget_is_fresh_for_a_run_from_its_runs_start(tiny_setup, budge
   budget_file.save_budget(path, budget, budget_file.with_run_start(measured_at_probe, student))
   config = tiny_fp8_config(config.teacher.cache_dir, path)
   lines = []
-  live = guard_lib.LiveGuard.create(config, setup, student, {}, None, None, None, lines.append)
+  live = live_guard.LiveGuard.create(config, setup, student, {}, None, None, None, lines.append)
   assert live.guard.rung == 0 and not any("stale" in line for line in lines)
   saved = budget_file.load_budget(path)[1]
   assert budget_file.stale_reasons(saved, fp)[0].startswith("student weights hash changed")
@@ -602,7 +602,7 @@ def test_a_stale_budget_is_refused_unless_forced(tiny_setup, budget_path, tmp_pa
   config = tiny_fp8_config(config.teacher.cache_dir, stale)
 
   def create(config, extra, log=quiet):
-    return guard_lib.LiveGuard.create(config, setup, student, extra, None, None, None, log)
+    return live_guard.LiveGuard.create(config, setup, student, extra, None, None, None, log)
 
   with pytest.raises(ValueError, match="is stale(.|\\n)*backend tpu -> cpu"):
     create(config, {})

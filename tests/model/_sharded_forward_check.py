@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from opd_jax.model import sharding
+from opd_jax.model import sharding, sharding_checks
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 
@@ -73,10 +73,10 @@ def main():
     result["max_abs_diff"][name] = float(np.max(np.abs(np.asarray(logits) - ref_logits)))
 
     if shape == (2, 2, 2):
-      result["excess_2x2x2"] = sharding.assert_params_sufficiently_sharded(params, mesh)
+      result["excess_2x2x2"] = sharding_checks.assert_params_sufficiently_sharded(params, mesh)
       replicated = jax.device_put(ref_params, sharding.replicated(mesh))
       try:
-        sharding.assert_params_sufficiently_sharded(replicated, mesh)
+        sharding_checks.assert_params_sufficiently_sharded(replicated, mesh)
         result["replicated_rejected"] = ""
       except ValueError as e:
         result["replicated_rejected"] = str(e)
@@ -90,7 +90,7 @@ def main():
       result["opt_mu_matches"] = spec_tree(adam.mu) == param_specs
       result["opt_nu_matches"] = spec_tree(adam.nu) == param_specs
       result["opt_count_spec"] = str(adam.count.sharding.spec)
-      result["describe"] = sharding.describe(params)
+      result["describe"] = sharding_checks.describe(params)
   print(json.dumps(result))
 
 

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, SequenceKey
 
-from opd_jax.model import sharding
+from opd_jax.model import sharding, sharding_checks
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray
@@ -185,14 +185,14 @@ def test_sufficiently_sharded_hand_computed():
 
   tree = {"a_df": placed(P("fsdp", "tensor")), "b_df": placed(P()), "n_d": leaf(64)}
   # per device: 32·32 + 64·64 = 5120 elements of 8192 total; excess = 5120·4/8192 − 1.
-  assert sharding.assert_params_sufficiently_sharded(tree, mesh, tolerance=2.0) == 1.5
+  assert sharding_checks.assert_params_sufficiently_sharded(tree, mesh, tolerance=2.0) == 1.5
   with pytest.raises(ValueError, match=r"150\.0% above total/4.*\['b_df'\] \(64, 64\) P\(\)"):
-    sharding.assert_params_sufficiently_sharded(tree, mesh)
+    sharding_checks.assert_params_sufficiently_sharded(tree, mesh)
   # Only fsdp splits b: it holds 32·64 per device; excess = (1024 + 2048)·4/8192 − 1 = 0.5.
   tree["b_df"] = placed(P("fsdp", None))
-  assert sharding.assert_params_sufficiently_sharded(tree, mesh, tolerance=1.0) == 0.5
+  assert sharding_checks.assert_params_sufficiently_sharded(tree, mesh, tolerance=1.0) == 0.5
   tree["b_df"] = placed(P("tensor", "fsdp"))
-  assert sharding.assert_params_sufficiently_sharded(tree, mesh) == 0.0
+  assert sharding_checks.assert_params_sufficiently_sharded(tree, mesh) == 0.0
 
 
 def test_sufficiently_sharded_passes_trivially_on_one_device():
@@ -202,7 +202,7 @@ def test_sufficiently_sharded_passes_trivially_on_one_device():
   )
   assert shardings["embed_vd"].spec == P("tensor", "fsdp")
   assert params["layers"][0]["gate_df"].sharding.spec == P("fsdp", "tensor")
-  assert sharding.assert_params_sufficiently_sharded(params, mesh, min_elements=0) == 0.0
+  assert sharding_checks.assert_params_sufficiently_sharded(params, mesh, min_elements=0) == 0.0
 
 
 def test_describe_counts_and_specs():
@@ -213,7 +213,7 @@ def test_describe_counts_and_specs():
   )
   mesh = sharding.make_mesh((1, 1, 1))
   params = jax.device_put(params, sharding.tree_shardings(params, mesh))
-  lines = sharding.describe(params).splitlines()
+  lines = sharding_checks.describe(params).splitlines()
   assert [line.split()[0] for line in lines] == [
     "embed_vd",
     "final_norm_d",

@@ -1,4 +1,4 @@
-"""GRPO (opd_jax/train/rl.py, rl.grpo_updates) against hand-computed values."""
+"""GRPO (opd_jax/train/rl.py, rl_step.grpo_updates) against hand-computed values."""
 
 import math
 import sys
@@ -15,7 +15,7 @@ from opd_jax.config import check as config_check
 from opd_jax.data import rewards
 from opd_jax.inference import sampler, teacher_forcing
 from opd_jax.model import transformer as model
-from opd_jax.train import losses, rl, train_step
+from opd_jax.train import losses, rl, rl_step, train_step
 from opd_jax.train import state as train_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
@@ -196,7 +196,7 @@ def test_two_updates_match_two_hand_applied_updates(batch):
   old_lp = jnp.where(mask > 0, losses.token_logprobs(z, tokens), 0.0)  # π_old = π_θ0
 
   def loss(p):
-    return rl.grpo_policy_loss(p, rollout, advantage_b, old_lp, CFG, cfg, "none")[0]
+    return rl_step.grpo_policy_loss(p, rollout, advantage_b, old_lp, CFG, cfg, "none")[0]
 
   grad_fn = jax.jit(jax.grad(loss))
   params = student

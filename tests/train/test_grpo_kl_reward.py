@@ -18,7 +18,7 @@ from opd_jax.inference import sampler, teacher_forcing, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.rollout.worker import RolloutWorker
-from opd_jax.train import losses, microbatch, pretrain, rl, train_step
+from opd_jax.train import losses, microbatch, pretrain, rl, rl_step, train_step
 from opd_jax.train import state as train_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
@@ -205,7 +205,7 @@ def test_minibatch_updates_match_hand_applied_updates_with_the_penalty(batch):
 
   def loss(p, i):
     part, adv, old, ref = jax.tree.map(lambda x: x[i], parts)
-    return rl.grpo_policy_loss(p, part, adv, old, CFG, cfg, "none", ref)
+    return rl_step.grpo_policy_loss(p, part, adv, old, CFG, cfg, "none", ref)
 
   grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
   params, kls = student, []

@@ -431,7 +431,10 @@ def test_sharded_vocabulary_axis_cuts_the_same_logits():
   flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
   env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  tests = str(ROOT / "tests")  # the conftest test_prompts imports from
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), tests, env.get("PYTHONPATH", "")]).rstrip(
+    os.pathsep
+  )
   proc = subprocess.run(
     [sys.executable, __file__, "sharded"],
     env=env,

@@ -169,7 +169,7 @@ def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
   """The admission check compiles without XLA backend optimisation (`--fast-compile`): the
   flag must reach XLA (the backend reads it at start, so a second call is refused), and the
   FP8 engine's mismatch/kl must match an optimised build within 1e-4 relative."""
-  tests = str(Path(__file__).resolve().parent)
+  tests = str(Path(__file__).resolve().parents[1])  # where conftest is
   script = FAST_COMPILE_SCRIPT.format(tests=tests, prompts=PROMPTS)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   runs = {}

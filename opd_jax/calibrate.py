@@ -21,13 +21,12 @@ The logic is `opd_jax.experiments.calibrate`.
 
 from __future__ import annotations
 
-import json
-
 from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
 from opd_jax.config.values import DEFAULT_NUM_PROMPTS
+from opd_jax.io import json_file
 
 _QUICK = flags.DEFINE_bool(
   "quick", False, "The quick design: noise and the candidates' sources, two seeds, short runs."
@@ -91,7 +90,7 @@ def main() -> None:
   compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, workdir)
   result = calibrate.calibrate(plan, workdir, log)
   if _JSON.value:
-    cli_flags.write_json(json.dumps(result, indent=1, default=float), _JSON.value)
+    json_file.write_json(_JSON.value, result)
 
 
 if __name__ == "__main__":

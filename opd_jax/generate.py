@@ -40,6 +40,7 @@ from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
 from opd_jax.config import check as config_check
 from opd_jax.config import values
+from opd_jax.io import json_file
 
 WEIGHTS = config_check.RULES["rollout.weights"].options  # rollout.weights, the trainer's formats
 KV_CACHES = config_check.RULES["rollout.kv_cache"].options  # rollout.kv_cache
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
   result = generate(args)
   if args.json:
     payload = {k: result[k] for k in ("completions", "logprobs", "text") if k in result}
-    cli_flags.write_json(json.dumps(payload), args.json)
+    json_file.write_text(args.json, json.dumps(payload))
     if args.json == "-":
       return 0
   print(f"engine {result['engine_id']}, stop tokens {result['stop_tokens']}")

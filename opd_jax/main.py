@@ -10,13 +10,13 @@ readable lines to stderr.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 
 from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 _DISTRIBUTED = flags.DEFINE_bool(
   "distributed", False, "Call jax.distributed.initialize() (multi-host launches)."
@@ -53,7 +53,7 @@ def main() -> None:
       raise
     sys.stdout.flush()
   if _JSON.value and jax.process_index() == 0:
-    cli_flags.write_json(json.dumps(result, indent=1, default=float), _JSON.value)
+    json_file.write_json(_JSON.value, result)
   cli_flags.freeze_heap_for_exit()
 
 

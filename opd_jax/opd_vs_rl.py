@@ -25,6 +25,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 _JSON = flags.DEFINE_string(
   "json", None, "Also write the report JSON to PATH; - (or a bare --json) prints it to stdout."
@@ -42,7 +43,7 @@ def main() -> None:
   compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
   report = opd_vs_rl.run_comparison(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, log=log)
   if _JSON.value:
-    cli_flags.write_json(json.dumps(report, indent=1), _JSON.value)
+    json_file.write_text(_JSON.value, json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

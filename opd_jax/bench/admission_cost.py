@@ -53,6 +53,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 DEFAULT_CANDIDATE = "rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor"
 TARGET = 0.02
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     entry["within_target"] = entry["fraction_of_run"] <= TARGET
     result[name] = entry
   if args.json:
-    cli_flags.write_json(json.dumps(result), args.json)
+    json_file.write_text(args.json, json.dumps(result))
     if args.json == "-":
       return 0
   print(f"check: {args.candidate} on {args.prompts} prompts, student={args.student}")

@@ -66,7 +66,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
-from opd_jax.io import metrics_writer
+from opd_jax.io import json_file, metrics_writer
 
 RUNS = {
   "sync_bf16": {"rollout.mode": "sync"},
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
   }
   if args.json:
     with cli_flags.json_output(args.json) as path:
-      cli_flags.write_json(json.dumps(result), path)
+      json_file.write_text(path, json.dumps(result))
     if args.json == "-":
       return 0
   print(f"\ntarget: {result['target']}; {args.seeds} seeds (mean ± sd); {result['note']}")

@@ -47,6 +47,7 @@ from absl import flags
 from opd_jax.bench.sampler import MODELS
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 MODEL = "qwen3-50m"
 CAPACITIES = (256, 1024, 4096)
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
   rows = run(batches, 3 if args.quick else 7, attentions, log)
   result = {"rows": rows, "ratios": ratios(rows)}
   if args.json:
-    cli_flags.write_json(json.dumps(result), args.json)
+    json_file.write_text(args.json, json.dumps(result))
     if args.json == "-":
       return 0
   print(

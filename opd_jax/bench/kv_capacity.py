@@ -36,6 +36,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 if TYPE_CHECKING:  # annotations only: --help imports no JAX
   from opd_jax.model import kvcache
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
   rows = capacity_rows(int(args.budget_gib * 2**30), args.seq_len)
   checks = check_floors(rows)
   if args.json:
-    cli_flags.write_json(json.dumps({"rows": rows}), args.json)
+    json_file.write_text(args.json, json.dumps({"rows": rows}))
   if args.json == "-":
     for c in checks:
       if not c["ok"]:

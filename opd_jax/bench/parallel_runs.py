@@ -33,6 +33,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 RESULT_KEYS = ("student_accuracy_after", "student_teacher_kl_after", "train/mismatch/kl_mean")
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     "workdir": root,
   }
   if args.json:
-    cli_flags.write_json(json.dumps(result), args.json)
+    json_file.write_text(args.json, json.dumps(result))
     if args.json == "-":
       return 0
   print(f"\n{args.runs} runs on {result['cpu_count']} CPUs ({result['steps']} steps each)")

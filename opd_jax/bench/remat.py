@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 if TYPE_CHECKING:  # annotations only: --help imports no JAX
   from opd_jax.data.rollout_types import Rollout
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     "backend": jax.default_backend(),
   }
   if args.json:
-    cli_flags.write_json(json.dumps({"shape": shape, "rows": rows}), args.json)
+    json_file.write_text(args.json, json.dumps({"shape": shape, "rows": rows}))
     if args.json == "-":
       return 0
   print(f"train step, {shape}")

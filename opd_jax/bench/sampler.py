@@ -68,6 +68,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 if TYPE_CHECKING:  # annotations only: --help imports no JAX
   from opd_jax.model import kvcache
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
   repeats = 2 if args.quick else 3
   rows = [row for name in names for row in bench_model(name, repeats, log, kinds)]
   if args.json:
-    cli_flags.write_json(json.dumps({"rows": rows}), args.json)
+    json_file.write_text(args.json, json.dumps({"rows": rows}))
     if args.json == "-":
       return 0
   print()

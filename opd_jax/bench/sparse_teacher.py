@@ -37,6 +37,7 @@ from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 if TYPE_CHECKING:  # annotations only: --help imports no JAX
   from opd_jax.data.rollout_types import Rollout
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
     "backend": jax.default_backend(),
   }
   if args.json:
-    cli_flags.write_json(json.dumps({"shape": shape, "rows": rows}), args.json)
+    json_file.write_text(args.json, json.dumps({"shape": shape, "rows": rows}))
     if args.json == "-":
       return 0
   mib = 2**20

@@ -10,7 +10,8 @@ multi-process run without waiting on its dead peers.
 The vocabulary every command follows (docs/cli.md has the table of what changed):
 
 * `--json=PATH` writes the command's JSON result to PATH; `--json=-` (or a bare `--json`)
-  prints it to stdout, and the command's readable lines then go to stderr (`write_json`).
+  prints it to stdout, and the command's readable lines then go to stderr
+  (`io.json_file.write_text`).
 * `--params-from=RUN` names the trained run a command reads (`RUN` is its workdir).
 * The teacher cache is the run config's own key: `--config.teacher.cache_dir=DIR`
   (`--config.run.teacher.cache_dir=DIR` where the config nests a run config).
@@ -100,12 +101,6 @@ def bare_json_to_stdout(argv: list[str]) -> list[str]:
   return out
 
 
-def write_json(payload: str, target: str) -> None:
-  """Writes JSON text to `target`: a file path (parent folders made), or "-" for stdout
-  (`json_file.write_text`)."""
-  json_file.write_text(target, payload)
-
-
 @contextlib.contextmanager
 def json_output(target: str | None):
   """The path a library should write its JSON to, for `--json=target`.
@@ -120,7 +115,7 @@ def json_output(target: str | None):
     path = os.path.join(tmp, "result.json")
     yield path
     with open(path) as f:
-      write_json(f.read(), "-")
+      json_file.write_text("-", f.read())
 
 
 def define_json_flag(flag_values: flags.FlagValues, what: str = "the JSON result") -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from opd_jax.cli import flags as cli_flags
+from opd_jax.io import json_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,8 +139,8 @@ def test_json_to_stdout_to_a_file_and_bare(tmp_path):
 
 def test_write_json_refuses_an_empty_target(tmp_path, capsys):
   with pytest.raises(ValueError, match="--json needs a path, or - for stdout"):
-    cli_flags.write_json("{}", "")
-  cli_flags.write_json('{"a": 1}', "-")
+    json_file.write_text("", "{}")
+  json_file.write_text("-", '{"a": 1}')
   assert capsys.readouterr().out == '{"a": 1}\n'
   with cli_flags.json_output("-") as path:
     Path(path).write_text('{"b": 2}\n')

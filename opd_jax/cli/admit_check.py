@@ -205,8 +205,14 @@ def append_log(workdir: str, entries: Sequence[dict]) -> str:
 
 
 def check_budget_fresh(saved_fp: dict, current_fp: dict, force: bool, hint: str = "") -> list[str]:
-  """`stale_reasons` of the budget; raises ValueError listing them unless `force`."""
+  """`stale_reasons` of the budget; raises ValueError listing them unless `force` (for a budget
+  without a fingerprint, fitted from imported records, a message that says so)."""
   reasons = budget_file.stale_reasons(saved_fp, current_fp)
+  if not saved_fp and not force:
+    raise ValueError(
+      f"{budget_file.NO_FINGERPRINT}. Pass --force to check against it anyway (the verdicts "
+      "then rest on the imported runs' own engines and models, not on this setup's)"
+    )
   if reasons and not force:
     lines = "\n  ".join(reasons)
     raise ValueError(

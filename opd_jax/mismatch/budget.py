@@ -158,6 +158,9 @@ class Budget:
       source gets its own limit (`budget_fit.fit_budget`).
     rule: the admission rule the budget is used with (`Rule`); None for a budget
       that names none (`apply_rule` then uses the pooled limit).
+    provenance: where the records came from when they were not measured by this project's
+      check (`record_import.import_records`: the log format, the files and their sha256, the
+      key read as x, its conversion, the quality key and the tail), or None.
   """
 
   tolerance: float
@@ -172,6 +175,7 @@ class Budget:
   training: Budget | None = None
   min_crossing_records: int = MIN_CROSSING_RECORDS
   rule: Rule | None = None
+  provenance: dict[str, Any] | None = None
 
   @property
   def max_kl(self) -> float:

@@ -20,8 +20,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jaxlib
 import numpy as np
 from etils import epath
 
@@ -49,6 +47,8 @@ def weights_sha256(params) -> str:
   Returns:
     The hex digest (64 characters).
   """
+  import jax  # here, not at the top: reading and writing a budget file needs no JAX
+
   digest = hashlib.sha256()
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
@@ -88,6 +88,9 @@ def fingerprint(
     "quant_format", "backend" (jax.default_backend()), "device_kind" (of jax.devices()[0]),
     "jax_version", "jaxlib_version"}.
   """
+  import jax
+  import jaxlib
+
   if not isinstance(quant_format, str):
     raise ValueError(f"fingerprint: quant_format must be a str, got {quant_format!r}")
   fp = {
@@ -168,8 +171,18 @@ def _diff(saved, current, path: tuple[str, ...], out: list[str]):
     out.append(f"{_label(path)} changed: {saved!r} -> {current!r}")
 
 
+NO_FINGERPRINT = (
+  "the budget file has no fingerprint: it was fitted from records imported from another "
+  'stack\'s logs (python -m opd_jax.fit_budget; its "provenance" says which), not measured on '
+  "this student, teacher and engine, so nothing shows that its limit holds here"
+)
+
+
 def stale_reasons(saved_fp: Mapping, current_fp: Mapping, *, at_run_start=False) -> list[str]:
   """What differs between a saved fingerprint and the current one; empty when the budget holds.
+
+  An empty saved fingerprint (a budget fitted from imported records) gives the one reason
+  `NO_FINGERPRINT`: the admission check and the live guard then need their force flag.
 
   One line per differing leaf, e.g. "student weights hash changed: 3f2a… -> 9b1c…",
   "jax version 0.10.1 -> 0.10.2", "teacher architecture num_layers changed: 4 -> 8",
@@ -181,6 +194,8 @@ def stale_reasons(saved_fp: Mapping, current_fp: Mapping, *, at_run_start=False)
   is the one the calibration runs started from (RUN_START_KEY) where the file records it, and
   the measured one otherwise. The saved RUN_START_KEY is never itself a difference.
   """
+  if not saved_fp:
+    return [NO_FINGERPRINT]
   saved = json.loads(json.dumps(saved_fp))
   student = saved.get("student")
   if isinstance(student, dict) and RUN_START_KEY in student:
@@ -233,10 +248,13 @@ def rule_dict(rule: budget_lib.Rule) -> dict[str, Any]:
 
 def budget_to_json(budget: budget_lib.Budget, fingerprint: Mapping) -> str:
   """The budget file's text (schema: docs/budget_rules.md); "rule" only when the budget
-  names one."""
+  names one, "provenance" only when it has one (a budget fitted from imported records, whose
+  fingerprint is empty: `NO_FINGERPRINT`)."""
   doc: dict[str, Any] = {"schema": SCHEMA, "version": VERSION}
   if budget.rule is not None:
     doc["rule"] = rule_dict(budget.rule)
+  if budget.provenance is not None:
+    doc["provenance"] = dict(budget.provenance)
   doc.update(budget=_body(budget), fingerprint=dict(fingerprint))
   return json.dumps(doc, indent=1, default=_json_default) + "\n"
 
@@ -346,6 +364,13 @@ class _Reader:
     except ValueError as e:
       self.fail("rule", str(e))
 
+  def provenance(self, doc: Mapping) -> dict | None:
+    """The document's "provenance" (absent in files fitted from this project's own
+    measurements: None)."""
+    if "provenance" not in doc:
+      return None
+    return dict(self.obj(doc, "provenance", "top level"))
+
   def min_crossing_records(self, body: Mapping, where: str) -> int:
     """The body's "min_crossing_records", 1 when absent (files written before it)."""
     if "min_crossing_records" not in body:
@@ -397,7 +422,9 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
 
   Returns:
     (Budget, fingerprint dict); the Budget's `rule` is the file's, or None (the pooled rule for
-    `budget_rules.apply_rule`), with a UserWarning naming the file, when the file names none.
+    `budget_rules.apply_rule`), with a UserWarning naming the file, when the file names none;
+    its `provenance` is the file's, or None. The fingerprint is {} for a budget fitted from
+    imported records (`NO_FINGERPRINT`).
 
   Raises:
     ValueError: text that is not JSON, an unknown rule or rule parameter, another schema or
@@ -417,7 +444,8 @@ def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Bu
     r.fail("version", f"expected {VERSION}, got {doc.get('version')!r} (refit the budget)")
   body = r.obj(doc, "budget", "top level")
   fp = r.obj(doc, "fingerprint", "top level")
-  return dataclasses.replace(r.budget(body, "budget"), rule=r.rule(doc)), dict(fp)
+  budget = r.budget(body, "budget")
+  return dataclasses.replace(budget, rule=r.rule(doc), provenance=r.provenance(doc)), dict(fp)
 
 
 def save_budget(path, budget: budget_lib.Budget, fingerprint: Mapping) -> None:

@@ -65,7 +65,12 @@ _PARAMS_FROM = flags.DEFINE_string(
   "A trainer workdir: measure the student of its latest checkpoint (older checkpoints serve "
   "stale candidates). Default: the student a run starts from.",
 )
-_FORCE = flags.DEFINE_bool("force", False, "Check against a stale budget (reasons still shown).")
+_FORCE = flags.DEFINE_bool(
+  "force",
+  False,
+  "Check against a stale budget, or one without a fingerprint (fitted from another stack's logs "
+  "by opd_jax.fit_budget); the reasons are still shown.",
+)
 _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "later checks load the compiled programs instead of compiling them."
 )

@@ -10,7 +10,10 @@
   its own `--help` (each run as a subprocess, as a user runs it).
 * `docs/changelog.md`: CHANGELOG.md, as a page of the site.
 * `metrics.md`: every scalar a run logs, from the registry `METRICS` below, with its unit, meaning
-  and the TRL or verl name where one exists. tests/integration/test_docs.py checks that every
+  and the TRL or verl name where one exists (for `mismatch/*`, the peer names that
+  `opd_jax.mismatch.record_import.PEER_METRICS` maps onto it).
+* `records.md`: the calibration record schema and the peers' metric names
+  (`record_import.schema_page`). tests/integration/test_docs.py checks that every
   metric-like name in the package's code is in the registry (or named in `NOT_SCALARS`), and
   that every registry entry occurs in the code.
 """
@@ -411,8 +414,12 @@ def metrics_page() -> str:
     "are fitted on the check KL; they differ (0.71 to 2.0 times over round 9's runs): "
     "[two KLs](../guides/budget.md#two-kls-check-kl-and-training-kl).\n",
   ]
+  from opd_jax.mismatch import record_import
+
   namespace = None
   for name, unit, meaning, other in METRICS:
+    if name.startswith("mismatch/"):
+      other = record_import.peer_column(name) or other
     ns = name.split("/")[0]
     if ns != namespace:
       namespace = ns
@@ -646,12 +653,22 @@ def changelog_page() -> str:
   return f"{title}\n\n{HEADER.strip()}\n{rest}"
 
 
+# --- records ---------------------------------------------------------------------------------
+
+
+def records_page() -> str:
+  from opd_jax.mismatch import record_import
+
+  return f"# Calibration records\n\n{HEADER}{record_import.schema_page()}"
+
+
 # --- main ------------------------------------------------------------------------------------
 
 PAGES = {
   "config.md": config_page,
   "commands.md": commands_page,
   "metrics.md": metrics_page,
+  "records.md": records_page,
   "../changelog.md": changelog_page,
 }
 

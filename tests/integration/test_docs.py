@@ -95,7 +95,7 @@ def test_strict_mkdocs_build_has_no_broken_link_or_missing_page(tmp_path):
 # --- generated reference pages ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("page", ["config.md", "metrics.md", "../changelog.md"])
+@pytest.mark.parametrize("page", ["config.md", "metrics.md", "records.md", "../changelog.md"])
 def test_generated_page_equals_a_fresh_generation(page):
   committed = (gen.REFERENCE / page).resolve().read_text()
   assert committed == gen.PAGES[page](), f"run python tools/gen_reference.py {page}"

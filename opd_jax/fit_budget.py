@@ -30,7 +30,7 @@ from opd_jax.mismatch import record_import
 def define_flags(fv: flags.FlagValues) -> None:
   """The command's flags, on `fv`."""
   flags.DEFINE_multi_string(
-    "records", [], "A JSONL file of records or of a stack's per-step log; repeat.", flag_values=fv
+    "records", [], "A JSONL file of records or of a stack's per-step log", flag_values=fv
   )
   flags.DEFINE_enum(
     "format", "opd_jax", record_import.FORMATS, "What the files hold.", flag_values=fv
@@ -72,7 +72,7 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_multi_string(
     "reference",
     [],
-    "A reference run's name (default: source or run name 'reference').",
+    "A reference run's name (default: the runs whose source or name is 'reference')",
     flag_values=fv,
   )
   flags.DEFINE_bool(

@@ -304,7 +304,8 @@ def run_admission(
     )
     stale = [] if uncalibrated else check_budget_fresh(saved_fp, current_fp, force, hint)
     if stale:
-      log("warning: the budget is stale (--force):\n  " + "\n  ".join(stale))
+      what = "has no fingerprint" if not saved_fp else "is stale"
+      log(f"warning: the budget {what} (--force):\n  " + "\n  ".join(stale))
   setup_seconds = time.perf_counter() - start
 
   def measure_one(c: Candidate) -> dict:

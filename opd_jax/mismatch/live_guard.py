@@ -130,12 +130,17 @@ class LiveGuard:
       stale = budget_file.stale_reasons(saved_fp, current, at_run_start=True)
       if stale and not b.force:
         lines = "\n  ".join(stale)
+        if not saved_fp:
+          raise ValueError(
+            f"{b.file}: {lines}. Set --config.budget.force=true to run with it anyway"
+          )
         raise ValueError(
           f"the budget {b.file} is stale: it was calibrated on another setup. What changed:\n"
           f"  {lines}\nRecalibrate it, or set --config.budget.force=true to run with it anyway"
         )
       if stale:
-        log("warning: the budget is stale (budget.force):\n  " + "\n  ".join(stale))
+        what = "has no fingerprint" if not saved_fp else "is stale"
+        log(f"warning: the budget {what} (budget.force):\n  " + "\n  ".join(stale))
     guard = guard_lib.Guard(
       budget,
       ladder,

@@ -618,3 +618,24 @@ def test_a_stale_budget_is_refused_unless_forced(tiny_setup, budget_path, tmp_pa
   assert resumed.guard.rung == 1 and resumed.config.rollout.kv_cache == "bf16"
   config.budget.file = ""  # no budget file: no guard
   assert create(config, {}) is None
+
+
+@pytest.mark.slow
+def test_a_budget_without_a_fingerprint_needs_budget_force(tiny_setup, budget_path, tmp_path):
+  """A budget fitted from another stack's logs (`python -m opd_jax.fit_budget`) has an empty
+  fingerprint: a fresh guarded run refuses it, saying why, unless `budget.force`."""
+  config, setup, student = tiny_setup
+  budget, _ = budget_file.load_budget(budget_path)
+  imported = tmp_path / "imported.json"
+  budget_file.save_budget(imported, budget, {})
+  config = tiny_fp8_config(config.teacher.cache_dir, imported)
+
+  def create(log=quiet):
+    return live_guard.LiveGuard.create(config, setup, student, {}, None, None, None, log)
+
+  with pytest.raises(ValueError, match="has no fingerprint(.|\\n)*budget.force=true"):
+    create()
+  lines = []
+  config.budget.force = True
+  assert create(lines.append).guard.rung == 0
+  assert lines[0].startswith("warning: the budget has no fingerprint (budget.force)")

@@ -201,3 +201,22 @@ def test_engine_altered_at_one_step_only_shows_in_that_bucket_only():
     buckets["mismatch/kl_by_position/p024_031"], float(jnp.mean(kl_bc[:, p])) / 8, rtol=1e-5
   )
   assert m["mismatch/first_cross_pos"] == p and m["mismatch/cross_frac"] == 1.0
+
+
+def test_micro_batches_combine_to_the_whole_batchs_position_metrics():
+  """The per-token KL goes back to the batch's row order (`combine_microbatch_metrics`) before
+  the position metrics are taken: K = 3 strided micro-batches give the full batch's values,
+  which a token-weighted mean of the micro-batches' own bucket means would not (their buckets
+  hold different token counts)."""
+  from opd_jax.train import microbatch
+
+  rng = np.random.default_rng(0)
+  kl_bc = jnp.asarray(rng.exponential(0.1, (6, 10)), jnp.float32)
+  mask_bc = jnp.asarray(np.arange(10)[None, :] < rng.integers(1, 11, (6, 1)), jnp.int32)
+  parts = microbatch.split_microbatches(mask_bc, 3, batch_size=6)
+  metrics_k = {mismatch.PER_TOKEN_KL_KEY: microbatch.split_microbatches(kl_bc, 3, batch_size=6)}
+  combined = microbatch.combine_microbatch_metrics(metrics_k, jnp.full((3,), 1 / 3))
+  got = _scalars(mismatch.with_position_metrics(combined, mask_bc, 4, 0.1))
+  want = _scalars(mismatch.position_metrics(kl_bc, mask_bc, 4, 0.1))
+  assert got == want
+  assert parts.shape == (3, 2, 10)

@@ -401,6 +401,7 @@ NOT_SCALARS = {
   "mismatch/": "a prefix tested for",
   "mismatch/kl/part/": "a measurement key prefix of the admission check's JSON",
   "mismatch/kl/layer_": "a measurement key prefix of the sensitivity scan's JSON",
+  "mismatch/kl_by_position/": "the prefix of the position buckets' names",
 }
 
 METRIC_NAMESPACES = (

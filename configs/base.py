@@ -158,6 +158,8 @@ def get_config(arg=None):
   c.train.mismatch_top_k = (
     0  # mismatch/kl over: 0 = auto (full V <= 4096, else top-64), -1 = full, k
   )
+  c.train.mismatch_bucket_tokens = 16  # mismatch/kl_by_position/*: positions per bucket; 0 = off
+  c.train.mismatch_cross_kl = 0.1  # mismatch/first_cross_pos: a token crosses at KL_t > this
   c.train.lr = 1e-3  # peak AdamW learning rate
   c.train.warmup_steps = 10  # linear warmup
   c.train.weight_decay = 0.0  # AdamW decoupled weight decay

@@ -29,6 +29,10 @@ knee over the calibrated student–teacher pairs, at the lower end of its interv
 pooled rule and no fingerprint check; the header line, every row ("limit from", "call") and the
 JSON ("budget": "uncalibrated default") say so. Calibrate a budget for your own models for
 verdicts that are theirs.
+
+Every measured row carries its KL by token position (`kl_by_position`, buckets of
+`train.mismatch_bucket_tokens`) and its first crossings of `train.mismatch_cross_kl`
+(`first_cross`); --plot=PATH draws the former, one line per candidate, as a PNG.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ _CONSERVATIVE = flags.DEFINE_bool(
   "Take every limit of the file's rule at the lower end of its interval (then no longer the "
   "rule the file was validated with).",
 )
+_PLOT = flags.DEFINE_string(
+  "plot", None, "Also draw each candidate's KL by token position as a PNG at PATH."
+)
 _REPORT_ONLY = flags.DEFINE_bool(
   "report-only",
   False,
@@ -122,6 +129,10 @@ def main() -> int:
   except Exception:  # noqa: BLE001 (a failure of the check is an error, not a refusal)
     traceback.print_exc()
     cli_flags.exit_at_once(EXIT_ERROR)
+  if _PLOT.value:
+    from opd_jax.experiments import plots
+
+    plots.kl_by_position(result["rows"], _PLOT.value)
   admitted = all(row["admitted"] for row in result["rows"])
   # The table is printed; the JSON and the log are closed.
   cli_flags.exit_at_once(0 if admitted or _REPORT_ONLY.value else EXIT_REFUSED)

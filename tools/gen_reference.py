@@ -161,6 +161,26 @@ METRICS: list[tuple[str, str, str, str]] = [
     "`mismatch/kl`, `k3` and `abs_logp_diff` of the batches trained at weight-version lag k.",
     "",
   ),
+  (
+    "mismatch/kl_by_position/p<first>_<last>",
+    "nats/token",
+    "Mean per-token KL(π_b ‖ π_θ) over the completion positions first..last (buckets of "
+    "`train.mismatch_bucket_tokens`, zero-padded); NaN when no counted token falls in it.",
+    "",
+  ),
+  (
+    "mismatch/first_cross_pos",
+    "tokens",
+    "Mean over the completions that cross of the first position whose per-token KL exceeds "
+    "`train.mismatch_cross_kl`; NaN when none crosses.",
+    "",
+  ),
+  (
+    "mismatch/cross_frac",
+    "fraction",
+    "Share of the completions with a token whose KL exceeds `train.mismatch_cross_kl`.",
+    "",
+  ),
   # rollout/*: the rollout engine and the async queue
   ("rollout/seconds", "s", "Wall time of the batch's sampling.", ""),
   ("rollout/tokens_per_s", "tokens/s", "Completion tokens sampled per second.", ""),
@@ -384,6 +404,7 @@ NOT_SCALARS = {
   "mismatch/": "a prefix tested for",
   "mismatch/kl/part/": "a measurement key prefix of the admission check's JSON",
   "mismatch/kl/layer_": "a measurement key prefix of the sensitivity scan's JSON",
+  "mismatch/kl_by_position/": "the prefix of the position buckets' names",
 }
 
 METRIC_NAMESPACES = (

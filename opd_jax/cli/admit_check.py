@@ -42,6 +42,7 @@ from opd_jax.mismatch.admission import (
   training_time_kl,
 )
 from opd_jax.mismatch.candidates import Candidate, candidate_source, parse_candidate
+from opd_jax.mismatch.measure import POSITION_KEY
 from opd_jax.train import setup as setup_lib
 
 LOG_FILE = "admission_log.jsonl"
@@ -128,6 +129,7 @@ def candidate_row(
     row["behaviour_step"] = student_step - candidate.lag
     row["trainer_step"] = student_step
   row.update({k: v for k, v in measurement.items() if k.startswith(("mismatch/", "measure/"))})
+  row.update(measurement.get(POSITION_KEY, {}))  # kl_by_position, first_cross
   row.update(
     {
       "max_kl": verdict.limit,
@@ -310,7 +312,7 @@ def run_admission(
 
   def measure_one(c: Candidate) -> dict:
     behaviour = history.params(student["step"] - c.lag) if c.lag else None
-    return measure_candidate(c, setup, prompts, student_params, behaviour)
+    return measure_candidate(c, setup, prompts, student_params, behaviour, position=True)
 
   rows, entries, measure_seconds = [], [], []
   for i, c in enumerate(candidates):

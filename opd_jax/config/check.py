@@ -214,6 +214,8 @@ RULES: dict[str, Any] = {
   "train.advantage_baseline": Choice(("none", "batch_mean")),
   "train.jsd_beta": Num(True, 0, 1),
   "train.mismatch_top_k": Num(lo=-1),
+  "train.mismatch_bucket_tokens": NON_NEGATIVE,  # 0 = no position metrics
+  "train.mismatch_cross_kl": Num(True, 0, lo_open=True),
   "train.lr": Num(True, 0, lo_open=True),
   "train.warmup_steps": NON_NEGATIVE,
   "train.weight_decay": Num(True, 0),

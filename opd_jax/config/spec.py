@@ -131,6 +131,8 @@ class TrainSpec:
   advantage_baseline: str
   jsd_beta: float
   mismatch_top_k: int
+  mismatch_bucket_tokens: int
+  mismatch_cross_kl: float
   lr: float
   warmup_steps: int
   weight_decay: float

@@ -10,6 +10,9 @@ The study (`study_plots`, from the `study.json` dict):
 - `check_vs_training.png`: the check's mismatch/kl against each run's training-time mean;
 - the sensitivity bar chart is written by the scan itself (`sensitivity.png`).
 
+The admission check (`kl_by_position`, from its rows): the KL by token position per candidate
+(`python -m opd_jax.admit --plot=PATH`).
+
 OPD against RL (`opd_vs_rl_mismatch`, `opd_vs_rl_curves`, from its rows and cells):
 `opd_vs_rl.png` and `opd_vs_rl_curves.png`. matplotlib is imported only when a plot is drawn.
 """
@@ -296,3 +299,51 @@ def opd_vs_rl_curves(rows: Sequence[dict], path: str, methods: Sequence[str]) ->
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return True
+
+
+def _save(fig, path: str) -> str:
+  """Writes `fig` to `path` (its directory made) at the plots' resolution and closes it."""
+  plt = _plt()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def kl_by_position(rows: Sequence[dict], path: str) -> str:
+  """The admission check's KL by token position, one line per candidate row that carries
+  `kl_by_position` (each bucket drawn at its middle position, log y axis, empty buckets and
+  values under `KL_FLOOR` at the floor), with each candidate's threshold κ dashed and its first
+  crossing in the legend.
+
+  Raises:
+    ValueError: no row carries `kl_by_position`.
+  """
+  drawn = [r for r in rows if r.get("kl_by_position")]
+  if not drawn:
+    raise ValueError("no candidate row carries kl_by_position: nothing to plot")
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  thresholds = set()
+  for i, row in enumerate(drawn):
+    pos = row["kl_by_position"]
+    mid = [(a + z) / 2 for a, z in zip(pos["first"], pos["last"], strict=True)]
+    kl = [np.nan if x is None else _x(x) for x in pos["kl"]]
+    cross = row.get("first_cross") or {}
+    first = cross.get("pos_mean")
+    label = row.get("candidate", f"row {i}")
+    if cross:
+      thresholds.add(cross["kl"])
+      label += f" (cross {cross['crossed']}/{cross['completions']}" + (
+        f", first at {first:.1f})" if first is not None else ")"
+      )
+    ax.plot(mid, kl, marker=MARKERS[i % len(MARKERS)], ms=4, lw=1.2, label=label)
+  for kappa in sorted(thresholds):
+    ax.axhline(kappa, color="k", ls="--", lw=0.8)
+  ax.set_yscale("log")
+  ax.set_xlabel("completion position (bucket middle)")
+  ax.set_ylabel("mean KL(π_b ‖ π_θ) (nats/token)")
+  ax.set_title("mismatch by token position (dashed: crossing threshold)", fontsize=10)
+  ax.legend(fontsize=7)
+  return _save(fig, path)

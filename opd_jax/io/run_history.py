@@ -35,6 +35,8 @@ RESUMABLE_KEYS = (
   "train.resume_schedule",  # what a resume with another train.steps does (schedule_length)
   "data.eval_file",  # what is evaluated; a change of the held-out slice is refused (initial_state)
   "data.eval_metric",
+  "train.mismatch_bucket_tokens",  # what the position metrics report, not what is trained
+  "train.mismatch_cross_kl",
 )
 
 

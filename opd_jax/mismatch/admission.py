@@ -106,7 +106,12 @@ def candidate_sampler_config(candidate: Candidate, setup: setup_lib.Setup) -> sa
 
 
 def measure_candidate(
-  candidate: Candidate, setup: setup_lib.Setup, prompts, student_params, behaviour_params=None
+  candidate: Candidate,
+  setup: setup_lib.Setup,
+  prompts,
+  student_params,
+  behaviour_params=None,
+  position: bool = False,
 ) -> dict:
   """The check's measurement of one candidate: what a budget record's x-axis must be.
 
@@ -116,12 +121,20 @@ def measure_candidate(
   The study calibrating a budget calls this with the same prompts (`calibration_prompts`) so
   that its records and the check share one procedure.
 
+  With `position`, the dict also holds the KL by position and the first crossings under
+  `measure.POSITION_KEY`, with the candidate config's `train.mismatch_bucket_tokens` (when
+  > 0) and `train.mismatch_cross_kl`.
+
   Returns:
     `measure.measure`'s dict: the mismatch/* floats, measure/* timings, engine_id.
   """
+  t = candidate.config.train
   return measure_lib.measure(
     *_measure_args(candidate, setup, prompts, student_params, behaviour_params),
     trainer_params=student_params,
+    position=(t.mismatch_bucket_tokens, t.mismatch_cross_kl)
+    if position and t.mismatch_bucket_tokens
+    else None,
   )
 
 

@@ -51,6 +51,7 @@ from opd_jax.train import mismatch_metrics as mismatch
 from opd_jax.train import policy
 
 PER_TOKEN_KEY = "per_token/kl"  # the optional per-token KL array in `measure`'s result
+POSITION_KEY = "position"  # the optional by-position summary in `measure`'s result
 
 
 @jax.jit
@@ -232,6 +233,7 @@ def measure(
   *,
   trainer_params=None,
   return_per_token: bool = False,
+  position: tuple[int, float] | None = None,
 ) -> dict:
   """Measures the mismatch of one rollout configuration on calibration prompts.
 
@@ -255,6 +257,8 @@ def measure(
       current weights here and older ones as `student_params` to measure staleness).
     return_per_token: also return the per-token KL of the counted tokens as a 1-D
       numpy array under `PER_TOKEN_KEY` (row-major over [B, C]).
+    position: (w, κ): also return the KL by position and the first crossings under
+      `POSITION_KEY` (`mismatch.position_summary`: JSON values); None: not.
 
   Returns:
     A dict of Python floats: every `mismatch/*` metric, "measure/tokens" (N),
@@ -295,4 +299,6 @@ def measure(
   result["engine_id"] = engine_cfg.engine_id
   if return_per_token:
     result[PER_TOKEN_KEY] = np.asarray(kl_bc)[mask_bc > 0]
+  if position is not None:
+    result[POSITION_KEY] = mismatch.position_summary(np.asarray(kl_bc), mask_bc, *position)
   return result

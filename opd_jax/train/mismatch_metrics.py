@@ -16,6 +16,17 @@ and the metrics, each over the completion mask:
     mismatch/k3                                 mean(exp(ρ_t) − ρ_t − 1)
     mismatch/abs_logp_diff, _p95, _max          of |ρ_t|
 
+By token position (`position_metrics`; t is the completion position, 0 for the first sampled
+token, w = `train.mismatch_bucket_tokens`, κ = `train.mismatch_cross_kl`):
+
+    mismatch/kl_by_position/pAAA_BBB            mean KL_t over the counted tokens with
+                                                AAA ≤ t ≤ BBB (buckets of w up to C − 1);
+                                                NaN when the bucket holds none
+    mismatch/first_cross_pos                    mean over the completions that cross of
+                                                τ_b = min{t : KL_bt > κ}; NaN when none does
+    mismatch/cross_frac                         completions that cross / completions with a
+                                                counted token (NaN when there are none)
+
 k1 and k3 are the sampled-token estimators of the same KL (unbiased under
 y_t ~ π_b; k3 is non-negative per token). KL_t is exact over the vocabulary when
 the rollout carries the full behaviour distribution (`SamplerConfig.return_topk=-1`),
@@ -172,3 +183,183 @@ def mismatch_metrics(student_logits_bcv, rollout: Rollout) -> dict[str, jax.Arra
   metrics["mismatch/abs_logp_diff_p95"] = masked_quantile(abs_bc, mask_bc, 0.95)
   metrics["mismatch/abs_logp_diff_max"] = masked_max(abs_bc, mask_bc)
   return metrics
+
+
+# --- mismatch by token position ---------------------------------------------------------------
+
+POSITION_PREFIX = "mismatch/kl_by_position/"
+PER_TOKEN_KL_KEY = "per_token/mismatch_kl_bc"  # the step's [B, C] KL_t, taken out after combining
+
+
+def check_position_settings(bucket_tokens, cross_kl) -> None:
+  """Raises ValueError unless w = `bucket_tokens` is an int ≥ 0 (0 = off) and κ = `cross_kl`
+  a number > 0."""
+  if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 0:
+    raise ValueError(
+      f"train.mismatch_bucket_tokens must be an int >= 0 (0 = off), got {bucket_tokens!r}"
+    )
+  if isinstance(cross_kl, bool) or not isinstance(cross_kl, int | float) or not cross_kl > 0:
+    raise ValueError(f"train.mismatch_cross_kl must be a number > 0, got {cross_kl!r}")
+
+
+def position_buckets(completion_len: int, bucket_tokens: int) -> list[tuple[int, int]]:
+  """The buckets of completion positions as inclusive (first, last) pairs:
+  [(0, w − 1), (w, 2w − 1), …, (n·w, C − 1)], n = ⌈C / w⌉ − 1 (the last one may be short)."""
+  check_position_settings(bucket_tokens, 1.0)
+  if bucket_tokens == 0:
+    raise ValueError("train.mismatch_bucket_tokens is 0 (off): there are no buckets")
+  if completion_len < 1:
+    raise ValueError(f"the completion length must be >= 1, got {completion_len!r}")
+  starts = range(0, completion_len, bucket_tokens)
+  return [(a, min(a + bucket_tokens, completion_len) - 1) for a in starts]
+
+
+def bucket_name(first: int, last: int, completion_len: int) -> str:
+  """`mismatch/kl_by_position/p<first>_<last>`, zero-padded to the digits of C − 1 (at least
+  3) so that the names of one run sort in position order."""
+  width = max(3, len(str(completion_len - 1)))
+  return f"mismatch/kl_by_position/p{first:0{width}d}_{last:0{width}d}"
+
+
+def kl_by_position(kl_bc, mask_bc, bucket_tokens: int):
+  """Mean KL per bucket of completion positions.
+
+      kl_n = Σ_b Σ_{t ∈ bucket n} m_bt · KL_bt / N_n,   N_n = Σ_b Σ_{t ∈ bucket n} m_bt
+
+  with the buckets of `position_buckets`; kl_n is NaN where N_n = 0. Values at masked
+  positions are never read (they may be NaN).
+
+  Args:
+    kl_bc: f32 [B, C] per-token KL.
+    mask_bc: [B, C] completion mask (> 0 counts).
+    bucket_tokens: w ≥ 1.
+
+  Returns:
+    (kl_n f32 [n], tokens_n f32 [n]).
+  """
+  if kl_bc.ndim != 2 or kl_bc.shape != mask_bc.shape:
+    raise ValueError(f"KL {kl_bc.shape} and mask {mask_bc.shape} must both be [B, C]")
+  b, c = kl_bc.shape
+  n = len(position_buckets(c, bucket_tokens))
+  keep_bc = mask_bc > 0
+  kl_bc = jnp.where(keep_bc, kl_bc.astype(jnp.float32), 0.0)
+  pad = n * bucket_tokens - c  # the last bucket's missing columns count nothing
+  kl_bnw = jnp.pad(kl_bc, ((0, 0), (0, pad))).reshape(b, n, bucket_tokens)
+  keep_bnw = jnp.pad(keep_bc, ((0, 0), (0, pad))).reshape(b, n, bucket_tokens)
+  tokens_n = jnp.sum(keep_bnw, axis=(0, 2)).astype(jnp.float32)
+  sum_n = jnp.sum(kl_bnw, axis=(0, 2))
+  return jnp.where(tokens_n > 0, sum_n / jnp.maximum(tokens_n, 1.0), jnp.nan), tokens_n
+
+
+def first_cross(kl_bc, mask_bc, cross_kl: float):
+  """Each completion's first position whose KL crosses κ = `cross_kl`:
+
+      τ_b = min{t : m_bt > 0 and KL_bt > κ},   −1 when no counted token crosses.
+
+  Args:
+    kl_bc: f32 [B, C] per-token KL (masked values never read).
+    mask_bc: [B, C] completion mask.
+    cross_kl: κ > 0.
+
+  Returns:
+    (first_b int32 [B], counted_b bool [B]: the completion has a counted token).
+  """
+  keep_bc = mask_bc > 0
+  crossed_bc = keep_bc & (jnp.where(keep_bc, kl_bc, 0.0) > cross_kl)
+  first_b = jnp.where(jnp.any(crossed_bc, axis=1), jnp.argmax(crossed_bc, axis=1), -1)
+  return first_b.astype(jnp.int32), jnp.any(keep_bc, axis=1)
+
+
+def position_metrics(kl_bc, mask_bc, bucket_tokens: int, cross_kl: float) -> dict:
+  """The position metrics of the module docstring, f32 scalars.
+
+      mismatch/kl_by_position/pAAA_BBB = kl_n                        (`kl_by_position`)
+      mismatch/first_cross_pos = Σ_{b: τ_b ≥ 0} τ_b / #{b: τ_b ≥ 0}   (`first_cross`; NaN if 0)
+      mismatch/cross_frac      = #{b: τ_b ≥ 0} / #{b: Σ_t m_bt > 0}   (NaN if no completion)
+
+  A completion that never crosses adds to the denominator of cross_frac only.
+
+  Args:
+    kl_bc: f32 [B, C] per-token KL(π_b ‖ π_θ) (`per_token_kl`).
+    mask_bc: [B, C] the counted tokens (the sampled rows only, as `mismatch_metrics`).
+    bucket_tokens: w ≥ 1 (static: the names depend on it).
+    cross_kl: κ > 0 (nats).
+
+  Returns:
+    {bucket_name(...) for each bucket, "mismatch/first_cross_pos", "mismatch/cross_frac"}.
+  """
+  check_position_settings(bucket_tokens, cross_kl)
+  c = kl_bc.shape[-1]
+  kl_n, _ = kl_by_position(kl_bc, mask_bc, bucket_tokens)
+  names = [bucket_name(a, z, c) for a, z in position_buckets(c, bucket_tokens)]
+  metrics = {name: kl_n[i] for i, name in enumerate(names)}
+  first_b, counted_b = first_cross(kl_bc, mask_bc, cross_kl)
+  crossed_b = first_b >= 0
+  crossed = jnp.sum(crossed_b).astype(jnp.float32)
+  counted = jnp.sum(counted_b).astype(jnp.float32)
+  total = jnp.sum(jnp.where(crossed_b, first_b, 0)).astype(jnp.float32)
+  metrics["mismatch/first_cross_pos"] = jnp.where(
+    crossed > 0, total / jnp.maximum(crossed, 1), jnp.nan
+  )
+  metrics["mismatch/cross_frac"] = jnp.where(
+    counted > 0, crossed / jnp.maximum(counted, 1), jnp.nan
+  )
+  return metrics
+
+
+def per_token_kl_entry(student_logits_bcv, rollout: Rollout) -> dict:
+  """{PER_TOKEN_KL_KEY: KL_t [B, C] (stop-gradient)} for `with_position_metrics` to read after
+  the step's micro-batches are combined; {} when the rollout carries no behaviour
+  distribution."""
+  if rollout.topk_logprobs is None:
+    return {}
+  logits_bcv = jax.lax.stop_gradient(student_logits_bcv).astype(jnp.float32)
+  return {PER_TOKEN_KL_KEY: per_token_kl(logits_bcv, rollout)}
+
+
+def with_position_metrics(metrics: dict, mask_bc, bucket_tokens: int, cross_kl: float) -> dict:
+  """`metrics` without its `PER_TOKEN_KL_KEY` array and with the `position_metrics` of it over
+  `mask_bc` (none when it holds no such array or w = 0). Per bucket and per completion, these
+  are not token means over the whole batch, so they are computed once on the whole batch's
+  [B, C] KL, after micro-batches are combined, never averaged across them."""
+  metrics = dict(metrics)
+  kl_bc = metrics.pop(PER_TOKEN_KL_KEY, None)
+  if kl_bc is None or bucket_tokens == 0:
+    return metrics
+  return metrics | position_metrics(kl_bc, mask_bc, bucket_tokens, cross_kl)
+
+
+def position_summary(kl_bc, mask_bc, bucket_tokens: int, cross_kl: float) -> dict:
+  """The position metrics as plain JSON values, for a measurement outside training (the
+  admission check's rows): {"kl_by_position": {"bucket_tokens", "first", "last", "kl" (None
+  for an empty bucket), "tokens"}, "first_cross": {"kl": κ, "pos_mean", "frac" (None when
+  undefined), "crossed", "completions", "first" (τ_b of every completion with a counted
+  token, −1 for none)}}."""
+  check_position_settings(bucket_tokens, cross_kl)
+  kl_bc, mask_bc = jnp.asarray(kl_bc, jnp.float32), jnp.asarray(mask_bc)
+  buckets = position_buckets(kl_bc.shape[1], bucket_tokens)
+  kl_n, tokens_n = kl_by_position(kl_bc, mask_bc, bucket_tokens)
+  first_b, counted_b = first_cross(kl_bc, mask_bc, cross_kl)
+  first = [int(f) for f, c in zip(first_b.tolist(), counted_b.tolist(), strict=True) if c]
+  crossed = [f for f in first if f >= 0]
+
+  def value(x: float):
+    return None if x != x else float(x)  # NaN -> None
+
+  return {
+    "kl_by_position": {
+      "bucket_tokens": bucket_tokens,
+      "first": [a for a, _ in buckets],
+      "last": [z for _, z in buckets],
+      "kl": [value(x) for x in kl_n.tolist()],
+      "tokens": [int(x) for x in tokens_n.tolist()],
+    },
+    "first_cross": {
+      "kl": float(cross_kl),
+      "pos_mean": sum(crossed) / len(crossed) if crossed else None,
+      "frac": len(crossed) / len(first) if first else None,
+      "crossed": len(crossed),
+      "completions": len(first),
+      "first": first,
+    },
+  }

@@ -47,6 +47,7 @@ def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg, referen
       is_clip=loss_cfg.is_clip,
     )
   metrics.update(mismatch.mismatch_metrics(jax.lax.stop_gradient(student_bcv), rollout))
+  metrics.update(mismatch.per_token_kl_entry(student_bcv, rollout))
   return loss, metrics
 
 
@@ -158,6 +159,12 @@ def grpo_updates(
   old_lp_bc = jnp.where(mask_bc > 0, losses.token_logprobs(old_bcv, tokens_bc), 0.0)
   fixed = {"student/entropy": losses.masked_mean(losses.token_entropy(old_bcv), mask_bc)}
   fixed.update(mismatch.mismatch_metrics(old_bcv, rollout))
+  fixed = mismatch.with_position_metrics(
+    fixed | mismatch.per_token_kl_entry(old_bcv, rollout),
+    rollout.completion_mask,
+    loss_cfg.mismatch_bucket_tokens,
+    loss_cfg.mismatch_cross_kl,
+  )
   del raw_bcv, old_bcv
   reference_lp_bc = policy.reference_lp_if_needed(reference_params, rollout, student_cfg, loss_cfg)
   m = loss_cfg.ppo_minibatches

@@ -53,8 +53,12 @@ class LossConfig:
   mismatch_correction: str = "none"  # none | tis | mis | seq_tis | seq_mis (of π_old/π_b)
   mismatch_clip: float = 2.0  # C: truncation (tis) or band [1/C, C] (mis)
   kl_coef: float = 0.0  # β of the k3 KL to the initial student (grpo only; 0 = off)
+  # mismatch by token position (`mismatch_metrics.position_metrics`):
+  mismatch_bucket_tokens: int = 16  # w: positions per kl_by_position bucket; 0 = off
+  mismatch_cross_kl: float = 0.1  # κ: a completion crosses at its first KL_t > κ (nats)
 
   def __post_init__(self):
+    mismatch.check_position_settings(self.mismatch_bucket_tokens, self.mismatch_cross_kl)
     rl.check_kl_coef(self.kl_coef, self.name)
     teacher_topk.check_top_k(self.teacher_top_k)
     teacher_topk.check_temperature(self.teacher_temperature)
@@ -186,7 +190,9 @@ def opd_loss(
   else:
     policy_bcv = policy.greedy_policy_logits(student_bcv, tokens_bc)
   # mismatch/* over the sampled rows only (reference rows were sampled by no engine)
-  metrics.update(mismatch.mismatch_metrics(policy_bcv, off_policy.sampled_rows(rollout)))
+  sampled = off_policy.sampled_rows(rollout)
+  metrics.update(mismatch.mismatch_metrics(policy_bcv, sampled))
+  metrics.update(mismatch.per_token_kl_entry(policy_bcv, sampled))
   return loss, metrics | entropy
 
 
@@ -316,7 +322,9 @@ def train_step(
 
   Returns:
     (new state, metrics): f32 scalars under loss/*, teacher/*, mismatch/*, student/*,
-    opt/*, perf/*, and per-token arrays [B, C] under per_token/*.
+    opt/*, perf/*, and per-token arrays [B, C] under per_token/*. The position metrics
+    (`mismatch/kl_by_position/*`, `first_cross_pos`, `cross_frac`) are computed once from the
+    whole batch's per-token KL, after the micro-batches are combined.
 
   GRPO with K = `loss_cfg.updates_per_batch` > 1 makes K optimizer updates on the batch
   (`rl_step.grpo_updates`); with K = 1 it takes the path of every other loss.
@@ -359,6 +367,12 @@ def train_step(
     if rollout.on_policy_b is not None:
       sampled_w_k = microbatch.microbatch_weights(off_policy.sampled_rows(parts).completion_mask)
     metrics = microbatch.combine_microbatch_metrics(metrics_k, w_k, sampled_w_k)
+  metrics = mismatch.with_position_metrics(
+    metrics,
+    off_policy.sampled_rows(rollout).completion_mask,
+    loss_cfg.mismatch_bucket_tokens,
+    loss_cfg.mismatch_cross_kl,
+  )
   if lr_schedule is not None:
     metrics = dict(metrics, **{"opt/lr": jnp.asarray(lr_schedule(state.step), jnp.float32)})
   return train_state.apply_gradients(state, grads, tx, loss, metrics)

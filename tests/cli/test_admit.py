@@ -409,6 +409,27 @@ def test_json_output_matches_the_table(checked):
   assert reasons == [r for row in written["rows"] for r in row["reasons"]]
 
 
+def test_rows_carry_the_kl_by_position_and_first_crossings(checked, tmp_path):
+  """Each measured row's buckets hold all its tokens, their token-weighted mean is its
+  mismatch/kl, the exact engine crosses nowhere, and --plot's drawing of them is a PNG."""
+  from opd_jax.experiments import plots
+
+  rows = checked[0]["rows"]
+  assert "kl_by_position" not in rows[3]  # the stale candidate, unmeasured
+  for row in rows[:3]:
+    pos, cross = row["kl_by_position"], row["first_cross"]
+    assert pos["bucket_tokens"] == 16 and sum(pos["tokens"]) == row["measure/tokens"]
+    total = sum(k * n for k, n in zip(pos["kl"], pos["tokens"], strict=True) if n)
+    assert total / sum(pos["tokens"]) == pytest.approx(row["mismatch/kl"], rel=1e-4, abs=1e-9)
+    assert cross["kl"] == 0.1 and cross["completions"] == PROMPTS
+    assert 0 <= cross["crossed"] == len([f for f in cross["first"] if f >= 0])
+  assert rows[0]["first_cross"]["crossed"] == 0 and rows[0]["first_cross"]["pos_mean"] is None
+  png = plots.kl_by_position(rows, str(tmp_path / "plots" / "kl_by_position.png"))
+  assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="no candidate row carries kl_by_position"):
+    plots.kl_by_position([{"candidate": "x"}], str(tmp_path / "none.png"))
+
+
 def test_log_gets_one_line_per_candidate(checked, fingerprint):
   result, _, workdir = checked
   entries = [json.loads(line) for line in (workdir / admit_check.LOG_FILE).read_text().splitlines()]

@@ -16,7 +16,8 @@ the full behaviour distribution kept), and
      `python -m opd_jax.admit --engine-samples` reads them (`engine_screen`): the k3 estimate
      K̂ with its percentile and BCa intervals;
   2. the exact KL on the same sampled prefixes, the token mean of Σ_v π_engine(v) (log
-     π_engine(v) − log π_θ(v)) over the full vocabulary (`measure.score_rollout`).
+     π_engine(v) − log π_θ(v)) over the full vocabulary (`exact_kl`, in float64, from the
+     engine's full behaviour distribution and the student's teacher-forced logits).
 
 A case is covered when the exact KL lies in the interval; the target is ≥ 95 % of cases. The
 stale engine samples with the student warm-started for `STALE_STEPS` fewer supervised steps
@@ -80,6 +81,25 @@ def _stale_student(config, setup, log):
   return setup_lib.warm_started_student(spec, fresh, log)
 
 
+_policy_logits = jax.jit(measure_lib.policy_logits, static_argnames=("cfg", "temperature"))
+
+
+def _log_softmax64(x_bcv) -> np.ndarray:
+  x = np.asarray(x_bcv, np.float64)
+  top = x.max(axis=-1, keepdims=True)
+  return x - (top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True)))
+
+
+def exact_kl(engine_logprobs_bcv, trainer_logits_bcv) -> np.ndarray:
+  """KL(π_engine ‖ π_θ) [B, C] over the full vocabulary, in float64:
+  Σ_v p_b(v) (log p_b(v) − log p_θ(v)) with both log-softmaxes renormalised in float64 (the
+  engine's f32 log-probabilities sum to 1 only to f32 rounding, ~1e-7, which a KL of 1e-8
+  would not survive; k3 is insensitive to that offset to first order)."""
+  lb = _log_softmax64(engine_logprobs_bcv)
+  lq = _log_softmax64(trainer_logits_bcv)
+  return np.sum(np.exp(lb) * (lb - lq), axis=-1)
+
+
 def _case(setup, prompts, trainer, behaviour, cand, key, path, num_bootstrap):
   """One engine and key: the samples written and screened, beside the exact KL."""
   m = setup.models
@@ -87,10 +107,11 @@ def _case(setup, prompts, trainer, behaviour, cand, key, path, num_bootstrap):
   rollout = measure_lib.engine_rollout(
     behaviour, m.student_cfg, cand.engine_cfg, prompts, key, sampler_cfg
   )
-  metrics, _ = measure_lib.score_rollout(trainer, rollout, m.student_cfg, sampler_cfg.temperature)
-  exact = float(metrics["mismatch/kl"])
+  logits_bcv = _policy_logits(trainer, rollout, m.student_cfg, sampler_cfg.temperature)
   tokens_bc = np.asarray(rollout.completion_tokens)
   mask_bc = np.asarray(rollout.completion_mask)
+  exact_bc = exact_kl(np.asarray(rollout.topk_logprobs), np.asarray(logits_bcv))
+  exact = float((exact_bc * mask_bc).sum() / mask_bc.sum())
   logp_bc = np.asarray(rollout.behaviour_logprobs)
   records = []
   for b in range(tokens_bc.shape[0]):

@@ -167,19 +167,23 @@ def run_engine_screen(
   rule = budget.rule or budget_lib.POOLED
   rule = rule.with_params(conservative=True) if conservative else rule
   completions = samples_io.read_engine_samples(samples_path, engine_format)
-  config, setup, history = admit_check.measuring_setup(config, workdir, params_from, log)
-  m = setup.models
-  sampling = screen_sampling(config, m.tokenizer.eos_id)
-  texts, (tokens_np, lens_n) = admit_check.check_prompts(config, setup, num_prompts)
+  # The samples are checked against the prompts before any weights load (`build.plan_models`).
+  plan = build.plan_models(setup_lib.run_spec(config))
+  sampling = screen_sampling(config, plan.tokenizer.eos_id)
+  texts, tokens_np, lens_n = calibration_prompts(
+    config, plan.tokenizer, setup_lib.task_config(setup_lib.run_spec(config)), num_prompts
+  )
   matched = engine_screen.check_samples(
     completions,
     _prompt_records(texts, tokens_np, lens_n),
-    vocab_size=m.student_cfg.real_vocab_size,
+    vocab_size=plan.student_cfg.real_vocab_size,
     temperature=sampling["temperature"],
     max_new_tokens=sampling["max_tokens"],
     stop_tokens=sampling["stop_token_ids"],
     engine_temperature=engine_temperature,
   )
+  config, setup, history = admit_check.measuring_setup(config, workdir, params_from, log)
+  m = setup.models
   params, student = admit_check.check_student(
     config, setup, history, params_from, [], None, workdir, log
   )

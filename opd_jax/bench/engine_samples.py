@@ -26,24 +26,16 @@ than the student that scores (a weight-version gap without a training run).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
 import time
 
-import jax
-import ml_collections
 import numpy as np
 from absl import flags
 
-from opd_jax.cli import admit_check, engine_check, runner
 from opd_jax.cli import flags as cli_flags
-from opd_jax.io import build, json_file
-from opd_jax.io import engine_samples as samples_io
-from opd_jax.mismatch import admission, engine_screen
-from opd_jax.mismatch import measure as measure_lib
-from opd_jax.mismatch.candidates import parse_candidate
-from opd_jax.rollout import worker as rollout_worker
-from opd_jax.train import setup as setup_lib
+from opd_jax.cli import runner
+from opd_jax.io import json_file
 
 CANDIDATES = (
   "rollout.weights=fp8",
@@ -62,14 +54,19 @@ STALE_STEPS = 2  # how many warm-start steps older the stale engine's student is
 
 _JSON = flags.DEFINE_string("json", None, "Write the result as JSON to PATH (- for stdout).")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Calibration prompts (completions per case).")
-_KEYS = flags.DEFINE_integer("keys", 5, "Sampling keys per engine (cases per engine).")
-_BOOTSTRAP = flags.DEFINE_integer(
-  "num-bootstrap", engine_screen.NUM_BOOTSTRAP, "Bootstrap resamples per interval."
-)
+_KEYS = flags.DEFINE_integer("keys", 8, "Sampling keys per engine (cases per engine).")
+_BOOTSTRAP = flags.DEFINE_integer("num-bootstrap", 2000, "Bootstrap resamples per interval.")
 
 
 def _stale_student(config, setup, log):
   """The student warm-started STALE_STEPS supervised steps short (None without a warm start)."""
+  import dataclasses
+
+  import ml_collections
+
+  from opd_jax.io import build
+  from opd_jax.train import setup as setup_lib
+
   steps = int(config.student.warmup_steps)
   if config.student.checkpoint or steps <= STALE_STEPS:
     return None
@@ -81,7 +78,14 @@ def _stale_student(config, setup, log):
   return setup_lib.warm_started_student(spec, fresh, log)
 
 
-_policy_logits = jax.jit(measure_lib.policy_logits, static_argnames=("cfg", "temperature"))
+@functools.cache
+def _jitted_policy_logits():
+  """`measure.policy_logits` jitted once for every case."""
+  import jax
+
+  from opd_jax.mismatch import measure as measure_lib
+
+  return jax.jit(measure_lib.policy_logits, static_argnames=("cfg", "temperature"))
 
 
 def _log_softmax64(x_bcv) -> np.ndarray:
@@ -100,14 +104,20 @@ def exact_kl(engine_logprobs_bcv, trainer_logits_bcv) -> np.ndarray:
   return np.sum(np.exp(lb) * (lb - lq), axis=-1)
 
 
-def _case(setup, prompts, trainer, behaviour, cand, key, path, num_bootstrap):
+def _case(setup, prompts, trainer, behaviour, cand, key, path):
   """One engine and key: the samples written and screened, beside the exact KL."""
+  from opd_jax.cli import engine_check
+  from opd_jax.io import engine_samples as samples_io
+  from opd_jax.mismatch import admission
+  from opd_jax.mismatch import measure as measure_lib
+
   m = setup.models
+  policy_logits = _jitted_policy_logits()
   sampler_cfg = admission.candidate_sampler_config(cand, setup)
   rollout = measure_lib.engine_rollout(
     behaviour, m.student_cfg, cand.engine_cfg, prompts, key, sampler_cfg
   )
-  logits_bcv = _policy_logits(trainer, rollout, m.student_cfg, sampler_cfg.temperature)
+  logits_bcv = policy_logits(trainer, rollout, m.student_cfg, sampler_cfg.temperature)
   tokens_bc = np.asarray(rollout.completion_tokens)
   mask_bc = np.asarray(rollout.completion_mask)
   exact_bc = exact_kl(np.asarray(rollout.topk_logprobs), np.asarray(logits_bcv))
@@ -130,6 +140,14 @@ def _case(setup, prompts, trainer, behaviour, cand, key, path, num_bootstrap):
 
 def run(config, workdir: str, num_prompts: int, num_keys: int, num_bootstrap: int, log) -> dict:
   """The validation (module docstring): one row per case, and the coverage of each interval."""
+  import jax
+
+  from opd_jax.cli import admit_check, engine_check
+  from opd_jax.io import engine_samples as samples_io
+  from opd_jax.mismatch import admission, engine_screen
+  from opd_jax.mismatch.candidates import parse_candidate
+  from opd_jax.rollout import worker as rollout_worker
+
   start = time.perf_counter()
   config, setup, _ = admit_check.measuring_setup(config, workdir, None, log)
   texts, (tokens_np, lens_n) = admit_check.check_prompts(config, setup, num_prompts)
@@ -152,7 +170,7 @@ def run(config, workdir: str, num_prompts: int, num_keys: int, num_bootstrap: in
     for k in range(num_keys):
       key = rollout_worker.host_key(config.seed + 1000 * (k + 1))
       path = os.path.join(samples_dir, f"engine{e:02d}_key{k}.jsonl")
-      exact, sampler_cfg = _case(setup, prompts, trainer, behaviour, cand, key, path, num_bootstrap)
+      exact, sampler_cfg = _case(setup, prompts, trainer, behaviour, cand, key, path)
       matched = engine_screen.check_samples(
         samples_io.read_engine_samples(path, "plain"),
         exported,

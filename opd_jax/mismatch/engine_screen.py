@@ -54,6 +54,7 @@ LEVEL = 0.95
 SEED = 0
 SCORE_ROWS = 8  # completions per teacher-forced forward (fixed, so one program for all batches)
 TEMPERATURE_TOLERANCE = 1e-6
+MAX_RHO = 700.0  # exp(ρ) overflows float64 just above 709
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +145,13 @@ def check_samples(
         f"{c.where}: the record names no prompt: give it 'prompt_id' (vLLM: the request_id; "
         "SGLang: rid) or its 'prompt_token_ids'"
       )
-    for key, off, what in (("top_k", 0.0, "top_k"), ("top_p", 1.0, "top_p"), ("min_p", 0.0, "")):
+    for key, off in (("top_k", 0), ("top_p", 1), ("min_p", 0)):
       value = c.sampling.get(key)
-      filtered = value is not None and (value < 1.0 if key == "top_p" else value > 0)
-      if filtered:
+      if value is not None and (value < 1.0 if key == "top_p" else value > 0):
         raise ValueError(
           f"{c.where}: sampled with {key}={value:g}: the log-probabilities are of the filtered, "
           f"renormalised distribution, which the trainer's softmax is not; sample with "
-          f"{key}={off:g}{' (vLLM: -1)' if what == 'top_k' else ''}"
+          f"{key}={off}{' (vLLM: -1)' if key == 'top_k' else ''}"
         )
     engine_t = _declared_temperature(c, engine_temperature)
     if abs(engine_t - temperature) > TEMPERATURE_TOLERANCE:
@@ -320,14 +320,19 @@ def estimate_kl(
      "measure/completions", "measure/tokens", "interval": {"method", "level", "num_bootstrap",
      "seed"}}.
   """
-  per_token = [k3(t, e) for t, e in zip(trainer_logprobs, engine_logprobs, strict=True)]
-  rho = np.concatenate(
-    [np.asarray(t, np.float64) - e for t, e in zip(trainer_logprobs, engine_logprobs, strict=True)]
-  )
+  pairs = list(zip(trainer_logprobs, engine_logprobs, strict=True))
+  if not all(np.all(np.isfinite(t)) for t, _ in pairs):
+    raise ValueError("the trainer's log-probabilities of the samples are not all finite")
+  rho = np.concatenate([np.asarray(t, np.float64) - e for t, e in pairs])
+  if rho.size and rho.max() > MAX_RHO:
+    raise ValueError(
+      f"a sampled token is exp({rho.max():.4g}) times likelier under the trainer than under the "
+      "engine: k3 = expm1(ρ) − ρ overflows, the engine and the trainer are not the same model "
+      "(or the log-probabilities are not the sampled distribution's)"
+    )
+  per_token = [k3(t, e) for t, e in pairs]
   sums_n = np.array([v.sum() for v in per_token])
   counts_n = np.array([len(v) for v in per_token])
-  if not np.all(np.isfinite(sums_n)):
-    raise ValueError("the trainer's log-probabilities of the samples are not all finite")
   low, high = bootstrap_interval(
     sums_n, counts_n, level=level, num_bootstrap=num_bootstrap, seed=seed, method=method
   )

@@ -191,6 +191,8 @@ def test_k3_on_hand_computed_values():
   assert est["mismatch/k1"] == pytest.approx(0.0, abs=1e-12)
   assert est["mismatch/abs_logp_diff"] == pytest.approx(2 * LN2 / 3, rel=1e-12)
   assert (est["measure/completions"], est["measure/tokens"]) == (2, 3)
+  with pytest.raises(ValueError, match="overflows"):
+    engine_screen.estimate_kl([np.array([-0.1]), np.array([-0.2])], [np.array([-900.0])] * 2)
   # float64: a ρ of 1e-9 gives k3 = ρ²/2 to the last digit, not 0 (exp(ρ) − 1 − ρ in f32 is 0).
   assert engine_screen.k3([1e-9], [0.0])[0] == pytest.approx(5e-19, rel=1e-6)
 

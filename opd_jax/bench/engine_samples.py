@@ -186,7 +186,12 @@ def run(config, workdir: str, num_prompts: int, num_keys: int, num_bootstrap: in
       row = {"engine": name, "key": k, "exact_kl": exact}
       for method in engine_screen.METHODS:
         est = engine_screen.estimate_kl(
-          trainer_lp, engine_lp, num_bootstrap=num_bootstrap, seed=k, method=method
+          trainer_lp,
+          engine_lp,
+          num_bootstrap=num_bootstrap,
+          seed=k,
+          method=method,
+          groups=matched.prompt_index,
         )
         low, high = est["mismatch/kl_low"], est["mismatch/kl_high"]
         row.update(

@@ -202,6 +202,7 @@ def run_engine_screen(
     num_bootstrap=num_bootstrap,
     seed=seed,
     method=method,
+    groups=matched.prompt_index,
   )
   _, verdict, straddles = engine_screen.screen_verdict(estimate, budget, rule, engine_source)
   row = {

@@ -11,8 +11,10 @@ engine returns, the sampled tokens y_t ~ π_engine and their log-probabilities:
 
 The estimate is the token mean over every completion, K̂ = Σ_i S_i / Σ_i n_i (S_i the sum of
 k3 over completion i's n_i tokens), as `mismatch/kl` is a token mean. Its interval resamples
-completions (the tokens of one completion share a prefix and are not independent): B bootstrap
-draws of the N completions with replacement, K̂*_b = Σ w_bi S_i / Σ w_bi n_i, and either the
+prompts, each with all its completions (the tokens of one completion share a prefix, and the
+completions of one prompt share the prompt: neither are independent; with one completion per
+prompt, this resamples completions): B bootstrap draws of the N prompts with replacement,
+K̂*_b = Σ w_bi S_i / Σ w_bi n_i (S_i, n_i now summed over prompt i's completions), and either the
 percentile interval [q_(α/2), q_(1−α/2)] of the K̂*_b or BCa (bias-corrected and accelerated,
 Efron 1987) with the bias z0 = Φ⁻¹(#{K̂* < K̂}/B) and the acceleration a from the jackknife over
 completions, a = Σ (θ̄ − θ_(i))³ / (6 (Σ (θ̄ − θ_(i))²)^{3/2}).
@@ -255,12 +257,12 @@ def bootstrap_interval(
   seed: int = SEED,
   method: str = "percentile",
 ) -> tuple[float, float]:
-  """The `level` interval of the token mean Σ S_i / Σ n_i, resampling completions (module
-  docstring: percentile or BCa).
+  """The `level` interval of the token mean Σ S_i / Σ n_i, resampling the N units (prompts, or
+  completions; module docstring: percentile or BCa).
 
   Args:
-    sums_n: float [N], S_i, the per-completion sums.
-    counts_n: int [N], n_i ≥ 1, the per-completion token counts.
+    sums_n: float [N], S_i, the per-unit sums of k3.
+    counts_n: int [N], n_i ≥ 1, the per-unit token counts.
     level: the interval's coverage in (0, 1).
     num_bootstrap: B ≥ 1 resamples.
     seed: numpy seed of the resampling.
@@ -277,7 +279,7 @@ def bootstrap_interval(
   counts_n = np.asarray(counts_n, np.float64)
   n = len(sums_n)
   if n < 2:
-    raise ValueError(f"a bootstrap interval needs at least 2 completions, got {n}")
+    raise ValueError(f"a bootstrap interval needs at least 2 prompts (resampled units), got {n}")
   rng = np.random.default_rng(seed)
   weights_bn = rng.multinomial(n, np.full(n, 1.0 / n), size=num_bootstrap).astype(np.float64)
   boot_b = _ratio(weights_bn, sums_n, counts_n)
@@ -307,18 +309,22 @@ def estimate_kl(
   num_bootstrap: int = NUM_BOOTSTRAP,
   seed: int = SEED,
   method: str = "percentile",
+  groups=None,
 ) -> dict:
   """K̂ = the token mean of k3 over the completions, with its bootstrap interval.
 
   Args:
     trainer_logprobs, engine_logprobs: one array of log-probabilities per completion, the
       same lengths.
+    groups: int [N], the prompt of each completion: the interval resamples prompts, each
+      with all its completions (several completions of one prompt share it and are not
+      independent); None: every completion its own group.
 
   Returns:
     {"mismatch/kl": K̂, "mismatch/kl_low", "mismatch/kl_high": the interval,
      "mismatch/k1": the token mean of −ρ, "mismatch/abs_logp_diff": of |ρ|,
-     "measure/completions", "measure/tokens", "interval": {"method", "level", "num_bootstrap",
-     "seed"}}.
+     "measure/completions", "measure/prompts", "measure/tokens", "interval": {"method",
+     "level", "num_bootstrap", "seed"}}.
   """
   pairs = list(zip(trainer_logprobs, engine_logprobs, strict=True))
   if not all(np.all(np.isfinite(t)) for t, _ in pairs):
@@ -333,8 +339,17 @@ def estimate_kl(
   per_token = [k3(t, e) for t, e in pairs]
   sums_n = np.array([v.sum() for v in per_token])
   counts_n = np.array([len(v) for v in per_token])
+  groups = np.arange(len(pairs)) if groups is None else np.asarray(groups)
+  if groups.shape != (len(pairs),):
+    raise ValueError(f"groups must give one prompt per completion, got shape {groups.shape}")
+  _, index = np.unique(groups, return_inverse=True)
   low, high = bootstrap_interval(
-    sums_n, counts_n, level=level, num_bootstrap=num_bootstrap, seed=seed, method=method
+    np.bincount(index, weights=sums_n),
+    np.bincount(index, weights=counts_n),
+    level=level,
+    num_bootstrap=num_bootstrap,
+    seed=seed,
+    method=method,
   )
   value = float(sums_n.sum() / counts_n.sum())
   return {
@@ -344,6 +359,7 @@ def estimate_kl(
     "mismatch/k1": float(np.mean(-rho)),
     "mismatch/abs_logp_diff": float(np.mean(np.abs(rho))),
     "measure/completions": int(len(counts_n)),
+    "measure/prompts": int(index.max() + 1) if len(index) else 0,
     "measure/tokens": int(counts_n.sum()),
     "interval": {"method": method, "level": level, "num_bootstrap": num_bootstrap, "seed": seed},
   }

@@ -206,7 +206,12 @@ def test_the_interval_resamples_completions():
   for method in engine_screen.METHODS:
     low, high = engine_screen.bootstrap_interval(sums, counts, method=method, seed=3)
     assert low < 20.5 < high and high - low == pytest.approx(2 * 1.96 * 11.54 / 40**0.5, rel=0.2)
-  with pytest.raises(ValueError, match="at least 2 completions"):
+  # Two completions of one prompt move together: grouped by prompt, equal per-prompt means.
+  lps = [np.log([0.5]), np.log([0.5]), np.log([0.25]), np.log([0.25])]
+  grouped = engine_screen.estimate_kl(lps, [np.log([0.25])] * 4, groups=[0, 1, 1, 0])
+  assert grouped["mismatch/kl_low"] == pytest.approx(grouped["mismatch/kl_high"])
+  assert grouped["measure/prompts"] == 2 and grouped["measure/completions"] == 4
+  with pytest.raises(ValueError, match="at least 2 prompts"):
     engine_screen.bootstrap_interval([1.0], [1])
   with pytest.raises(ValueError, match="unknown interval method"):
     engine_screen.bootstrap_interval([1.0, 2.0], [1, 1], method="t")

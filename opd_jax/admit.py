@@ -4,6 +4,10 @@
         [--budget=FILE] --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
         --workdir=DIR [--params-from=RUN] [--force] [--conservative] [--report-only]
         [--compilation-cache=DIR] [--nofast-compile]
+    python -m opd_jax.admit --config=... --export-prompts=FILE [--prompts=N]
+    python -m opd_jax.admit --config=... --workdir=DIR --engine-samples=FILE
+        [--engine-format=auto|vllm|sglang|plain] [--engine-temperature=T] [--engine-source=S]
+        [--interval=percentile|bca] [--budget=FILE] [--prompts=N] [--json=PATH|-]
 
 A candidate is a rollout configuration in the config's own terms, e.g.
 `--candidate=rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. Each is
@@ -22,6 +26,14 @@ measured and judged.
 Exit status: 0 when every candidate is admitted, 1 when any is not (refused, or a stale
 candidate that could not be measured), 2 on an error (a bad flag or candidate, a missing or
 stale budget file, ...). --report-only exits 0 whatever the verdicts (errors still exit 2).
+
+An engine that is not this one (vLLM, SGLang, ...) is screened from its own samples instead of a
+--candidate: `--export-prompts=FILE` writes the calibration prompts with the settings to sample
+them with (no candidate, no model built), the engine completes them with the log-probability of
+every sampled token, and `--engine-samples=FILE [--engine-format=auto|vllm|sglang|plain]`
+estimates KL(engine || trainer) from those tokens by k3 with a bootstrap interval and judges it by
+the budget's rule (an interval that holds the limit: "too close"). The logic is
+`opd_jax.cli.engine_check`; the file formats are `opd_jax.io.engine_samples`'s.
 
 Without --budget (or with --budget=uncalibrated) the candidates are judged against the
 uncalibrated default limit, `opd_jax.mismatch.budget.UNCALIBRATED_MAX_KL` nats/token (the lowest
@@ -101,6 +113,77 @@ _REPORT_ONLY = flags.DEFINE_bool(
 )
 
 
+_EXPORT_PROMPTS = flags.DEFINE_string(
+  "export-prompts",
+  None,
+  "Write the calibration prompts (JSONL: ids, text, token ids, the sampling settings) for "
+  "another engine to complete, and exit; needs no --candidate.",
+)
+_ENGINE_SAMPLES = flags.DEFINE_string(
+  "engine-samples",
+  None,
+  "Screen another engine from its completions of the exported prompts with the log-probability "
+  "of every sampled token (instead of --candidate).",
+)
+_ENGINE_FORMAT = flags.DEFINE_enum(
+  "engine-format", "auto", ["auto", "vllm", "sglang", "plain"], "The --engine-samples format."
+)
+_ENGINE_TEMPERATURE = flags.DEFINE_float(
+  "engine-temperature",
+  None,
+  "The temperature the engine sampled at, for samples whose records do not say (must be the "
+  "check's rollout.temperature).",
+)
+_ENGINE_SOURCE = flags.DEFINE_string(
+  "engine-source",
+  None,
+  "The engine's mismatch sources, e.g. fp8_weights+fp8_kv, for a budget with per-source "
+  "limits; default: the overall limit.",
+)
+_INTERVAL = flags.DEFINE_enum(
+  "interval",
+  "percentile",
+  ["percentile", "bca"],
+  "--engine-samples: the bootstrap interval of the k3 estimate.",
+)
+
+
+def _engine_main() -> int:
+  """--export-prompts or --engine-samples: the exit status (module docstring)."""
+  from opd_jax.cli import engine_check
+
+  if _CANDIDATES.value:
+    raise ValueError("give either --candidate or --export-prompts / --engine-samples, not both")
+  if _EXPORT_PROMPTS.value:
+    engine_check.export_prompts(
+      cli_flags.CONFIG.value, _EXPORT_PROMPTS.value, num_prompts=_PROMPTS.value
+    )
+    return 0
+  workdir = cli_flags.needed_workdir("the admission log")
+  from opd_jax.io import compile_cache
+
+  compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, workdir)
+  with cli_flags.json_output(_JSON.value) as json_path:
+    result = engine_check.run_engine_screen(
+      cli_flags.CONFIG.value,
+      _BUDGET.value,
+      _ENGINE_SAMPLES.value,
+      engine_format=_ENGINE_FORMAT.value,
+      engine_temperature=_ENGINE_TEMPERATURE.value,
+      engine_source=_ENGINE_SOURCE.value,
+      num_prompts=_PROMPTS.value,
+      workdir=workdir,
+      params_from=_PARAMS_FROM.value,
+      force=_FORCE.value,
+      conservative=_CONSERVATIVE.value,
+      method=_INTERVAL.value,
+      json_path=json_path,
+      log=cli_flags.log_for_json(_JSON.value),
+    )
+  admitted = all(row["admitted"] for row in result["rows"])
+  return 0 if admitted or _REPORT_ONLY.value else EXIT_REFUSED
+
+
 def main() -> int:
   """Runs the check; its exit status (module docstring). A ValueError or FileNotFoundError
   reaches the runner, which exits EXIT_ERROR; any other failure is an error too."""
@@ -109,6 +192,16 @@ def main() -> int:
 
   if _FAST_COMPILE.value:
     compile_cache.fast_compilation()
+  if _EXPORT_PROMPTS.value or _ENGINE_SAMPLES.value:
+    if _EXPORT_PROMPTS.value and _ENGINE_SAMPLES.value:
+      raise ValueError("give --export-prompts or --engine-samples, not both")
+    cli_flags.exit_at_once(_engine_main())
+  if not _CANDIDATES.value:
+    raise ValueError(
+      "--candidate is required (or --export-prompts / --engine-samples to screen another engine)"
+    )
+  if not cli_flags.WORKDIR.value:
+    raise ValueError("--workdir is required: where the admission log goes")
   try:
     compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
     with cli_flags.json_output(_JSON.value) as json_path:
@@ -140,4 +233,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  runner.run_command(main, required=("config", "workdir", "candidate"), error_status=EXIT_ERROR)
+  runner.run_command(main, required=("config",), error_status=EXIT_ERROR)

@@ -140,6 +140,14 @@ METRICS: list[tuple[str, str, str, str]] = [
   ),
   ("mismatch/kl_p95", "nats/token", "95th percentile over tokens of the same KL.", ""),
   ("mismatch/kl_max", "nats/token", "Largest per-token KL in the batch.", ""),
+  (
+    "mismatch/kl_low",
+    "nats/token",
+    "An engine screened from its samples (`admit --engine-samples`): the lower end of the "
+    "bootstrap interval of its k3 estimate of `mismatch/kl`.",
+    "",
+  ),
+  ("mismatch/kl_high", "nats/token", "The upper end of the same interval.", ""),
   ("mismatch/k1", "nats/token", "Mean log π_b(y) − log π_θ(y) over the sampled tokens.", ""),
   (
     "mismatch/k3",

@@ -66,6 +66,7 @@ _COLUMNS = (
   ("verdict", "verdict", "s"),
   ("call", "call", "s"),
 )
+COLUMNS = _COLUMNS  # the check's columns, for a command that shows its rows beside others
 
 
 def _settings(candidate: Candidate, source: str, rule: str | None) -> dict[str, Any]:
@@ -130,23 +131,32 @@ def candidate_row(
     row["trainer_step"] = student_step
   row.update({k: v for k, v in measurement.items() if k.startswith(("mismatch/", "measure/"))})
   row.update(measurement.get(POSITION_KEY, {}))  # kl_by_position, first_cross
-  row.update(
-    {
-      "max_kl": verdict.limit,
-      "limit_from": UNCALIBRATED_LABEL if uncalibrated else verdict.limit_source or "overall",
-      "margin": verdict.margin,
-      "admitted": verdict.admitted,
-      "verdict": "admitted" if verdict.admitted else "rejected",
-      "limit_band": list(verdict.limit_band),
-      "too_close": verdict.too_close,
-      "call": "uncalibrated" if uncalibrated else "too close" if verdict.too_close else "clear",
-      "reasons": list(verdict.reasons),
-      "budget": budget_label,
-    }
-  )
-  if verdict.layer_margins:
-    row["layer_margins"] = {str(i): v for i, v in verdict.layer_margins.items()}
+  row.update(verdict_fields(verdict, budget_label, uncalibrated))
   return row
+
+
+def verdict_fields(
+  verdict: budget_rules.Verdict, budget_label: str, uncalibrated: bool, too_close: bool = False
+) -> dict:
+  """A row's verdict columns: max_kl (the limit), limit_from, margin, admitted, verdict,
+  limit_band, too_close (the verdict's, or `too_close`), call ("uncalibrated", "too close" or
+  "clear"), reasons, budget, and layer_margins when the verdict has any."""
+  too_close = too_close or verdict.too_close
+  fields = {
+    "max_kl": verdict.limit,
+    "limit_from": UNCALIBRATED_LABEL if uncalibrated else verdict.limit_source or "overall",
+    "margin": verdict.margin,
+    "admitted": verdict.admitted,
+    "verdict": "admitted" if verdict.admitted else "rejected",
+    "limit_band": list(verdict.limit_band),
+    "too_close": too_close,
+    "call": "too close" if too_close else "uncalibrated" if uncalibrated else "clear",
+    "reasons": list(verdict.reasons),
+    "budget": budget_label,
+  }
+  if verdict.layer_margins:
+    fields["layer_margins"] = {str(i): v for i, v in verdict.layer_margins.items()}
+  return fields
 
 
 def format_cell(value, fmt: str) -> str:
@@ -160,10 +170,12 @@ def format_cell(value, fmt: str) -> str:
   return format(value, fmt)
 
 
-def format_table(rows: Sequence[dict]) -> str:
-  """The check's table: one line per candidate, then its reasons indented below it."""
-  header = [h for h, _, _ in _COLUMNS]
-  cells = [[format_cell(r[key], fmt) for _, key, fmt in _COLUMNS] for r in rows]
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] = ()) -> str:
+  """The check's table: one line per candidate, then its reasons indented below it.
+  `columns`: (header, row key, format) triples; default the check's own (`COLUMNS`)."""
+  columns = columns or _COLUMNS
+  header = [h for h, _, _ in columns]
+  cells = [[format_cell(r.get(key), fmt) for _, key, fmt in columns] for r in rows]
   widths = [max(len(x) for x in col) for col in zip(header, *cells, strict=True)]
 
   def line(values):
@@ -290,11 +302,11 @@ def run_admission(
     student = {"source": config.student.checkpoint or "warm-started built-in student", "step": 0}
     texts, stale, current_fp = [], [], None
   else:
-    config, setup, history = _measuring_setup(config, workdir, params_from, log)
+    config, setup, history = measuring_setup(config, workdir, params_from, log)
     problems = _unmeasurable(candidates, history)
     measured = [c for i, c in enumerate(candidates) if i not in problems]
-    texts, prompts = _prompts(config, setup, num_prompts)
-    student_params, student = _student(
+    texts, prompts = check_prompts(config, setup, num_prompts)
+    student_params, student = check_student(
       config, setup, history, params_from, measured, prompts, workdir, log
     )
     current_fp = current_fingerprint(setup, student_params)
@@ -392,7 +404,7 @@ def _unmeasurable(candidates: Sequence[Candidate], history: RunHistory | None) -
   return {i: problem for i, problem in found.items() if problem}
 
 
-def _measuring_setup(config, workdir: str, params_from: str | None, log):
+def measuring_setup(config, workdir: str, params_from: str | None, log):
   """(the check's config, `setup_lib.prepare_models`'s Setup, the --params-from RunHistory or
   None). The check evaluates nothing, and takes a run's teacher cache when the config names
   none."""
@@ -408,14 +420,14 @@ def _measuring_setup(config, workdir: str, params_from: str | None, log):
   return config, setup, history
 
 
-def _prompts(config, setup: setup_lib.Setup, num_prompts: int):
+def check_prompts(config, setup: setup_lib.Setup, num_prompts: int):
   """(texts, (tokens [N, P], lens [N])) of the calibration prompts."""
   m = setup.models
   texts, tokens_bp, lens_b = calibration_prompts(config, m.tokenizer, setup.task_cfg, num_prompts)
   return texts, (tokens_bp, lens_b)
 
 
-def _student(config, setup, history, params_from, candidates, prompts, workdir: str, log):
+def check_student(config, setup, history, params_from, candidates, prompts, workdir: str, log):
   """(the student's params, {"source", "step"}): the --params-from run's latest checkpoint, or
   the student a run starts from (cached under `<workdir>/student_cache`)."""
   if history is None:

@@ -1,38 +1,48 @@
 """GRPO as practitioners run it, from a stronger warm start shared with OPD.
 
 The synchronous GRPO run of `grpo_sync.py` in the regime RL with verifiable rewards is used in:
-a student warm-started for 500 supervised steps (`student.warmup_steps`; the task reports
-about 75 % greedy accuracy after 500), groups of G = 8 completions of each of 16 prompts (128
-completions per step), plain on-policy updates (one update per batch: π_old = sg(π_θ), so the
-PPO ratio is exactly 1 and the clip never acts), the exact-match reward, no KL penalty, and a
-learning rate with a linear warmup of 20 steps. The lr 1e-5 is a placeholder inside the range
-the 250-step warm start trained stably at (3e-6 to 3e-5; 1e-4 collapsed it): it is to be swept
-against the completions per step. Every evaluation reports the held-out accuracy at T = 1
-(one sample per prompt, `quality/student_accuracy_t1`) beside the greedy one
-(`quality/student_accuracy`), for GRPO and for the OPD arm `:opd`, which trains the same warm
-start with the reference OPD run (`bf16_sync.py`: full-vocabulary reverse KL to the teacher,
-32 completions per step, lr 1e-3).
+a student warm-started for 475 supervised steps (`student.warmup_steps`), groups of G = 8
+completions of each of 16 prompts (128 completions per step), plain on-policy updates (one
+update per batch: π_old = sg(π_θ), so the PPO ratio is exactly 1 and the clip never acts), the
+exact-match reward, no KL penalty, and a learning rate with a linear warmup of 20 steps. The lr
+1e-5 is a placeholder inside the range the 250-step warm start trained stably at (3e-6 to
+3e-5; 1e-4 collapsed it): it is to be swept against the completions per step. Every
+evaluation reports the held-out accuracy at T = 1 (one sample per prompt,
+`quality/student_accuracy_t1`) beside the greedy one (`quality/student_accuracy`), for GRPO
+and for the OPD arm `:opd`, which trains the same warm start with the reference OPD run
+(`bf16_sync.py`: full-vocabulary reverse KL to the teacher, 32 completions per step, lr 1e-3).
+
+The warm start. Its greedy / T = 1 held-out accuracy (256 prompts, seed 0; the teacher
+95.3 %) after N supervised steps, each N its own lr schedule: 300: 10.2 / 2.3 %, 350: 11.7 /
+5.9 %, 400: 38.3 / 19.5 %, 450: 55.9 / 30.5 %, 475: 55.9 / 34.4 %, 500: 94.9 / 69.9 %.
+500 steps leave OPD no greedy headroom (0.4 points to the teacher), so the shared start is
+475: 39 points of greedy headroom, and at T = 1 a group of 8 fails entirely with probability
+about 0.66⁸ ≈ 4 %.
 
 Command:  python -m opd_jax.main --config=configs/grpo_practice.py --workdir=/tmp/grpo_practice \
               --config.teacher.cache_dir=/tmp/tcache
           python -m opd_jax.main --config=configs/grpo_practice.py:opd --workdir=/tmp/opd_practice \
               --config.teacher.cache_dir=/tmp/tcache
 Tiny:     python -m opd_jax.main --config=configs/grpo_practice.py:tiny --workdir=/tmp/gp_tiny
-          (about 40 s on 2 CPU cores, most of it compilation: a wiring check, not learning).
-Cost:     measured on 2 CPU cores: the teacher bootstrap about 5 minutes once (cached in
-          teacher.cache_dir), the 500-step warm start about 1.5 minutes, a GRPO step at 128
-          completions about 1.1 s, so the 400 steps with 5 evaluations of 256 prompts (greedy
-          and T = 1) take about 10 minutes per run.
-Expected: not yet measured beyond the pilot. The issue's goal: GRPO gains at least half of
-          what OPD gains from this warm start in the same wall time (mean over 5 seeds); with
-          the placeholder lr that is a hypothesis, the sweep decides it.
+          (about 25 s of CPU, most of it compilation: a wiring check, not learning).
+Cost:     measured on 2 CPU cores shared with other jobs: the teacher bootstrap 7.5 minutes
+          once (cached in teacher.cache_dir), the 475-step warm start 35-50 s (then cached
+          beside it), a GRPO step at 128 completions about 0.2 s; a whole 400-step run with its
+          5 evaluations (greedy and T = 1, 256 prompts) 101 s for GRPO and 46 s for `:opd`
+          (32 completions per step).
+Expected: one seed (seed 0), greedy / T = 1 held-out accuracy at steps 0, 100, ..., 400:
+          GRPO (lr 1e-5)  55.9 / 34.4, 52.7 / 34.8, 56.6 / 35.5, 58.2 / 36.3, 58.2 / 37.9 %
+          OPD (:opd)      55.9 / 34.4, 24.2 / 17.6, 41.0 / 29.3, 67.2 / 48.0, 81.6 / 67.2 %
+          so at the placeholder lr GRPO gains +2.3 greedy / +3.5 T = 1 points where OPD gains
+          +25.7 / +32.8, in about twice OPD's wall time. Whether a swept lr and more
+          completions reach half of OPD's gain is the open question of the sweep.
 """
 
 import bf16_sync
 import grpo_sync
 
 VARIANTS = ("tiny", "opd", "opd_tiny")
-WARMUP_STEPS = 500  # the warm start every arm shares (student.warmup_steps)
+WARMUP_STEPS = 475  # the warm start every arm shares (student.warmup_steps; docstring)
 
 
 def get_config(arg=None):

@@ -33,6 +33,8 @@ Cost:     measured on 2 CPU cores shared with other jobs: the teacher bootstrap 
 Expected: one seed (seed 0), greedy / T = 1 held-out accuracy at steps 0, 100, ..., 400:
           GRPO (lr 1e-5)  55.9 / 34.4, 52.7 / 34.8, 56.6 / 35.5, 58.2 / 36.3, 58.2 / 37.9 %
           OPD (:opd)      55.9 / 34.4, 24.2 / 17.6, 41.0 / 29.3, 67.2 / 48.0, 81.6 / 67.2 %
+          lr 1e-4         55.9 / 34.4, 42.2 / 31.6, 44.5 / 30.5, 52.3 / 35.5, 55.5 / 36.7 %
+          lr 3e-4         collapses: 1.2 / 0.8 % at step 100, 1.2 / 0.8 % at 400
           so at the placeholder lr GRPO gains +2.3 greedy / +3.5 T = 1 points where OPD gains
           +25.7 / +32.8, in about twice OPD's wall time. Whether a swept lr and more
           completions reach half of OPD's gain is the open question of the sweep.

@@ -166,6 +166,8 @@ def get_config(arg=None):
   c.train.grad_clip = 1.0  # global-norm clip
   c.train.log_every = 10  # steps between metric lines
   c.train.eval_every = 200  # steps between held-out evaluations; 0 = no evaluation
+  # also score one T = 1 sample of each held-out prompt (quality/student_<metric>_t1)
+  c.train.eval_sampled = False  # beside the greedy score; one more decode per evaluation
   c.train.checkpoint_every = 200  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
   # Resuming with another train.steps (trainer.schedule_length): the checkpoint stores its

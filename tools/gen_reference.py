@@ -296,6 +296,13 @@ METRICS: list[tuple[str, str, str, str]] = [
     "(the built-in task: `quality/student_accuracy`).",
     "",
   ),
+  (
+    "quality/student_<metric>_t1",
+    "score",
+    "The same score of one sample per held-out prompt from the student at T = 1, unfiltered, "
+    "with a fixed key (`train.eval_sampled`).",
+    "",
+  ),
   ("quality/teacher_<metric>", "score", "The teacher's score on the same prompts (at step 0).", ""),
   ("quality/relative_<metric>", "ratio", "Student score over teacher score.", ""),
   (

@@ -222,6 +222,7 @@ RULES: dict[str, Any] = {
   "train.grad_clip": Num(True, 0, lo_open=True),
   "train.log_every": POSITIVE,
   "train.eval_every": NON_NEGATIVE,  # 0 = no evaluation
+  "train.eval_sampled": Kind(bool),
   "train.checkpoint_every": POSITIVE,
   "train.keep_checkpoints": POSITIVE,
   "train.resume_schedule": Choice(("keep", "rebuild", "error")),

@@ -139,6 +139,7 @@ class TrainSpec:
   grad_clip: float
   log_every: int
   eval_every: int
+  eval_sampled: bool
   checkpoint_every: int
   keep_checkpoints: int
   resume_schedule: str

@@ -27,6 +27,10 @@ The metrics:
     quality/<who>_accuracy     = mean_b 1[task.score(prompt_b, decode(y_b))]: the built-in
                                  task's exact match, who = student | teacher, and
                                  quality/relative_accuracy = student / teacher.
+    quality/student_<metric>_t1 = the same score of one sample per prompt from π_θ at
+                                 T = 1, unfiltered (the model itself), with a fixed key, so
+                                 every evaluation of a run draws with the same noise; with
+                                 `train.eval_sampled` (`evaluate`'s `sampled_seed`).
     quality/<who>_score        = the user's held-out set: the mean over records with an
                                  "answer" of scorer(prompt, decode(y), answer), the scorer
                                  `data.eval_metric` names (`opd_jax.data.scoring`: exact_match,
@@ -277,6 +281,18 @@ def greedy_rollout(
   return sampler.sample(params, prompts, jax.random.key(0), scfg, cfg, mesh=mesh)
 
 
+def sampled_rollout(
+  params, cfg: ModelConfig, eval_set: EvalSet, max_new_tokens: int, eos_id: int, key, mesh=None
+):
+  """One completion of every held-out prompt sampled from π_θ at T = 1 with no top-k or top-p
+  (a `Rollout`; batch-split on `mesh`), drawn with `key`."""
+  scfg = sampler.SamplerConfig(
+    max_new_tokens=max_new_tokens, temperature=1.0, stop_tokens=(eos_id,)
+  )
+  prompts = (eval_set.tokens_bp, eval_set.lens_b)
+  return sampler.sample(params, prompts, key, scfg, cfg, mesh=mesh)
+
+
 def score_rollout(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
   """The sum of the scores of a rollout's completions over `eval_set.scored`, and the texts.
 
@@ -377,6 +393,7 @@ def evaluate(
   teacher_score: float | None = None,
   train_sampling: sampler.SamplerConfig | None = None,
   teacher_temperature: float = 1.0,
+  sampled_seed: int | None = None,
 ):
   """quality/* metrics of the student (and the teacher's score when not given).
 
@@ -385,6 +402,8 @@ def evaluate(
 
       quality/student_teacher_kl = Σ_chunks KL_c · n_c / Σ_chunks n_c   (n_c: tokens of c)
       quality/student_<metric>   = Σ_scored rows score_i / |scored rows|
+      quality/student_<metric>_t1 = the same over one T = 1 sample per prompt (`sampled_seed`
+                                   not None: chunk c drawn with fold_in(key(seed), c's start))
 
   `train_sampling`, the training rollouts' `SamplerConfig`, adds
   `quality/student_teacher_kl_at_rollout_t` (see the module docstring), with the teacher at
@@ -401,6 +420,7 @@ def evaluate(
   scored = len(eval_set.scored)
   score_teacher = scored and teacher_score is None
   kl, kl_t, tokens, total, teacher_total, texts = 0.0, 0.0, 0.0, 0.0, 0.0, []
+  sampled_total = 0.0
   for start in range(0, n, chunk):
     part = eval_set.rows(start, min(start + chunk, n))
     rollout = greedy_rollout(
@@ -408,6 +428,12 @@ def evaluate(
     )
     part_total, part_texts = score_rollout(rollout, part, tokenizer)
     total, texts = total + part_total, texts + part_texts
+    if sampled_seed is not None and scored:
+      key = jax.random.fold_in(jax.random.key(sampled_seed), start)
+      s_rollout = sampled_rollout(
+        student_params, student_cfg, part, max_new_tokens, tokenizer.eos_id, key, mesh
+      )
+      sampled_total += score_rollout(s_rollout, part, tokenizer)[0]
     mean = student_teacher_kl(student_params, student_cfg, teacher_params, teacher_cfg, rollout)
     kl_sum, part_tokens = _kl_sum(mean, rollout)
     kl, tokens = kl + kl_sum, tokens + part_tokens
@@ -432,6 +458,8 @@ def evaluate(
   name = eval_set.metric
   if scored:
     metrics[f"quality/student_{name}"] = total / scored
+    if sampled_seed is not None:
+      metrics[f"quality/student_{name}_t1"] = sampled_total / scored
   metrics["quality/student_teacher_kl"] = kl / tokens
   if train_sampling is not None:
     metrics["quality/student_teacher_kl_at_rollout_t"] = kl_t / tokens

@@ -8,8 +8,9 @@ mismatch. Notation: y_bt the sampled token of row b at position t, m_bt the comp
 the reward, π_θ the student, π_b the engine that sampled, π_old the student at the start of a
 GRPO step, π_ref the student at step 0, sg the stop-gradient. Each estimator's equation is in its
 function's docstring (`reinforce`, `group_advantages`, `mismatch_weights`, `ppo_clip_loss`,
-`grpo`, `k3_kl_to_reference`); docs/rl_baseline.md derives them and lists the config keys. The
-loss of a rollout and GRPO's K updates per batch are in `train.rl_step`.
+`grpo` and its form on log-probs `grpo_from_logprobs`, `k3_kl_to_reference`);
+docs/rl_baseline.md derives them and lists the config keys. The loss of a rollout and GRPO's
+K updates per batch are in `train.rl_step`.
 """
 
 from __future__ import annotations
@@ -378,6 +379,41 @@ def grpo(
     ValueError: shapes that disagree, a bad setting (`check_grpo_settings`), or β > 0
       without `reference_logprobs`.
   """
+  _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask)
+  student_lp = losses.token_logprobs(student_logits, tokens)
+  return grpo_from_logprobs(
+    student_lp,
+    mask,
+    advantage_b,
+    behaviour_logprobs,
+    old_logprobs,
+    clip_eps=clip_eps,
+    correction=correction,
+    correction_clip=correction_clip,
+    reference_logprobs=reference_logprobs,
+    kl_coef=kl_coef,
+  )
+
+
+def grpo_from_logprobs(
+  student_lp_bt,
+  mask,
+  advantage_b,
+  behaviour_logprobs,
+  old_logprobs=None,
+  *,
+  clip_eps: float = 0.2,
+  correction: str = "none",
+  correction_clip: float = 2.0,
+  reference_logprobs=None,
+  kl_coef: float = 0.0,
+):
+  """`grpo` on the sampled tokens' log-probs log π_θ(y_bt) = `student_lp_bt` [B, T] (the
+  differentiated input) instead of the logits; the same equation, arguments (but the logits
+  and tokens), metrics and errors. With correction "none", β ≥ 0 and one minibatch it is
+  TRL's GRPO loss with loss_type "bnpo" (and "dapo" over one generation batch), checked in
+  tests/train/test_grpo_reference.py.
+  """
   if not 0 < clip_eps < 1:
     raise ValueError(f"the PPO clip ε (train.ppo_clip) must be in (0, 1), got {clip_eps!r}")
   check_correction(correction, correction_clip)
@@ -387,12 +423,16 @@ def grpo(
       f"train.kl_coef={kl_coef!r} needs log π_ref of the initial student (reference_logprobs): "
       "the train step computes it from the reference params it is given"
     )
-  _check_token_shapes(student_logits, tokens, behaviour_logprobs, mask)
+  if student_lp_bt.shape != mask.shape or behaviour_logprobs.shape != mask.shape:
+    raise ValueError(
+      f"student log-probs {student_lp_bt.shape}, behaviour_logprobs {behaviour_logprobs.shape} "
+      f"and mask {mask.shape} must all be [B, T]"
+    )
   if advantage_b.shape != mask.shape[:1]:
     raise ValueError(f"advantage {advantage_b.shape} must be [B] with B = {mask.shape[0]}")
   counted = (mask > 0).astype(jnp.float32)
-  student_lp = losses.token_logprobs(student_logits, tokens)
-  student_lp = jnp.where(mask > 0, student_lp, 0.0)  # padding may sit outside the kept set
+  # padding may sit outside the kept set
+  student_lp = jnp.where(mask > 0, student_lp_bt.astype(jnp.float32), 0.0)
   if old_logprobs is None:
     old_lp = jax.lax.stop_gradient(student_lp)
   else:

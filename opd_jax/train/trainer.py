@@ -106,6 +106,7 @@ class Evaluator:
       self.teacher_score,
       train_sampling=self._sampling,
       teacher_temperature=self._spec.teacher.temperature,
+      sampled_seed=self._spec.seed if self._spec.train.eval_sampled else None,
     )
     self.teacher_score = metrics.get(f"quality/teacher_{self.metric}")
     self._writer.write_scalars(step, metrics)

@@ -3,6 +3,7 @@
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
         [--budget=FILE] --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
         --workdir=DIR [--params-from=RUN] [--force] [--conservative] [--report-only]
+        [--extrapolate=refuse|pooled|default]
         [--compilation-cache=DIR] [--nofast-compile]
 
 A candidate is a rollout configuration in the config's own terms, e.g.
@@ -22,6 +23,12 @@ measured and judged.
 Exit status: 0 when every candidate is admitted, 1 when any is not (refused, or a stale
 candidate that could not be measured), 2 on an error (a bad flag or candidate, a missing or
 stale budget file, ...). --report-only exits 0 whatever the verdicts (errors still exit 2).
+
+A candidate whose source the budget has no record of ("uncalibrated source"), or whose reading
+lies above the largest its source's records reached ("beyond calibrated range"), is refused
+unless --extrapolate=pooled or =default judges it against that limit; its call says which
+(docs/budget_rules.md, "No silent extrapolation"). The header says how far the check's reading
+moved between the budget's probe seeds, or "single probe".
 
 Without --budget (or with --budget=uncalibrated) the candidates are judged against the
 uncalibrated default limit, `opd_jax.mismatch.budget.UNCALIBRATED_MAX_KL` nats/token (the lowest
@@ -82,6 +89,14 @@ _CONSERVATIVE = flags.DEFINE_bool(
   "Take every limit of the file's rule at the lower end of its interval (then no longer the "
   "rule the file was validated with).",
 )
+_EXTRAPOLATE = flags.DEFINE_enum(
+  "extrapolate",
+  "refuse",
+  ["refuse", "pooled", "default"],
+  "A candidate the budget never calibrated its source for, or beyond its source's calibrated "
+  "range: refuse it, or judge it against the pooled or the uncalibrated default limit (the "
+  "table's call says so).",
+)
 _REPORT_ONLY = flags.DEFINE_bool(
   "report-only",
   False,
@@ -109,6 +124,7 @@ def main() -> int:
         params_from=_PARAMS_FROM.value,
         force=_FORCE.value,
         conservative=_CONSERVATIVE.value,
+        extrapolate=_EXTRAPOLATE.value,
         json_path=json_path,
         log=cli_flags.log_for_json(_JSON.value),
       )

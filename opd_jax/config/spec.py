@@ -157,6 +157,7 @@ class BudgetSpec:
   conservative: bool
   per_source: bool
   force: bool
+  extrapolate: str
 
 
 @frozen

@@ -519,11 +519,12 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   per_source = bool(config.get("per_source", False))
   per_part = bool(config.get("per_part", False))
   judged = verdicts(rows, config, fitted, rule)
-  pooled_judged = verdicts(rows, config, fitted, budget.POOLED)
+  pooled_judged = verdicts(rows, config, fitted, budget.POOLED, "pooled")  # one threshold
   for row, verdict, pooled in zip(rows, judged, pooled_judged, strict=True):
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
     row.update(limit=verdict.limit, limit_source=verdict.limit_source)
     row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
+    row["extrapolation"] = verdict.extrapolation
     row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]

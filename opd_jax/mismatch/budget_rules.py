@@ -394,7 +394,7 @@ def extrapolation(measurement: Mapping, budget: Budget) -> tuple[str | None, tup
   return (BEYOND_RANGE, tuple(lines)) if lines else (None, ())
 
 
-def _extrapolated(verdict: Verdict, measurement, budget, kind, lines, extrapolate) -> Verdict:
+def _extrapolated(verdict: Verdict, measurement, kind, lines, extrapolate) -> Verdict:
   """The verdict on a measurement the budget does not reach, as `extrapolate` says."""
   if extrapolate == "refuse":
     why = (
@@ -410,10 +410,12 @@ def _extrapolated(verdict: Verdict, measurement, budget, kind, lines, extrapolat
       extrapolate=extrapolate,
       extrapolation_reasons=lines,
     )
-  against = budget if extrapolate == "pooled" else uncalibrated_budget()
-  judged = admit(measurement, against, conservative=verdict.conservative, per_source=False)
+  if extrapolate == "default":
+    verdict = admit(
+      measurement, uncalibrated_budget(), conservative=verdict.conservative, per_source=False
+    )
   return dataclasses.replace(
-    judged, extrapolation=kind, extrapolate=extrapolate, extrapolation_reasons=lines
+    verdict, extrapolation=kind, extrapolate=extrapolate, extrapolation_reasons=lines
   )
 
 
@@ -444,8 +446,10 @@ def apply_rule(
     unmeasured_parts: "refuse" (a missing part raises) or "whole" (a missing part is taken
       as the whole's kl: the stand-in where parts cannot be measured, as in a training step).
     extrapolate: a measurement the budget's records do not reach (`extrapolation`): "refuse"
-      it (the default), or judge it with the pooled rule against the "pooled" limit or the
-      uncalibrated "default" limit; the verdict's `extrapolation` says which case it was.
+      it (the default); "pooled": the rule's verdict, in which a source with no fit of its own
+      or read past its records is held to the pooled limit (`Budget.source_limit`); "default":
+      the pooled rule against the uncalibrated default limit. The verdict's `extrapolation`
+      says which case it was either way.
 
   Returns:
     A Verdict with `rule` set to the rule's name.
@@ -481,5 +485,5 @@ def apply_rule(
     verdict = _sum_of_fractions(measurement, budget, conservative)
   kind, lines = extrapolation(measurement, budget)
   if kind is not None:
-    verdict = _extrapolated(verdict, measurement, budget, kind, lines, extrapolate)
+    verdict = _extrapolated(verdict, measurement, kind, lines, extrapolate)
   return dataclasses.replace(verdict, rule=rule.name)

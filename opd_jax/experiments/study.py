@@ -306,8 +306,9 @@ def quality_runs(row: dict) -> list[float]:
 def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
   """The fit's records: one per run of the reference and calibration rows, x = the check's
   mismatch/kl, y = mean(q_ref) − that run's quality (`quality_runs`, from `label_runs`); each
-  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one."""
-  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
+  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one, and the
+  probe's seed (`budget.PROBE_SEED_KEY`) when the row names it."""
+  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95", budget.PROBE_SEED_KEY)
   out = []
   for r in rows:
     if r["role"] not in (REFERENCE, "calibration"):
@@ -496,6 +497,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   for s in settings:
     res, meas = results[s.name], measured[s.spec]
     row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
+    row[budget.PROBE_SEED_KEY] = int(config.seeds[0])  # measured at the probe: seed 0's run
     row["accuracy"] = result_accuracy(res)
     row["student_teacher_kl"] = res["student_teacher_kl_after"]
     row["quality"] = run_quality(res, label)
@@ -542,7 +544,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "run_steps": config.run.train.steps,
     "num_eval": num_eval,
     "num_prompts": config.num_prompts,
-    "probe": {"dir": probe_dir, "steps": config.probe_steps},
+    "probe": {"dir": probe_dir, "steps": config.probe_steps, "seed": int(config.seeds[0])},
     "teacher_accuracy": result_accuracy(results[settings[0].name], "", "teacher"),
     "student_accuracy_before": result_accuracy(results[settings[0].name], "before"),
     "label": label,

@@ -211,7 +211,8 @@ class Guard:
       raise ValueError(f"{len(sources)} rung sources for a ladder of {len(ladder)} rungs")
     if extrapolate not in budget_lib.EXTRAPOLATE:
       raise ValueError(
-        f"budget.extrapolate must be one of {', '.join(budget_lib.EXTRAPOLATE)}; got {extrapolate!r}"
+        f"budget.extrapolate must be one of {', '.join(budget_lib.EXTRAPOLATE)}; "
+        f"got {extrapolate!r}"
       )
     self.extrapolate = extrapolate
     self.budget, self.ladder, self.action = budget, ladder, action

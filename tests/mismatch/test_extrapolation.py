@@ -96,7 +96,9 @@ def test_parts_combinations_and_budgets_without_records(fitted):
   kind, lines = budget_rules.extrapolation({**measured, "mismatch/kl/part/stale": 0.31}, fitted)
   assert kind == "beyond calibrated range" and len(lines) == 1 and "stale reads 0.31" in lines[0]
   # Unmeasured parts of a calibrated combination: the whole against the combination's range.
-  assert budget_rules.extrapolation({"mismatch/kl": 0.4, "source": "noise+stale"}, fitted)[0] is None
+  assert (
+    budget_rules.extrapolation({"mismatch/kl": 0.4, "source": "noise+stale"}, fitted)[0] is None
+  )
   assert budget_rules.extrapolation({"mismatch/kl": 0.41, "source": "noise+stale"}, fitted)[0] == (
     "beyond calibrated range"
   )
@@ -134,9 +136,7 @@ def test_probe_spread_and_the_single_probe_note(fitted, round9):
   one = fit_budget([{**r, "probe_seed": 3} for r in RECORDS], 0.5, num_bootstrap=10)
   assert one.probe_spread == {} and "(seed 3)" in budget_lib.probe_note(one)
   # The same settings at a second probe read noise 0.12 / 0.2 and stale 0.05 / 0.3.
-  second = [
-    {**r, "probe_seed": 1, "name": f"{r['source']}{k}"} for k, r in enumerate(RECORDS)
-  ]
+  second = [{**r, "probe_seed": 1, "name": f"{r['source']}{k}"} for k, r in enumerate(RECORDS)]
   first = [{**r, "probe_seed": 0} for r in second]
   second[1] = {**second[1], "mismatch/kl": 0.12}  # noise0: 0.1 at seed 0, 0.12 at seed 1
   two = fit_budget(first + second, 0.5, num_bootstrap=10)

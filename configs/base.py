@@ -195,6 +195,7 @@ def get_config(arg=None):
   c.budget.conservative = False  # compare with the lower end of the budget's interval
   c.budget.per_source = True  # hold each rung to its sources' limits (else the pooled budget)
   c.budget.force = False  # run with a stale budget (fingerprint changed) instead of refusing
+  c.budget.extrapolate = "refuse"  # a rung beyond the budget's records: refuse | pooled | default
 
   # Export: a finished run writes its student as a Hugging Face checkpoint (opd_jax/export.py:
   # weights, config.json and generation_config.json with the token ids, the tokenizer).

@@ -285,6 +285,10 @@ def get_config(arg=None):
   # A source's own limit needs its fit over τ on this many of its records (1 for `:rounds`
   # and `:round5`).
   c.min_crossing_records = 1 if arg in ("rounds", "round5") else 2
+  # A setting the budget's records do not reach (an uncalibrated source, or beyond its source's
+  # calibrated range): refuse | pooled | default, as `python -m opd_jax.admit --extrapolate`.
+  c.extrapolate = "refuse"
+  c.allow_mixed_code = False  # True: go on with parts made by different code (study.json says so)
   c.calibration, c.held_out = _calibration_and_held_out(arg)
   run.train.steps = 500
   run.train.eval_every = 100

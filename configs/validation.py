@@ -203,6 +203,10 @@ def get_config(arg=None):
   c.per_source = True
   c.per_part = False
   c.min_crossing_records = 2
+  # Pre-registered before extrapolation was refused: its verdicts are the rule's own, with an
+  # uncalibrated or out-of-range source held to the pooled limit (now flagged in each row).
+  c.extrapolate = "pooled"
+  c.allow_mixed_code = False  # True: go on with parts made by different code
   c.calibration = CALIBRATION
   c.held_out = HELD_OUT
   c.borderline_roles = ()

@@ -3,6 +3,7 @@
     python -m opd_jax.admit --config=configs/<name>.py[:variant] [--config.key=value ...]
         [--budget=FILE] --candidate=SPEC [--candidate=SPEC ...] [--prompts=N] [--json=PATH|-]
         --workdir=DIR [--params-from=RUN] [--force] [--conservative] [--report-only]
+        [--extrapolate=refuse|pooled|default]
         [--compilation-cache=DIR] [--nofast-compile]
     python -m opd_jax.admit --config=... --export-prompts=FILE [--prompts=N]
     python -m opd_jax.admit --config=... --workdir=DIR --engine-samples=FILE
@@ -34,6 +35,12 @@ every sampled token, and `--engine-samples=FILE [--engine-format=auto|vllm|sglan
 estimates KL(engine || trainer) from those tokens by k3 with a bootstrap interval and judges it by
 the budget's rule (an interval that holds the limit: "too close"). The logic is
 `opd_jax.cli.engine_check`; the file formats are `opd_jax.io.engine_samples`'s.
+
+A candidate whose source the budget has no record of ("uncalibrated source"), or whose reading
+lies above the largest its source's records reached ("beyond calibrated range"), is refused
+unless --extrapolate=pooled or =default judges it against that limit; its call says which
+(docs/budget_rules.md, "No silent extrapolation"). The header says how far the check's reading
+moved between the budget's probe seeds, or "single probe".
 
 Without --budget (or with --budget=uncalibrated) the candidates are judged against the
 uncalibrated default limit, `opd_jax.mismatch.budget.UNCALIBRATED_MAX_KL` nats/token (the lowest
@@ -105,6 +112,14 @@ _CONSERVATIVE = flags.DEFINE_bool(
 )
 _PLOT = flags.DEFINE_string(
   "plot", None, "Also draw each candidate's KL by token position as a PNG at PATH."
+)
+_EXTRAPOLATE = flags.DEFINE_enum(
+  "extrapolate",
+  "refuse",
+  ["refuse", "pooled", "default"],
+  "A candidate the budget never calibrated its source for, or beyond its source's calibrated "
+  "range: refuse it, or judge it against the pooled or the uncalibrated default limit (the "
+  "table's call says so).",
 )
 _REPORT_ONLY = flags.DEFINE_bool(
   "report-only",
@@ -214,6 +229,7 @@ def main() -> int:
         params_from=_PARAMS_FROM.value,
         force=_FORCE.value,
         conservative=_CONSERVATIVE.value,
+        extrapolate=_EXTRAPOLATE.value,
         json_path=json_path,
         log=cli_flags.log_for_json(_JSON.value),
       )

@@ -24,6 +24,7 @@ import ml_collections
 
 from opd_jax.config import check as config_check
 from opd_jax.config.values import DEFAULT_NUM_PROMPTS
+from opd_jax.io import provenance
 from opd_jax.io.run_history import RunHistory
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file, budget_rules
@@ -139,24 +140,49 @@ def verdict_fields(
   verdict: budget_rules.Verdict, budget_label: str, uncalibrated: bool, too_close: bool = False
 ) -> dict:
   """A row's verdict columns: max_kl (the limit), limit_from, margin, admitted, verdict,
-  limit_band, too_close (the verdict's, or `too_close`), call ("uncalibrated", "too close" or
-  "clear"), reasons, budget, and layer_margins when the verdict has any."""
+  limit_band, too_close (the verdict's, or `too_close`), call (`_call`), extrapolation, reasons,
+  budget, and layer_margins when the verdict has any."""
   too_close = too_close or verdict.too_close
   fields = {
     "max_kl": verdict.limit,
-    "limit_from": UNCALIBRATED_LABEL if uncalibrated else verdict.limit_source or "overall",
+    "limit_from": _limit_from(verdict, uncalibrated),
     "margin": verdict.margin,
     "admitted": verdict.admitted,
     "verdict": "admitted" if verdict.admitted else "rejected",
     "limit_band": list(verdict.limit_band),
     "too_close": too_close,
-    "call": "too close" if too_close else "uncalibrated" if uncalibrated else "clear",
+    "call": _call(verdict, uncalibrated, too_close),
+    "extrapolation": verdict.extrapolation,
     "reasons": list(verdict.reasons),
     "budget": budget_label,
   }
   if verdict.layer_margins:
     fields["layer_margins"] = {str(i): v for i, v in verdict.layer_margins.items()}
   return fields
+
+
+def _limit_from(verdict: budget_rules.Verdict, uncalibrated: bool) -> str:
+  """The table's "limit from": the source whose limit was used, "overall", the uncalibrated
+  default, or for an extrapolation judged anyway, the limit it was judged against instead."""
+  if uncalibrated or verdict.extrapolate == "default":
+    return UNCALIBRATED_LABEL
+  if verdict.extrapolate == "pooled" and verdict.extrapolation is not None:
+    return "pooled"
+  return verdict.limit_source or "overall"
+
+
+def _call(verdict: budget_rules.Verdict, uncalibrated: bool, too_close: bool) -> str:
+  """The table's "call": "too close" (an interval that holds the limit), "uncalibrated" (no
+  budget file), the extrapolation ("uncalibrated source" or "beyond calibrated range", with the
+  limit it was judged against when not refused), or "clear"."""
+  if too_close:
+    return "too close"
+  if uncalibrated:
+    return "uncalibrated"
+  if verdict.extrapolation is not None:
+    against = {"pooled": ", pooled limit", "default": ", default limit"}
+    return verdict.extrapolation + against.get(verdict.extrapolate, "")
+  return "clear"
 
 
 def format_cell(value, fmt: str) -> str:
@@ -248,6 +274,7 @@ def run_admission(
   conservative: bool = False,
   json_path: str | None = None,
   log: Callable[..., None] = print,
+  extrapolate: str = "refuse",
 ) -> dict:
   """Runs the admission check (docs/design.md) and returns what `--json` writes.
 
@@ -267,6 +294,8 @@ def run_admission(
     force: check against a stale budget (its reasons are still reported); nothing with the
       uncalibrated default, which has no fingerprint.
     conservative: set the rule's "conservative" parameter (`budget.Rule.with_params`).
+    extrapolate: a candidate the budget's records do not reach: "refuse", or judge it against
+      the "pooled" or the uncalibrated "default" limit (`budget_rules.apply_rule`).
     json_path: also write the result as JSON there.
     log: progress and the table go here.
 
@@ -334,10 +363,18 @@ def run_admission(
     t0 = time.perf_counter()
     whole = measure_one(c)
     measurement, verdict = candidate_verdict(
-      c, config, whole, budget, lambda _, part: measure_one(part)[budget_lib.KL_KEY], rule
+      c,
+      config,
+      whole,
+      budget,
+      lambda _, part: measure_one(part)[budget_lib.KL_KEY],
+      rule,
+      extrapolate,
     )
     measure_seconds.append(time.perf_counter() - t0)
     row = candidate_row(c, measurement, verdict, student["step"], budget_name, uncalibrated)
+    if not uncalibrated:  # how much of its reading comes from the probe
+      row["probe"] = budget_lib.probe_note(budget, row["source"].split("+"))
     if history is not None and trained_with(c, history.run_config):
       row.update(training_time_kl(params_from, c.lag) or {})
       if row.get("train/mismatch_kl_last", 0.0) > ROUNDING_KL:
@@ -359,6 +396,7 @@ def run_admission(
         "budget": budget_name,
         "stale_budget_reasons": stale,
         "fingerprint": current_fp,
+        "provenance": provenance.provenance(c.config),
       }
     )
 
@@ -377,6 +415,8 @@ def run_admission(
       "total": time.perf_counter() - start,
     },
     "log_file": log_path,
+    "extrapolate": extrapolate,
+    "provenance": provenance.provenance(config),
   }
   if uncalibrated:
     head = f"no budget file: using {budget_lib.uncalibrated_note()}"
@@ -390,6 +430,8 @@ def run_admission(
     f"{head}; rule: {rule.describe()}; student: {student['source']}; "
     f"{num_prompts} calibration prompts"
   )
+  if not uncalibrated:
+    log(budget_lib.probe_note(budget))
   log(format_table(rows))
   if json_path:
     pathlib.Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -241,6 +241,7 @@ RULES: dict[str, Any] = {
   "budget.conservative": Kind(bool),
   "budget.per_source": Kind(bool),
   "budget.force": Kind(bool),
+  "budget.extrapolate": Choice(("refuse", "pooled", "default")),
 }
 
 

@@ -160,6 +160,7 @@ class BudgetSpec:
   conservative: bool
   per_source: bool
   force: bool
+  extrapolate: str
 
 
 @frozen

@@ -345,6 +345,7 @@ def screen(plan: Plan, workdir: str, log: Callable = print) -> list[dict]:
         "limit_source": verdict.limit_source,
         "margin": verdict.margin,
         "too_close": verdict.too_close,
+        "extrapolation": verdict.extrapolation,
         "reasons": list(verdict.reasons),
       }
     )

@@ -48,7 +48,7 @@ import numpy as np
 
 from opd_jax.experiments import opd_vs_rl_report, runs, study
 from opd_jax.experiments.opd_vs_rl_report import METHODS, REFERENCE, REPORT_NAME
-from opd_jax.io import metrics_writer
+from opd_jax.io import metrics_writer, provenance
 from opd_jax.mismatch import candidates as candidates_lib
 
 # configs/bf16_sync_sampled.py's recipe over bf16_sync.py (tests/experiments/test_opd_vs_rl.py
@@ -296,6 +296,7 @@ def run_comparison(
     except Exception as e:  # noqa: BLE001 - re-raised below, once the report is written
       failed = e
   meta = {
+    "provenance": provenance.provenance(config),
     "steps": config.run.train.steps,
     "eval_size": config.run.data.eval_size,
     "opd_lr": config.run.train.lr,

@@ -41,9 +41,10 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    and how often it is right when it does. The budget is saved as `DIR/budget.json` with the
    fingerprint of θ_P and the teacher and its rule, with the held-out result as the rule's
    validation (`rule_validation`).
-6. **Report.** `DIR/study.json` (every number), `DIR/report.md` (the findings) and PNG plots
-   (`plots`, `study_report`). The check's mismatch is also set beside each run's training-time mean
-   `mismatch/kl` (agreement of the two x-axes).
+6. **Report.** `DIR/study.json` (every number, and the code each part was made by:
+   `study_provenance`, which refuses parts made by different code unless `allow_mixed_code`),
+   `DIR/report.md` (the findings) and PNG plots (`plots`, `study_report`). The check's mismatch
+   is also set beside each run's training-time mean `mismatch/kl` (agreement of the two x-axes).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import plots, runs, stats, study_report
+from opd_jax.experiments import plots, runs, stats, study_provenance, study_report
 from opd_jax.experiments.study_rules import (
   LABEL_DROP,  # the drop a held-out verdict is judged by: over its runs (step 5)
   rule_validation,
@@ -68,7 +69,7 @@ from opd_jax.experiments.study_rules import (
   study_rule,
   verdicts,
 )
-from opd_jax.io import run_history
+from opd_jax.io import provenance, run_history
 from opd_jax.io.json_file import read_json, write_json
 from opd_jax.mismatch import (
   admission,
@@ -198,7 +199,8 @@ def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
   )
   if not done:
     log(f"probe: {config.probe_steps} reference steps into {directory}")
-    trainer.run(probe_config(config, settings, workdir), directory, log)
+    done = trainer.run(probe_config(config, settings, workdir), directory, log)
+    study_provenance.write_probe(directory, done.get(provenance.KEY))
   return directory
 
 
@@ -211,7 +213,8 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     combination; the budget fingerprint of the measured student and teacher, with the student
     the runs start from as its run-start student: `budget_file.with_run_start`). Measurements
     (parts too) are cached in DIR/measurements.json together with the fingerprint of the
-    measured setup, and reused when it still matches.
+    measured setup, and reused when it still matches; its "provenance" holds each one's
+    `io.provenance` entry (the code that measured it).
   """
   path = os.path.join(workdir, MEASUREMENTS_FILE)
   cached = read_json(path, {"fingerprint": None, "measurements": {}})
@@ -221,7 +224,9 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   history = run_history.RunHistory(run, setup, probe_dir)
   student = history.params(history.latest)
   fingerprint = admission.current_fingerprint(setup, student)
-  measured = cached["measurements"] if cached["fingerprint"] == fingerprint else {}
+  same = cached["fingerprint"] == fingerprint
+  measured = cached["measurements"] if same else {}
+  made_by = cached.get(provenance.KEY, {}) if same else {}  # absent in older files
   m = setup.models
   prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
   parts = {
@@ -239,8 +244,9 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
     result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
     measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
+    made_by[spec] = provenance.provenance(candidate.config)
     log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
-    write_json(path, {"fingerprint": fingerprint, "measurements": measured})
+    write_json(path, {"fingerprint": fingerprint, "measurements": measured, "provenance": made_by})
   run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
   by_setting = {
     spec: {
@@ -300,8 +306,9 @@ def quality_runs(row: dict) -> list[float]:
 def budget_records(rows: Sequence[dict], reference_mean: float) -> list[dict]:
   """The fit's records: one per run of the reference and calibration rows, x = the check's
   mismatch/kl, y = mean(q_ref) − that run's quality (`quality_runs`, from `label_runs`); each
-  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one."""
-  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95")
+  keeps the run's training-time mean mismatch/kl as TRAIN_KL when it logged one, and the
+  probe's seed (`budget.PROBE_SEED_KEY`) when the row names it."""
+  keep = ("source", "name", budget.KL_KEY, "mismatch/kl_p95", budget.PROBE_SEED_KEY)
   out = []
   for r in rows:
     if r["role"] not in (REFERENCE, "calibration"):
@@ -461,6 +468,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   settings = study_settings(config)
   extra, _, every = rerun_plan(config)  # checked before anything trains
   workers = _workers(config)
+  dirs = study_provenance.run_dirs(workdir, [s.name for s in settings], extra)
+  meas_path = os.path.join(workdir, MEASUREMENTS_FILE)
+  study_provenance.study_code(config, meas_path, os.path.join(workdir, "runs", PROBE), dirs, log)
   probe_dir = run_probe(config, settings, workdir, log)
   measured, fingerprint = measure_settings(config, settings, probe_dir, workdir, log)
 
@@ -487,6 +497,7 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   for s in settings:
     res, meas = results[s.name], measured[s.spec]
     row = {**dataclasses.asdict(s), **{k: v for k, v in meas.items() if k.startswith("mismatch/")}}
+    row[budget.PROBE_SEED_KEY] = int(config.seeds[0])  # measured at the probe: seed 0's run
     row["accuracy"] = result_accuracy(res)
     row["student_teacher_kl"] = res["student_teacher_kl_after"]
     row["quality"] = run_quality(res, label)
@@ -510,27 +521,30 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
   per_source = bool(config.get("per_source", False))
   per_part = bool(config.get("per_part", False))
   judged = verdicts(rows, config, fitted, rule)
-  pooled_judged = verdicts(rows, config, fitted, budget.POOLED)
+  pooled_judged = verdicts(rows, config, fitted, budget.POOLED, "pooled")  # one threshold
   for row, verdict, pooled in zip(rows, judged, pooled_judged, strict=True):
     row.update(admitted=verdict.admitted, margin=verdict.margin, reasons=list(verdict.reasons))
     row.update(limit=verdict.limit, limit_source=verdict.limit_source)
     row.update(limit_band=list(verdict.limit_band), too_close=verdict.too_close)
+    row["extrapolation"] = verdict.extrapolation
     row.update(admitted_pooled=pooled.admitted, margin_pooled=pooled.margin)
     row["kept_quality"] = row[LABEL_DROP] <= tolerance
   held_out = [r for r in rows if r["role"] == "held_out"]
   validated = stats.confusion(held_out, tolerance, LABEL_DROP)
   if held_out:
     rule = dataclasses.replace(rule, validation=rule_validation(validated, tolerance))
-  fitted = dataclasses.replace(fitted, rule=rule)
+  code = study_provenance.study_code(config, meas_path, probe_dir, dirs, log)  # mixed: refused
+  fitted = dataclasses.replace(fitted, rule=rule, code_provenance=code[provenance.KEY])
   budget_path = os.path.join(workdir, BUDGET_FILE)
   budget_file.save_budget(budget_path, fitted, fingerprint)
 
   result: dict[str, Any] = {
     "workdir": os.path.abspath(workdir),
+    **code,  # "provenance" (the code running now, the config's hash), "code" (its parts')
     "run_steps": config.run.train.steps,
     "num_eval": num_eval,
     "num_prompts": config.num_prompts,
-    "probe": {"dir": probe_dir, "steps": config.probe_steps},
+    "probe": {"dir": probe_dir, "steps": config.probe_steps, "seed": int(config.seeds[0])},
     "teacher_accuracy": result_accuracy(results[settings[0].name], "", "teacher"),
     "student_accuracy_before": result_accuracy(results[settings[0].name], "before"),
     "label": label,

@@ -51,13 +51,20 @@ def rule_validation(held_out_confusion: dict, tolerance: float) -> dict:
   }
 
 
-def verdicts(rows: Sequence[dict], config, fitted: budget.Budget, rule: budget.Rule) -> list:
+def verdicts(
+  rows: Sequence[dict], config, fitted: budget.Budget, rule: budget.Rule, extrapolate=None
+) -> list:
   """The verdict of `rule` on every row (a setting's measurement, with its parts), through
-  `admission.candidate_verdict`: the admission check's own path."""
+  `admission.candidate_verdict`: the admission check's own path. A setting the budget's
+  records do not reach is handled as `extrapolate` says (default: `config.extrapolate`, else
+  "refuse"; `budget_rules.apply_rule`)."""
+  extrapolate = extrapolate or config.get("extrapolate", "refuse")
   out = []
   for r in rows:
     candidate = candidates_lib.parse_candidate(r["spec"], config.run)
-    out.append(admission.candidate_verdict(candidate, config.run, r, fitted, None, rule)[1])
+    out.append(
+      admission.candidate_verdict(candidate, config.run, r, fitted, None, rule, extrapolate)[1]
+    )
   return out
 
 

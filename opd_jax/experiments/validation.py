@@ -53,6 +53,7 @@ from opd_jax.config import check as config_check
 from opd_jax.config import values
 from opd_jax.experiments import stats
 from opd_jax.experiments import study as study_lib
+from opd_jax.io import provenance
 from opd_jax.mismatch import budget, budget_fit
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -425,8 +426,12 @@ def load_config(path: str):
 
 
 def report(result: Mapping, config) -> dict[str, Any]:
-  """Everything this module scores, from one study result and its config."""
+  """Everything this module scores, from one study result and its config, with the
+  provenance of the code scoring it and of the study's parts (`study_provenance`)."""
   return {
+    "provenance": provenance.provenance(config),
+    "study_provenance": result.get("provenance"),  # None for a study.json before it
+    "study_code": result.get("code"),
     "primary": config.analysis.primary,
     "validation": validate(result, config),
     "one_scale": one_scale(result),

@@ -169,6 +169,7 @@ def candidate_verdict(
   budget: budget_lib.Budget,
   measure_part: Callable[[str, Candidate], float] | None,
   rule: budget_lib.Rule | None = None,
+  extrapolate: str = "refuse",
 ) -> tuple[dict, budget_rules.Verdict]:
   """The verdict on one measured candidate: the path the admission check, the live guard and
   the study share.
@@ -187,6 +188,8 @@ def candidate_verdict(
     measure_part: (source, part candidate) -> that part's mismatch/kl; None when the
       measurement already holds every part it needs.
     rule: the rule to apply; None: the budget's (`budget_rules.apply_rule`).
+    extrapolate: what to do with a candidate the budget's records do not reach
+      (`budget_rules.apply_rule`): "refuse", "pooled" or "default".
 
   Returns:
     (the measurement with "source" and the parts, the Verdict).
@@ -207,7 +210,7 @@ def candidate_verdict(
           f"({spec!r}) measured alone, and no measurement of it was given"
         )
       out[key] = float(measure_part(source, parse_candidate(spec, base)))
-  return out, budget_rules.apply_rule(out, budget, rule)
+  return out, budget_rules.apply_rule(out, budget, rule, extrapolate=extrapolate)
 
 
 def stale_lag_problem(candidate: Candidate, history: RunHistory | None) -> str | None:

@@ -31,12 +31,20 @@ LAYER_KL_PREFIX = "mismatch/kl/layer_"  # measurement key of layer i: f"{LAYER_K
 PART_KL_PREFIX = "mismatch/kl/part/"  # a combination's source s measured alone: f"{…}{s}"
 CENSORED = ("none", "above", "below", "unconfirmed")  # "unconfirmed": per-source fits only
 MIN_CROSSING_RECORDS = 1  # default: one record over τ is enough for a source's own limit
+PROBE_SEED_KEY = "probe_seed"  # a record's probe: the seed of the run its student came from
+OVERALL = "overall"  # probe_spread's entry over every setting
 
 
 RULE_NAMES = ("pooled", "whole", "per_part", "sum_of_fractions")  # docs/budget_rules.md
 PARTS_RULES = ("per_part", "sum_of_fractions")  # the rules that read a combination's parts
 RULE_PARAMS = {"conservative": False}  # every rule's parameters and their defaults
 UNMEASURED_PARTS = ("refuse", "whole")  # what `apply_rule` does with a part it is not given
+# What `apply_rule` does with a candidate the budget would extrapolate to (an uncalibrated
+# source, or a reading beyond its source's calibrated range): refuse it, or judge it against the
+# pooled limit or the uncalibrated default limit, saying so (docs/budget_rules.md).
+EXTRAPOLATE = ("refuse", "pooled", "default")
+UNCALIBRATED_SOURCE = "uncalibrated source"
+BEYOND_RANGE = "beyond calibrated range"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +169,12 @@ class Budget:
     provenance: where the records came from when they were not measured by this project's
       check (`record_import.import_records`: the log format, the files and their sha256, the
       key read as x, its conversion, the quality key and the tail), or None.
+    calibrated_range: source -> (min, max) of the check's mismatch/kl over its own records
+      (`calibrated_ranges`); None (the default) computes it from `records`. A candidate's
+      source outside it is an extrapolation (`budget_rules.extrapolation`).
+    probe_spread: source -> how far its check KL moved between probe seeds (`probe_spreads`);
+      None computes it from `records`; empty when they hold fewer than two probe seeds.
+    code_provenance: the `io.provenance` entry of the code that fitted it, or None.
   """
 
   tolerance: float
@@ -176,6 +190,20 @@ class Budget:
   min_crossing_records: int = MIN_CROSSING_RECORDS
   rule: Rule | None = None
   provenance: dict[str, Any] | None = None
+  calibrated_range: dict[str, tuple[float, float]] | None = None
+  probe_spread: dict[str, float] | None = None
+  code_provenance: dict[str, Any] | None = None
+
+  def __post_init__(self):
+    if self.calibrated_range is None:
+      object.__setattr__(self, "calibrated_range", calibrated_ranges(self.records))
+    if self.probe_spread is None:
+      object.__setattr__(self, "probe_spread", probe_spreads(self.records))
+
+  @property
+  def probe_seeds(self) -> tuple[int, ...]:
+    """The distinct probe seeds its records name (PROBE_SEED_KEY), sorted; () when none does."""
+    return tuple(sorted({r[PROBE_SEED_KEY] for r in self.records if PROBE_SEED_KEY in r}))
 
   @property
   def max_kl(self) -> float:
@@ -219,6 +247,72 @@ class Budget:
       return _at(self.overall, end), None
     limit, which = min((self.source_limit(s, end=end), s) for s in named)
     return limit, which
+
+
+def _own_records(records: Sequence[Mapping[str, Any]]):
+  """(source, record) for each record of one named source (no "layer", not the reference)."""
+  for r in records:
+    source = r.get(SOURCE_KEY)
+    named = isinstance(source, str) and source and source != REFERENCE_SOURCE
+    if named and LAYER_KEY not in r and KL_KEY in r:
+      yield source, r
+
+
+def calibrated_ranges(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+  """source -> (min, max) of mismatch/kl over the records of exactly that source (a
+  combination, "noise+stale", is its own entry; layer scans and the reference are left out).
+
+  A source with no entry was never calibrated; a reading above its max lies beyond what its
+  records say (`budget_rules.extrapolation`). Below its min the fit still holds: every
+  per-source fit is anchored at the reference's zero mismatch."""
+  out: dict[str, tuple[float, float]] = {}
+  for source, r in _own_records(records):
+    kl = float(r[KL_KEY])
+    low, high = out.get(source, (kl, kl))
+    out[source] = (min(low, kl), max(high, kl))
+  return dict(sorted(out.items()))
+
+
+def probe_spreads(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """How much of the check's reading comes from the probe: for each setting (a record's
+  "name", else its source) measured at two or more probe seeds (PROBE_SEED_KEY), with m_p its
+  mismatch/kl at probe seed p (the mean of its records there),
+
+    spread = (max_p m_p − min_p m_p) / mean_p m_p       (relative: 0.2 = 20 %),
+
+  and per source the largest spread of its settings, with OVERALL the largest of all.
+  Empty when the records name fewer than two probe seeds (one probe: not measured)."""
+  if len({r[PROBE_SEED_KEY] for r in records if PROBE_SEED_KEY in r}) < 2:
+    return {}
+  by_setting: dict[tuple[str, str], dict[Any, list[float]]] = {}
+  for source, r in _own_records(records):
+    if PROBE_SEED_KEY in r:
+      at = by_setting.setdefault((source, str(r.get("name", source))), {})
+      at.setdefault(r[PROBE_SEED_KEY], []).append(float(r[KL_KEY]))
+  out: dict[str, float] = {}
+  for (source, _), at in by_setting.items():
+    means = [float(np.mean(v)) for v in at.values()]
+    if len(means) < 2 or np.mean(means) <= 0:
+      continue
+    spread = (max(means) - min(means)) / float(np.mean(means))
+    out[source] = max(out.get(source, 0.0), spread)
+    out[OVERALL] = max(out.get(OVERALL, 0.0), spread)
+  return dict(sorted(out.items()))
+
+
+def probe_note(budget: Budget, sources: Sequence[str] = ()) -> str:
+  """One line on how much of a reading comes from the probe: the largest probe spread of
+  `sources` (else the overall one), or "single probe" when the budget was fitted at one."""
+  seeds = budget.probe_seeds
+  if not budget.probe_spread:
+    at = f" (seed {seeds[0]})" if len(seeds) == 1 else ""
+    return (
+      f"single probe: the budget was fitted at one probe{at}, so how far a reading moves with "
+      "the probe is not measured"
+    )
+  named = [budget.probe_spread[s] for s in sources if s in budget.probe_spread]
+  spread = max(named) if named else budget.probe_spread.get(OVERALL, 0.0)
+  return f"probe spread: the check KL moved up to {spread:.0%} between {len(seeds)} probe seeds"
 
 
 UNCALIBRATED = "uncalibrated"  # the name of the default where a budget file is asked for

@@ -235,7 +235,12 @@ def _body(budget: budget_lib.Budget) -> dict[str, Any]:
     "unfitted_layers": list(budget.unfitted_layers),
     "sources": [{"source": k, **_threshold_dict(t)} for k, t in sorted(budget.sources.items())],
     "records": [dict(r) for r in budget.records],
+    # for readers: both are recomputed from the records on load
+    "calibrated_range": {k: list(v) for k, v in budget.calibrated_range.items()},
+    "probe_spread": dict(budget.probe_spread),
   }
+  if budget.code_provenance is not None:
+    body["code_provenance"] = dict(budget.code_provenance)
   if budget.training is not None:
     body["training"] = _body(budget.training)
   return body
@@ -414,7 +419,15 @@ class _Reader:
       seed=self.integer(body, "seed", where),
       training=training,
       min_crossing_records=self.min_crossing_records(body, where),
+      code_provenance=self.code_provenance(body, where),
     )
+
+  def code_provenance(self, body: Mapping, where: str) -> dict | None:
+    """The body's "code_provenance" (`io.provenance`), None when absent (files before it)."""
+    value = body.get("code_provenance")
+    if value is not None and not isinstance(value, Mapping):
+      self.fail(f"{where}.code_provenance", f"expected an object, got {value!r}"[:200])
+    return None if value is None else dict(value)
 
 
 def budget_from_json(text: str, source: str = "<string>") -> tuple[budget_lib.Budget, dict]:

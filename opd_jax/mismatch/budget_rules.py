@@ -15,17 +15,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opd_jax.mismatch.budget import (
+  BEYOND_RANGE,
+  EXTRAPOLATE,
   KL_KEY,
   LAYER_KL_PREFIX,
   PART_KL_PREFIX,
   POOLED,
   REFERENCE_SOURCE,
   SOURCE_KEY,
+  UNCALIBRATED_SOURCE,
   UNMEASURED_PARTS,
   Budget,
   Rule,
   Threshold,
   finite_number,
+  is_uncalibrated,
+  uncalibrated_budget,
 )
 
 
@@ -48,6 +53,10 @@ class Verdict:
       that have a threshold and a measured value.
     rule: the name of the rule that gave the verdict (`apply_rule`), None from `admit`.
     fraction: sum_of_fractions only: F = Σ_s kl_s / L_s (admitted ⇔ F ≤ 1).
+    extrapolation: UNCALIBRATED_SOURCE or BEYOND_RANGE when the budget's records do not reach
+      the measurement (`extrapolation`), else None.
+    extrapolate: what was done then (one of EXTRAPOLATE), None when nothing was extrapolated.
+    extrapolation_reasons: one line per part outside the budget's records.
   """
 
   admitted: bool
@@ -61,13 +70,16 @@ class Verdict:
   limit_band: tuple[float, float] | None = None
   rule: str | None = None
   fraction: float | None = None
+  extrapolation: str | None = None
+  extrapolate: str | None = None
+  extrapolation_reasons: tuple[str, ...] = ()
 
   @property
   def too_close(self) -> bool:
     """Whether the verdict is too close to call: lower < measured_kl ≤ upper for the limit's
     band, so that the rule at the lower end of the bootstrap intervals refuses and the rule at
-    their upper end admits (layer thresholds aside)."""
-    if self.limit_band is None:
+    their upper end admits (layer thresholds aside). Never for an extrapolation refused."""
+    if self.limit_band is None or self.extrapolate == "refuse":
       return False
     lower, upper = self.limit_band
     return lower < self.measured_kl <= upper
@@ -334,12 +346,86 @@ def _sum_of_fractions(measurement: Mapping, budget: Budget, conservative: bool) 
   )
 
 
+def extrapolation(measurement: Mapping, budget: Budget) -> tuple[str | None, tuple[str, ...]]:
+  """Whether judging `measurement` extrapolates beyond the budget's records
+  (docs/budget_rules.md, "No silent extrapolation"), and why.
+
+  For each source s the measurement names (the reference aside), with R_s = (min, max) its
+  `Budget.calibrated_range` and x_s its reading (its part's "mismatch/kl/part/<s>" when
+  measured, else the whole's mismatch/kl):
+
+    UNCALIBRATED_SOURCE   some s has no R_s (no record of that source),
+    BEYOND_RANGE          else some x_s > max R_s.
+
+  A combination whose parts were not measured but which was itself calibrated ("noise+stale"
+  has records) is checked as one source. A budget with no records (the uncalibrated default)
+  and a measurement naming no source extrapolate nothing.
+
+  Returns:
+    (UNCALIBRATED_SOURCE, BEYOND_RANGE or None; one line per part outside the records).
+  """
+  parts = [s for s in _sources(measurement) if s != REFERENCE_SOURCE]
+  if not parts or is_uncalibrated(budget):
+    return None, ()
+  ranges = budget.calibrated_range
+  kl = _measured(measurement, KL_KEY)
+  whole = "+".join(parts)
+  measured_parts = all(f"{PART_KL_PREFIX}{s}" in measurement for s in parts)
+  if len(parts) > 1 and not measured_parts and whole in ranges:
+    parts = [whole]
+  missing = [s for s in parts if s not in ranges]
+  if missing:
+    known = ", ".join(ranges) or "none"
+    return UNCALIBRATED_SOURCE, tuple(
+      f"{UNCALIBRATED_SOURCE}: the budget has no calibration record of source {s!r} "
+      f"(calibrated: {known})"
+      for s in missing
+    )
+  lines = []
+  for s in parts:
+    key = f"{PART_KL_PREFIX}{s}"
+    value = _measured(measurement, key) if len(parts) > 1 and key in measurement else kl
+    low, high = ranges[s]
+    if value > high:
+      lines.append(
+        f"{BEYOND_RANGE}: {s} reads {value:.4g}, above {high:.4g}, the largest mismatch/kl "
+        f"of its calibration records (range [{low:.4g}, {high:.4g}])"
+      )
+  return (BEYOND_RANGE, tuple(lines)) if lines else (None, ())
+
+
+def _extrapolated(verdict: Verdict, measurement, kind, lines, extrapolate) -> Verdict:
+  """The verdict on a measurement the budget does not reach, as `extrapolate` says."""
+  if extrapolate == "refuse":
+    why = (
+      f"refused: judging it would extrapolate the budget ({kind}); pass --extrapolate=pooled "
+      "or --extrapolate=default to judge it against the pooled or the uncalibrated default "
+      "limit instead"
+    )
+    return dataclasses.replace(
+      verdict,
+      admitted=False,
+      reasons=(*lines, why, *verdict.reasons),
+      extrapolation=kind,
+      extrapolate=extrapolate,
+      extrapolation_reasons=lines,
+    )
+  if extrapolate == "default":
+    verdict = admit(
+      measurement, uncalibrated_budget(), conservative=verdict.conservative, per_source=False
+    )
+  return dataclasses.replace(
+    verdict, extrapolation=kind, extrapolate=extrapolate, extrapolation_reasons=lines
+  )
+
+
 def apply_rule(
   measurement: Mapping[str, Any],
   budget: Budget,
   rule: Rule | None = None,
   *,
   unmeasured_parts: str = "refuse",
+  extrapolate: str = "refuse",
 ) -> Verdict:
   """The verdict of `rule` (docs/budget_rules.md) on one measurement: the one
   function the admission check, the live guard and the study reach a verdict through.
@@ -359,14 +445,21 @@ def apply_rule(
     rule: the rule to apply; None takes `budget.rule`, and the pooled rule when that is None.
     unmeasured_parts: "refuse" (a missing part raises) or "whole" (a missing part is taken
       as the whole's kl: the stand-in where parts cannot be measured, as in a training step).
+    extrapolate: a measurement the budget's records do not reach (`extrapolation`): "refuse"
+      it (the default); "pooled": the rule's verdict, in which a source with no fit of its own
+      or read past its records is held to the pooled limit (`Budget.source_limit`); "default":
+      the pooled rule against the uncalibrated default limit. The verdict's `extrapolation`
+      says which case it was either way.
 
   Returns:
     A Verdict with `rule` set to the rule's name.
 
   Raises:
-    ValueError: an unknown `unmeasured_parts`, a rule that is not a Rule, a missing part with
-      "refuse", or a measurement `admit` refuses.
+    ValueError: an unknown `unmeasured_parts` or `extrapolate`, a rule that is not a Rule, a
+      missing part with "refuse", or a measurement `admit` refuses.
   """
+  if extrapolate not in EXTRAPOLATE:
+    raise ValueError(f"extrapolate={extrapolate!r}: expected one of {', '.join(EXTRAPOLATE)}")
   if unmeasured_parts not in UNMEASURED_PARTS:
     raise ValueError(
       f"unmeasured_parts={unmeasured_parts!r}: expected one of {', '.join(UNMEASURED_PARTS)}"
@@ -390,4 +483,7 @@ def apply_rule(
     verdict = admit(measurement, budget, conservative=conservative, per_part=True)
   else:
     verdict = _sum_of_fractions(measurement, budget, conservative)
+  kind, lines = extrapolation(measurement, budget)
+  if kind is not None:
+    verdict = _extrapolated(verdict, measurement, kind, lines, extrapolate)
   return dataclasses.replace(verdict, rule=rule.name)

@@ -176,6 +176,10 @@ class Guard:
       names no source, so that every rule holds a rung to the pooled limit.
     per_source: False replaces the rule by the pooled one.
     rule: the admission rule (`budget.Rule`); None: the budget's (`budget_rules.apply_rule`).
+    extrapolate: a rung's mismatch beyond the budget's records (an uncalibrated source, or
+      above its source's calibrated range: `budget_rules.extrapolation`) is over budget
+      ("refuse"), or judged against the pooled or the uncalibrated default limit
+      (`budget.EXTRAPOLATE`), as the admission check does.
   """
 
   def __init__(
@@ -191,6 +195,7 @@ class Guard:
     sources: tuple[str, ...] | None = None,
     per_source: bool = True,
     rule: budget_lib.Rule | None = None,
+    extrapolate: str = "refuse",
   ):
     if action not in ACTIONS:
       raise ValueError(f"budget.action must be one of {', '.join(ACTIONS)}; got {action!r}")
@@ -204,6 +209,12 @@ class Guard:
       raise ValueError(f"rung {rung} is not on the ladder (rungs 0…{len(ladder) - 1})")
     if sources is not None and len(sources) != len(ladder):
       raise ValueError(f"{len(sources)} rung sources for a ladder of {len(ladder)} rungs")
+    if extrapolate not in budget_lib.EXTRAPOLATE:
+      raise ValueError(
+        f"budget.extrapolate must be one of {', '.join(budget_lib.EXTRAPOLATE)}; "
+        f"got {extrapolate!r}"
+      )
+    self.extrapolate = extrapolate
     self.budget, self.ladder, self.action = budget, ladder, action
     self.patience, self.smoothing = patience, float(smoothing)
     self.recheck_every, self.conservative = recheck_every, conservative
@@ -244,7 +255,11 @@ class Guard:
     if self.sources is not None:
       measurement[budget_lib.SOURCE_KEY] = self.sources[rung]
     return budget_rules.apply_rule(
-      measurement, self.on_axis(axis), self.rule, unmeasured_parts="whole"
+      measurement,
+      self.on_axis(axis),
+      self.rule,
+      unmeasured_parts="whole",
+      extrapolate=self.extrapolate,
     )
 
   def limit_of(self, rung: int, axis: str = "training") -> float:

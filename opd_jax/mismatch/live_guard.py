@@ -153,6 +153,7 @@ class LiveGuard:
       sources=guard_lib.rung_sources(config, ladder),
       per_source=b.per_source,
       rule=budget.rule,
+      extrapolate=b.extrapolate,
     )
     live = cls(config, setup, guard, make_source, prompt_iter, writer, log)
     rungs = "; ".join(
@@ -181,7 +182,8 @@ class LiveGuard:
       )
     log(
       f"budget guard: {what}"
-      f"patience {b.patience}, smoothing {b.smoothing}; training-time mismatch/kl is compared "
+      f"patience {b.patience}, smoothing {b.smoothing}, extrapolate {b.extrapolate}; "
+      "training-time mismatch/kl is compared "
       f"with {axis}; ladder: {rungs}; on rung {rung}"
     )
     return live

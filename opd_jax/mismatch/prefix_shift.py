@@ -54,7 +54,7 @@ from opd_jax.config import check as config_check
 from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing, transform
-from opd_jax.io import json_file
+from opd_jax.io import json_file, provenance
 from opd_jax.mismatch import admission, sensitivity
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch import measure as measure_lib
@@ -366,6 +366,7 @@ def run_prefix_shift(
     )
   log(format_table(rows))
   result = {
+    "provenance": provenance.provenance(config),
     "student": student,
     "num_prompts": num_prompts,
     "sampler": dataclasses.asdict(scfg),

@@ -44,7 +44,7 @@ import ml_collections
 from opd_jax.config import check as config_check
 from opd_jax.config.values import DEFAULT_NUM_PROMPTS
 from opd_jax.inference import transform
-from opd_jax.io import build, json_file, run_history
+from opd_jax.io import build, json_file, provenance, run_history
 from opd_jax.mismatch import admission
 from opd_jax.mismatch import measure as measure_lib
 from opd_jax.model import kvcache
@@ -463,6 +463,7 @@ def run_sensitivity(
   )
   reference, rows = scan(params, cfg, prompts, rng, scfg, settings, log)
   result = {
+    "provenance": provenance.provenance(config),
     "student": source,
     "model": dataclasses.asdict(cfg),
     "num_prompts": num_prompts,

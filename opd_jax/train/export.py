@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
-from opd_jax.io import build, hf, hf_export, run_history
+from opd_jax.io import build, hf, hf_export, provenance, run_history
 from opd_jax.io.run_history import EXPORT_RECORD, run_fingerprint
 from opd_jax.model import tokenizer
 from opd_jax.model import transformer as model
@@ -210,7 +210,8 @@ def export_student(
   when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
 
   `params` are those of the run's checkpoint `step`: `out` also gets the `EXPORT_RECORD` of
-  that step and the run's config, written last, after the weights.
+  that step, the run's config and its provenance (`io.provenance`), written last, after the
+  weights.
 
   Every process must call it (params are gathered across processes); process 0 writes.
   Returns the names of the files in `out` (on other processes: []).
@@ -229,7 +230,9 @@ def export_student(
     source_dir=spec.student.checkpoint or None,
   )
   with open(os.path.join(out, EXPORT_RECORD), "w", encoding="utf-8") as f:
-    json.dump({"step": step, "config": run_fingerprint(spec)}, f, indent=1, sort_keys=True)
+    record = {"step": step, "config": run_fingerprint(spec)}
+    record[provenance.KEY] = provenance.provenance(spec)  # the code that wrote the export
+    json.dump(record, f, indent=1, sort_keys=True)
   files = sorted({*files, EXPORT_RECORD})
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files

@@ -41,7 +41,7 @@ from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.inference import sampler
-from opd_jax.io import build, metrics_writer
+from opd_jax.io import build, metrics_writer, provenance
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
 from opd_jax.rollout import sources
@@ -151,6 +151,7 @@ def run(
         "stopped_by": e.signal_name,
         "stopped_in": e.phase,
         "wall_seconds": time.time() - start,
+        provenance.KEY: provenance.provenance(config),
       }
 
 
@@ -440,6 +441,7 @@ def _train(
     **(evaluate.before_after(initial, quality, evaluator.metric) if evaluator else {}),
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
     "wall_seconds": time.time() - start,
+    provenance.KEY: provenance.provenance(spec),  # the code and config that made the run
   }
   out = export_dir(spec, writer.workdir)
   if stopped_by is None and out is not None:  # a finished run exports its student

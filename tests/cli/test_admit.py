@@ -373,7 +373,11 @@ def test_a_combination_is_judged_by_the_files_rule_with_its_parts_measured_alone
   # The noise part binds (its margin is the least) and is over its limit.
   assert (combo["limit_from"], combo["admitted"]) == ("noise", False)
   assert combo["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
-  assert combo["reasons"][0].startswith("its noise part alone: ")
+  assert combo["reasons"][-1].startswith("its noise part alone: ")
+  # The budget has no record of bf16_kv: refused by default as an uncalibrated source, first.
+  assert combo["call"] == combo["extrapolation"] == "uncalibrated source"
+  assert combo["reasons"][0].startswith("uncalibrated source: the budget has no calibration ")
+  assert "'bf16_kv'" in combo["reasons"][0]
 
 
 def test_destructive_candidate_is_rejected_with_a_reason(checked):
@@ -382,12 +386,17 @@ def test_destructive_candidate_is_rejected_with_a_reason(checked):
   assert noise["mismatch/kl"] > 5 * MAX_KL
   assert noise["margin"] == pytest.approx(MAX_KL - noise["mismatch/kl"], abs=1e-12)
   assert not noise["admitted"] and noise["verdict"] == "rejected"
-  assert len(noise["reasons"]) == 1
+  # σ = 1 reads far above the largest noise record: beyond the calibrated range, refused by
+  # default, and its rule's own reason follows.
+  assert noise["call"] == noise["extrapolation"] == "beyond calibrated range"
+  assert len(noise["reasons"]) == 3
+  assert noise["reasons"][0].startswith("beyond calibrated range: noise reads ")
+  assert noise["reasons"][1].startswith("refused: judging it would extrapolate the budget")
   assert noise["mismatch/kl"] > noise["limit_band"][1] and not noise["too_close"]
   # The records are all "noise", so the noise fit is the overall one and sets the limit.
   assert (noise["source"], noise["limit_from"]) == ("noise", "noise")
   assert re.match(
-    r"mismatch/kl \S+ > 0\.001375, the limit of source 'noise', ", noise["reasons"][0]
+    r"mismatch/kl \S+ > 0\.001375, the limit of source 'noise', ", noise["reasons"][-1]
   )
 
 

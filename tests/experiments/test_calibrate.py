@@ -217,7 +217,12 @@ def test_quick_calibration_on_toy_checkpoints_writes_a_budget_and_screens(toy, t
   (screened,) = result["calibration"]["screen"]
   assert screened["spec"] == "rollout.weights=fp8"
   assert screened["limit"] == pytest.approx(fitted.max_kl)
-  assert screened["admitted"] == (screened["mismatch/kl"] <= fitted.max_kl)
+  # The plan was cut to noise alone: fp8_weights was never calibrated, so it is refused.
+  assert screened["extrapolation"] == "uncalibrated source" and not screened["admitted"]
+  assert screened["reasons"][0].startswith("uncalibrated source: ")
+  # Every part was made by the code running now, and the budget records it.
+  assert not result["code"]["mixed"] and len(result["code"]["versions"]) == 1
+  assert fitted.code_provenance == result["provenance"]
   assert result["calibration"]["cost_runs_measured"] > 0
   with open(os.path.join(workdir, "study.json")) as f:
     assert json.load(f)["calibration"]["screen"] == result["calibration"]["screen"]

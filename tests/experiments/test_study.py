@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opd_jax.experiments import stats, study, study_rules
+from opd_jax.experiments import stats, study, study_provenance, study_rules
 from opd_jax.io import run_history
 from opd_jax.mismatch import admission, budget, budget_file, budget_fit
 from opd_jax.train import setup as setup_lib
@@ -349,6 +349,9 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   )
   for r in result["rows"]:
     assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
+    # noise σ 0.2 reads below the calibrated σ 0.5 (the fits are anchored at 0), and stale
+    # k = 1 is the calibrated setting itself: nothing is extrapolated
+    assert r["extrapolation"] is None and r["probe_seed"] == config.seeds[0]
     lower, upper = r["limit_band"]
     assert r["too_close"] == (lower < r["mismatch/kl"] <= upper)
   # a combination's parts are measured alone, as the per-part rule reads them
@@ -396,6 +399,17 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   # the budget is tied to the probe's student: the admission check finds it fresh there
   assert run_history.checkpoint_steps(str(workdir / "runs" / "probe"))[-1] == config.probe_steps
 
+  # Provenance: every part records the code that made it, all one version here, and the
+  # budget the code that fitted it.
+  assert result["provenance"]["git_sha"] and len(result["provenance"]["config_sha256"]) == 64
+  assert result["code"]["mixed"] is False and len(result["code"]["versions"]) == 1
+  (version,) = result["code"]["versions"]
+  assert "probe" in version["parts"] and "run reference_seed0" in version["parts"]
+  assert saved.code_provenance == result["provenance"]
+  made_by = json.loads((workdir / "measurements.json").read_text())["provenance"]
+  assert set(made_by) == set(measurements)
+  assert saved.probe_seeds == (config.seeds[0],) and saved.probe_spread == {}
+
   mtimes = {p: p.stat().st_mtime for p in (workdir / "runs").glob("*/result.json")}
   second = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
   assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -403,6 +417,25 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert {p: p.stat().st_mtime for p in mtimes} == mtimes
   again = json.loads((workdir / "study.json").read_text())
   assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in result["rows"]]
+
+  # A run made by other code (another commit) makes a mixed study: refused before anything
+  # runs, naming both versions; --config.allow_mixed_code=true goes on and reports it.
+  other = workdir / "runs" / "stale_k-1" / "result.json"
+  original = other.read_text()
+  run = json.loads(original)
+  run["provenance"] = {**run["provenance"], "git_sha": "0" * 40, "dirty": False}
+  other.write_text(json.dumps(run))
+  mixed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
+  assert mixed.returncode != 0 and "made by 2 versions of the code" in mixed.stderr
+  assert "commit 000000000000: 1 part(s): run stale_k-1" in mixed.stderr
+  assert "--config.allow_mixed_code=true" in mixed.stderr
+  config.allow_mixed_code = True
+  dirs = study_provenance.run_dirs(str(workdir), [s.name for s in study.study_settings(config)], [])
+  code = study_provenance.study_code(
+    config, str(workdir / "measurements.json"), str(workdir / "runs" / "probe"), dirs, print
+  )["code"]
+  assert code["mixed"] and code["allow_mixed_code"] and len(code["versions"]) == 2
+  other.write_text(original)
 
   # A run whose drop is within one seed-sd of τ is trained again with the borderline seeds
   # (the floor is set so that one held-out and one calibration setting are borderline and no

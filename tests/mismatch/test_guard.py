@@ -303,19 +303,38 @@ def test_each_rung_is_named_by_the_sources_its_engine_changes():
 def test_per_source_guard_holds_each_rung_to_its_sources_limits():
   ladder = guard_lib.fallback_ladder(FULL)
   sources = guard_lib.rung_sources(full_config(), ladder)
+  # Every rung has a source the budget never calibrated (fp8_kv, fp8_weights, bf16_*): by
+  # default each is refused, so the guard climbs to the last rung.
+  whole = dataclasses.replace(SOURCED, rule=Rule("whole"))
+  strict = guard_lib.Guard(whole, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  assert strict.verdict(0.0, 3).extrapolation == "uncalibrated source"
+  assert not strict.admits(0.0, 0) and not strict.admits(0.0, 3)
+  assert [(s, d.rung) for s, d in feed(strict, [0.0] * 6).items()] == [(2, 1), (4, 2), (6, 3)]
+  # With extrapolate="pooled", an uncalibrated source takes the pooled limit (and is flagged).
   # A budget that names no rule is held to the pooled limit on every rung.
-  unnamed = guard_lib.Guard(SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  unnamed = guard_lib.Guard(
+    SOURCED, ladder, "fallback", 2, smoothing=0.0, sources=sources, extrapolate="pooled"
+  )
   assert unnamed.rule.name == "pooled"
   assert [unnamed.limit_of(i) for i in range(4)] == pytest.approx([POOLED] * 4)
-  whole = dataclasses.replace(SOURCED, rule=Rule("whole"))
-  guard = guard_lib.Guard(whole, ladder, "fallback", 2, smoothing=0.0, sources=sources)
+  guard = guard_lib.Guard(
+    whole, ladder, "fallback", 2, smoothing=0.0, sources=sources, extrapolate="pooled"
+  )
+  assert guard.verdict(0.0, 0).extrapolation == "uncalibrated source"
   assert guard.rule == Rule("whole")
   assert [guard.limit_of(i) for i in range(4)] == pytest.approx([0.15, 0.15, POOLED, POOLED])
   decisions = feed(guard, [0.16] * 6)  # over noise's .15, within the pooled .1833
   assert [(s, d.rung) for s, d in decisions.items()] == [(2, 1), (4, 2)]
   assert guard.rung == 2 and guard.margin == pytest.approx(POOLED - 0.16)
   pooled = guard_lib.Guard(
-    whole, ladder, "fallback", 2, smoothing=0.0, sources=sources, per_source=False
+    whole,
+    ladder,
+    "fallback",
+    2,
+    smoothing=0.0,
+    sources=sources,
+    per_source=False,
+    extrapolate="pooled",
   )
   assert pooled.rule.name == "pooled"
   assert feed(pooled, [0.16] * 6) == {} and pooled.limit == pytest.approx(POOLED)
@@ -337,6 +356,7 @@ def test_a_rule_that_reads_parts_takes_the_whole_for_an_unmeasured_part():
       "adaptive",
       2,
       sources=sources,
+      extrapolate="pooled",  # the FP8 sources have no record: the pooled limit
       **kwargs,
     )
 
@@ -364,6 +384,8 @@ def test_a_rule_that_reads_parts_takes_the_whole_for_an_unmeasured_part():
   strict = guard_lib.Guard(
     dataclasses.replace(SOURCED, rule=tested), ladder, "warn", 2, sources=sources, conservative=True
   )
+  with pytest.raises(ValueError, match="budget.extrapolate must be one of"):
+    guard_lib.Guard(SOURCED, ladder, "warn", 2, extrapolate="guess")
   assert strict.rule == Rule("per_part", {"conservative": True})
   assert strict.rule.validation is None
 

@@ -1,0 +1,86 @@
+"""`experiments.study_provenance`: which code made each part of a study (its probe, its
+measurements, its runs, as written in a workdir) and the refusal of a mixed one."""
+
+import json
+
+import ml_collections
+import pytest
+
+from opd_jax.experiments import study_provenance
+from opd_jax.io import json_file, provenance
+
+A = {**provenance.code_state(), "config_sha256": "x"}  # the code running these tests
+KEY = provenance.code_key(A)
+B = {"git_sha": "b" * 40, "dirty": True, "diff_sha256": "d" * 12, "config_sha256": "x"}
+
+
+def _workdir(tmp_path, probe, measured, runs):
+  """A study workdir holding a probe, measurements and finished runs with these entries."""
+  probe_dir = tmp_path / "runs" / "probe"
+  probe_dir.mkdir(parents=True)
+  if probe is not None:
+    study_provenance.write_probe(str(probe_dir), probe)
+  json_file.write_json(
+    str(tmp_path / "measurements.json"),
+    {
+      "fingerprint": {},
+      "measurements": {spec: {"mismatch/kl": 0.1} for spec in measured},
+      "provenance": {spec: e for spec, e in measured.items() if e is not None},
+    },
+  )
+  for name, entry in runs.items():
+    result = {"end_step": 1} | ({} if entry is None else {"provenance": entry})
+    json_file.write_json(str(tmp_path / "runs" / name / "result.json"), result)
+  return str(tmp_path / "measurements.json"), str(probe_dir)
+
+
+def _config(allow=False):
+  return ml_collections.ConfigDict({"allow_mixed_code": allow, "seeds": (0,)})
+
+
+def test_parts_of_one_version_pass_and_are_summarised(tmp_path):
+  meas, probe = _workdir(tmp_path, A, {"rollout.stale_k=1": A}, {"ref": A})
+  dirs = study_provenance.run_dirs(str(tmp_path), ["ref", "missing"], [1])
+  assert set(dirs) == {"ref", "ref_seed1", "missing", "missing_seed1"}
+  out = study_provenance.study_code(_config(), meas, probe, dirs)
+  assert provenance.code_key(out["provenance"]) == KEY
+  assert out["provenance"]["config_sha256"] == provenance.config_sha256(_config())
+  assert out["code"] == {
+    "mixed": False,
+    "allow_mixed_code": False,
+    "versions": [
+      {
+        "code": KEY,
+        "description": provenance.describe(KEY),
+        "parts": ["probe", "measurement rollout.stale_k=1", "run ref", "this sitting"],
+      }
+    ],
+  }
+
+
+def test_a_mixed_study_is_refused_naming_each_version_unless_allowed(tmp_path):
+  # a measurement made by another (dirty) commit, and an old run without provenance
+  meas, probe = _workdir(tmp_path, A, {"rollout.stale_k=1": B}, {"ref": A, "old": None})
+  dirs = study_provenance.run_dirs(str(tmp_path), ["ref", "old"], [])
+  with pytest.raises(ValueError, match="made by 3 versions of the code") as e:
+    study_provenance.study_code(_config(), meas, probe, dirs)
+  text = str(e.value)
+  assert f"commit {'b' * 12} with uncommitted changes (diff {'d' * 12}): 1 part(s)" in text
+  assert "unrecorded code (written before provenance was recorded): 1 part(s): run old" in text
+  assert "--config.allow_mixed_code=true" in text
+  logged = []
+  out = study_provenance.study_code(_config(allow=True), meas, probe, dirs, logged.append)
+  assert out["code"]["mixed"] and out["code"]["allow_mixed_code"]
+  assert [v["code"] for v in out["code"]["versions"]] == [
+    KEY,
+    f"{'b' * 40}+{'d' * 12}",
+    provenance.UNRECORDED,
+  ]
+  assert logged and logged[0].startswith("warning: this study's parts were made by 3 versions")
+  json.dumps(out)  # what study.json holds
+
+
+def test_the_code_running_now_counts_against_what_the_workdir_holds(tmp_path):
+  meas, probe = _workdir(tmp_path, B, {}, {})  # a probe of other code, nothing else
+  with pytest.raises(ValueError, match="made by 2 versions"):
+    study_provenance.study_code(_config(), meas, probe, {})

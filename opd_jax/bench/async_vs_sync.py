@@ -60,10 +60,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl import flags
 
+from opd_jax.bench import timing
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
 from opd_jax.io import json_file, metrics_writer
@@ -191,19 +191,6 @@ def _load_config(name: str, settings: dict):
   return config
 
 
-def _median_seconds(fn, repeats: int) -> float:
-  """Median wall seconds of `fn()` (which waits for its result) after two warm-up calls (the
-  compilation, and a second one for any layout the first call's outputs settle into)."""
-  fn()
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def serialized_split(name: str, args, workdir: str) -> dict:
   """Sampling, teacher scoring and train-step seconds of run `name`'s programs, each waited for
   (the module docstring's split). Runs in this process on its default devices."""
@@ -245,7 +232,7 @@ def serialized_split(name: str, args, workdir: str) -> dict:
       i = next(index) % len(batches)
       return worker.sample(params_r, batches[i], i, 0)[0]
 
-    seconds["sampled" if not scored else "sampled_and_scored"] = _median_seconds(
+    seconds["sampled" if not scored else "sampled_and_scored"] = timing.median_seconds(
       sample, args.split_batches
     )
     rollouts[scored] = sample()
@@ -257,7 +244,7 @@ def serialized_split(name: str, args, workdir: str) -> dict:
     holder[0], metrics = step_fn(holder[0], m.teacher_params, rollout)
     return jax.block_until_ready(metrics)
 
-  train_s = _median_seconds(step, args.split_batches)
+  train_s = timing.median_seconds(step, args.split_batches)
   sampling_s = seconds["sampled"]
   teacher_s = max(seconds["sampled_and_scored"] - sampling_s, 0.0)
   rollout_side = sampling_s + (teacher_s if scored else 0.0)

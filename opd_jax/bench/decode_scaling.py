@@ -86,7 +86,7 @@ def _stepper(cfg, spec, attention: str):
   return jax.jit(step, donate_argnums=3)
 
 
-def _group(cfg, params, attention: str, batch: int, repeats: int) -> dict:
+def _group(cfg, params, attention: str, batch: int, repeats: int, capacities, positions) -> dict:
   """Median ms per step of every (KV format, S, t) of one attention path and batch.
 
   The configurations are timed round-robin, one call each per round, so that a machine
@@ -102,10 +102,10 @@ def _group(cfg, params, attention: str, batch: int, repeats: int) -> dict:
   steps, caches, configs = {}, {}, []
   for kv, fields in KV_FORMATS.items():
     spec = kvcache.KVCacheSpec(**fields)
-    for slots in CAPACITIES:
+    for slots in capacities:
       steps[kv, slots] = _stepper(cfg, spec, attention)
       caches[kv, slots] = kvcache.init_cache(cfg, batch, slots, spec)
-      configs += [(kv, slots, t) for t in POSITIONS if t < slots]
+      configs += [(kv, slots, t) for t in positions if t < slots]
 
   def call(kv, slots, t):
     pos_b = jnp.full((batch,), t, jnp.int32)
@@ -125,14 +125,23 @@ def _group(cfg, params, attention: str, batch: int, repeats: int) -> dict:
   return {config: (statistics.median(times[config]), per_token[config[:2]]) for config in configs}
 
 
-def run(batches=BATCHES, repeats: int = 7, attentions=None, log=print) -> list[dict]:
-  """The rows of the module docstring."""
+def run(
+  batches=BATCHES,
+  repeats: int = 7,
+  attentions=None,
+  log=print,
+  model_name: str = MODEL,
+  capacities=CAPACITIES,
+  positions=POSITIONS,
+) -> list[dict]:
+  """The rows of the module docstring (`model_name` a shape of `bench.sampler.MODELS`;
+  other capacities and positions give a smaller run, e.g. `bench.device_check --cpu-smoke`)."""
   import jax
   import jax.numpy as jnp
 
   from opd_jax.model import transformer as model
 
-  cfg = MODELS[MODEL]
+  cfg = MODELS[model_name]
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
   itemsize = jnp.dtype(model.compute_dtype(params)).itemsize
   # K and V of every layer in the compute dtype, per slot (no format here stores f32).
@@ -143,7 +152,7 @@ def run(batches=BATCHES, repeats: int = 7, attentions=None, log=print) -> list[d
   groups = [(attention, batch) for attention in attentions for batch in batches]
   rows = []
   for i, (attention, batch) in enumerate(groups):
-    timed = _group(cfg, params, attention, batch, repeats)
+    timed = _group(cfg, params, attention, batch, repeats, capacities, positions)
     for (kv, slots, t), (ms, per_token) in timed.items():
       if attention in ("blockwise", "pallas"):  # both read only the filled blocks
         size = min(block, slots)

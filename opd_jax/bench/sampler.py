@@ -200,12 +200,11 @@ def _vs_transformers_row(name, cfg, batch, params, hf_model, tokens_bp, prompts,
   return row
 
 
-def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
-  """The rows of `kinds` for one model shape."""
+def bench_model(name: str, repeats: int, log, kinds=KINDS, batches=BATCHES) -> list[dict]:
+  """The rows of `kinds` for one model shape at each batch size of `batches` (torch and
+  transformers are imported only for the "vs_transformers" rows)."""
   import jax
   import jax.numpy as jnp
-  import torch
-  import transformers
 
   from opd_jax.inference import transform
   from opd_jax.io import hf
@@ -216,6 +215,9 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   params = model.init_params(jax.random.key(0), cfg, jnp.float32)
   hf_model = None
   if "vs_transformers" in kinds:
+    import torch
+    import transformers
+
     with tempfile.TemporaryDirectory() as directory:
       hf.save_checkpoint(directory, cfg, params)
       hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -232,7 +234,7 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS) -> list[dict]:
   )
   native = quant.has_native_fp8()
   rows = []
-  for batch in BATCHES:
+  for batch in batches:
     tokens_bp = np.random.default_rng(batch).integers(3, cfg.vocab_size, (batch, PROMPT_LEN))
     prompts = (tokens_bp.astype(np.int32), np.full((batch,), PROMPT_LEN, np.int32))
     num_tokens = batch * NEW_TOKENS

@@ -171,7 +171,7 @@ def _limit_from(verdict: budget_rules.Verdict, uncalibrated: bool) -> str:
   return verdict.limit_source or "overall"
 
 
-def _call(verdict: budget_rules.Verdict, uncalibrated: bool, too_close: bool) -> str:
+def _call(verdict: budget_rules.Verdict, uncalibrated: bool, too_close: bool = False) -> str:
   """The table's "call": "too close" (an interval that holds the limit), "uncalibrated" (no
   budget file), the extrapolation ("uncalibrated source" or "beyond calibrated range", with the
   limit it was judged against when not refused), or "clear"."""

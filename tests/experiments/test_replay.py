@@ -91,8 +91,10 @@ def replay(row, fitted, rule=None, base=BASE):
     return row[f"{budget.PART_KL_PREFIX}{source}"]
 
   whole = {budget.KL_KEY: row[budget.KL_KEY]}
+  # the recorded verdicts predate the extrapolation refusal: a source outside its calibrated
+  # range was judged against the pooled limit, as extrapolate="pooled" still does
   measurement, verdict = admission.candidate_verdict(
-    candidate, base, whole, fitted, measure_part, rule
+    candidate, base, whole, fitted, measure_part, rule, extrapolate="pooled"
   )
   assert measurement[budget.SOURCE_KEY] == row["source"]  # the engine gives the same sources
   return verdict, calls

@@ -103,6 +103,8 @@ def test_finished_run_exports_a_student_transformers_loads(char_run):
   ]
   # The record of the checkpoint it holds: `RunHistory` reads that step from the export.
   record = _json(os.path.join(out, run_history.EXPORT_RECORD))
+  code = record.pop("provenance")  # the code that exported it (io.provenance)
+  assert set(code) == {"git_sha", "dirty", "diff_sha256", "config_sha256"}
   assert record == {"step": 2, "config": exporting.saved_fingerprint(workdir, 2)}
   char = tokenizer.CharTokenizer()
   ids = {"bos_token_id": char.bos_id, "eos_token_id": char.eos_id, "pad_token_id": char.pad_id}

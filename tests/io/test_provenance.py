@@ -3,12 +3,16 @@ out of a git checkout (a real repository made with `git init`)."""
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from configs import base
 from opd_jax.io import provenance
 from opd_jax.train import setup as setup_lib
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
+import base  # noqa: E402
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

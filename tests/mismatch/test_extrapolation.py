@@ -6,15 +6,19 @@ shipped round-9 budget."""
 import dataclasses
 import math
 import pathlib
+import sys
+from pathlib import Path
 
 import pytest
 
-from configs import base
 from opd_jax.cli import admit_check
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file, budget_rules
 from opd_jax.mismatch import candidates as candidates_lib
 from opd_jax.mismatch.budget_fit import fit_budget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
+import base  # noqa: E402
 
 ROUND9 = pathlib.Path(__file__).resolve().parents[2] / "docs" / "study" / "round9" / "budget.json"
 

@@ -191,6 +191,7 @@ def _engine_main() -> int:
       params_from=_PARAMS_FROM.value,
       force=_FORCE.value,
       conservative=_CONSERVATIVE.value,
+      extrapolate=_EXTRAPOLATE.value,
       method=_INTERVAL.value,
       json_path=json_path,
       log=cli_flags.log_for_json(_JSON.value),

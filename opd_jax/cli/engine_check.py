@@ -131,6 +131,7 @@ def run_engine_screen(
   params_from: str | None = None,
   force: bool = False,
   conservative: bool = False,
+  extrapolate: str = "refuse",
   method: str = "percentile",
   num_bootstrap: int = engine_screen.NUM_BOOTSTRAP,
   seed: int = engine_screen.SEED,
@@ -140,8 +141,8 @@ def run_engine_screen(
   """Screens an engine from its samples of the exported prompts (module docstring).
 
   Args:
-    config, budget_path, num_prompts, workdir, params_from, force, conservative, json_path,
-      log: as `admit_check.run_admission`'s (the same prompts, student and budget).
+    config, budget_path, num_prompts, workdir, params_from, force, conservative, extrapolate,
+      json_path, log: as `admit_check.run_admission`'s (the same prompts, student and budget).
     samples_path: the engine's completions (`io.engine_samples.read_engine_samples`).
     engine_format: one of `io.engine_samples.FORMATS`.
     engine_temperature: the temperature the engine sampled at, for records that do not say.
@@ -204,7 +205,9 @@ def run_engine_screen(
     method=method,
     groups=matched.prompt_index,
   )
-  _, verdict, straddles = engine_screen.screen_verdict(estimate, budget, rule, engine_source)
+  _, verdict, straddles = engine_screen.screen_verdict(
+    estimate, budget, rule, engine_source, extrapolate
+  )
   row = {
     "candidate": f"engine samples {os.path.basename(samples_path)}",
     "overrides": {},

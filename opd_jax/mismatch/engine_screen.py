@@ -370,6 +370,7 @@ def screen_verdict(
   budget: budget_lib.Budget,
   rule: budget_lib.Rule | None = None,
   source: str | None = None,
+  extrapolate: str = "refuse",
 ) -> tuple[dict, budget_rules.Verdict, bool]:
   """The budget's rule on the estimate: (the measurement judged, the Verdict, straddles).
 
@@ -377,11 +378,14 @@ def screen_verdict(
   reads a combination's parts takes the whole's K̂ for each (an engine's parts cannot be
   sampled alone here: `apply_rule(..., unmeasured_parts="whole")`). `straddles` says whether
   the estimate's interval holds the limit, low ≤ limit < high: then the call is "too close"
-  whatever the verdict."""
+  whatever the verdict. `extrapolate` is `budget_rules.apply_rule`'s, for a named `source`
+  outside the budget's calibrated range."""
   measurement = {budget_lib.KL_KEY: float(estimate[budget_lib.KL_KEY])}
   if source:
     measurement[budget_lib.SOURCE_KEY] = source
-  verdict = budget_rules.apply_rule(measurement, budget, rule, unmeasured_parts="whole")
+  verdict = budget_rules.apply_rule(
+    measurement, budget, rule, unmeasured_parts="whole", extrapolate=extrapolate
+  )
   low, high = estimate["mismatch/kl_low"], estimate["mismatch/kl_high"]
   straddles = bool(low <= verdict.limit < high) and math.isfinite(verdict.limit)
   return measurement, verdict, straddles

@@ -14,7 +14,10 @@ The admission check (`kl_by_position`, from its rows): the KL by token position 
 (`python -m opd_jax.admit --plot=PATH`).
 
 OPD against RL (`opd_vs_rl_mismatch`, `opd_vs_rl_curves`, from its rows and cells):
-`opd_vs_rl.png` and `opd_vs_rl_curves.png`. matplotlib is imported only when a plot is drawn.
+`opd_vs_rl.png` and `opd_vs_rl_curves.png`.
+
+A sweep (`sweep_curves`, from its run rows): `sweep_curves.png`. matplotlib is imported only
+when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -347,3 +350,48 @@ def kl_by_position(rows: Sequence[dict], path: str) -> str:
   ax.set_title("mismatch by token position (dashed: crossing threshold)", fontsize=10)
   ax.legend(fontsize=7)
   return _save(fig, path)
+
+
+def sweep_curves(rows: Sequence[dict], arms: Sequence[str], path: str) -> bool:
+  """A sweep's learning curves (`experiments.sweep`): greedy and T = 1 held-out accuracy
+  against training step (left two panels) and the T = 1 accuracy against training wall
+  seconds (right), one line per arm (the mean over its seeds at each evaluation step).
+  Returns False, writing nothing, without matplotlib or without a curve."""
+  by_arm: dict[str, list] = {}
+  for r in rows:
+    if r.get("curve"):
+      by_arm.setdefault(r["arm"], []).append(r["curve"])
+  if not by_arm:
+    return False
+  try:
+    plt = _plt()
+  except ImportError:
+    return False
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+  for arm in [a for a in arms if a in by_arm]:
+    steps = sorted({int(p[0]) for c in by_arm[arm] for p in c})
+    table = np.asarray(
+      [
+        [dict((int(p[0]), p[1:]) for p in c).get(t, [math.nan] * 3) for t in steps]
+        for c in by_arm[arm]
+      ],
+      np.float64,
+    )  # [seeds, steps, (wall, greedy, t1)]
+    mean = np.nanmean(table, 0)
+    label = f"{arm} ({table.shape[0]} seed{'s' if table.shape[0] > 1 else ''})"
+    axes[0].plot(steps, 100 * mean[:, 1], marker="o", label=label)
+    axes[1].plot(steps, 100 * mean[:, 2], marker="o", label=label)
+    axes[2].plot(mean[:, 0], 100 * mean[:, 2], marker="o", label=label)
+  for ax, title, xlabel in zip(
+    axes,
+    ("greedy", "T = 1", "T = 1 against wall time"),
+    ("training step", "training step", "training wall seconds"),
+    strict=True,
+  ):
+    ax.set_title(f"held-out accuracy, {title}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=6)
+  _save(fig, path)
+  return True

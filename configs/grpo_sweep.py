@@ -1,0 +1,99 @@
+"""GRPO's learning rate against its completions per step, from the warm start OPD shares
+(`python -m opd_jax.sweep`), then the selected arm against OPD over five fresh seeds.
+
+Fixed before any of its runs (issue "An RL baseline that learns"):
+
+Stage 1, the sweep (default variant), seed 0, 400 steps each, every arm from the same
+475-step warm start (`grpo_practice.py`: groups of 8, one on-policy update per batch, 20-step
+lr warmup, no KL penalty, T = 1):
+
+    grpo_lr1e5_n128   lr 1e-5, 16 prompts × 8 = 128 completions per step (the placeholder)
+    grpo_lr3e5_n128   lr 3e-5, 128
+    grpo_lr1e4_n128   lr 1e-4, 128
+    grpo_lr1e5_n256   lr 1e-5, 32 × 8 = 256
+    grpo_lr3e5_n256   lr 3e-5, 256
+    grpo_lr1e4_n256   lr 1e-4, 256
+    grpo_partial_lr3e5_n128, grpo_partial_lr1e4_n128
+                      the same with the partial-credit reward (`train.reward=partial`: each
+                      right written step earns a share, `opd_jax/data/rewards.py`)
+    opd               the OPD arm (`grpo_practice.py:opd`), the reference
+
+Selection rule: of the GRPO arms, the one with the largest T = 1 held-out accuracy gain at
+step 400 (`select_metric`; ties: the earlier arm). Stage 2 (`:confirm`) trains that arm
+(CONFIRM_ARM below, filled in from stage 1's report by this rule and committed before stage
+2's first run) and `opd` on seeds 1-5, which stage 1 never saw.
+
+Primary metric: the share of OPD's gain the selected GRPO arm reaches in T = 1 accuracy at
+step 400, (mean_s a_s − w) / (mean_s o_s − w) over the 5 seeds, with its percentile bootstrap
+interval (`stats.gain_kept`); the greedy share and the gain at OPD's training wall time are
+reported beside it. The goal (RL gains at least half of what OPD gains) reads as met when the
+point estimate is ≥ 0.5, and as shown when the interval's lower end is too. Reported as found.
+
+Command:  python -m opd_jax.sweep --config=configs/grpo_sweep.py --workdir=/tmp/grpo_sweep \
+              --config.teacher_cache_dir=/tmp/tcache
+          python -m opd_jax.sweep --config=configs/grpo_sweep.py:confirm \
+              --workdir=/tmp/grpo_confirm --config.teacher_cache_dir=/tmp/tcache
+Tiny:     python -m opd_jax.sweep --config=configs/grpo_sweep.py:tiny --workdir=/tmp/sweep_tiny
+          (two arms of seconds-long wiring runs; no learning).
+Cost:     on 2 CPU cores, with the teacher and warm start cached (the first run makes them:
+          about 8 minutes once): a 128-completion GRPO run about 100 s, a 256-completion run
+          about twice that, an OPD run about 50 s; stage 1 about 17 minutes, stage 2 about 15.
+Expected: results in docs/results/opd_vs_rl.md ("GRPO that learns").
+"""
+
+import grpo_practice
+import ml_collections
+
+VARIANTS = ("confirm", "tiny")
+STAGES = {None: "stage 1", "confirm": "stage 2", "tiny": "the wiring check"}
+SWEEP_SEEDS = (0,)
+CONFIRM_SEEDS = (1, 2, 3, 4, 5)
+CONFIRM_ARM = ""  # stage 1's selection, set from its report before stage 2's GRPO runs
+# name -> (lr, prompts per step (× 8 completions), reward)
+GRPO_ARMS = {
+  "grpo_lr1e5_n128": (1e-5, 16, "exact_match"),
+  "grpo_lr3e5_n128": (3e-5, 16, "exact_match"),
+  "grpo_lr1e4_n128": (1e-4, 16, "exact_match"),
+  "grpo_lr1e5_n256": (1e-5, 32, "exact_match"),
+  "grpo_lr3e5_n256": (3e-5, 32, "exact_match"),
+  "grpo_lr1e4_n256": (1e-4, 32, "exact_match"),
+  "grpo_partial_lr3e5_n128": (3e-5, 16, "partial"),
+  "grpo_partial_lr1e4_n128": (1e-4, 16, "partial"),
+}
+
+
+def grpo_arm(lr: float, prompts: int, reward: str, tiny: bool = False) -> ml_collections.ConfigDict:
+  """grpo_practice.py's GRPO run at peak lr `lr`, `prompts` × 8 completions per step."""
+  c = grpo_practice.get_config("tiny" if tiny else None)
+  c.train.lr = lr
+  c.data.batch_size = 2 if tiny else prompts
+  c.train.reward = reward
+  return c
+
+
+def get_config(arg=None):
+  """Stage 1 (default), stage 2 `:confirm` (OPD alone until CONFIRM_ARM is set), or `:tiny`."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of grpo_sweep.py; known: {', '.join(VARIANTS)}")
+  tiny = arg == "tiny"
+  names = tuple(GRPO_ARMS)
+  if arg == "confirm":  # until CONFIRM_ARM is set, only the OPD runs of stage 2
+    names = (CONFIRM_ARM,) if CONFIRM_ARM else ()
+  elif tiny:
+    names = names[:1]
+  c = ml_collections.ConfigDict()
+  c.arms = ml_collections.ConfigDict()
+  for name in names:
+    c.arms[name] = grpo_arm(*GRPO_ARMS[name], tiny=tiny)
+  c.arms.opd = grpo_practice.get_config("opd_tiny" if tiny else "opd")
+  c.teacher_cache_dir = ""  # every arm's teacher.cache_dir ("" = <workdir>/teacher_cache)
+  c.seeds = CONFIRM_SEEDS if arg == "confirm" else SWEEP_SEEDS
+  c.reference_arm = "opd"
+  c.select_from = names
+  c.select_metric = "quality/student_accuracy_t1"
+  c.allow_mixed_code = False
+  c.summary = (
+    f"{STAGES[arg]} of configs/grpo_sweep.py: GRPO arms against OPD from the shared warm "
+    f"start, {c.arms.opd.train.steps} steps"
+  )
+  return c

@@ -13,9 +13,15 @@ of its kind loads the sampler, train step and evaluation instead of compiling th
 programs, so the same numbers). Each finished setting and run prints `i/n` with an ETA; on a
 terminal a status line under the log says where the study is. The logic is
 `opd_jax.experiments.study.run_study`.
+
+The cost plan is printed first (`experiments.study_plan`): how many runs, probes and
+measurements, the estimated wall time from the config's cost constants, and which runs the
+workdir already holds (reused). `--plan` prints it and exits without training.
 """
 
 from __future__ import annotations
+
+from absl import flags
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
@@ -24,11 +30,19 @@ _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
   "every run and measurement after the first of its kind loads its programs."
 )
 
+_PLAN = flags.DEFINE_bool(
+  "plan", False, "Print the cost plan (runs, probes, measurements, wall time, reuse) and exit."
+)
+
 
 def main() -> None:
-  from opd_jax.experiments import study
+  from opd_jax.experiments import study, study_plan
   from opd_jax.io import compile_cache
 
+  plan = study_plan.study_plan(cli_flags.CONFIG.value, cli_flags.WORKDIR.value)
+  print("\n".join(study_plan.plan_lines(plan)), flush=True)
+  if _PLAN.value:
+    return
   compile_cache.compilation_cache_flag(_COMPILATION_CACHE.value, cli_flags.WORKDIR.value)
   study.run_study(cli_flags.CONFIG.value, cli_flags.WORKDIR.value, cli_flags.ProgressLog())
 

@@ -91,6 +91,15 @@ def read_result(run_dir: str) -> dict[str, Any] | None:
   return json_file.read_json(os.path.join(run_dir, RESULT_FILE), None)
 
 
+def recorded_differences(config: ml_collections.ConfigDict, done: Mapping[str, Any]):
+  """(keys the config has that a recorded result's config lacks, keys whose values differ),
+  each sorted: a result with no differing key is this config's run (`run_once` reuses it)."""
+  wanted, saved = config_repr(config), done["config"]
+  added = sorted(set(wanted) - set(saved))
+  changed = sorted(k for k in set(saved) if wanted.get(k) != saved[k])
+  return added, changed
+
+
 def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = print) -> dict:
   """Trains `config` into `run_dir` unless a result for this exact config is there already.
 
@@ -105,9 +114,7 @@ def run_once(config: ml_collections.ConfigDict, run_dir: str, log: Callable = pr
   wanted = config_repr(config)
   done = read_result(run_dir)
   if done is not None:
-    saved = done["config"]
-    added = sorted(set(wanted) - set(saved))
-    changed = sorted(k for k in set(saved) if wanted.get(k) != saved[k])
+    added, changed = recorded_differences(config, done)
     if added and not changed:
       log(f"{run_dir}: recorded before the config had {', '.join(added)}; not compared")
     if changed:

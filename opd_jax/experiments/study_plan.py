@@ -103,7 +103,7 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
   costs = cost_constants(config)
   settings = study_lib.study_settings(config)
   extra, roles, every = study_lib.rerun_plan(config)
-  probe_cfg = study_lib.probe_config(config, settings, workdir)
+  study_lib.probe_config(config, settings, workdir)  # refuses a probe shorter than a lag
   jobs, maybe = [], []
   for s in settings:
     cfg = study_lib.run_config(config, s, workdir)

@@ -41,7 +41,8 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    and how often it is right when it does. The budget is saved as `DIR/budget.json` with the
    fingerprint of θ_P and the teacher and its rule, with the held-out result as the rule's
    validation (`rule_validation`).
-6. **Report.** `DIR/study.json` (every number, and the code each part was made by:
+6. **Report.** `DIR/study.json` (every number, the ladders under each label:
+   `experiments.ladders`, and the code each part was made by:
    `study_provenance`, which refuses parts made by different code unless `allow_mixed_code`),
    `DIR/report.md` (the findings) and PNG plots (`plots`, `study_report`). The check's mismatch
    is also set beside each run's training-time mean `mismatch/kl` (agreement of the two x-axes).
@@ -61,7 +62,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import plots, runs, stats, study_provenance, study_report
+from opd_jax.experiments import ladders, plots, runs, stats, study_provenance, study_report
 from opd_jax.experiments.study_rules import (
   LABEL_DROP,  # the drop a held-out verdict is judged by: over its runs (step 5)
   rule_validation,
@@ -583,6 +584,11 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
         log=log,
       )
     result["sensitivity"] = read_json(sens_json, None)
+  result["ladders"] = ladders.ladder_report(
+    result,
+    config.get("full_run_accuracy"),
+    config.get("min_plateau_share", ladders.MIN_PLATEAU_SHARE),
+  )
   result["plots"] = plots.study_plots(result, workdir)
   result["seconds"] = time.time() - start
   result["num_runs"] = sum(len(r["accuracy_runs"]) for r in rows)

@@ -1,6 +1,7 @@
 """The study's reports: study.json's budget block and the markdown of a study
-(`markdown`), of its pre-registered validation (`validation_markdown`) and of several
-calibrated pairs side by side (`pairs_markdown`). The plots are `plots.study_plots`.
+(`markdown`, with its ladders: `ladders.markdown_lines`), of its pre-registered validation
+(`validation_markdown`) and of several calibrated pairs side by side (`pairs_markdown`). The
+plots are `plots.study_plots`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from opd_jax.experiments import ladders
+from opd_jax.mismatch import budget_fit
 
 
 def budget_summary(fitted, path: str) -> dict[str, Any]:
@@ -26,6 +30,7 @@ def budget_summary(fitted, path: str) -> dict[str, Any]:
       name: {
         "max_kl": t.max_kl,
         "interval": list(t.interval),
+        "bracket": list(budget_fit.threshold_bracket(t, fitted.tolerance)),
         "censored": t.censored,
         "limit": fitted.source_limit(name),
         "curve_kl": list(t.curve_kl),
@@ -153,7 +158,8 @@ def findings(result: dict) -> list[str]:
       + "): "
       + ", ".join(
         f"{name} {_g(t['limit'])} ({'own fit' if t['censored'] == 'none' else t['censored']}"
-        f", interval [{_g(t['interval'][0])}, {_g(t['interval'][1])}])"
+        f", interval [{_g(t['interval'][0])}, {_g(t['interval'][1])}]"
+        + (f", {ladders.bracket_text(t['bracket'])})" if "bracket" in t else ")")
         for name, t in b["sources"].items()
       )
       + "."
@@ -297,6 +303,7 @@ def markdown(result: dict) -> str:
       else []
     ),
     *rules_table(result),
+    *(ladders.markdown_lines(result["ladders"]) if result.get("ladders") else []),
     "## Every run",
     "",
     *rows_table(result["rows"]),

@@ -122,7 +122,8 @@ class Threshold:
   Attributes:
     max_kl: sup{x in [x_1, x_m] : g(x) <= tolerance}, nats per token; see
       `budget_fit.crossing` for the "above" (= x_m, a lower bound) and "below" (= 0) cases.
-    interval: (low, high) bootstrap percentile interval of max_kl at the budget's level.
+    interval: (low, high) bootstrap percentile interval of max_kl at the budget's level, widened
+      to contain the rungs that bracket the crossing (`budget_fit.knee_bracket`).
     censored: "none", "above" (the budget is at least max_kl) or "below" (below x_1); a
       per-source fit may also be "unconfirmed" (it crosses τ on too few records, so the source
       takes the overall limit; `Budget.source_limit`).

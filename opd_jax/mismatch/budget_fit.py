@@ -148,6 +148,47 @@ def crossing(x: np.ndarray, f: np.ndarray, tolerance: float) -> tuple[float, str
   return float(x[k] + t * (x[k + 1] - x[k])), "none"
 
 
+def knee_bracket(x: np.ndarray, f: np.ndarray, tolerance: float) -> tuple[float, float]:
+  """The rungs (a, b] that bracket a fitted curve's crossing of τ (x ascending, f
+  non-decreasing): with k the last index such that f_k ≤ τ,
+
+    (a, b] = (x_k, x_(k+1)]   when k < m ("none": the last rung the fit keeps, the first it
+                              does not; the crossing is somewhere between, whatever the fit
+                              interpolates),
+    (a, b] = (0, x_1]         when f_1 > τ ("below"),
+    (a, b] = (x_m, ∞)         when k = m ("above": no rung degraded).
+
+  The data cannot place the knee more finely than this: any curve through the rungs' drops
+  crosses τ inside it.
+  """
+  x, f = np.asarray(x, np.float64), np.asarray(f, np.float64)
+  within = np.nonzero(f <= tolerance)[0]
+  if within.size == 0:
+    return 0.0, float(x[0])
+  k = int(within[-1])
+  if k == len(x) - 1:
+    return float(x[-1]), math.inf
+  return float(x[k]), float(x[k + 1])
+
+
+def threshold_bracket(threshold: Threshold, tolerance: float) -> tuple[float, float]:
+  """`knee_bracket` of a fitted Threshold's curve at τ."""
+  return knee_bracket(np.asarray(threshold.curve_kl), np.asarray(threshold.curve_drop), tolerance)
+
+
+def bracketed_interval(interval, bracket) -> tuple[float, float]:
+  """A knee's interval widened to contain its bracket (a, b] when b is finite:
+  (min(low, a), max(high, b)). A bootstrap interval can be narrower than the gap between the
+  rungs (the resamples interpolate between the same two rungs); the knee is only known to lie
+  in the bracket, so the interval reported holds all of it. With b = ∞ ("above") the interval
+  is left as it is: the knee is a lower bound there."""
+  low, high = interval
+  a, b = bracket
+  if not math.isfinite(b):
+    return float(low), float(high)
+  return float(min(low, a)), float(max(high, b))
+
+
 def _fit_one(
   kl: np.ndarray, drop: np.ndarray, tolerance: float, level: float, num_bootstrap: int, seed
 ) -> Threshold:
@@ -164,7 +205,7 @@ def _fit_one(
   low, high = np.quantile(draws, [alpha, 1.0 - alpha])
   return Threshold(
     max_kl=max_kl,
-    interval=(float(low), float(high)),
+    interval=bracketed_interval((low, high), knee_bracket(x, f, tolerance)),
     censored=censored,
     curve_kl=tuple(float(v) for v in x),
     curve_drop=tuple(float(v) for v in f),
@@ -200,7 +241,9 @@ def fit_budget(
   same arguments give an equal Budget, and `records` is not modified. The fit, the censoring
   rules and the record format are in `crossing` and `validate_records`. Each fit's `interval`
   is the equal-tailed percentile interval at `level` (numpy's linear quantile) of max_kl over
-  B = `num_bootstrap` resamples of its records (n draws with replacement), each fitted alike.
+  B = `num_bootstrap` resamples of its records (n draws with replacement), each fitted alike,
+  widened to contain the rungs that bracket the crossing (`knee_bracket`,
+  `bracketed_interval`).
 
   Per-source fits: source s's fit uses the records whose "source" is exactly s (one source, no
   "+") plus the "reference" records (the unperturbed runs, the zero-mismatch anchor); combination

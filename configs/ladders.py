@@ -62,8 +62,9 @@ rungs cannot bracket a knee. Nothing else is cut.
 The probe: 65 reference steps (`PROBE_STEPS`, longer than the largest lag, 16), every step
 checkpointed, as round 9's; each setting is measured there on 64 calibration prompts.
 
-What is reported (`DIR/study.json`, `DIR/report.md`; `python -m opd_jax.ladders
---study=DIR/study.json` for the ladder table): per source, under each label, the check's KL and
+What is reported (`DIR/study.json`'s "ladders" and `DIR/report.md`'s "Ladders"; again from a
+study.json with `python -m opd_jax.ladders --study=DIR/study.json --full-run-accuracy=0.965`):
+per source, under each label, the check's KL and
 the mean drop of each rung, the knee (where the isotonic fit of drop on check KL crosses τ)
 with its bootstrap interval widened to the bracket between the last rung that kept and the
 first that degraded, "bracketed by (a, b]"; the reference's accuracy against the plateau mark;
@@ -72,8 +73,9 @@ the share of labels within ±2 SE of τ.
 Cost (`--plan`): 5 reference runs and 29 × 3 ladder runs, 92 runs of 600 steps, two side by
 side (`workers`), at `run_step_seconds` = 0.3 s per step of one run (round 9: 6,904 s of run
 wall over 109 runs of 200 steps, two side by side, start-up and evaluation included), so
-92 · 600 · 0.3 / 2 ≈ 8,280 s; with the probe and about 36 measurements, about 2.4 hours of
-2 CPU cores with a cached teacher.
+92 · 600 · 0.3 / 2 = 8,280 s; with the probe (65 · 0.6 s) and 30 measurements (10 s each),
+8,619 s, about 2.4 hours of 2 CPU cores with a cached teacher (the teacher's bootstrap, about
+3 minutes, comes on top when DIR/teacher_cache is empty).
 
 `:tiny` is the seconds-long wiring variant the tests use (the tiny run, a few rungs).
 """

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from opd_jax import ladders as ladders_command
 from opd_jax.experiments import ladders, study_report
 from opd_jax.mismatch import budget_fit
 
@@ -160,3 +161,18 @@ def test_study_budget_summary_names_each_sources_bracket():
   records = _recs([(0.0, 0.0)] * 4 + [(0.1, 0.0)] * 4 + [(0.5, 1.0)] * 4)
   summary = study_report.budget_summary(budget_fit.fit_budget(records, 0.5), "budget.json")
   assert summary["sources"]["s"]["bracket"] == [0.1, 0.5]
+
+
+def test_the_command_writes_the_ladders_of_a_study(tmp_path, capsys):
+  md, out = tmp_path / "ladders.md", tmp_path / "ladders.json"
+  ladders_command.main(
+    [f"--study={ROUND9}", "--full-run-accuracy=0.965", f"--md={md}", f"--json={out}"]
+  )
+  assert "bracketed by (0.0291, 0.092]" in capsys.readouterr().out
+  assert "## Ladders" in md.read_text()
+  data = json.loads(out.read_text())
+  assert data["plateau"]["share"] == pytest.approx(data["plateau"]["reference_accuracy"] / 0.965)
+  bad = tmp_path / "bad.json"
+  bad.write_text("[]")
+  with pytest.raises(ValueError, match="not a study.json"):
+    ladders_command.main([f"--study={bad}"])

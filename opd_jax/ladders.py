@@ -1,0 +1,65 @@
+"""Entry point: a finished study's dose ladders under each label.
+
+    python -m opd_jax.ladders --study=DIR/study.json [--full-run-accuracy=0.965]
+        [--min-plateau-share=0.85] [--json=PATH] [--md=PATH]
+
+Reads a `study.json` and prints, for each label (teacher_kl, accuracy), τ, the share of the
+settings' labels within ±2 SE of τ, and per source its rungs (the check's KL and the mean
+drop), its knee and the knee's interval widened to the rungs that bracket it ("bracketed by
+(a, b]"); with --full-run-accuracy, the reference's accuracy against its plateau. Nothing
+trains. A study run by `python -m opd_jax.study` writes the same section into its report.md
+and study.json ("ladders"). The logic is `opd_jax.experiments.ladders`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+
+from opd_jax.cli import flags as cli_flags
+from opd_jax.cli import runner
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  """The command's flags, on `fv`."""
+  flags.DEFINE_string("study", None, "A finished study's study.json.", flag_values=fv)
+  flags.DEFINE_float(
+    "full-run-accuracy",
+    0.0,
+    "The reference's accuracy after a full run (0 = none: no plateau check).",
+    flag_values=fv,
+  )
+  flags.DEFINE_float(
+    "min-plateau-share",
+    0.85,
+    "The share of the full run's accuracy the reference should reach.",
+    flag_values=fv,
+  )
+  cli_flags.define_json_flag(fv, "the ladders' data")
+  flags.DEFINE_string("md", None, "Write the markdown to PATH.", flag_values=fv)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Prints the ladders of the study (the module docstring)."""
+  args = runner.parse_own_flags(define_flags, argv, __doc__, required=("study",))
+  from opd_jax.experiments import ladders
+  from opd_jax.io import json_file
+
+  with open(args.study, encoding="utf-8") as f:
+    result = json.load(f)
+  if not isinstance(result, dict) or "rows" not in result:
+    raise ValueError(f"--study={args.study}: not a study.json (no 'rows')")
+  out = ladders.ladder_report(result, args.full_run_accuracy or None, args.min_plateau_share)
+  text = "\n".join(ladders.markdown_lines(out))
+  print(text, file=sys.stderr if args.json == "-" else sys.stdout)  # the JSON alone on stdout
+  if args.md:
+    with open(args.md, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+  if args.json:
+    json_file.write_json(args.json, out)
+
+
+if __name__ == "__main__":
+  runner.run_command(main, own_flags=True)

@@ -1,6 +1,6 @@
 """The realistic dose ladders on the embedded pair: weight formats, KV formats and async lag as
-users run them, each from its finest recipe to its coarsest, calibration only (no held-out
-validation). Everything below is fixed here, before any run of it trains.
+users run them, each from its finest recipe to its coarsest; calibration only (no held-out
+validation), and every choice below fixed here before any of its runs trains.
 
     python -m opd_jax.study --config=configs/ladders.py --workdir=DIR --plan   # the cost, first
     python -m opd_jax.study --config=configs/ladders.py --workdir=DIR \

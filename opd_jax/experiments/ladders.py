@@ -153,7 +153,11 @@ def ladder_table(result: Mapping, label: str) -> dict[str, Any] | None:
   )
   sources = {}
   for name, t in sorted(fitted.sources.items()):
-    rows = [r for r in result["rows"] if r["source"] == name and r["role"] != "held_out"]
+    rows = [
+      r
+      for r in result["rows"]
+      if r["source"] == name and r["role"] != "held_out" and label_runs(r, label)
+    ]
     rungs = []
     for r in sorted(rows, key=lambda r: r[budget.KL_KEY]):
       drop = floor["mean"] - float(np.mean(label_runs(r, label)))

@@ -155,6 +155,9 @@ def test_a_run_without_a_label_leaves_it_out():
   assert ladders.label_runs(result["rows"][4], "teacher_kl") == [-0.16] * 3
   with pytest.raises(ValueError, match="not one of"):
     ladders.label_runs(result["rows"][4], "reward")
+  # b has no accuracy: under accuracy the source's ladder is a's rung alone, never crossing
+  acc = ladders.ladder_table(result, "accuracy")["sources"]["int4_weights"]
+  assert [r["name"] for r in acc["rungs"]] == ["a"] and acc["censored"] == "above"
 
 
 def test_study_budget_summary_names_each_sources_bracket():

@@ -72,10 +72,11 @@ the share of labels within ±2 SE of τ.
 
 Cost (`--plan`): 5 reference runs and 29 × 3 ladder runs, 92 runs of 600 steps, two side by
 side (`workers`), at `run_step_seconds` = 0.3 s per step of one run (round 9: 6,904 s of run
-wall over 109 runs of 200 steps, two side by side, start-up and evaluation included), so
-92 · 600 · 0.3 / 2 = 8,280 s; with the probe (65 · 0.6 s) and 30 measurements (10 s each),
-8,619 s, about 2.4 hours of 2 CPU cores with a cached teacher (the teacher's bootstrap, about
-3 minutes, comes on top when DIR/teacher_cache is empty).
+wall over 109 runs of 200 steps, two side by side, is 0.32 s per step with each run's start-up
+and evaluation included, which a 600-step run spreads over three times the steps), so
+92 · 600 · 0.3 / 2 = 8,280 s (8,832 s at 0.32); with the probe (65 · 0.6 s) and 30
+measurements (10 s each), 8,619 s, about 2.4 hours of 2 CPU cores with a cached teacher (the
+teacher's bootstrap, about 3 minutes, comes on top when DIR/teacher_cache is empty).
 
 `:tiny` is the seconds-long wiring variant the tests use (the tiny run, a few rungs).
 """

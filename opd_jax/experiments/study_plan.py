@@ -38,7 +38,8 @@ from opd_jax.io.json_file import read_json
 from opd_jax.mismatch import candidates as candidates_lib
 
 # Cost constants for a config that sets none (round 9's runs on 2 CPU cores: 6,904 s of run
-# wall over 109 runs of 200 steps, two side by side).
+# wall over 109 runs of 200 steps, two side by side, 0.32 s per step with start-up and
+# evaluation; the probe and measurement figures are rough guesses, a few percent of a study).
 RUN_STEP_SECONDS = 0.3
 PROBE_STEP_SECONDS = 0.6
 MEASURE_SECONDS = 10.0

@@ -179,7 +179,13 @@ def pair_summary(name: str, result: dict) -> dict[str, Any]:
       "censored": fitted.censored,
       "relative_max": fit(result, label, "relative").max_kl,
       "sources": {
-        s: {"limit": fitted.source_limit(s), "censored": t.censored, "max_kl": t.max_kl}
+        s: {
+          "limit": fitted.source_limit(s),
+          "censored": t.censored,
+          "max_kl": t.max_kl,
+          "interval": list(t.interval),
+          "bracket": list(budget_fit.threshold_bracket(t, fitted.tolerance)),
+        }
         for s, t in sorted(fitted.sources.items())
       },
     }

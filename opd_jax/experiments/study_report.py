@@ -447,6 +447,7 @@ def pairs_markdown(summaries: Sequence[dict], moves: Sequence[dict]) -> str:
       tau = f"{100 * e['tolerance']:.1f} pts" if label == "accuracy" else _g(e["tolerance"])
       per_source = "; ".join(
         f"{k} {_g(v['limit'])}{'' if v['censored'] == 'none' else ' (' + v['censored'] + ')'}"
+        + (f", {ladders.bracket_text(v['bracket'])}" if "bracket" in v else "")
         for k, v in e["sources"].items()
       )
       lines.append(

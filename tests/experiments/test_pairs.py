@@ -81,3 +81,8 @@ def test_transfer_counts_the_target_settings_each_limit_gets_right(tmp_path):
     [pairs.pair_summary(n, r) for n, r in results.items()], list(moves.values())
   )
   assert "| a → b | accuracy | absolute |" in text and "2/3" in text
+  # each source's knee is reported with the rungs that bracket it: n2 (0.1) kept, n3 (1.0) not
+  noise = pairs.pair_summary("a", results["a"])["labels"]["accuracy"]["sources"]["noise"]
+  assert noise["bracket"] == [0.1, 1.0]
+  assert noise["interval"][0] <= 0.1 and noise["interval"][1] >= 1.0
+  assert "noise " in text and "bracketed by (0.1, 1]" in text

@@ -29,8 +29,7 @@ functions, `bench/device_sections.py`):
   evaluation every 10; else 200 steps, evaluated at the end only).
 
 Budget (`--minutes`, default 8). Each section is planned at `device_sections.ESTIMATE_S`
-seconds (guesses for one GPU, set from the figures of an earlier H200 run; the smoke's own
-for `--cpu-smoke`). Before an optional part (the roofline's larger model, the main job's
+seconds (rough guesses for one H100- or H200-class GPU; `--cpu-smoke` has its own). Before an optional part (the roofline's larger model, the main job's
 time to target) the clock is read again, and the part is added only if its estimate fits
 in what is left after the later sections' estimates; what was left out, and why, is in the
 section's JSON. A section that starts with the budget already spent is {"skipped": ...}.
@@ -40,8 +39,8 @@ Every section records its own wall seconds; a section that raises records {"erro
 and the others still run. The exit status is 1 when any section errored.
 
 `--cpu-smoke` runs on the CPU (JAX_PLATFORMS=cpu unless set) with tiny shapes and a few
-steps in every section: the same code paths, in about a minute on 2 cores. Its figures say
-that the code runs, not how fast anything is.
+steps in every section: the same code paths, in about 90 s on 2 shared cores. Its figures
+say that the code runs, not how fast anything is.
 """
 
 from __future__ import annotations

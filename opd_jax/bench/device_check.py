@@ -29,10 +29,11 @@ functions, `bench/device_sections.py`):
   evaluation every 10; else 200 steps, evaluated at the end only).
 
 Budget (`--minutes`, default 8). Each section is planned at `device_sections.ESTIMATE_S`
-seconds (rough guesses for one H100- or H200-class GPU; `--cpu-smoke` has its own). Before an optional part (the roofline's larger model, the main job's
-time to target) the clock is read again, and the part is added only if its estimate fits
-in what is left after the later sections' estimates; what was left out, and why, is in the
-section's JSON. A section that starts with the budget already spent is {"skipped": ...}.
+seconds (rough guesses for one H100- or H200-class GPU; `--cpu-smoke` has its own). Before an
+optional part (the roofline's larger model, the main job's time to target) the clock is read
+again, and the part is added only if its estimate fits in what is left after the estimates of
+the current section and of the later ones; what was left out, and why, is in the section's
+JSON. A section that starts with the budget already spent is {"skipped": ...}.
 
 Output: {"mode", "minutes", "sections": {name: {..., "wall_s"}}, "errors", "total_wall_s"}.
 Every section records its own wall seconds; a section that raises records {"error": "..."}

@@ -28,12 +28,17 @@ functions, `bench/device_sections.py`):
   step), and the time to target when the budget holds the longer run (400 steps, an
   evaluation every 10; else 200 steps, evaluated at the end only).
 
+Order. The main job runs first (its runs are processes of their own, started before this
+process takes the device: a TPU admits one process at a time, and JAX preallocates most of a
+GPU's memory), then the others in the order above; the JSON lists them in that order.
+
 Budget (`--minutes`, default 8). Each section is planned at `device_sections.ESTIMATE_S`
 seconds (rough guesses for one H100- or H200-class GPU; `--cpu-smoke` has its own). Before an
-optional part (the roofline's larger model, the main job's time to target) the clock is read
-again, and the part is added only if its estimate fits in what is left after the estimates of
-the current section and of the later ones; what was left out, and why, is in the section's
-JSON. A section that starts with the budget already spent is {"skipped": ...}.
+optional part (the roofline's larger model, then the main job's time to target, in that order
+of priority) the clock is read again, and the part is added only if its estimate fits in what
+is left after the estimates of the current and later sections and of the later sections'
+optional parts of higher priority; what was left out, and why, is in the section's JSON. A
+section that starts with the budget already spent is {"skipped": ...}.
 
 Output: {"mode", "minutes", "sections": {name: {..., "wall_s"}}, "errors", "total_wall_s"}.
 Every section records its own wall seconds; a section that raises records {"error": "..."}
@@ -84,15 +89,17 @@ def _error(e: BaseException) -> str:
 
 
 def run(sections: list[str], minutes: float, smoke: bool, log=print) -> dict:
-  """Runs `sections` in order against a budget of `minutes` (module docstring)."""
+  """Runs `sections` in `device_sections.RUN_ORDER` against a budget of `minutes` (module
+  docstring); the JSON lists them in the order of `SECTIONS`."""
   start = time.monotonic()
   plan = device_sections.Plan(smoke=smoke, budget_s=60 * minutes, start=start, log=log)
   estimates = device_sections.ESTIMATE_S[plan.mode]
+  order = [name for name in device_sections.RUN_ORDER if name in sections]
   out = {}
-  for i, name in enumerate(sections):
-    plan.reserve_s = sum(estimates[n] for n in sections[i:])  # this one's and the later ones'
+  for i, name in enumerate(order):
+    plan.current, plan.later = name, tuple(order[i + 1 :])
     began = time.monotonic()
-    log(f"[{i + 1}/{len(sections)}] {name} ({plan.left_s():.0f} s of the budget left)")
+    log(f"[{i + 1}/{len(order)}] {name} ({plan.left_s():.0f} s of the budget left)")
     if plan.left_s() <= 0:
       section = {"skipped": f"the --minutes={minutes} budget was spent before it started"}
     else:
@@ -106,8 +113,8 @@ def run(sections: list[str], minutes: float, smoke: bool, log=print) -> dict:
     "mode": "cpu-smoke" if smoke else "device",
     "minutes": minutes,
     "planned_s": {name: estimates[name] for name in sections},
-    "sections": out,
-    "errors": [name for name, section in out.items() if "error" in section],
+    "sections": {name: out[name] for name in sections},  # in the order of SECTIONS
+    "errors": [name for name in sections if "error" in out[name]],
     "total_wall_s": round(time.monotonic() - start, 2),
   }
 

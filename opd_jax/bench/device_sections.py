@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import platform
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -84,6 +86,10 @@ ESTIMATE_S = {
 }
 
 
+# The optional parts, most wanted first: deciding one keeps room for those before it.
+EXTRA_PRIORITY = ("roofline_extra", "main_job_extra")
+
+
 @dataclasses.dataclass
 class Plan:
   """What a section needs: the smoke switch, the budget and the log.
@@ -92,14 +98,16 @@ class Plan:
     smoke: tiny shapes and steps (`--cpu-smoke`).
     budget_s: the whole run's seconds (`--minutes` × 60).
     start: `time.monotonic()` when the run began.
-    reserve_s: the planned seconds of the current section and of those after it.
+    current: the section running now.
+    later: the sections still to run after it.
     log: the readable lines' function.
   """
 
   smoke: bool
   budget_s: float
   start: float
-  reserve_s: float = 0.0
+  current: str = ""
+  later: tuple[str, ...] = ()
   log: Callable[..., None] = print
 
   @property
@@ -112,8 +120,15 @@ class Plan:
 
   def allows(self, extra: str) -> tuple[bool, str]:
     """Whether the optional part `extra` (an `ESTIMATE_S` key) fits in what is left of the
-    budget after `reserve_s`, and the reason in words."""
-    need, left = ESTIMATE_S[self.mode][extra], self.left_s() - self.reserve_s
+    budget after the planned seconds of the current and later sections and of the later
+    sections' optional parts that come before it in `EXTRA_PRIORITY`; and the reason in words."""
+    estimates = ESTIMATE_S[self.mode]
+    reserve = sum(estimates[name] for name in (self.current, *self.later) if name)
+    rank = EXTRA_PRIORITY.index(extra)
+    reserve += sum(
+      estimates[f"{n}_extra"] for n in self.later if f"{n}_extra" in EXTRA_PRIORITY[:rank]
+    )
+    need, left = estimates[extra], self.left_s() - reserve
     verdict = "fits" if need <= left else "would exceed --minutes"
     return need <= left, f"{verdict}: planned {need} s, {max(left, 0):.0f} s left after the rest"
 
@@ -224,10 +239,18 @@ def roofline(plan: Plan) -> dict:
   return result | {"optional": extra}
 
 
+def _trainer_dtype() -> str:
+  """`bench.roofline.resolve_dtype("auto")` (bfloat16 on an accelerator, float32 on a CPU),
+  asked in a process of its own so that this one does not take the device yet (`RUN_ORDER`)."""
+  code = "from opd_jax.bench import roofline; print(roofline.resolve_dtype('auto'))"
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  return done.stdout.strip().splitlines()[-1]
+
+
 def main_job(plan: Plan) -> dict:
   """bench.async_vs_sync on sync BF16 and async FP8, one seed: seconds per step, the serialized
   split, and the time to target when the budget holds the longer run."""
-  from opd_jax.bench import async_vs_sync, roofline
+  from opd_jax.bench import async_vs_sync
   from opd_jax.cli import runner
 
   fits, why = plan.allows("main_job_extra")
@@ -235,7 +258,7 @@ def main_job(plan: Plan) -> dict:
   argv = [
     f"--runs={MAIN_RUNS}",
     "--seeds=1",
-    f"--dtype={roofline.resolve_dtype('auto')}",
+    f"--dtype={'float32' if plan.smoke else _trainer_dtype()}",
     *SIZES["main_job"][plan.mode][which],
   ]
   args = runner.parse_own_flags(async_vs_sync.define_flags, argv, async_vs_sync.__doc__)
@@ -270,6 +293,9 @@ def main_job(plan: Plan) -> dict:
   return out | {"run": result, "rows": list(rows.values())}
 
 
+# The main job runs first: its runs are processes of their own, started before this process
+# takes the device (a TPU admits one process at a time; a GPU's memory is preallocated).
+RUN_ORDER = ("main_job", "environment", "pallas", "decode_scaling", "sampler", "roofline")
 SECTIONS: dict[str, Callable[[Plan], dict]] = {
   "environment": environment,
   "pallas": pallas,

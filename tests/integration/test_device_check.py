@@ -90,11 +90,16 @@ def test_a_spent_budget_skips_and_the_planner_reads_the_clock():
   out = device_check.run(["environment", "roofline"], minutes=1e-9, smoke=True, log=lambda *a: 0)
   assert out["errors"] == [] and set(out["sections"]) == {"environment", "roofline"}
   assert all("budget was spent" in s["skipped"] for s in out["sections"].values())
-  # 100 s of budget, 60 s reserved for the rest: the main job's 90 s extra does not fit.
-  plan = device_sections.Plan(smoke=False, budget_s=100, start=time.monotonic(), reserve_s=60)
+  # The main job first, 480 s of budget: the later sections' 215 s and the roofline's 75 s
+  # extra (of higher priority) leave 40 s after the main job's own 150 s, under its 90 s extra.
+  later = ("environment", "pallas", "decode_scaling", "sampler", "roofline")
+  plan = device_sections.Plan(False, 480, time.monotonic(), current="main_job", later=later)
   fits, why = plan.allows("main_job_extra")
-  assert not fits and why.startswith("would exceed --minutes: planned 90 s, 40 s left")
-  assert plan.allows("environment")[0]  # 5 s fits in the 40
+  assert not fits and why.startswith("would exceed --minutes: planned 90 s, 40 s left"), why
+  # The roofline last, 300 s left: its own 45 s leave 255 s, room for its 75 s extra.
+  plan = device_sections.Plan(False, 300, time.monotonic(), current="roofline")
+  fits, why = plan.allows("roofline_extra")
+  assert fits and why.startswith("fits: planned 75 s, 255 s left"), why
 
 
 def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch, capsys):

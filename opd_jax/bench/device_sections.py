@@ -174,11 +174,13 @@ def _pallas_probe() -> str | None:
       o_ref[...] = x_ref[...] + 1.0
 
     x = jnp.zeros((8, 128), jnp.float32)
-    out = pl.pallas_call(add_one, out_shape=x, interpret=backend == "cpu")(x)
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    out = pl.pallas_call(add_one, out_shape=shape, interpret=backend == "cpu")(x)
     if float(out.sum()) != x.size:
       return "a trivial Pallas kernel (x + 1) gave a wrong result on this backend"
   except Exception as e:  # noqa: BLE001  (any failure here means: Pallas does not run)
-    return f"Pallas does not run on {backend}: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    first = (str(e).splitlines() or [""])[0][:300]
+    return f"Pallas does not run on {backend}: {type(e).__name__}: {first}"
   return None
 
 

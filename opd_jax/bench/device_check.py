@@ -45,7 +45,7 @@ Every section records its own wall seconds; a section that raises records {"erro
 and the others still run. The exit status is 1 when any section errored.
 
 `--cpu-smoke` runs on the CPU (JAX_PLATFORMS=cpu unless set) with tiny shapes and a few
-steps in every section: the same code paths, in about 90 s on 2 shared cores. Its figures
+steps in every section: the same code paths, in 1.5 to 3 minutes on 2 shared cores. Its figures
 say that the code runs, not how fast anything is.
 """
 

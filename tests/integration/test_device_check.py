@@ -117,7 +117,7 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch, cap
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_section():
-  """The whole check on tiny shapes (about 90 s on 2 shared cores)."""
+  """The whole check on tiny shapes (1.5 to 3 minutes on 2 shared cores)."""
   proc = _check("--cpu-smoke", "--json")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout)

@@ -225,6 +225,7 @@ SLOW_FILES_FIRST = (
   "test_sharded_sampler.py",
   "test_sensitivity.py",
   "test_padded_vocab.py",
+  "test_device_check.py",
 )
 
 

@@ -5,6 +5,7 @@ Command (CPU; results and timings: docs/results/main_job.md):
     python -m opd_jax.bench.async_vs_sync                          # readable table
     python -m opd_jax.bench.async_vs_sync --json                   # the JSON result only
     python -m opd_jax.bench.async_vs_sync --runs=sync_bf16,async_fp8 --seeds=3
+    python -m opd_jax.bench.async_vs_sync --variant=tiny --steps=4   # the wiring, in seconds
 
 Runs of `configs/bf16_sync.py` on the embedded task, each a separate process (so no run
 inherits another's compiled programs), with the same warm-started student and one cached
@@ -40,11 +41,12 @@ row's programs are timed once more in a serialized pass (one process, each progr
 for, medians over `--split-batches` batches after a warm-up): sampling, the teacher's
 scoring of a batch, and the train step (for sync rows the train step includes the teacher's
 forward pass; for async rows the rollout side does it). `waiting_s` is the run's own measured
-wait for a batch per step (`rollout/queue_wait_seconds`), and `step_s` its loop seconds per
-step. With the sampling side r = sampling + scoring and the train side s, a loop that overlaps
-them perfectly takes max(r, s) per step against r + s, so (r + s) / max(r, s) bounds the
-per-step speed-up of overlap on free hardware; on a CPU the two sides share the same cores, so
-a run gets less.
+wait for a batch per step (`rollout/queue_wait_seconds`), `step_s` its loop seconds per
+step (compilation included), and `steady_step_s` the loop seconds per step from the first
+logged step on (`train.log_every`), once the programs are compiled. With the sampling side
+r = sampling + scoring and the train side s, a loop that overlaps them perfectly takes
+max(r, s) per step against r + s, so (r + s) / max(r, s) bounds the per-step speed-up of
+overlap on free hardware; on a CPU the two sides share the same cores, so a run gets less.
 
 FP8 on a CPU is emulated (XLA converts e4m3 to f32 for the matmuls), so the FP8 rows
 measure the mismatch's effect on learning, not an FP8 speed-up.
@@ -103,13 +105,19 @@ def _settings(name: str, seed: int, args) -> dict[str, object]:
   }
 
 
+def _config_arg(name: str, args) -> str:
+  """`configs/<file>.py[:variant]` of run `name` (`--variant`: "" or a config variant)."""
+  variant = getattr(args, "variant", "")
+  return CONFIG_FILES[name] + (f":{variant}" if variant else "")
+
+
 def _command(name: str, seed: int, workdir: str, args) -> tuple[list[str], dict]:
   """The run's command line and its environment."""
   cmd = [
     sys.executable,
     "-m",
     "opd_jax.main",
-    f"--config={CONFIG_FILES[name]}",
+    f"--config={_config_arg(name, args)}",
     f"--workdir={workdir}",
   ]
   cmd += [f"--config.{key}={value}" for key, value in _settings(name, seed, args).items()]
@@ -131,6 +139,11 @@ def _run_row(name: str, seed: int, workdir: str, target_fraction: float, steps: 
   lag_rows = [r for r in rows.values() if "rollout/version_lag_mean" in r]
   first = reached[0] if reached else None
   loop_s = rows[last]["perf/train_wall_seconds"]
+  logged = sorted(s for s, r in rows.items() if s > 0 and "perf/train_wall_seconds" in r)
+  steady = None
+  if len(logged) > 1:  # from the first logged step on: the programs are compiled
+    span = rows[logged[-1]]["perf/train_wall_seconds"] - rows[logged[0]]["perf/train_wall_seconds"]
+    steady = span / (logged[-1] - logged[0])
   return {
     "name": name,
     "seed": seed,
@@ -142,6 +155,7 @@ def _run_row(name: str, seed: int, workdir: str, target_fraction: float, steps: 
     "teacher_accuracy": teacher,
     "train_wall_s": round(loop_s, 1),
     "step_s": loop_s / steps,
+    "steady_step_s": steady,
     "waiting_s": sum(r.get("rollout/queue_wait_seconds", 0.0) for r in lag_rows) / steps,
     "mean_lag": round(sum(r["rollout/version_lag_mean"] for r in lag_rows) / len(lag_rows), 3),
     "dropped": int(max((r.get("rollout/dropped", 0) for r in lag_rows), default=0)),
@@ -165,7 +179,8 @@ def _summary(name: str, runs: list[dict]) -> dict:
     "kv_cache": "fp8/tensor" if "fp8" in name else "auto",
     "seeds": [r["seed"] for r in runs],
   }
-  for key in ("wall_s_to_target", "steps_to_target", "final_quality", "step_s", "waiting_s"):
+  keys = ("wall_s_to_target", "steps_to_target", "final_quality", "step_s", "steady_step_s")
+  for key in (*keys, "waiting_s"):
     out[f"{key}_mean"], out[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
   out["reached"] = sum(r["wall_s_to_target"] is not None for r in runs)
   out["mean_lag"] = round(statistics.fmean(r["mean_lag"] for r in runs), 3)
@@ -174,12 +189,14 @@ def _summary(name: str, runs: list[dict]) -> dict:
   return out
 
 
-def _load_config(name: str, settings: dict):
-  """Run `name`'s config in this process, with `settings` applied as the command line would."""
+def _load_config(name: str, settings: dict, variant: str = ""):
+  """Run `name`'s config (its `variant`, "" for none) in this process, with `settings` applied
+  as the command line would."""
   configs = str(cli_flags.CONFIGS_DIR)
   if configs not in sys.path:
     sys.path.insert(0, str(configs))
-  config = runpy.run_path(os.path.join(configs, CONFIG_FILES[name]))["get_config"]()
+  get_config = runpy.run_path(os.path.join(configs, CONFIG_FILES[name]))["get_config"]
+  config = get_config(variant or None)
   for key, value in settings.items():
     *parents, leaf = key.split(".")
     node = config
@@ -201,7 +218,8 @@ def serialized_split(name: str, args, workdir: str) -> dict:
   from opd_jax.train import setup as setup_lib
   from opd_jax.train import state as train_state
 
-  config = _load_config(name, _settings(name, 0, args) | {"rollout.devices": 0})
+  settings = _settings(name, 0, args) | {"rollout.devices": 0}
+  config = _load_config(name, settings, getattr(args, "variant", ""))
   quiet = lambda *a, **k: None  # noqa: E731
   spec = setup_lib.run_spec(config)
   checked = preflight.check(spec, workdir, quiet)
@@ -275,12 +293,17 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer("split-batches", 8, "Batches timed per program.", flag_values=fv)
   flags.DEFINE_string("dtype", "float32", "Trainer dtype: float32 | bfloat16.", flag_values=fv)
   flags.DEFINE_string("workdir", "", "Keep the runs here (default: a temp dir).", flag_values=fv)
+  flags.DEFINE_string(
+    "variant",
+    "",
+    "Config variant of every run (configs/<file>.py:VARIANT); tiny = a seconds-long wiring run.",
+    flag_values=fv,
+  )
   cli_flags.define_teacher_cache_flag(fv, "Teacher cache (default: the workdir's).")
 
 
-def main(argv: list[str] | None = None) -> int:
-  renames = {"--teacher-cache": "--config.teacher.cache_dir"}
-  args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
+def check_args(args) -> list[str]:
+  """The run names of `args.runs`, after checking the flags; SystemExit names a bad one."""
   names = [n for n in args.runs.split(",") if n]
   unknown = sorted(set(names) - set(RUNS))
   if unknown:
@@ -291,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     raise SystemExit(f"--target must be in (0, 1], got {args.target}")
   if args.seeds < 1 or args.steps < 1 or args.eval_every < 1 or args.split_batches < 1:
     raise SystemExit("--seeds, --steps, --eval-every and --split-batches must be >= 1")
-  log = cli_flags.log_for_json(args.json)
+  return names
+
+
+def run(args, log=print) -> dict:
+  """The runs, their summaries and serialized splits (module docstring), from the parsed flags
+  (`define_flags`; also `bench.device_check`'s short run of the main job)."""
+  names = check_args(args)
   root = args.workdir or tempfile.mkdtemp(prefix="opd_async_vs_sync_")
   args.teacher_cache = args.teacher_cache or os.path.join(root, "teacher_cache")
   per_name: dict[str, list[dict]] = {name: [] for name in names}
@@ -318,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     row["step_speedup_vs_sync"] = round(ref["step_s_mean"] / row["step_s_mean"], 2)
     row["final_quality_vs_sync"] = round(row["final_quality_mean"] - ref["final_quality_mean"], 4)
-  result = {
+  return {
     "target": f"{args.target} x teacher held-out accuracy",
     "note": "FP8 is emulated on CPU (e4m3 converted to f32 for the matmuls): no FP8 speed-up "
     "is expected there; the FP8 rows show the mismatch's effect on learning",
@@ -327,9 +356,19 @@ def main(argv: list[str] | None = None) -> int:
     "eval_every": args.eval_every,
     "eval_size": args.eval_size,
     "dtype": args.dtype,
+    "variant": args.variant,
     "workdir": root,
     "rows": rows,
   }
+
+
+def main(argv: list[str] | None = None) -> int:
+  renames = {"--teacher-cache": "--config.teacher.cache_dir"}
+  args = runner.parse_own_flags(define_flags, argv, __doc__, renames=renames)
+  check_args(args)
+  log = cli_flags.log_for_json(args.json)
+  result = run(args, log)
+  rows = result["rows"]
   if args.json:
     with cli_flags.json_output(args.json) as path:
       json_file.write_text(path, json.dumps(result))

@@ -1,6 +1,6 @@
 """The opt-in Pallas decode-attention kernel on this device: its error and its speed.
 
-Command (part of `python -m opd_jax.bench.device_check --pallas`; alone):
+Command (part of `python -m opd_jax.bench.device_check`, its "pallas" section; alone):
 
     python -m opd_jax.bench.pallas_check --json
 
@@ -84,8 +84,8 @@ def float64_attention(q_btnh, entry, q_pos_bt, cfg: ModelConfig) -> np.ndarray:
   return np.einsum("btns,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
 
 
-def correctness() -> list[dict]:
-  """One row per driver × format × T (module docstring)."""
+def correctness(tokens: tuple[int, ...] = (1, 3)) -> list[dict]:
+  """One row per driver × format × T of `tokens` (module docstring)."""
   import jax.numpy as jnp
 
   from opd_jax.model import decode_attention, pallas_decode
@@ -94,12 +94,12 @@ def correctness() -> list[dict]:
   for driver, interpret in drivers():
     for fmt in FORMATS:
       entry = _filled(CFG, fmt, 3, 20, seed=0)
-      for tokens in (1, 3):
+      for count in tokens:
         rng = np.random.default_rng(1)
-        shape = (3, tokens, CFG.num_heads, CFG.head_dim)
+        shape = (3, count, CFG.num_heads, CFG.head_dim)
         q = jnp.asarray(rng.standard_normal(shape), jnp.float32)
         last_b = np.array([19, 6, 13])
-        q_pos_bt = jnp.asarray(last_b[:, None] - np.arange(tokens)[::-1][None, :], jnp.int32)
+        q_pos_bt = jnp.asarray(last_b[:, None] - np.arange(count)[::-1][None, :], jnp.int32)
         want = np.asarray(decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8))
         got = np.asarray(
           pallas_decode.attend_cache(
@@ -112,7 +112,7 @@ def correctness() -> list[dict]:
             "driver": driver,
             "interpret": interpret,
             "kv": fmt,
-            "tokens": tokens,
+            "tokens": count,
             "max_abs_err_vs_blockwise": float(np.abs(got - want).max()),
             "within_test_tolerance": bool(np.allclose(got, want, atol=ATOL, rtol=RTOL)),
             "kernel_max_abs_err_vs_float64": float(np.abs(got - exact).max()),
@@ -173,9 +173,12 @@ def speed(slots: int = 4096, position: int = 4000, repeats: int = 5) -> list[dic
   return rows
 
 
-def run(slots: int = 4096, position: int = 4000, repeats: int = 5) -> dict:
-  """{"correctness": [...], "all_within_tolerance", "speed": [...]}."""
-  rows = correctness()
+def run(
+  slots: int = 4096, position: int = 4000, repeats: int = 5, tokens: tuple[int, ...] = (1, 3)
+) -> dict:
+  """{"tolerance", "correctness": [...], "all_within_tolerance", "speed": [...]} (`tokens`: the
+  query counts T of the correctness rows)."""
+  rows = correctness(tokens)
   return {
     "tolerance": {"atol": ATOL, "rtol": RTOL},
     "correctness": rows,

@@ -384,11 +384,11 @@ def run(
   for name in models:
     row = train_row(name, dtype, train_batch, prompt_len, completion_len, repeats, result["peaks"])
     result["rows"].append(row)
-    log(_line(row))
+    log(row_line(row))
     for batch in decode_batches:
       row = decode_row(name, dtype, batch, prompt_len, decode_tokens, repeats, result["peaks"])
       result["rows"].append(row)
-      log(_line(row))
+      log(row_line(row))
   return result
 
 
@@ -399,7 +399,7 @@ def _human(value, unit: str) -> str:
   return f"{value / 10 ** (3 * exponent):.3g} {' kMGTP'[exponent].strip()}{unit}"
 
 
-def _line(row: dict) -> str:
+def row_line(row: dict) -> str:
   """One row as a table line."""
   what = f"{row['kind']:<6} {row['model']:<11} {row['dtype']:<8} B={row['batch']:<3}"
   if "fraction_of_peak" not in row:

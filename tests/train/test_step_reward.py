@@ -8,7 +8,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from conftest import tiny_step_cfg
 
 from opd_jax.config import check as config_check
 from opd_jax.data import rewards, task
@@ -16,9 +18,11 @@ from opd_jax.data.rollout_types import Rollout
 from opd_jax.data.toy_checkpoints import save_chat_tokenizer
 from opd_jax.inference import sampler, transform
 from opd_jax.model import sharding
+from opd_jax.model import transformer as model
 from opd_jax.model.tokenizer import CharTokenizer
 from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import rl, rl_step, train_step
+from opd_jax.train import state as train_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
 import grpo_practice  # noqa: E402
@@ -219,6 +223,49 @@ def test_a_per_token_advantage_weights_each_token():
   advantage_bt = rl.step_group_advantages(jnp.asarray(CREDIT_BS), jnp.asarray(INDEX_BT), 4, True)
   grad = jax.grad(lambda lp: rl.grpo_from_logprobs(lp, mask, advantage_bt, behaviour)[0])(student)
   np.testing.assert_allclose(grad, -advantage_bt * mask / mask.sum(), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("epochs, minibatches", [(1, 1), (2, 2)])
+def test_the_train_step_with_step_credit(epochs, minibatches):
+  """A sampled batch of 2 prompts × G = 4 through `train_step` (K = 1: the single-update path;
+  K = 4: `grpo_updates`' minibatches). Credits equal to the answer's at every unit train
+  exactly as exact match does; real step credits give per_token/advantage_bc = A_bt."""
+  cfg_m = tiny_step_cfg()
+  student = model.init_params(jax.random.key(0), cfg_m, scale=0.3)
+  prompts = [[1, 5, 7]] * 4 + [[1, 9, 4]] * 4
+  scfg = sampler.SamplerConfig(max_new_tokens=5, temperature=1.0)
+  rollout = sampler.sample(student, prompts, jax.random.key(2), scfg, cfg_m)
+  reward_b = jnp.asarray(CREDIT_BS[:, -1])
+  rollout = rollout.replace(reward_b=reward_b, step_index_bc=jnp.asarray(INDEX_BT))
+  tx = optax.adam(1e-2)
+
+  def step(reward, credit_bs):
+    cfg = train_step.LossConfig(
+      name="grpo", group_size=4, reward=reward, ppo_epochs=epochs, ppo_minibatches=minibatches
+    )
+    state = train_state.init_state(jax.tree.map(jnp.copy, student), tx, 0)
+    fn = jax.jit(
+      lambda s, r: train_step.train_step(
+        s, None, r, tx=tx, student_cfg=cfg_m, teacher_cfg=cfg_m, loss_cfg=cfg
+      )
+    )
+    return fn(state, rollout.replace(step_reward_bs=credit_bs))
+
+  exact, _ = step("exact_match", None)
+  tiled, _ = step("step", jnp.tile(reward_b[:, None], (1, 3)))
+  for got, want in zip(jax.tree.leaves(tiled.params), jax.tree.leaves(exact.params), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  stepped, metrics = step("step", jnp.asarray(CREDIT_BS))
+  want = rl.step_group_advantages(jnp.asarray(CREDIT_BS), jnp.asarray(INDEX_BT), 4, True)
+  np.testing.assert_allclose(
+    metrics["per_token/advantage_bc"], want * (rollout.completion_mask > 0), rtol=1e-6
+  )
+  assert float(metrics["rl/step_reward_mean"]) == pytest.approx(CREDIT_BS.mean())
+  moved = [
+    np.max(np.abs(a - b))
+    for a, b in zip(jax.tree.leaves(stepped.params), jax.tree.leaves(exact.params), strict=True)
+  ]
+  assert max(moved) > 1e-4  # the step credits train differently from the answer alone
 
 
 def test_the_step_reward_is_refused_where_it_cannot_work(tmp_path):

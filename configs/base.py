@@ -138,9 +138,9 @@ def get_config(arg=None):
   # (train.reward) with a leave-one-out baseline, truncated IS by train.is_clip; needs no teacher.
   # train.loss="grpo" is GRPO (group baseline, PPO clip); it reads the keys below, not is_clip.
   c.train.is_clip = 2.0  # truncated importance ratio C; <= 0 disables
-  # The RL losses' sequence reward (opd_jax/data/rewards.py), scored by the rollout engine; the
-  # other losses ignore it.
-  c.train.reward = "exact_match"  # exact_match (1 or 0) | partial (share of right steps + answer)
+  # The RL losses' reward (opd_jax/data/rewards.py), scored by the rollout engine; the other
+  # losses ignore it. step (grpo only): each written step's tokens get that step's advantage.
+  c.train.reward = "exact_match"  # exact_match (1 or 0) | partial (share of right steps) | step
   # GRPO (opd_jax/train/rl.py): train.loss="grpo", groups of rollout.samples_per_prompt >= 2.
   c.train.group_std_normalize = True  # grpo: advantage ÷ (std of the group's rewards + 1e-6)
   c.train.ppo_clip = 0.2  # grpo: ε of the clip of π_θ/π_old

@@ -25,6 +25,10 @@ Command:  python -m opd_jax.main --config=configs/grpo_practice.py --workdir=/tm
               --config.teacher.cache_dir=/tmp/tcache
 Tiny:     python -m opd_jax.main --config=configs/grpo_practice.py:tiny --workdir=/tmp/gp_tiny
           (about 25 s of CPU, most of it compilation: a wiring check, not learning).
+Step credit: add --config.train.reward=step (to either GRPO command) for per-step credit: each
+          written step's tokens get that step's correctness as their return, with GRPO's
+          group baseline per step (docs/rl_baseline.md); rl/reward_mean stays exact match and
+          rl/step_reward_mean logs the mean step credit. Not yet run beyond `:tiny`.
 Cost:     measured on 2 CPU cores shared with other jobs: the teacher bootstrap 7.5 minutes
           once (cached in teacher.cache_dir), the 475-step warm start 35-50 s (then cached
           beside it), a GRPO step at 128 completions about 0.2 s; a whole 400-step run with its

@@ -349,8 +349,23 @@ METRICS: list[tuple[str, str, str, str]] = [
   (
     "rl/reward_mean",
     "reward",
-    "Mean reward of the batch's completions (`train.reward`: exact match or partial credit).",
+    "Mean reward of the batch's completions (`train.reward`: exact match or partial credit; "
+    "exact match for the step reward).",
     "TRL `reward`; verl `critic/rewards/mean`",
+  ),
+  (
+    "rl/step_reward_mean",
+    "reward",
+    "GRPO + `train.reward=step`: mean credit c_bi over the completions and their S + 1 units "
+    "(each written step, then the answer).",
+    "",
+  ),
+  (
+    "rl/step_group_all_equal_frac",
+    "fraction",
+    "GRPO + `train.reward=step`: share of (prompt group, step) pairs whose completions all got "
+    "the same credit for that step (zero advantage on its tokens).",
+    "",
   ),
   (
     "rl/advantage_abs_mean",

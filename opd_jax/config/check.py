@@ -208,7 +208,7 @@ RULES: dict[str, Any] = {
   "train.ppo_minibatches": POSITIVE,  # grpo: divides B·n (_rl_errors)
   "train.mismatch_correction": Choice(("none", "tis", "mis", "seq_tis", "seq_mis")),  # grpo
   "train.mismatch_clip": Num(True, 1, lo_open=True),  # grpo: C > 1
-  "train.reward": Choice(("exact_match", "partial")),  # RL losses (opd_jax/data/rewards.py REWARDS)
+  "train.reward": Choice(("exact_match", "partial", "step")),  # RL (opd_jax/data/rewards.py)
   "train.kl_coef": Num(True, 0),  # grpo only (_kl_coef_errors)
   "train.advantage_clip": Num(True, 0),
   "train.advantage_baseline": Choice(("none", "batch_mean")),
@@ -387,6 +387,8 @@ def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
       f"(train.reward={t.get('reward', 'exact_match')!r}); data.prompt_file="
       f"{d.get('prompt_file')!r} has no reward (set it to '')"
     )
+  if t.get("reward") == "step":
+    errors += _step_reward_errors(config, loss)
   if loss != "grpo":
     return errors
   n = r.get("samples_per_prompt", 1)
@@ -407,6 +409,27 @@ def _rl_errors(config: ml_collections.ConfigDict) -> list[str]:
       f"config.train.microbatches={t.get('microbatches')} cannot split loss 'grpo' (its group "
       "baseline couples rows); use train.microbatches=1 (train.ppo_minibatches sets the "
       "update size)"
+    )
+  return errors
+
+
+def _step_reward_errors(config: ml_collections.ConfigDict, loss: str) -> list[str]:
+  """train.reward='step' (opd_jax/data/rewards.py) gives each written step's tokens that step's
+  GRPO advantage: it needs loss 'grpo' and the character tokenizer (one token per character
+  of the task's text; a prompt file is refused for every RL loss above)."""
+  errors = []
+  if loss != "grpo":
+    errors.append(
+      f"config.train.reward='step' gives per-token advantages that only train.loss='grpo' "
+      f"reads (got {loss!r}); use grpo, or reward 'exact_match' or 'partial'"
+    )
+  student = config.get("student")
+  name = config.get("tokenizer", "") or (student.get("checkpoint", "") if student else "")
+  if name not in ("", "char"):
+    errors.append(
+      f"config.train.reward='step' maps each completion token to one character of the task's "
+      f"text, so it needs the built-in character tokenizer; the run's tokenizer is {name!r} "
+      "(config.tokenizer, or student.checkpoint's)"
     )
   return errors
 

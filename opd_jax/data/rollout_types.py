@@ -93,8 +93,9 @@ class Rollout:
       (`rollout.score_teacher`), so the train step skips the teacher's forward
       pass; None otherwise.
     reward_b: f32 [B], the task's reward of each decoded completion (`train.reward`: exact
-      match, 1 or 0, or partial credit in [0, 1]; `opd_jax.data.rewards`), when the rollout
-      engine scored it for an RL loss (`opd_jax.train.rl`); None otherwise.
+      match, 1 or 0, or partial credit in [0, 1]; exact match for the step reward;
+      `opd_jax.data.rewards`), when the rollout engine scored it for an RL loss
+      (`opd_jax.train.rl`); None otherwise.
     on_policy_b: int32 [B], 1 for a row the engine sampled, 0 for a row whose completion is
       the prompt's reference (`opd_jax.rollout.off_policy`, train.on_policy_fraction < 1; its
       log-probs are 0 and its `topk_*`/`support_ids` unspecified); None when every row was
@@ -103,6 +104,12 @@ class Rollout:
       [B, C, k] at `teacher.temperature`, their ids, the tail bucket [B, C]) when the
       rollout engine scored the teacher with `train.teacher_top_k` = k > 0; it then
       carries this instead of `teacher_logits`. None otherwise.
+    step_reward_bs: f32 [B, S + 1], with `train.reward="step"`: c_{b,i} = 1 where row b's
+      written step i + 1 equals the true one (columns 0..S−1) and the answer is right (column
+      S), else 0 (`rewards.step_rewards`); None otherwise.
+    step_index_bc: int32 [B, C], with `train.reward="step"`: the 0-based unit (column of
+      `step_reward_bs`) each completion token belongs to, S for the answer, the eos and
+      positions outside the mask (`rewards.token_units`); None otherwise.
     engine_id: static string naming the engine configuration that produced it.
   """
 
@@ -122,6 +129,8 @@ class Rollout:
   reward_b: jax.Array | None = None
   on_policy_b: jax.Array | None = None
   teacher_topk: TopKTeacher | None = None
+  step_reward_bs: jax.Array | None = None
+  step_index_bc: jax.Array | None = None
   engine_id: str = struct.field(pytree_node=False, default="")
 
   @property

@@ -138,6 +138,31 @@ def _rewards(rollout: Rollout, tokenizer, kind: str = "exact_match") -> jax.Arra
   return sharding.map_local_rows(rows, *fields)
 
 
+def _step_rewards(rollout: Rollout, tokenizer) -> Rollout:
+  """`rollout` with the step reward (`rewards.step_rewards`): `step_reward_bs` [B, S + 1] and
+  `step_index_bc` [B, C], each process scoring the rows its devices hold, and `reward_b` the
+  exact-match reward (the answer's column S), so rl/reward_mean reads as with exact match."""
+
+  scored = {}  # row block start -> (credit, index): each block decoded once
+
+  def block(start, prompt_bp, lens_b, tokens_bc, mask_bc):
+    if start not in scored:
+      part = types.SimpleNamespace(  # host rows of the fields step_rewards reads
+        prompt_tokens=prompt_bp,
+        prompt_lens=lens_b,
+        completion_tokens=tokens_bc,
+        completion_mask=mask_bc,
+      )
+      scored[start] = rewards.step_rewards(part, tokenizer)
+    return scored[start]
+
+  r = rollout
+  fields = (r.prompt_tokens, r.prompt_lens, r.completion_tokens, r.completion_mask)
+  credit_bs = sharding.map_local_rows(lambda *a: block(*a)[0], *fields)
+  index_bc = sharding.map_local_rows(lambda *a: block(*a)[1], *fields)
+  return r.replace(reward_b=credit_bs[:, -1], step_reward_bs=credit_bs, step_index_bc=index_bc)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "top_k", "temperature"))
 def sparse_teacher(params, rollout: Rollout, cfg: ModelConfig, mesh, top_k: int, temperature):
   """The teacher's top-k log-probs plus a tail at the rollout's completion positions
@@ -188,7 +213,9 @@ class RolloutWorker:
       each decoded completion (`rewards.rollout_rewards` of kind `reward`), for the RL loss;
       the engine holds the tokenizer, so the reward is computed where the texts are.
     reward: the reward's kind (`train.reward`, one of `rewards.REWARDS`): exact_match (1 or
-      0) or partial (the share of right steps and answer). Unused without `score_rewards`.
+      0), partial (the share of right steps and answer) or step (exact match in `reward_b`,
+      plus each step's credit and each token's step: `Rollout.step_reward_bs`,
+      `Rollout.step_index_bc`; the character tokenizer only). Unused without `score_rewards`.
     rollout_mesh: None samples on the mesh the published weights live on (the trainer's,
       or the engine's own devices); a ("data", "fsdp", "tensor") mesh lays the engine's
       weights (and the teacher) out on it with the training rules and samples there.
@@ -227,6 +254,8 @@ class RolloutWorker:
       raise ValueError(
         f"unknown reward {reward!r} (train.reward); known: {', '.join(rewards.REWARDS)}"
       )
+    if score_rewards and reward == rewards.STEP:
+      rewards.check_step_tokenizer(tokenizer)
     teacher_topk.check_top_k(teacher_top_k)
     teacher_topk.check_temperature(teacher_temperature)
     self._teacher_top_k, self._teacher_temperature = teacher_top_k, teacher_temperature
@@ -342,7 +371,9 @@ class RolloutWorker:
           teacher_params, rollout, teacher_cfg, mesh
         )
         rollout = rollout.replace(teacher_logits=logits_bcv)
-    if self._score_rewards:
+    if self._score_rewards and self._reward == rewards.STEP:
+      rollout = _step_rewards(rollout, self._tokenizer)
+    elif self._score_rewards:
       rollout = rollout.replace(reward_b=_rewards(rollout, self._tokenizer, self._reward))
     num_tokens = jnp.sum(rollout.completion_mask)
     return Pending(_shard_rollout(rollout, self._mesh), num_tokens, on_policy, start)

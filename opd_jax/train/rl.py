@@ -7,7 +7,8 @@ the rollout engine with `data.rewards`), so the two can be compared under the sa
 mismatch. Notation: y_bt the sampled token of row b at position t, m_bt the completion mask, r_b
 the reward, π_θ the student, π_b the engine that sampled, π_old the student at the start of a
 GRPO step, π_ref the student at step 0, sg the stop-gradient. Each estimator's equation is in its
-function's docstring (`reinforce`, `group_advantages`, `mismatch_weights`, `ppo_clip_loss`,
+function's docstring (`reinforce`, `group_advantages` and its per-step form
+`step_group_advantages`, `mismatch_weights`, `ppo_clip_loss`,
 `grpo` and its form on log-probs `grpo_from_logprobs`, `k3_kl_to_reference`);
 docs/rl_baseline.md derives them and lists the config keys. The loss of a rollout and GRPO's
 K updates per batch are in `train.rl_step`.
@@ -247,6 +248,31 @@ def group_advantages(reward_b, group_size: int, std_normalize: bool):
   return centred_gn.reshape(b)
 
 
+def step_group_advantages(step_reward_bs, step_index_bt, group_size: int, std_normalize: bool):
+  """Per-token GRPO advantages of the step reward (`data.rewards`, `train.reward="step"`):
+
+      A_bi = (c_bi − mean_{j∈g(b)} c_ji) / (std_{j∈g(b)} c_ji + 1e-6)    per unit i (column)
+      A_bt = A_{b, i(t)}                          i(t) = step_index_bt[b, t], the token's unit
+
+  `group_advantages` on each column of c (so the same ddof-1 std, and A = 0 for a unit the
+  whole group got equally right or wrong), gathered at each token's unit; f32 [B, T].
+
+  Raises:
+    ValueError: c not [B, S + 1] or the index not [B, T] with the same B; a bad group size.
+  """
+  if step_reward_bs.ndim != 2 or step_index_bt.ndim != 2:
+    raise ValueError(
+      f"step rewards {step_reward_bs.shape} must be [B, S + 1] and step indices "
+      f"{step_index_bt.shape} [B, T]"
+    )
+  if step_reward_bs.shape[0] != step_index_bt.shape[0]:
+    raise ValueError(f"step rewards {step_reward_bs.shape} and indices {step_index_bt.shape}")
+  per_unit = jax.vmap(group_advantages, in_axes=(1, None, None), out_axes=1)
+  advantage_bs = per_unit(step_reward_bs, group_size, std_normalize)
+  index_bt = jnp.clip(step_index_bt.astype(jnp.int32), 0, step_reward_bs.shape[1] - 1)
+  return jnp.take_along_axis(advantage_bs, index_bt, axis=1)
+
+
 def mismatch_weights(old_lp_bt, behaviour_lp_bt, mask_bt, correction: str, clip: float):
   """The engine-mismatch correction w_bt and keep_bt of π_old against π_b (threshold C):
 
@@ -301,7 +327,7 @@ def ppo_clip_loss(student_lp_bt, old_lp_bt, advantage_b, weight_bt, keep_bt, cli
   Args:
     student_lp_bt: [B, T] log π_θ(y_bt) (differentiated).
     old_lp_bt: [B, T] log π_old(y_bt) (gradient stopped here).
-    advantage_b: [B] A_b.
+    advantage_b: [B] A_b, broadcast over the tokens, or [B, T] A_bt (the step reward).
     weight_bt, keep_bt: the mismatch correction (`mismatch_weights`); keep_bt also carries
       the completion mask.
     clip_eps: ε.
@@ -319,7 +345,9 @@ def ppo_clip_loss(student_lp_bt, old_lp_bt, advantage_b, weight_bt, keep_bt, cli
     counted, student_lp_bt.astype(jnp.float32) - jax.lax.stop_gradient(old_lp_bt), 0.0
   )
   ratio_bt = jnp.exp(log_ratio)
-  adv_bt = jnp.broadcast_to(jax.lax.stop_gradient(advantage_b)[:, None], ratio_bt.shape)
+  advantage = jax.lax.stop_gradient(advantage_b)
+  advantage = advantage if advantage.ndim == 2 else advantage[:, None]  # A_bt, or A_b broadcast
+  adv_bt = jnp.broadcast_to(advantage, ratio_bt.shape)
   unclipped = ratio_bt * adv_bt
   clipped = jnp.clip(ratio_bt, 1.0 - clip_eps, 1.0 + clip_eps) * adv_bt
   surrogate_bt = jnp.minimum(unclipped, clipped)
@@ -356,7 +384,8 @@ def grpo(
     student_logits: [B, T, V] π_θ's logits at the sampler's temperature and filter.
     tokens: int [B, T] sampled completion tokens.
     mask: [B, T] completion mask.
-    advantage_b: [B] group advantages (`group_advantages`, over the whole batch).
+    advantage_b: [B] group advantages (`group_advantages`, over the whole batch), or [B, T]
+      per-token ones (`step_group_advantages`: A_bt in place of A_b in ℓ_bt).
     behaviour_logprobs: [B, T] log π_b(y_t).
     old_logprobs: [B, T] log π_old(y_t) from the start of the batch's updates, or None for
       the first (and only) update: π_old = sg(π_θ), so the ratio is exactly 1.
@@ -428,8 +457,8 @@ def grpo_from_logprobs(
       f"student log-probs {student_lp_bt.shape}, behaviour_logprobs {behaviour_logprobs.shape} "
       f"and mask {mask.shape} must all be [B, T]"
     )
-  if advantage_b.shape != mask.shape[:1]:
-    raise ValueError(f"advantage {advantage_b.shape} must be [B] with B = {mask.shape[0]}")
+  if advantage_b.shape not in (mask.shape[:1], mask.shape):
+    raise ValueError(f"advantage {advantage_b.shape} must be [B] or [B, T] = {mask.shape}")
   counted = (mask > 0).astype(jnp.float32)
   # padding may sit outside the kept set
   student_lp = jnp.where(mask > 0, student_lp_bt.astype(jnp.float32), 0.0)

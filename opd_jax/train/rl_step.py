@@ -11,11 +11,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from opd_jax.data import rewards
 from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing
 from opd_jax.train import losses, microbatch, policy, rl
 from opd_jax.train import mismatch_metrics as mismatch
 from opd_jax.train import state as train_state
+
+
+def check_reward(reward: str, loss_name: str) -> None:
+  """Raises ValueError for a reward not in `rewards.REWARDS`, or the step reward with a loss
+  other than grpo (REINFORCE has no per-token advantage; the distillation losses read no
+  reward, so any kind passes with them)."""
+  if reward not in rewards.REWARDS:
+    known = ", ".join(rewards.REWARDS)
+    raise ValueError(f"unknown reward {reward!r} (train.reward); known: {known}")
+  if reward == rewards.STEP and loss_name == rl.LOSS_NAME:
+    raise ValueError(
+      "train.reward='step' gives each step's tokens that step's group advantage, which only "
+      "train.loss='grpo' reads; use grpo, or reward 'exact_match' or 'partial' with reinforce"
+    )
+
+
+def _per_token(advantage, mask_bc):
+  """A_b (broadcast) or A_bc on the counted tokens, 0 elsewhere: f32 [B, C]."""
+  counted = (mask_bc > 0).astype(jnp.float32)
+  return (advantage if advantage.ndim == 2 else advantage[:, None]) * counted
 
 
 def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg, reference_lp_bc=None):
@@ -34,9 +55,8 @@ def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg, referen
     loss, metrics = configured_grpo(
       student_bcv, tokens_bc, mask_bc, advantage_b, rollout, loss_cfg, None, reference_lp_bc
     )
-    counted = (mask_bc > 0).astype(jnp.float32)
     metrics = dict(metrics, **reward_metrics)
-    metrics["per_token/advantage_bc"] = advantage_b[:, None] * counted
+    metrics["per_token/advantage_bc"] = _per_token(advantage_b, mask_bc)
   else:
     loss, metrics = rl.reinforce(
       student_bcv,
@@ -52,12 +72,19 @@ def rl_loss(student_bcv, tokens_bc, mask_bc, rollout: Rollout, loss_cfg, referen
 
 
 def grpo_advantages(rollout: Rollout, loss_cfg):
-  """The whole batch's group advantages A_b (`rl.group_advantages`) and the reward metrics
-  rl/reward_mean, rl/advantage_abs_mean and rl/group_all_equal_frac (the share of groups
-  whose rewards are all equal, which train nothing).
+  """The whole batch's group advantages and the reward metrics rl/reward_mean,
+  rl/advantage_abs_mean and rl/group_all_equal_frac (the share of groups whose rewards are all
+  equal, which train nothing with a sequence reward).
+
+  With a sequence reward the advantage is A_b [B] (`rl.group_advantages` of `reward_b`). With
+  `loss_cfg.reward` = "step" it is A_bc [B, C] (`rl.step_group_advantages` of the rollout's
+  `step_reward_bs` at its `step_index_bc`), rl/advantage_abs_mean is the mean |A_bc| over the
+  counted tokens, and the metrics add rl/step_reward_mean (the mean c_bi over rows and units)
+  and rl/step_group_all_equal_frac (the share of (group, unit) pairs whose credits are all
+  equal); rl/reward_mean stays the exact-match mean (`reward_b`).
 
   Raises:
-    ValueError: a rollout without `reward_b`.
+    ValueError: a rollout without `reward_b`, or without the step fields for the step reward.
   """
   if rollout.reward_b is None:
     raise ValueError(
@@ -66,13 +93,27 @@ def grpo_advantages(rollout: Rollout, loss_cfg):
     )
   reward_b = rollout.reward_b.astype(jnp.float32)
   g = loss_cfg.group_size
-  advantage_b = rl.group_advantages(reward_b, g, loss_cfg.group_std_normalize)
   r_gn = reward_b.reshape(-1, g)
   flat_g = jnp.all(r_gn == r_gn[:, :1], axis=1).astype(jnp.float32)
-  return advantage_b, {
-    "rl/reward_mean": jnp.mean(reward_b),
-    "rl/advantage_abs_mean": jnp.mean(jnp.abs(advantage_b)),
-    "rl/group_all_equal_frac": jnp.mean(flat_g),
+  metrics = {"rl/reward_mean": jnp.mean(reward_b), "rl/group_all_equal_frac": jnp.mean(flat_g)}
+  if loss_cfg.reward != rewards.STEP:
+    advantage_b = rl.group_advantages(reward_b, g, loss_cfg.group_std_normalize)
+    return advantage_b, metrics | {"rl/advantage_abs_mean": jnp.mean(jnp.abs(advantage_b))}
+  if rollout.step_reward_bs is None or rollout.step_index_bc is None:
+    raise ValueError(
+      "train.reward='step' needs Rollout.step_reward_bs and step_index_bc: the rollout engine "
+      "fills them when built with reward='step'"
+    )
+  credit_bs = rollout.step_reward_bs.astype(jnp.float32)
+  advantage_bc = rl.step_group_advantages(
+    credit_bs, rollout.step_index_bc, g, loss_cfg.group_std_normalize
+  )
+  c_gns = credit_bs.reshape(-1, g, credit_bs.shape[1])
+  flat_gs = jnp.all(c_gns == c_gns[:, :1], axis=1).astype(jnp.float32)
+  return advantage_bc, metrics | {
+    "rl/advantage_abs_mean": losses.masked_mean(jnp.abs(advantage_bc), rollout.completion_mask),
+    "rl/step_reward_mean": jnp.mean(credit_bs),
+    "rl/step_group_all_equal_frac": jnp.mean(flat_gs),
   }
 
 
@@ -201,7 +242,7 @@ def grpo_updates(
       "perf/grad_norm": jnp.mean(norm_k),
       "perf/grad_norm_max": jnp.max(norm_k),
       "rl/ppo_updates": jnp.asarray(k, jnp.float32),
-      "per_token/advantage_bc": advantage_b[:, None] * (mask_bc > 0),
+      "per_token/advantage_bc": _per_token(advantage_b, mask_bc),
     }
   )
   if lr_schedule is not None:

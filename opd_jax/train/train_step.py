@@ -53,6 +53,9 @@ class LossConfig:
   mismatch_correction: str = "none"  # none | tis | mis | seq_tis | seq_mis (of π_old/π_b)
   mismatch_clip: float = 2.0  # C: truncation (tis) or band [1/C, C] (mis)
   kl_coef: float = 0.0  # β of the k3 KL to the initial student (grpo only; 0 = off)
+  # the RL losses' reward (opd_jax.data.rewards): "step" gives grpo per-token advantages
+  # (rl.step_group_advantages); the sequence rewards need nothing here
+  reward: str = "exact_match"
   # mismatch by token position (`mismatch_metrics.position_metrics`):
   mismatch_bucket_tokens: int = 16  # w: positions per kl_by_position bucket; 0 = off
   mismatch_cross_kl: float = 0.1  # κ: a completion crosses at its first KL_t > κ (nats)
@@ -64,6 +67,7 @@ class LossConfig:
     teacher_topk.check_temperature(self.teacher_temperature)
     if self.name not in LOSS_NAMES:
       raise ValueError(f"unknown loss {self.name!r}; allowed: {', '.join(LOSS_NAMES)}")
+    rl_step.check_reward(self.reward, self.name)
     if self.name == rl.GRPO:
       rl.check_grpo_settings(
         self.group_size,

@@ -272,13 +272,14 @@ def _texts(rollout):
 
 def test_the_engine_scores_the_reward_kind_it_is_given(writing_student):
   """The same batch (same prompts and keys) scored with partial credit and with exact match:
-  each `reward_b` equals `rewards.sequence_rewards` of its kind on the decoded texts."""
+  each `reward_b` equals `rewards.sequence_rewards` of its kind on the decoded texts, and the
+  step reward's arrays equal `rewards.step_credit` and `rewards.token_units` of them."""
   mesh, params = writing_student
-  got = {}
+  got, steps = {}, {}
   for kind in rewards.REWARDS:
     worker = _worker(mesh, kind)
     rollout, _ = worker.sample(worker.transform(params, 0), worker.draw_prompts(), 0, 0)
-    got[kind] = (np.asarray(rollout.reward_b), _texts(rollout))
+    got[kind], steps[kind] = (np.asarray(rollout.reward_b), _texts(rollout)), rollout
   partial, (prompts, completions) = got["partial"]
   exact, texts = got["exact_match"]
   assert texts == (prompts, completions)  # the same samples
@@ -287,6 +288,19 @@ def test_the_engine_scores_the_reward_kind_it_is_given(writing_student):
   )
   np.testing.assert_array_equal(exact, rewards.sequence_rewards(prompts, completions))
   assert np.any((partial > 0) & (partial < 1)), (partial, completions)  # the kind mattered
+  step, texts = got["step"]  # reward_b is exact match; the steps ride beside it
+  assert texts == (prompts, completions)
+  np.testing.assert_array_equal(step, exact)
+  rollout = steps["step"]
+  credit_bs = np.stack(
+    [rewards.step_credit(p, c) for p, c in zip(prompts, completions, strict=True)]
+  )
+  np.testing.assert_array_equal(rollout.step_reward_bs, credit_bs)
+  tokens_bc, mask_bc = np.asarray(rollout.completion_tokens), np.asarray(rollout.completion_mask)
+  s = credit_bs.shape[1] - 1
+  for b, index_c in enumerate(np.asarray(rollout.step_index_bc)):
+    np.testing.assert_array_equal(index_c, rewards.token_units(tokens_bc[b], mask_bc[b], s, TOK))
+  assert np.any(credit_bs[:, 0] != credit_bs[:, -1])  # a step's credit differs from the answer's
   with pytest.raises(ValueError, match="unknown reward 'f1' \\(train.reward\\)"):
     _worker(mesh, "f1")
 

@@ -58,10 +58,12 @@ def test_every_config_file_and_variant_validates(name):
   spec.loader.exec_module(module)
   for variant in (None, *getattr(module, "VARIANTS", ())):
     config = module.get_config(variant)
-    # An experiment config (study.py, opd_vs_rl.py) holds the run it varies under `run`.
-    run = config.run if "run" in config else config
-    config_check.validate(run)
-    assert_spec_holds(run)
+    # An experiment config (study.py, opd_vs_rl.py) holds the run it varies under `run`, a
+    # sweep (grpo_sweep.py) one run per arm under `arms`.
+    runs = list(config.arms.values()) if "arms" in config else [config.get("run", config)]
+    for run in runs:
+      config_check.validate(run)
+      assert_spec_holds(run)
 
 
 def spec_leaves(node, prefix=""):

@@ -29,6 +29,20 @@ interval (`stats.gain_kept`); the greedy share and the gain at OPD's training wa
 reported beside it. The goal (RL gains at least half of what OPD gains) reads as met when the
 point estimate is ≥ 0.5, and as shown when the interval's lower end is too. Reported as found.
 
+Stage 1b (`:step`), added after stage 1 and fixed before its runs: stage 1's best arm sat at
+its largest batch and lr, and per-step credit (`train.reward=step`: each written step's tokens
+get that step's correctness, with a group baseline per step) landed after stage 1 was fixed.
+Seed 0, 400 steps, with its own OPD run (the code changed since stage 1):
+
+    grpo_step_lr3e5_n128, grpo_step_lr1e4_n128, grpo_step_lr1e4_n256
+                      per-step credit at lr 3e-5 / 1e-4, 128 / 256 completions per step
+    grpo_lr1e4_n512   exact match, lr 1e-4, 64 × 8 = 512 completions per step
+
+Rule 1b: the stage-1b arm with the largest T = 1 gain goes to stage 2b (`:confirm_step`, the
+arm set in CONFIRM_STEP_ARM, seeds 1-5 against OPD retrained in its own workdir) only when its
+seed-0 gain exceeds stage 1's selected arm's (+9.0 T = 1 points); otherwise stage 2 stands as
+the primary result and stage 1b is reported as the sweep's extension.
+
 Command:  python -m opd_jax.sweep --config=configs/grpo_sweep.py --workdir=/tmp/grpo_sweep \
               --config.teacher_cache_dir=/tmp/tcache
           python -m opd_jax.sweep --config=configs/grpo_sweep.py:confirm \
@@ -44,8 +58,14 @@ Expected: results in docs/results/opd_vs_rl.md ("GRPO that learns").
 import grpo_practice
 import ml_collections
 
-VARIANTS = ("confirm", "tiny")
-STAGES = {None: "stage 1", "confirm": "stage 2", "tiny": "the wiring check"}
+VARIANTS = ("confirm", "step", "confirm_step", "tiny")
+STAGES = {
+  None: "stage 1",
+  "confirm": "stage 2",
+  "step": "stage 1b",
+  "confirm_step": "stage 2b",
+  "tiny": "the wiring check",
+}
 SWEEP_SEEDS = (0,)
 CONFIRM_SEEDS = (1, 2, 3, 4, 5)
 # stage 1's selection by the rule (its report: T = 1 gain +9.0 points, the next +4.3), set
@@ -62,6 +82,14 @@ GRPO_ARMS = {
   "grpo_partial_lr3e5_n128": (3e-5, 16, "partial"),
   "grpo_partial_lr1e4_n128": (1e-4, 16, "partial"),
 }
+STEP_ARMS = {  # stage 1b (docstring)
+  "grpo_step_lr3e5_n128": (3e-5, 16, "step"),
+  "grpo_step_lr1e4_n128": (1e-4, 16, "step"),
+  "grpo_step_lr1e4_n256": (1e-4, 32, "step"),
+  "grpo_lr1e4_n512": (1e-4, 64, "exact_match"),
+}
+STAGE1_BEST_T1_GAIN = 0.090  # stage 1's selected arm, seed 0: what a stage-1b arm must exceed
+CONFIRM_STEP_ARM = ""  # stage 1b's arm for stage 2b, set by rule 1b before stage 2b runs
 
 
 def grpo_arm(lr: float, prompts: int, reward: str, tiny: bool = False) -> ml_collections.ConfigDict:
@@ -74,22 +102,26 @@ def grpo_arm(lr: float, prompts: int, reward: str, tiny: bool = False) -> ml_col
 
 
 def get_config(arg=None):
-  """Stage 1 (default), stage 2 `:confirm` (OPD alone until CONFIRM_ARM is set), or `:tiny`."""
+  """Stage 1 (default), stage 2 `:confirm`, stage 1b `:step`, stage 2b `:confirm_step` (OPD
+  alone until CONFIRM_STEP_ARM is set), or `:tiny`."""
   if arg not in (None, *VARIANTS):
     raise ValueError(f"unknown variant {arg!r} of grpo_sweep.py; known: {', '.join(VARIANTS)}")
   tiny = arg == "tiny"
-  names = tuple(GRPO_ARMS)
-  if arg == "confirm":  # until CONFIRM_ARM is set, only the OPD runs of stage 2
-    names = (CONFIRM_ARM,) if CONFIRM_ARM else ()
-  elif tiny:
-    names = names[:1]
+  table = {**GRPO_ARMS, **STEP_ARMS}
+  names = {
+    None: tuple(GRPO_ARMS),
+    "confirm": (CONFIRM_ARM,),
+    "step": tuple(STEP_ARMS),
+    "confirm_step": (CONFIRM_STEP_ARM,) if CONFIRM_STEP_ARM else (),
+    "tiny": tuple(GRPO_ARMS)[:1],
+  }[arg]
   c = ml_collections.ConfigDict()
   c.arms = ml_collections.ConfigDict()
   for name in names:
-    c.arms[name] = grpo_arm(*GRPO_ARMS[name], tiny=tiny)
+    c.arms[name] = grpo_arm(*table[name], tiny=tiny)
   c.arms.opd = grpo_practice.get_config("opd_tiny" if tiny else "opd")
   c.teacher_cache_dir = ""  # every arm's teacher.cache_dir ("" = <workdir>/teacher_cache)
-  c.seeds = CONFIRM_SEEDS if arg == "confirm" else SWEEP_SEEDS
+  c.seeds = CONFIRM_SEEDS if arg in ("confirm", "confirm_step") else SWEEP_SEEDS
   c.reference_arm = "opd"
   c.select_from = names
   c.select_metric = "quality/student_accuracy_t1"

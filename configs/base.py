@@ -104,7 +104,8 @@ def get_config(arg=None):
   c.rollout.noise_layers = ()  # noise only these decoder layers; () = all
   c.rollout.noise_modules = ()  # noise only these modules or groups (inference/transform); () = all
   c.rollout.kernel = "reference"  # reference | bf16_attention | bf16_matmul (numerical path)
-  c.rollout.decode_attention = "blockwise"  # blockwise | pallas (CPU: slow interpreter) | reference
+  # auto (GPU: reference, else blockwise) | blockwise | reference | pallas (not on GPU)
+  c.rollout.decode_attention = "auto"
   c.rollout.temperature = 1.0  # sampling temperature (0 = greedy)
   c.rollout.top_k = 0  # 0 = off
   c.rollout.top_p = 1.0  # nucleus mass in (0, 1]

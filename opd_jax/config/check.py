@@ -180,7 +180,8 @@ RULES: dict[str, Any] = {
     ("q", "k", "v", "o", "gate", "up", "down", "embed", "lm_head", "attention", "mlp", "embeddings")
   ),
   "rollout.kernel": Choice(("reference", "bf16_attention", "bf16_matmul")),
-  "rollout.decode_attention": Choice(("blockwise", "pallas", "reference")),  # model.ATTENTIONS
+  # rollout.decode_attention: model.ATTENTIONS
+  "rollout.decode_attention": Choice(("auto", "blockwise", "pallas", "reference")),
   "rollout.temperature": Num(True, 0),
   "rollout.top_k": NON_NEGATIVE,
   "rollout.top_p": Num(True, 0, 1, lo_open=True),

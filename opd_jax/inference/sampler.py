@@ -92,7 +92,8 @@ class SamplerConfig:
     return_topk: 0 returns no distribution, k > 0 the behaviour top-k log-probs
       with their tail mass, −1 the full behaviour distribution [B, C, V]
       (`train.mismatch_metrics.default_return_topk(V)` picks one from the vocabulary size).
-    attention: the attention over the cache, one of `transformer.ATTENTIONS`: "blockwise"
+    attention: the attention over the cache, one of `transformer.ATTENTIONS`: "auto" (the
+      platform's default, `transformer.resolve_attention`), "blockwise"
       (XLA, the filled prefix in blocks), "pallas" (the same as a Pallas kernel for decode
       steps; interpret mode on CPU) or "reference" (the whole cache); equal to f32 rounding.
   """
@@ -105,7 +106,7 @@ class SamplerConfig:
   cache_len: int | None = None
   kv: kvcache.KVCacheSpec | None = None
   return_topk: int = 0
-  attention: str = "blockwise"
+  attention: str = "auto"
 
   def __post_init__(self):
     def integer(name, lowest, hint):

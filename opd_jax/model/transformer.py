@@ -296,7 +296,38 @@ def forward(params, tokens_bt, cfg: ModelConfig, positions_bt=None, remat: str =
   return unembed(params, x, cfg)
 
 
-ATTENTIONS = ("blockwise", "reference", "pallas")  # forward_with_cache's attention over the cache
+ATTENTIONS = ("auto", "blockwise", "reference", "pallas")  # forward_with_cache's attention
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def resolve_attention(attention: str, backend: str | None = None) -> str:
+  """The attention over the cache that `attention` runs as on `backend` (JAX's default backend
+  when None).
+
+  "auto" is "reference" on a GPU and "blockwise" elsewhere. The blockwise path loops over the
+  cache's live blocks with a trip count known only at run time; on a GPU such a loop runs one
+  iteration at a time from the host, and on one H200 it was slower than the static-shape masked
+  form at every measured context (bf16, batch 1, S 4096: 4.25 against 1.31 ms per step at
+  t = 4000, 2.02 against 0.97 at t = 1024, equal at t = 32; docs/bench/decode_scaling.md). On a
+  CPU or TPU the loop is compiled in and reads O(t) slots instead of O(S).
+
+  Raises:
+    ValueError: an unknown attention, or "pallas" on a GPU (its Triton lowering disagreed with
+      the blockwise path there and ran 5x slower; it is offered on CPU and TPU only).
+  """
+  if attention not in ATTENTIONS:
+    raise ValueError(f"unknown attention {attention!r}; allowed: {', '.join(ATTENTIONS)}")
+  backend = (backend or jax.default_backend()).lower()
+  on_gpu = backend in GPU_PLATFORMS
+  if attention == "pallas" and on_gpu:
+    raise ValueError(
+      "rollout.decode_attention='pallas' is not offered on a GPU: its Triton lowering "
+      "disagreed with the blockwise path there and ran about 5x slower; use 'auto' (the "
+      "static-shape masked form on a GPU)"
+    )
+  if attention == "auto":
+    return "reference" if on_gpu else "blockwise"
+  return attention
 
 
 def forward_with_cache(
@@ -307,7 +338,7 @@ def forward_with_cache(
   cfg: ModelConfig,
   spec: kvcache.KVCacheSpec | None = None,
   valid_len_b=None,
-  attention: str = "blockwise",
+  attention: str = "auto",
   block: int = decode_attention.BLOCK,
 ):
   """Cached forward: prefill (T > 1) or one-token decode (T == 1).
@@ -334,14 +365,13 @@ def forward_with_cache(
     spec: the cache numerics (fp8 granularity and headroom); default BF16.
     valid_len_b: optional int [B], real tokens per row of `tokens_bt` (the rest is
       padding, excluded from fp8 "tensor" scale calibration).
-    attention: one of ATTENTIONS (static).
+    attention: one of ATTENTIONS (static); "auto" is resolved by `resolve_attention`.
     block: slots per block of the blockwise attention (static).
 
   Returns:
     (logits [B, T, V_real] f32 (`unembed`), updated cache).
   """
-  if attention not in ATTENTIONS:
-    raise ValueError(f"unknown attention {attention!r}; allowed: {', '.join(ATTENTIONS)}")
+  attention = resolve_attention(attention)
   spec = spec or kvcache.KVCacheSpec()
   t = tokens_bt.shape[1]
   positions_bt = start_b[:, None] + jnp.arange(t)[None, :]

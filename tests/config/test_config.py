@@ -103,7 +103,7 @@ def test_typed_settings_are_derived_from_the_spec_fields():
   assert (engine.weight_block_size, engine.weight_group_size) == (64, None)
   assert engine.kv.dtype == "float32"  # kv_cache=auto: the compute dtype
   sampling = setup_lib.sampler_config(spec, 1, engine.kv, 64)
-  assert (sampling.top_k, sampling.stop_tokens, sampling.attention) == (5, (1,), "blockwise")
+  assert (sampling.top_k, sampling.stop_tokens, sampling.attention) == (5, (1,), "auto")
   arch = build.arch_config(spec.student.arch, 64)
   assert (arch.num_layers, arch.hidden_size, arch.qk_norm) == (2, 128, True)
   with pytest.raises(TypeError):  # a field the target lacks is refused, not dropped

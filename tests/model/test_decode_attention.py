@@ -164,7 +164,7 @@ def test_greedy_decode_tokens_identical_to_full_cache_attention(kv):
 
 
 def test_unknown_attention_is_named():
-  with pytest.raises(ValueError, match="unknown attention 'dense'; allowed: blockwise, reference"):
+  with pytest.raises(ValueError, match="unknown attention 'dense'; allowed: auto, blockwise, reference"):
     model.forward_with_cache({}, jnp.zeros((1, 1), jnp.int32), None, [], CFG, attention="dense")
 
 
@@ -262,3 +262,32 @@ def test_decode_scaling_ratios_hand_computed():
     "s4096_over_s256_at_t32": {"blockwise/bf16/b1": 1.2},
     "fp8_over_bf16_speed": {"blockwise/fp8_tensor/b1/t1024": 0.8},
   }
+
+
+@pytest.mark.parametrize(
+  "attention, backend, runs_as",
+  [
+    ("auto", "cpu", "blockwise"),
+    ("auto", "tpu", "blockwise"),
+    ("auto", "gpu", "reference"),
+    ("auto", "cuda", "reference"),
+    ("blockwise", "gpu", "blockwise"),
+    ("reference", "cpu", "reference"),
+    ("pallas", "cpu", "pallas"),
+    ("pallas", "tpu", "pallas"),
+  ],
+)
+def test_resolve_attention_per_platform(attention, backend, runs_as):
+  assert model.resolve_attention(attention, backend) == runs_as
+
+
+def test_resolve_attention_refuses_pallas_on_gpu_and_unknown_names():
+  with pytest.raises(ValueError, match="not offered on a GPU"):
+    model.resolve_attention("pallas", "gpu")
+  with pytest.raises(ValueError, match="unknown attention 'flash'"):
+    model.resolve_attention("flash", "cpu")
+
+
+def test_auto_is_the_blockwise_path_on_this_backend():
+  assert jax.default_backend() == "cpu"  # the suite runs on CPU
+  assert model.resolve_attention("auto") == "blockwise"

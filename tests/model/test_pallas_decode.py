@@ -198,7 +198,7 @@ def test_config_key_selects_and_refuses():
   """rollout.decode_attention reaches the SamplerConfig; an unknown value is refused by the
   config check and by SamplerConfig itself."""
   config = base.get_config()
-  assert config.rollout.decode_attention == "blockwise"
+  assert config.rollout.decode_attention == "auto"
   config.rollout.decode_attention = "pallas"
   config_check.validate(config)
   scfg = setup_lib.sampler_config(run_spec(config), 0, SPECS["bf16"], 64)

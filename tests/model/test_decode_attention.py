@@ -164,7 +164,7 @@ def test_greedy_decode_tokens_identical_to_full_cache_attention(kv):
 
 
 def test_unknown_attention_is_named():
-  with pytest.raises(ValueError, match="unknown attention 'dense'; allowed: auto, blockwise, reference"):
+  with pytest.raises(ValueError, match="unknown attention 'dense'; allowed: auto, blockwise"):
     model.forward_with_cache({}, jnp.zeros((1, 1), jnp.int32), None, [], CFG, attention="dense")
 
 

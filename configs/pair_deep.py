@@ -1,0 +1,33 @@
+"""A second student–teacher pair that differs from the embedded one in the student's shape: a
+deeper, narrower Qwen3 student (4 layers, D = 96, 3 query heads and 1 KV head of 32, SwiGLU
+width 288) distilled from the chain task's 4-layer D = 128 teacher (`pair_chain.py`'s), on the
+long-completion chain task (8 steps, 50-62 tokens), where KV-cache error has that many
+positions to accumulate over.
+
+    python -m opd_jax.main --config=configs/pair_deep.py --workdir=/tmp/pair_deep \
+        --config.teacher.cache_dir=/tmp/tcache
+
+Against the embedded student (2 layers, D = 128, 4 query / 2 KV heads) it has twice the layers
+for per-layer error to compound through, a quarter of the KV heads per query head (grouped
+attention 3:1 against 2:1) and 0.75 of the width. It keeps the embedded pair's warm start (250
+supervised steps at 1e-3) and OPD settings (`bf16_sync.py`), and the chain teacher's cache.
+Expected: docs/results/round10.md ("A second pair") records its warm start, its accuracy after
+the full 1,000-step run against the teacher's, and whether it reaches 90 % of the teacher.
+"""
+
+import base
+import pair_chain
+
+VARIANTS = ("tiny",)
+
+
+def get_config(arg=None):
+  """The pair's run config; `arg="tiny"` gives the seconds-long wiring check."""
+  if arg not in (None, *VARIANTS):
+    raise ValueError(f"unknown variant {arg!r} of pair_deep.py; known: {', '.join(VARIANTS)}")
+  c = pair_chain.get_config(arg)
+  if arg != "tiny":
+    c.student.arch = base.model_arch(4, 96, 3, 1, 32, 288)
+  else:
+    c.student.arch = base.model_arch(2, 32, 2, 1, 16, 64)
+  return c

@@ -47,6 +47,7 @@ Command:  python -m opd_jax.sweep --config=configs/grpo_sweep.py --workdir=/tmp/
               --config.teacher_cache_dir=/tmp/tcache
           python -m opd_jax.sweep --config=configs/grpo_sweep.py:confirm \
               --workdir=/tmp/grpo_confirm --config.teacher_cache_dir=/tmp/tcache
+          (`:step` and `:confirm_step` the same, each in its own workdir)
 Tiny:     python -m opd_jax.sweep --config=configs/grpo_sweep.py:tiny --workdir=/tmp/sweep_tiny
           (two arms of seconds-long wiring runs; no learning).
 Cost:     on 2 CPU cores, with the teacher and warm start cached (the first run makes them:
@@ -89,7 +90,9 @@ STEP_ARMS = {  # stage 1b (docstring)
   "grpo_lr1e4_n512": (1e-4, 64, "exact_match"),
 }
 STAGE1_BEST_T1_GAIN = 0.090  # stage 1's selected arm, seed 0: what a stage-1b arm must exceed
-CONFIRM_STEP_ARM = ""  # stage 1b's arm for stage 2b, set by rule 1b before stage 2b runs
+# stage 1b's selection by rule 1b (its report: T = 1 gain +10.2 points > +9.0), set before
+# stage 2b's first run
+CONFIRM_STEP_ARM = "grpo_lr1e4_n512"
 
 
 def grpo_arm(lr: float, prompts: int, reward: str, tiny: bool = False) -> ml_collections.ConfigDict:

@@ -50,7 +50,7 @@ stretches wall time but not CPU time, so when the two disagree the CPU ratio is
 the steadier one.
 
 Models: "tiny" (the test-suite shape) and "qwen3-50m" (Qwen3-shaped, 58M params),
-each with a 64-token prompt and 128 new tokens, at batch 1 and 16.
+each with a 64-token prompt and 128 new tokens, at batch 1 and 16 (`--batches`).
 """
 
 from __future__ import annotations
@@ -323,6 +323,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string(
     "kinds", ",".join(KINDS), f"Comma-separated subset of {', '.join(KINDS)}.", flag_values=fv
   )
+  flags.DEFINE_string(
+    "batches", ",".join(map(str, BATCHES)), "Comma-separated batch sizes.", flag_values=fv
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     raise ValueError(f"unknown or no row kind(s) {unknown}; choose from {', '.join(KINDS)}")
   if args.threads < 0:
     raise ValueError(f"--threads must be >= 0, got {args.threads}")
+  try:
+    batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+  except ValueError:
+    raise ValueError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+  if not batches or min(batches) < 1:
+    raise ValueError(f"--batches must name batch sizes >= 1, got {args.batches!r}")
   cores = sorted(os.sched_getaffinity(0))
   if args.threads:
     cores = cores[: args.threads]
@@ -355,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     "the transformers comparison (torch CPU bf16 is slow, so it would flatter opd_jax)"
   )
   repeats = 2 if args.quick else 3
-  rows = [row for name in names for row in bench_model(name, repeats, log, kinds)]
+  rows = [row for name in names for row in bench_model(name, repeats, log, kinds, batches)]
   if args.json:
     json_file.write_text(args.json, json.dumps({"rows": rows}))
     if args.json == "-":

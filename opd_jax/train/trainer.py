@@ -70,8 +70,10 @@ from opd_jax.train.signals import StopOnSignal
 
 
 def _scalars(metrics) -> dict[str, float]:
-  """The replicated scalar metrics as floats (per-token arrays stay on device)."""
-  return {k: float(v) for k, v in metrics.items() if not k.startswith("per_token/")}
+  """The replicated scalar metrics as floats (per-token arrays stay on device), fetched in one
+  device-to-host transfer rather than one blocking `float` per metric."""
+  host = jax.device_get({k: v for k, v in metrics.items() if not k.startswith("per_token/")})
+  return {k: float(v) for k, v in host.items()}
 
 
 def _to_host(x) -> np.ndarray:

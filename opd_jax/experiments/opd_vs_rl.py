@@ -16,11 +16,15 @@ same teacher, warm start and prompts (`configs/opd_vs_rl.py`):
                      GRPO with that correction of π_old/π_b at threshold C (`rl.mismatch_weights`)
 
 C is `config.is_clip` for every arm. The GRPO arms train at `config.grpo_lr` (GRPO_LR when the
-config has no such key) and the RL arms at `config.rl_lr`.
+config has no such key) and the RL arms at `config.rl_lr`. A config with a `grpo_run`
+(`configs/opd_vs_rl_learns.py`) gives the GRPO arms a base run of their own instead: its
+recipe is kept whole and only the correction is added (`grpo_correction`), and it must share
+the OPD run's teacher, warm start, prompts and length (`check_shared`).
 
 and tabulates, per run: the final held-out accuracy, its drop against the same method's
 reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
-mismatch scale), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
+mismatch scale), the final held-out accuracy at T = 1 when the run evaluates it
+(`train.eval_sampled`), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
 pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>
 (`__seed<k>` appended for train.seed k ≠ 0), so a restarted comparison reuses what finished.
 With several `seeds`, each (setting, method) cell is also summarised over its seeds
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ml_collections
@@ -125,6 +129,55 @@ def method_overrides(
   raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
 
 
+# The keys the OPD and GRPO base runs must agree on (`check_shared`): the teacher, the student
+# and its warm start, the task and its prompts, the model seed and the run length.
+SHARED_PREFIXES = ("teacher.", "student.", "data.")
+SHARED_KEYS = ("seed", "train.steps", "train.eval_every")
+NOT_SHARED = ("data.batch_size", "teacher.cache_dir")  # GRPO's prompts per step; where it is kept
+
+
+def grpo_correction(method: str, is_clip: float) -> dict[str, Any]:
+  """The overrides that add `method`'s engine correction to a GRPO base run: none for "grpo",
+  else train.mismatch_correction = the method's suffix at threshold C = `is_clip`.
+
+  Raises:
+    ValueError: a method that is not a GRPO arm, or C <= 1 for a correction.
+  """
+  if not (method.startswith("grpo") and method in METHODS):
+    raise ValueError(f"{method!r} is not a GRPO arm; known: {', '.join(METHODS)}")
+  if method == "grpo":
+    return {"train.mismatch_correction": "none"}
+  if not is_clip > 1:
+    raise ValueError(f"method {method} needs is_clip > 1, got {is_clip!r}")
+  return {
+    "train.mismatch_correction": method.removeprefix("grpo_"),
+    "train.mismatch_clip": float(is_clip),
+  }
+
+
+def check_shared(run: ml_collections.ConfigDict, grpo_run: ml_collections.ConfigDict) -> None:
+  """Refuses a GRPO base run that does not share the OPD run's teacher, warm start, prompts
+  and length (SHARED_PREFIXES and SHARED_KEYS, less NOT_SHARED), or that is not GRPO.
+
+  Raises:
+    ValueError: naming the keys that differ (at most eight), or grpo_run's train.loss.
+  """
+  if grpo_run.train.loss != "grpo":
+    raise ValueError(f"config.grpo_run.train.loss is {grpo_run.train.loss!r}, not 'grpo'")
+  a, b = runs.config_repr(run), runs.config_repr(grpo_run)
+  keys = sorted(
+    k
+    for k in set(a) | set(b)
+    if (k.startswith(SHARED_PREFIXES) or k in SHARED_KEYS) and k not in NOT_SHARED
+  )
+  differ = [k for k in keys if a.get(k) != b.get(k)]
+  if differ:
+    raise ValueError(
+      "config.grpo_run must share the OPD run's teacher, warm start, prompts and length; "
+      "differs in: " + ", ".join(f"{k} ({a.get(k)} vs {b.get(k)})" for k in differ[:8])
+    )
+
+
 def setting_name(spec: str) -> str:
   """A directory name for a setting spec: "rollout.weights=fp8,rollout.kv_cache=fp8" ->
   "weights-fp8_kv_cache-fp8"; the empty spec is the reference."""
@@ -154,6 +207,16 @@ def grad_norm_stats(run_dir: str) -> dict[str, Any]:
   )
 
 
+T1_KEY = "quality/student_accuracy_t1"  # the held-out accuracy of one T = 1 sample per prompt
+
+
+def first_logged(run_dir: str, key: str) -> float:
+  """The first logged value of `key` (nan when never logged)."""
+  rows = metrics_writer.read_jsonl(run_dir)
+  values = [r[key] for _, r in sorted(rows.items()) if key in r]
+  return float(values[0]) if values else math.nan
+
+
 def last_logged(run_dir: str, key: str, window: int = 10) -> float:
   """Mean of `key` over its last `window` logged values (nan when never logged)."""
   rows = metrics_writer.read_jsonl(run_dir)
@@ -178,6 +241,8 @@ def run_row(
     "mismatch_kl_mean": result.get("train/mismatch/kl_mean", math.nan),
     "mismatch_kl_max": result.get("train/mismatch/kl_max", math.nan),
     "curve": result.get("curve", []),
+    "accuracy_t1_before": first_logged(run_dir, T1_KEY),
+    "accuracy_t1": last_logged(run_dir, T1_KEY, window=1),
     "train_reward_last": last_logged(run_dir, "rl/reward_mean"),
     "wall_seconds": result.get("wall_seconds", math.nan),
   }
@@ -219,24 +284,50 @@ def blocks(config: ml_collections.ConfigDict) -> list[tuple[tuple, tuple, list[i
   return out
 
 
-def plan(
-  config: ml_collections.ConfigDict,
-) -> list[tuple[str, str, str, int, ml_collections.ConfigDict]]:
-  """(method, setting name, spec, seed, run config) for every run of every block (`blocks`),
-  block by block; in a block, seeds outermost, then settings (the reference first), so that a
-  comparison stopped early has whole settings of its first seeds. A run two blocks share is
-  planned once.
+def base_runs(config: ml_collections.ConfigDict) -> tuple:
+  """(OPD base run, GRPO base run or None): `config.run` and `config.grpo_run` when the config
+  has one (checked by `check_shared`)."""
+  grpo_run = config.get("grpo_run", None)
+  if grpo_run is not None:
+    check_shared(config.run, grpo_run)
+  return config.run, grpo_run
 
-  Raises:
-    ValueError: a bad setting spec (named by `candidates_lib.parse_candidate`), an unknown
-      method, two settings with the same name, or no or repeated seeds.
-  """
-  base = config.run
-  # The run's own seed is left as the config states it (train.seed = -1 means `seed`), so that
-  # its runs keep their recorded configs; other seeds set train.seed.
+
+def arm_config(
+  config: ml_collections.ConfigDict, method: str, rollout_overrides: dict, seed: int
+) -> ml_collections.ConfigDict:
+  """The run config of `method` under a setting's rollout overrides and train seed `seed`:
+  the GRPO base run plus the correction for a GRPO arm when the config has a `grpo_run`, else
+  the OPD run plus `method_overrides`. A base run's own seed is left as the config states it
+  (train.seed = -1 means `seed`), so that its runs keep their recorded configs; other seeds
+  set train.seed."""
+  base, grpo_run = base_runs(config)
+  if grpo_run is not None and method.startswith("grpo"):
+    base, arm = grpo_run, grpo_correction(method, config.is_clip)
+  else:
+    arm = method_overrides(
+      method,
+      config.rl_lr,
+      config.is_clip,
+      batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
+      group_size=config.get("group_size", GROUP_SIZE),
+      grpo_lr=config.get("grpo_lr", GRPO_LR),
+      grpo_temperature=config.get("grpo_temperature", 1.0),
+      grpo_kl_coef=config.get("grpo_kl_coef", 0.0),
+    )
   own_seed = base.train.seed if base.train.seed >= 0 else base.seed
+  overrides = dict(rollout_overrides, **arm, **({} if seed == own_seed else {"train.seed": seed}))
+  return runs.with_overrides(base, overrides)
+
+
+def plan_blocks(
+  config: ml_collections.ConfigDict,
+) -> list[tuple[int, tuple[str, str, str, int, ml_collections.ConfigDict]]]:
+  """(block index, `plan` entry) for every run, each under the first block that plans it."""
+  base = config.run
+  base_runs(config)  # refuses a GRPO base that shares too little, before any arm is built
   out, seen = [], set()
-  for methods, specs, seeds in blocks(config):
+  for b, (methods, specs, seeds) in enumerate(blocks(config)):
     settings = [("", {})]
     for spec in specs:
       settings.append((spec, candidates_lib.parse_candidate(spec, base).overrides))
@@ -246,36 +337,66 @@ def plan(
     for seed in seeds:
       for (spec, rollout_overrides), name in zip(settings, names, strict=True):
         for method in methods:
-          arm = method_overrides(
-            method,
-            config.rl_lr,
-            config.is_clip,
-            batch_size=base.data.batch_size * base.rollout.samples_per_prompt,
-            group_size=config.get("group_size", GROUP_SIZE),
-            grpo_lr=config.get("grpo_lr", GRPO_LR),
-            grpo_temperature=config.get("grpo_temperature", 1.0),
-            grpo_kl_coef=config.get("grpo_kl_coef", 0.0),
-          )
+          run_config = arm_config(config, method, rollout_overrides, seed)
           if (method, name, seed) in seen:
             continue
           seen.add((method, name, seed))
-          overrides = dict(
-            rollout_overrides,
-            **arm,
-            **({} if seed == own_seed else {"train.seed": seed}),
-          )
-          out.append((method, name, spec, seed, runs.with_overrides(base, overrides)))
+          out.append((b, (method, name, spec, seed, run_config)))
   return out
 
 
+def plan(
+  config: ml_collections.ConfigDict,
+) -> list[tuple[str, str, str, int, ml_collections.ConfigDict]]:
+  """(method, setting name, spec, seed, run config) for every run of every block (`blocks`),
+  block by block; in a block, seeds outermost, then settings (the reference first), so that a
+  comparison stopped early has whole settings of its first seeds. A run two blocks share is
+  planned once. Each run config is `arm_config`'s.
+
+  Raises:
+    ValueError: a bad setting spec (named by `candidates_lib.parse_candidate`), an unknown
+      method, two settings with the same name, no or repeated seeds, or a `grpo_run` that
+      `check_shared` refuses.
+  """
+  return [entry for _, entry in plan_blocks(config)]
+
+
+def grpo_recipe(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The GRPO arms' lr, group size, temperature, KL coefficient and completions per step: read
+  off `config.grpo_run` when the config has one, else the config's keys (their defaults)."""
+  grpo_run = config.get("grpo_run", None)
+  if grpo_run is not None:
+    return {
+      "grpo_recipe": config.get("grpo_recipe", ""),
+      "grpo_lr": grpo_run.train.lr,
+      "group_size": grpo_run.rollout.samples_per_prompt,
+      "grpo_temperature": grpo_run.rollout.temperature,
+      "grpo_kl_coef": grpo_run.train.kl_coef,
+      "grpo_completions": grpo_run.data.batch_size * grpo_run.rollout.samples_per_prompt,
+    }
+  return {
+    "grpo_lr": config.get("grpo_lr", GRPO_LR),
+    "group_size": config.get("group_size", GROUP_SIZE),
+    "grpo_temperature": config.get("grpo_temperature", 1.0),
+    "grpo_kl_coef": config.get("grpo_kl_coef", 0.0),
+    "grpo_completions": config.run.data.batch_size * config.run.rollout.samples_per_prompt,
+  }
+
+
 def run_comparison(
-  config: ml_collections.ConfigDict, workdir: str, log: Callable = print
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  log: Callable = print,
+  only: Collection[str] | None = None,
 ) -> dict[str, Any]:
   """Trains every (setting, method) run once and writes the report after each (with
   `config.workers` > 1, after all of them have trained, that many side by side).
 
   When `run.teacher.cache_dir` is empty, every run shares <workdir>/teacher_cache (one teacher
-  bootstrap and one warm start for the whole comparison).
+  bootstrap and one warm start for the whole comparison); an empty `grpo_run.teacher.cache_dir`
+  is the run's. With `only` (run names, `run_name`), trains only those runs (a part of the
+  plan, `opd_vs_rl_plan.part_names`) and reports them beside every other planned run that
+  has finished.
 
   Returns:
     The report dict written to <workdir>/opd_vs_rl.json.
@@ -283,10 +404,25 @@ def run_comparison(
   config = ml_collections.ConfigDict(config.to_dict())
   if not config.run.teacher.cache_dir:
     config.run.teacher.cache_dir = os.path.join(workdir, "teacher_cache")
-  todo = plan(config)
+  if config.get("grpo_run", None) is not None and not config.grpo_run.teacher.cache_dir:
+    config.grpo_run.teacher.cache_dir = config.run.teacher.cache_dir
+  planned = plan(config)
+  names = [run_name(m, s, seed) for m, s, _, seed, _ in planned]
+  if only is not None:
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+      raise ValueError(f"runs not in the plan: {', '.join(unknown[:8])}")
   os.makedirs(workdir, exist_ok=True)
-  run_dirs = [os.path.join(workdir, "runs", run_name(m, s, seed)) for m, s, _, seed, _ in todo]
+  todo, run_dirs = [], []
+  for entry, name in zip(planned, names, strict=True):
+    run_dir = os.path.join(workdir, "runs", name)
+    if only is None or name in only or runs.read_result(run_dir) is not None:
+      todo.append(entry)
+      run_dirs.append(run_dir)
   workers = runs.check_workers(config.get("workers", 1))
+  if not todo:
+    log("nothing to train or report: the part names no run and none has finished")
+    return {}
   failed = None  # a side-by-side run's error: raised after the report of the finished ones
   if workers > 1 and any(runs.read_result(d) is None for d in run_dirs):
     # train side by side first; the loop below reads each recorded result
@@ -295,26 +431,25 @@ def run_comparison(
       runs.run_many([(t[4], d) for t, d in zip(todo, run_dirs, strict=True)], workers, log)
     except Exception as e:  # noqa: BLE001 - re-raised below, once the report is written
       failed = e
+  recipe = grpo_recipe(config)
   meta = {
     "provenance": provenance.provenance(config),
     "steps": config.run.train.steps,
     "eval_size": config.run.data.eval_size,
     "opd_lr": config.run.train.lr,
     "rl_lr": config.rl_lr,
-    "grpo_lr": config.get("grpo_lr", GRPO_LR),
-    "group_size": config.get("group_size", GROUP_SIZE),
-    "grpo_temperature": config.get("grpo_temperature", 1.0),
-    "grpo_kl_coef": config.get("grpo_kl_coef", 0.0),
+    **recipe,
     "is_clip": config.is_clip,
     "teacher_cache_dir": config.run.teacher.cache_dir,
-    "seeds": sorted({seed for _, _, _, seed, _ in todo}),
-    "planned": [run_name(m, s, seed) for m, s, _, seed, _ in todo],
+    "seeds": sorted({seed for _, _, _, seed, _ in planned}),
+    "planned": names,
     "matched_settings": [setting_name(x) for x in config.get("matched_settings", ())],
     "matched_kl": [float(k) for k in config.get("matched_kl", ())],
     "summary": (
       f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
-      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, grpo lr "
-      f"{config.get('grpo_lr', GRPO_LR)} (groups of {config.get('group_size', GROUP_SIZE)}), "
+      f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, grpo "
+      f"{recipe.get('grpo_recipe') or ''} lr {recipe['grpo_lr']} (groups of "
+      f"{recipe['group_size']}, {recipe['grpo_completions']} completions per step), "
       f"C={config.is_clip} for every corrected arm. "
       "drop = the method's reference accuracy minus this run's (points); mismatch/kl is the "
       "mean over the logged training steps; grad-norm is pre-clip, over the logged steps."
@@ -334,7 +469,8 @@ def run_comparison(
     report = opd_vs_rl_report.write_report(rows, workdir, meta, log)
     r = rows[-1]
     log(
-      f"  {method} on {name}: accuracy {r['accuracy']:.3f} (drop {r['drop_points']:+.1f} pts), "
+      f"  {method} on {name}: accuracy {r['accuracy']:.3f} (drop {r['drop_points']:+.1f} pts, "
+      f"T = 1 {r['accuracy_t1']:.3f}), "
       f"mismatch/kl {r['mismatch_kl_mean']:.2e}, grad-norm mean {r['grad_norm_mean']:.3g} "
       f"max {r['grad_norm_max']:.3g}"
     )

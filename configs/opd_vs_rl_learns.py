@@ -106,6 +106,7 @@ def get_config(arg=None):
   c.rl_lr = 3e-5  # the REINFORCE arms' lr (none of this comparison's arms)
   c.is_clip = 2.0  # the truncation C of every corrected arm
   c.workers = 2  # runs trained side by side, each in a process (the same numbers)
+  c.allow_mixed_code = False  # refuse finished runs made by other code than the code running
   c.costs = ml_collections.ConfigDict(COSTS)  # per-run costs of the plan
   # the union of the blocks, for a reader: with blocks given, the plan reads only them
   c.methods = HEADLINE + REST

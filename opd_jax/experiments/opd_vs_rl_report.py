@@ -22,7 +22,8 @@ from opd_jax.experiments import plots, stats
 from opd_jax.io import json_file
 
 REFERENCE = plots.REFERENCE  # the reference engine's setting name
-# The arms (`opd_vs_rl.method_overrides`), in the order the report draws them (each its marker).
+# The arms (`opd_vs_rl_arms.method_overrides`), in the order the report draws them (a marker
+# each).
 METHODS = (
   "opd",
   "opd_sampled",

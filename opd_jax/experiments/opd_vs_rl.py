@@ -329,7 +329,8 @@ def run_comparison(
     "summary": (
       f"{config.run.train.steps} steps per run, {config.run.data.eval_size} held-out prompts; "
       f"opd lr {config.run.train.lr}, rl lr {config.rl_lr}, grpo "
-      f"{recipe.get('grpo_recipe') or ''} lr {recipe['grpo_lr']} (groups of "
+      + (f"recipe {recipe['grpo_recipe']}: " if recipe.get("grpo_recipe") else "")
+      + f"lr {recipe['grpo_lr']} (groups of "
       f"{recipe['group_size']}, {recipe['grpo_completions']} completions per step), "
       f"C={config.is_clip} for every corrected arm. "
       "drop = the method's reference accuracy minus this run's (points); mismatch/kl is the "

@@ -306,8 +306,10 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
       f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference (an arm "
       "trained on some of them only, over those it has)"
       + (", greedy, then at T = 1" if t1 else "")
-      + f".\n\n{matched_table(at_equal_kl)}\n"
-      + (f"{matched_table(at_equal_kl, '_t1')}\n" if t1 else "")
+      + ".\n\n"
+      + ("Greedy:\n\n" if t1 else "")
+      + f"{matched_table(at_equal_kl)}\n"
+      + (f"T = 1:\n\n{matched_table(at_equal_kl, '_t1')}\n" if t1 else "")
     )
   if text.count("\n## "):
     text += "## Every run\n\n"

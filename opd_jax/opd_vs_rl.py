@@ -1,6 +1,7 @@
 """Entry point: OPD against RL under the same rollout mismatch.
 
     python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl.py[:tiny|:fair] --workdir=DIR
+        (or --config=configs/opd_vs_rl_learns.py[:tiny], on the GRPO baseline that learns)
         [--json=PATH|-] [--config.run.teacher.cache_dir=/tmp/tcache]
         [--config.settings='("rollout.stale_k=2",)'] [--compilation-cache=DIR]
         [--plan] [--part=K]

@@ -265,6 +265,11 @@ def _interval(ci, spec: str) -> str:
   return f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
+def _percent(x: float) -> str:
+  """A share as "61.3 %", "—" when unknown."""
+  return "—" if x is None or math.isnan(x) else f"{100 * x:.1f} %"
+
+
 def _fmt(x: float, spec: str) -> str:
   return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -282,7 +287,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
     f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
     f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
     f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} | "
-    f"{_fmt(100 * r.get('accuracy_t1', math.nan), '.1f')} % |"
+    f"{_percent(r.get('accuracy_t1', math.nan))} |"
     for r in rows
   ]
   return head + "\n".join(lines) + "\n"

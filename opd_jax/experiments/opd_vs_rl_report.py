@@ -2,7 +2,8 @@
 
 Per (setting, method) cell over its seeds (`summarise`): the mean and sd of the accuracy, the
 drop against the method's own reference with Welch's interval, the share of its gain kept with
-a bootstrap interval (`stats`), grad-norm spikes; the drops at equal training mismatch
+a bootstrap interval (`stats`), greedy and, where the runs evaluated it, at T = 1; grad-norm
+spikes; the drops at equal training mismatch
 (`matched`); the markdown tables of those and of every run; the JSON with every number; and
 the two plots (`plots.opd_vs_rl_mismatch`, `plots.opd_vs_rl_curves`). The runs themselves are
 `experiments.opd_vs_rl`'s.
@@ -21,7 +22,8 @@ from opd_jax.experiments import plots, stats
 from opd_jax.io import json_file
 
 REFERENCE = plots.REFERENCE  # the reference engine's setting name
-# The arms (`opd_vs_rl.method_overrides`), in the order the report draws them (each its marker).
+# The arms (`opd_vs_rl_arms.method_overrides`), in the order the report draws them (a marker
+# each).
 METHODS = (
   "opd",
   "opd_sampled",
@@ -53,14 +55,23 @@ def reference_accuracy(rows: Sequence[dict]) -> dict[str, float]:
   }
 
 
+# The accuracies each cell is summarised in: suffix -> (row key, warm start's row key, name).
+ACCURACIES = {
+  "": ("accuracy", "accuracy_before", "greedy"),
+  "_t1": ("accuracy_t1", "accuracy_t1_before", "T = 1"),
+}
+
+
 def add_drops(rows: Sequence[dict]) -> None:
-  """Sets each row's `drop` (points): its method's reference accuracy (the mean over the
-  reference's seeds) minus its accuracy; nan while that reference has no finished run."""
-  ref = reference_accuracy(rows)
-  for r in rows:
-    r["drop_points"] = (
-      100.0 * (ref[r["method"]] - r["accuracy"]) if r["method"] in ref else math.nan
-    )
+  """Sets each row's `drop_points` (and `drop_t1_points` at T = 1): its method's reference
+  accuracy (the mean over the reference's seeds) minus its accuracy, in points; nan while that
+  reference has no finished run or the row has no such accuracy."""
+  refs = reference_runs(rows)
+  for suffix, (key, _, _) in ACCURACIES.items():
+    for r in rows:
+      ref = [x.get(key, math.nan) for x in refs.get(r["method"], [])]
+      value = r.get(key, math.nan)
+      r[f"drop{suffix}_points"] = 100.0 * (float(np.mean(ref)) - value) if ref else math.nan
 
 
 SPIKE_FACTOR = 3.0  # a logged grad-norm above this times its method's reference median spikes
@@ -74,6 +85,33 @@ def spike_count(values: Sequence[float], reference_median: float) -> int:
   return int(np.sum(np.asarray(values, np.float64) > SPIKE_FACTOR * reference_median))
 
 
+def _accuracy_summary(mine, ref_rows, setting: str, suffix: str) -> dict[str, Any]:
+  """`summarise`'s accuracy entries of one cell for one accuracy of ACCURACIES (keys with
+  `suffix`); nan where a run lacks that accuracy."""
+  key, before, _ = ACCURACIES[suffix]
+  q = np.asarray([r.get(key, math.nan) for r in mine], np.float64)
+  ref = np.asarray([r.get(key, math.nan) for r in ref_rows], np.float64)
+  warm = float(np.mean([r.get(before, math.nan) for r in mine]))
+  known = bool(q.size and ref.size and np.all(np.isfinite(q)) and np.all(np.isfinite(ref)))
+  lo = hi = math.nan
+  kept, kept_ci = math.nan, (math.nan, math.nan)
+  if known and setting == REFERENCE:
+    kept, kept_ci = 1.0, (1.0, 1.0)
+  elif known:
+    lo, hi = stats.welch_interval(ref, q)
+    if math.isfinite(warm):
+      kept, kept_ci = stats.gain_kept(ref, q, warm)
+  return {
+    f"accuracy{suffix}": float(q.mean()),
+    f"accuracy{suffix}_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
+    f"warm_start{suffix}": warm,
+    f"drop{suffix}_points": 100.0 * (float(ref.mean()) - float(q.mean())) if known else math.nan,
+    f"drop{suffix}_ci_points": [100.0 * lo, 100.0 * hi],
+    f"gain_kept{suffix}": kept,
+    f"gain_kept{suffix}_ci": list(kept_ci),
+  }
+
+
 def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   """One entry per (setting, method) cell over its seeds, in the rows' order:
 
@@ -82,6 +120,8 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
         (`stats.welch_interval`, reference seeds against the cell's),
       gain_kept = (accuracy − w) / (reference − w), w the warm start, with its bootstrap
         interval (`stats.gain_kept`),
+      the same at T = 1 (keys with "_t1": accuracy_t1, drop_t1_points, gain_kept_t1, ...; nan
+        where the runs did not evaluate it),
       grad_norm_spikes = logged steps over SPIKE_FACTOR × the method's reference median
         grad-norm, summed over seeds, out of grad_norm_logged_steps,
 
@@ -93,27 +133,14 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   references = reference_runs(rows)
   out = []
   for (setting, method), mine in cells.items():
-    q = np.asarray([r["accuracy"] for r in mine], np.float64)
-    warm = float(np.mean([r["accuracy_before"] for r in mine]))
-    ref = [r["accuracy"] for r in references.get(method, [])]
-    lo, hi = stats.welch_interval(ref, q) if setting != REFERENCE else (math.nan, math.nan)
-    kept, kept_ci = stats.gain_kept(ref, q, warm) if setting != REFERENCE else (1.0, (1.0, 1.0))
-    norms = [v for r in references.get(method, []) for v in r.get("grad_norms", [])]
+    ref_rows = references.get(method, [])
+    norms = [v for r in ref_rows for v in r.get("grad_norms", [])]
     median = float(np.median(norms)) if norms else math.nan
-    entry = {
-      "setting": setting,
-      "method": method,
-      "seeds": [r.get("seed", 0) for r in mine],
-      "accuracy": float(q.mean()),
-      "accuracy_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
-      "warm_start": warm,
-      "drop_points": 100.0 * (float(np.mean(ref)) - float(q.mean())) if ref else math.nan,
-      "drop_ci_points": [100.0 * lo, 100.0 * hi],
-      "gain_kept": kept,
-      "gain_kept_ci": list(kept_ci),
-      "grad_norm_spikes": sum(spike_count(r.get("grad_norms", []), median) for r in mine),
-      "grad_norm_logged_steps": sum(r.get("grad_norm_logged_steps", 0) for r in mine),
-    }
+    entry = {"setting": setting, "method": method, "seeds": [r.get("seed", 0) for r in mine]}
+    for suffix in ACCURACIES:
+      entry.update(_accuracy_summary(mine, ref_rows, setting, suffix))
+    entry["grad_norm_spikes"] = sum(spike_count(r.get("grad_norms", []), median) for r in mine)
+    entry["grad_norm_logged_steps"] = sum(r.get("grad_norm_logged_steps", 0) for r in mine)
     for key in (
       "mismatch_kl_mean",
       "grad_norm_mean",
@@ -128,13 +155,19 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   return out
 
 
+def has_t1(cells: Sequence[dict]) -> bool:
+  """Whether any cell has a T = 1 accuracy (its runs evaluated one)."""
+  return any(math.isfinite(c.get("accuracy_t1", math.nan)) for c in cells)
+
+
 def matched(
   cells: Sequence[dict], family: Sequence[str], kl_values: Sequence[float]
 ) -> list[dict[str, Any]]:
   """Each method's drop at equal training-time mismatch: for each κ in `kl_values`, the drop
   (points) and the share of gain kept, interpolated linearly in mismatch/kl between the
   method's cells of `family` (setting names; the reference sits at mismatch/kl 0), nan
-  where κ lies beyond the method's largest such mismatch (no extrapolation)."""
+  where κ lies beyond the method's largest such mismatch (no extrapolation); greedy
+  (drop_points, gain_kept) and at T = 1 (drop_t1_points, gain_kept_t1)."""
   out = []
   for method in dict.fromkeys(c["method"] for c in cells):
     mine = [
@@ -146,9 +179,9 @@ def matched(
     if len(pts) < 2:
       continue
     x = np.asarray([p for p, _ in pts])
-    ys = {
-      key: np.asarray([c[key] for _, c in pts], np.float64) for key in ("drop_points", "gain_kept")
-    }
+    keys = [f"{k}{suffix}" for suffix in ACCURACIES for k in ("drop", "gain_kept")]
+    keys = [k + "_points" if k.startswith("drop") else k for k in keys]
+    ys = {key: np.asarray([c.get(key, math.nan) for _, c in pts], np.float64) for key in keys}
     for kappa in kl_values:
       entry = {"method": method, "kl": float(kappa)}
       for key, y in ys.items():
@@ -157,8 +190,9 @@ def matched(
   return out
 
 
-def matched_table(entries: Sequence[dict]) -> str:
-  """`matched` as a markdown table: one row per method, one column pair per κ."""
+def matched_table(entries: Sequence[dict], suffix: str = "") -> str:
+  """`matched` as a markdown table: one row per method, one column pair per κ; greedy, or
+  at T = 1 with `suffix` "_t1"."""
   kls = sorted({e["kl"] for e in entries})
   head = "| method | " + " | ".join(f"drop at KL {k:g} / share kept" for k in kls) + " |\n"
   head += "|---|" + "---:|" * len(kls) + "\n"
@@ -168,7 +202,8 @@ def matched_table(entries: Sequence[dict]) -> str:
     lines.append(
       f"| {method} | "
       + " | ".join(
-        f"{_fmt(by_kl[k]['drop_points'], '+.1f')} / {_fmt(by_kl[k]['gain_kept'], '.2f')}"
+        f"{_fmt(by_kl[k].get(f'drop{suffix}_points', math.nan), '+.1f')} / "
+        f"{_fmt(by_kl[k].get(f'gain_kept{suffix}', math.nan), '.2f')}"
         if k in by_kl
         else "—"
         for k in kls
@@ -179,7 +214,7 @@ def matched_table(entries: Sequence[dict]) -> str:
 
 
 def summary_table(cells: Sequence[dict]) -> str:
-  """The per-cell summary over seeds as a markdown table."""
+  """The per-cell summary over seeds (greedy accuracy) as a markdown table."""
   head = (
     "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
     "share of gain kept [95 %] | train mismatch/kl | grad-norm mean / max | spikes | "
@@ -187,10 +222,7 @@ def summary_table(cells: Sequence[dict]) -> str:
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
   )
   lines = [
-    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
-    f"{_fmt(100 * c['accuracy'], '.1f')} ± {_fmt(100 * c['accuracy_sd'], '.1f')} % | "
-    f"{_fmt(c['drop_points'], '+.1f')} {_interval(c.get('drop_ci_points'), '.1f')} | "
-    f"{_fmt(c.get('gain_kept', math.nan), '.2f')} {_interval(c.get('gain_kept_ci'), '.2f')} | "
+    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | {_accuracy_cells(c, '')} | "
     f"{_fmt(c['mismatch_kl_mean'], '.2e')} | "
     f"{_fmt(c['grad_norm_mean'], '.3g')} / {_fmt(c['grad_norm_max'], '.3g')} | "
     f"{c.get('grad_norm_spikes', 0)}/{c.get('grad_norm_logged_steps', 0)} | "
@@ -200,10 +232,42 @@ def summary_table(cells: Sequence[dict]) -> str:
   return head + "\n".join(lines) + "\n"
 
 
+def summary_table_t1(cells: Sequence[dict]) -> str:
+  """The per-cell summary over seeds of the T = 1 accuracy as a markdown table."""
+  head = (
+    "| setting | method | seeds | T = 1 accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
+    "share of gain kept [95 %] | train mismatch/kl |\n"
+    "|---|---|---:|---:|---:|---:|---:|\n"
+  )
+  lines = [
+    f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | {_accuracy_cells(c, '_t1')} | "
+    f"{_fmt(c['mismatch_kl_mean'], '.2e')} |"
+    for c in cells
+  ]
+  return head + "\n".join(lines) + "\n"
+
+
+def _accuracy_cells(c: dict, suffix: str) -> str:
+  """ "mean ± sd % | drop [ci] | share [ci]" of one accuracy of a cell."""
+  return (
+    f"{_fmt(100 * c.get(f'accuracy{suffix}', math.nan), '.1f')} ± "
+    f"{_fmt(100 * c.get(f'accuracy{suffix}_sd', math.nan), '.1f')} % | "
+    f"{_fmt(c.get(f'drop{suffix}_points', math.nan), '+.1f')} "
+    f"{_interval(c.get(f'drop{suffix}_ci_points'), '.1f')} | "
+    f"{_fmt(c.get(f'gain_kept{suffix}', math.nan), '.2f')} "
+    f"{_interval(c.get(f'gain_kept{suffix}_ci'), '.2f')}"
+  )
+
+
 def _interval(ci, spec: str) -> str:
   if not ci or any(x is None or math.isnan(x) for x in ci):
     return ""
   return f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
+
+
+def _percent(x: float) -> str:
+  """A share as "61.3 %", "—" when unknown."""
+  return "—" if x is None or math.isnan(x) else f"{100 * x:.1f} %"
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -214,15 +278,16 @@ def markdown_table(rows: Sequence[dict]) -> str:
   """The comparison as a markdown table, one line per (setting, method)."""
   head = (
     "| setting | method | seed | accuracy | drop vs own ref (pts) | train mismatch/kl | "
-    "grad-norm mean | grad-norm max | grad-norm std | last reward |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    "grad-norm mean | grad-norm max | grad-norm std | last reward | T = 1 accuracy |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
   )
   lines = [
     f"| {r['setting']} | {r['method']} | {r.get('seed', 0)} | "
     f"{_fmt(100 * r['accuracy'], '.1f')} % | "
     f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
     f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
-    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} |"
+    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} | "
+    f"{_percent(r.get('accuracy_t1', math.nan))} |"
     for r in rows
   ]
   return head + "\n".join(lines) + "\n"
@@ -234,15 +299,22 @@ def write_report(rows: list[dict], workdir: str, meta: dict, log=print) -> dict:
   table = markdown_table(rows)
   cells = summarise(rows)
   text = f"# OPD vs RL under rollout mismatch\n\n{meta.get('summary', '')}\n\n"
+  t1 = has_t1(cells)
   if any(len(c["seeds"]) > 1 for c in cells):
     text += f"## Over seeds\n\n{summary_table(cells)}\n"
+    if t1:
+      text += f"## Over seeds, T = 1\n\n{summary_table_t1(cells)}\n"
   at_equal_kl = matched(cells, meta.get("matched_settings", ()), meta.get("matched_kl", ()))
   if at_equal_kl:
     text += (
       "## At equal training mismatch\n\nDrop (points) and share of gain kept, interpolated "
       f"in mismatch/kl over {', '.join(meta['matched_settings'])} and the reference (an arm "
-      "trained on some of them only, over those it has).\n\n"
-      f"{matched_table(at_equal_kl)}\n"
+      "trained on some of them only, over those it has)"
+      + (", greedy, then at T = 1" if t1 else "")
+      + ".\n\n"
+      + ("Greedy:\n\n" if t1 else "")
+      + f"{matched_table(at_equal_kl)}\n"
+      + (f"T = 1:\n\n{matched_table(at_equal_kl, '_t1')}\n" if t1 else "")
     )
   if text.count("\n## "):
     text += "## Every run\n\n"

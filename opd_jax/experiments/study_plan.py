@@ -50,17 +50,20 @@ COSTS = {
 }
 
 
-def cost_constants(config: ml_collections.ConfigDict) -> dict[str, float]:
-  """The config's cost constants, each defaulting to COSTS.
+def cost_constants(
+  config: ml_collections.ConfigDict, defaults: dict[str, float] = COSTS, prefix: str = "config."
+) -> dict[str, float]:
+  """The config's cost constants, each defaulting to `defaults` (COSTS: the study's); `prefix`
+  is where the config holds them, for the error.
 
   Raises:
     ValueError: a constant that is not a number > 0.
   """
   out = {}
-  for key, default in COSTS.items():
+  for key, default in defaults.items():
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-      raise ValueError(f"config.{key} must be a number of seconds > 0, got {value!r}")
+      raise ValueError(f"{prefix}{key} must be a number > 0, got {value!r}")
     out[key] = float(value)
   return out
 

@@ -61,6 +61,7 @@ def test_every_config_file_and_variant_validates(name):
     # An experiment config (study.py, opd_vs_rl.py) holds the run it varies under `run`, a
     # sweep (grpo_sweep.py) one run per arm under `arms`.
     runs = list(config.arms.values()) if "arms" in config else [config.get("run", config)]
+    runs += [config.grpo_run] if "grpo_run" in config else []  # opd_vs_rl_learns.py's GRPO base
     for run in runs:
       config_check.validate(run)
       assert_spec_holds(run)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_jax.experiments import opd_vs_rl, opd_vs_rl_report, stats
+from opd_jax.experiments import opd_vs_rl, opd_vs_rl_arms, opd_vs_rl_report, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "configs"))
@@ -68,7 +68,7 @@ def test_arms_like_for_like_overrides():
   import bf16_sync_sampled
 
   full, sampled = bf16_sync.get_config(), bf16_sync_sampled.get_config()
-  for key, value in opd_vs_rl.SAMPLED_OPD.items():
+  for key, value in opd_vs_rl_arms.SAMPLED_OPD.items():
     section, name = key.split(".")
     assert sampled[section][name] == value, key
   assert full.train.loss == "reverse_kl_full"

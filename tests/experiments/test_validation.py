@@ -219,6 +219,24 @@ def _validation_markdown(validated):
   )
 
 
+def test_round9_agreement_outside_the_band():
+  with open(ROOT / "docs" / "study" / "round9" / "study.json") as f:
+    result = json.load(f)
+  config = validation_config.get_config()
+  out = validation.validate(result, config)
+  block = out["primary_label"]
+  # Round 9's two-run labels: 12 of 30 lie within ±2 SE of τ; outside, the frozen rule and
+  # measure-nothing agree on all 18, the pooled rule on 17. No verdict was too close to call.
+  assert (block["outside_band"]["n"], block["outside_band"]["within"]) == (18, 12)
+  right = {
+    k: s["admitted_kept"] + s["refused_degraded"]
+    for k, s in block["outside_band"]["scores"].items()
+  }
+  assert right == {"sum_of_fractions": 18, "pooled": 17, "admit_all": 8, "measure_nothing": 18}
+  assert block["too_close"]["too_close"] == 0
+  assert {s["agreement"] for s in block["too_close"]["readings"].values()} == {0.9}
+
+
 def test_a_reading_needs_the_too_close_field():
   config = _config()
   config.analysis.too_close = "admit"

@@ -174,8 +174,9 @@ def markdown_lines(
 def study_scores(result: Mapping, level: float = stats.LEVEL) -> dict[str, Any] | None:
   """A study's held-out verdicts (its rule's, `admitted`, and the pooled one's) against its own
   label (`kept_quality`): the rule under every reading of "too close" and both rules outside
-  the band; None without held-out settings. `result` needs "rows", "num_eval", "label" and
-  "tolerance" (what `experiments.study` has before it writes study.json)."""
+  the band (None when the reference's runs lack the label); None without held-out settings.
+  `result` needs "rows", "num_eval", "label" and "tolerance" (what `experiments.study` has
+  before it writes study.json)."""
   rows = [r for r in result["rows"] if r["role"] == "held_out"]
   if not rows:
     return None
@@ -185,13 +186,16 @@ def study_scores(result: Mapping, level: float = stats.LEVEL) -> dict[str, Any] 
     "pooled": [bool(r["admitted_pooled"]) for r in rows],
   }
   flags = too_close_flags(rows)
+  recorded = ladders.label_band(result, result["label"]) is not None
   return {
     "too_close": None
     if flags is None
     else too_close_readings(verdicts["rule"], flags, labels, level),
     "outside_band": outside_band_scores(
       verdicts, labels, outside_band(result, rows, result["label"]), level
-    ),
+    )
+    if recorded
+    else None,
   }
 
 
@@ -209,6 +213,8 @@ def study_sentences(scores: Mapping | None) -> list[str]:
       f"scored apart, {_rate(t['readings']['apart'])} (Wilson 95 %)."
     )
   b = scores["outside_band"]
+  if not b:
+    return out
   out.append(
     f"On the {b['n']} held-out settings whose label lies outside ±{ladders.BAND_SE:g} SE of τ "
     f"({b['within']} lie within it), agreement {_rate(b['scores']['rule'])}; the pooled "

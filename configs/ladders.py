@@ -78,6 +78,33 @@ and evaluation included, which a 600-step run spreads over three times the steps
 measurements (10 s each), 8,619 s, about 2.4 hours of 2 CPU cores with a cached teacher (the
 teacher's bootstrap, about 3 minutes, comes on top when DIR/teacher_cache is empty).
 
+The run-length check (`:length`), pre-registered with the ladders. Do the 600-step drops
+predict the full-length ones? Eight ladder settings (`LENGTH`) trained to the full run,
+FULL_STEPS = 1,000 OPD steps (`bf16_sync.py`'s own schedule: `run_overrides(FULL_STEPS)`),
+with its own five reference seeds (0-4) and three seeds per setting (0, 1, 2), its own probe
+and measurements, in its own workdir:
+
+    python -m opd_jax.study --config=configs/ladders.py:length --workdir=FULL --plan
+    python -m opd_jax.study --config=configs/ladders.py:length --workdir=FULL \
+        --config.run.teacher.cache_dir=DIR/teacher_cache      # the ladders' teacher, reused
+    python -m opd_jax.ladders --study=DIR/study.json --full-length=FULL/study.json
+
+The pick, fixed here before any run of either study and by the ladders' order alone, not by
+any outcome: the coarsest rung of each of the six format ladders (INT4 and FP8 weights per
+tensor, FP4 weights in groups of 128, and each KV format, E4M3, E5M2 and FP4, per tensor with
+every layer quantized), where each format's error is largest, so the drops reach from the
+finest formats' none to the largest; and both ends of the lag ladder (async `max_lag` 1, and
+stale k 16), the one source whose error is not rounding. The last command pairs the settings
+in both studies and prints, per label, the Spearman and Pearson correlations of the mean drops
+at 600 steps against those at 1,000 (bootstrap intervals over the settings), the slope, and
+how often the two lengths' verdicts agree, each length judged by its own τ
+(`experiments.run_length`).
+
+Its cost (`--plan`): 5 reference runs and 8 × 3 setting runs, 29 runs of 1,000 steps, two
+side by side at 0.3 s per step, 29 · 1000 · 0.3 / 2 = 4,350 s; with the probe (65 · 0.6 s)
+and 9 measurements (10 s each), 4,479 s, about 1.24 hours of 2 CPU cores with a cached
+teacher. Together with the ladders, 13,098 s, about 3.6 hours.
+
 `:tiny` is the seconds-long wiring variant the tests use (the tiny run, a few rungs).
 """
 
@@ -94,14 +121,22 @@ PROBE_STEP_SECONDS = 0.6  # a probe step: one run alone, a checkpoint every step
 FULL_RUN_ACCURACY = 0.965  # the reference after 1,000 steps (bf16_sync.py)
 MIN_PLATEAU_SHARE = 0.85
 
-RUN_OVERRIDES = {
-  "train.steps": RUN_STEPS,
-  "train.stop_after": 0,
-  "train.eval_every": RUN_STEPS,
-  "train.checkpoint_every": RUN_STEPS // 4,
-  "export.dir": "none",
-  "teacher.target_accuracy": 0.0,  # the fixed 1000-step teacher (95 % on this task)
-}
+FULL_STEPS = 1000  # the full run (bf16_sync.py's schedule): the `:length` variant's length
+
+
+def run_overrides(steps):
+  """The run shortened to `steps` OPD steps, its schedule compressed to them."""
+  return {
+    "train.steps": steps,
+    "train.stop_after": 0,
+    "train.eval_every": steps,
+    "train.checkpoint_every": steps // 4,
+    "export.dir": "none",
+    "teacher.target_accuracy": 0.0,  # the fixed 1000-step teacher (95 % on this task)
+  }
+
+
+RUN_OVERRIDES = run_overrides(RUN_STEPS)
 
 
 def _weights(fmt, recipes):
@@ -127,7 +162,18 @@ LAG = (
 )
 LADDERS = INT4 + FP4 + FP8 + KV + LAG
 
-VARIANTS = ("tiny",)
+# The run-length check's settings (`:length`; the rule in the module docstring): the coarsest
+# rung of each of the six format ladders, and both ends of the lag ladder.
+LENGTH = (
+  INT4[-1],  # per tensor
+  FP4[-1],  # groups of 128
+  FP8[-1],  # per tensor
+  *(kv for kv in KV if kv.endswith("kv_granularity=tensor")),  # E4M3, E5M2, FP4; every layer
+  LAG[0],  # async, max_lag 1
+  LAG[-1],  # stale k 16
+)
+
+VARIANTS = ("tiny", "length")
 TINY = (
   "rollout.weights=int4,rollout.weight_group_size=16",
   "rollout.weights=int4,rollout.weight_per_tensor=true",
@@ -138,12 +184,14 @@ TINY = (
 
 
 def get_config(arg=None):
-  """The ladder study's config (module docstring); `:tiny` for the wiring tests."""
+  """The ladder study's config (module docstring); `:length` for the run-length check,
+  `:tiny` for the wiring tests."""
   if arg not in (None, *VARIANTS):
     raise ValueError(f"unknown variant {arg!r} of ladders.py; known: {', '.join(VARIANTS)}")
   c = ml_collections.ConfigDict()
-  run = bf16_sync.get_config(arg)
-  for key, value in RUN_OVERRIDES.items():
+  run = bf16_sync.get_config("tiny" if arg == "tiny" else None)
+  overrides = run_overrides(FULL_STEPS) if arg == "length" else RUN_OVERRIDES
+  for key, value in overrides.items():
     section, leaf = key.split(".")
     run[section][leaf] = value
   c.run = run
@@ -173,6 +221,8 @@ def get_config(arg=None):
   c.probe_step_seconds = PROBE_STEP_SECONDS
   c.full_run_accuracy = FULL_RUN_ACCURACY
   c.min_plateau_share = MIN_PLATEAU_SHARE
+  if arg == "length":
+    c.calibration = LENGTH
   if arg == "tiny":
     c.seeds = (0, 1)
     c.probe_steps = 3

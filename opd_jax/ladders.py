@@ -1,7 +1,7 @@
 """Entry point: a finished study's dose ladders under each label.
 
     python -m opd_jax.ladders --study=DIR/study.json [--full-run-accuracy=0.965]
-        [--min-plateau-share=0.85] [--json=PATH] [--md=PATH]
+        [--min-plateau-share=0.85] [--full-length=FULL/study.json] [--json=PATH] [--md=PATH]
 
 Reads a `study.json` and prints, for each label (teacher_kl, accuracy), τ, the share of the
 settings' labels within ±2 SE of τ, and per source its rungs (the check's KL and the mean
@@ -9,6 +9,13 @@ drop), its knee and the knee's interval widened to the rungs that bracket it ("b
 (a, b]"); with --full-run-accuracy, the reference's accuracy against its plateau. Nothing
 trains. A study run by `python -m opd_jax.study` writes the same section into its report.md
 and study.json ("ladders"). The logic is `opd_jax.experiments.ladders`.
+
+With --full-length, the run-length check: FULL is a study of some of the same settings
+trained to full length (`configs/ladders.py:length`, 1,000 steps); for the settings in both,
+per label, the Spearman and Pearson correlations of the two lengths' mean drops and the slope
+of the full-length drop on the short one (bootstrap intervals over settings), and how often
+the two lengths' verdicts (drop > τ, each length with its own τ) agree, with its Wilson
+interval (`opd_jax.experiments.run_length`; under "run_length" in the JSON).
 """
 
 from __future__ import annotations
@@ -37,8 +44,27 @@ def define_flags(fv: flags.FlagValues) -> None:
     "The share of the full run's accuracy the reference should reach.",
     flag_values=fv,
   )
+  flags.DEFINE_string(
+    "full-length",
+    None,
+    "A study.json of the same settings at full length: print the run-length check too.",
+    flag_values=fv,
+  )
   cli_flags.define_json_flag(fv, "the ladders' data")
   flags.DEFINE_string("md", None, "Write the markdown to PATH.", flag_values=fv)
+
+
+def read_study(path: str, flag: str) -> dict:
+  """The study.json at `path`.
+
+  Raises:
+    ValueError: a file that is not a study.json (no "rows"), named by its flag.
+  """
+  with open(path, encoding="utf-8") as f:
+    result = json.load(f)
+  if not isinstance(result, dict) or "rows" not in result:
+    raise ValueError(f"--{flag}={path}: not a study.json (no 'rows')")
+  return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,12 +73,15 @@ def main(argv: list[str] | None = None) -> None:
   from opd_jax.experiments import ladders
   from opd_jax.io import json_file
 
-  with open(args.study, encoding="utf-8") as f:
-    result = json.load(f)
-  if not isinstance(result, dict) or "rows" not in result:
-    raise ValueError(f"--study={args.study}: not a study.json (no 'rows')")
+  result = read_study(args.study, "study")
   out = ladders.ladder_report(result, args.full_run_accuracy or None, args.min_plateau_share)
-  text = "\n".join(ladders.markdown_lines(out))
+  lines = ladders.markdown_lines(out)
+  if args.full_length:
+    from opd_jax.experiments import run_length
+
+    out["run_length"] = run_length.length_check(result, read_study(args.full_length, "full-length"))
+    lines += run_length.markdown_lines(out["run_length"])
+  text = "\n".join(lines)
   print(text, file=sys.stderr if args.json == "-" else sys.stdout)  # the JSON alone on stdout
   if args.md:
     with open(args.md, "w", encoding="utf-8") as f:

@@ -4,9 +4,9 @@ and the study's noise floor (its tolerance τ).
 Every function is pure (numbers in, numbers out). Where scipy has the test it is scipy's:
 Wilson's score interval (`scipy.stats.binomtest(...).proportion_ci(method="wilson")`), the
 exact McNemar test (`binomtest` on the discordant pairs), the quantiles of Welch's interval
-and the Wald bound (`scipy.stats.t`, `scipy.stats.norm`) and Spearman's correlation
-(`scipy.stats.spearmanr`). The comparisons that use them are in docs/design.md
-("Scoring a pre-registered validation") and `experiments.opd_vs_rl`.
+and the Wald bound (`scipy.stats.t`, `scipy.stats.norm`), Spearman's and Pearson's correlations
+(`scipy.stats.spearmanr`, `scipy.stats.pearsonr`). The comparisons that use them are in
+docs/design.md ("Scoring a pre-registered validation") and `experiments.opd_vs_rl`.
 """
 
 from __future__ import annotations
@@ -102,6 +102,15 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
   if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
     return math.nan
   return float(stats.spearmanr(x, y).statistic)
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+  """Pearson correlation r = Σ(x − x̄)(y − ȳ) / sqrt(Σ(x − x̄)² Σ(y − ȳ)²)
+  (`scipy.stats.pearsonr`); nan with fewer than 3 points or a constant side."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+    return math.nan
+  return float(stats.pearsonr(x, y).statistic)
 
 
 def confusion_counts(admitted: Sequence[bool], kept: Sequence[bool]) -> dict[str, Any]:

@@ -38,9 +38,11 @@ The procedure (every step writes its result into DIR, and a restarted study reus
    table and the agreement rate go to the report, beside the single-run ones, every other rule
    of the registry (`rule_variants`: for comparison, not pre-set), and the table of the
    verdicts that are not too close to call (`Verdict.too_close`): how many the check calls,
-   and how often it is right when it does. The budget is saved as `DIR/budget.json` with the
-   fingerprint of θ_P and the teacher and its rule, with the held-out result as the rule's
-   validation (`rule_validation`).
+   and how often it is right when it does, with the rule's agreement with each too-close
+   verdict read as an admission or a refusal, and on the settings whose label lies outside
+   ±2 SE of τ (`scoring.study_scores`, Wilson intervals). The budget is saved as
+   `DIR/budget.json` with the fingerprint of θ_P and the teacher and its rule, with the
+   held-out result as the rule's validation (`rule_validation`).
 6. **Report.** `DIR/study.json` (every number, the ladders under each label:
    `experiments.ladders`, and the code each part was made by:
    `study_provenance`, which refuses parts made by different code unless `allow_mixed_code`),
@@ -62,7 +64,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import ladders, plots, runs, stats, study_provenance, study_report
+from opd_jax.experiments import ladders, plots, runs, scoring, stats, study_provenance, study_report
 from opd_jax.experiments.study_rules import (
   LABEL_DROP,  # the drop a held-out verdict is judged by: over its runs (step 5)
   rule_validation,
@@ -566,6 +568,9 @@ def run_study(config: ml_collections.ConfigDict, workdir: str, log: Callable = p
     "confusion_single_run": stats.confusion(held_out, tolerance),
     "confusion_called": stats.confusion(
       [r for r in held_out if not r["too_close"]], tolerance, LABEL_DROP
+    ),
+    "held_out_scores": scoring.study_scores(
+      {"rows": rows, "num_eval": num_eval, "label": label, "tolerance": tolerance}
     ),
     "rule_variants": rule_variants(held_out, config, fitted, tolerance),
     "check_vs_training": agreement(rows),

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opd_jax.experiments import ladders
+from opd_jax.experiments import ladders, scoring
 from opd_jax.mismatch import budget_fit
 
 
@@ -200,6 +200,7 @@ def findings(result: dict) -> list[str]:
       f"settings. On the {called['n']} the check calls, agreement "
       f"{_pct(called['agreement'])} % ({_counts(called)})."
     )
+  out += scoring.study_sentences(result.get("held_out_scores"))
   single = result.get("confusion_single_run")
   rerun = [r for r in result["rows"] if len(r.get("accuracy_runs", [])) > 1]
   if single and result.get("borderline_seeds"):
@@ -378,6 +379,12 @@ def validation_markdown(report: Mapping) -> str:
       )
     lines += [
       "",
+      *scoring.markdown_lines(
+        block.get("too_close"),
+        block.get("outside_band"),
+        report["primary"],
+        v.get("too_close_reading", scoring.DEFAULT_READING),
+      ),
       f"goal ≥ 90 % met: {block['goal_met']}; beats "
       + ", ".join(f"{k}: {b}" for k, b in block["beats"].items())
       + f"; non-inferior to pooled: {block['noninferior']}",

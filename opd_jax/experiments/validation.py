@@ -18,7 +18,13 @@ the pooled rule's (`admitted_pooled`). Beside them:
                     quality, ∞ when none did.
 
 A setting kept quality iff the mean drop over its runs d̄ ≤ τ. Agreement a = (true accepts +
-true refusals) / n, with the Wilson score interval at level 1 − α (`stats.wilson`).
+true refusals) / n, with the Wilson score interval at level 1 − α (`stats.wilson`), on all the
+held-out settings and again on those whose label lies outside ±2 SE of τ (`scoring.outside_
+band`: a rerun could flip the rest). A verdict too close to call counts as the analysis fixes
+(`analysis.too_close`: "as_called", the default, "admit", "refuse", or "apart", a third answer
+scored apart, every table then on the settings the check calls); the frozen rule's agreement
+under every reading is reported beside it, with the share of settings too close
+(`scoring.too_close_readings`).
 
 Paired comparison of rule R with baseline B on the same n settings: b = settings R gets right
 and B wrong, c = the reverse. Exact one-sided McNemar (`stats.mcnemar_one_sided`): p = P(X ≥ b),
@@ -51,7 +57,7 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.config import values
-from opd_jax.experiments import stats
+from opd_jax.experiments import scoring, stats
 from opd_jax.experiments import study as study_lib
 from opd_jax.io import provenance
 from opd_jax.mismatch import budget, budget_fit
@@ -93,14 +99,6 @@ def nothing_admits(spec: str, thresholds: Mapping, run_cfg) -> bool:
   """The measure-nothing rule's verdict on one setting."""
   s, k, w = _engine(spec, run_cfg)
   return s < thresholds["sigma"] and k < thresholds["lag"] and w not in thresholds["formats"]
-
-
-def score(admitted: Sequence[bool], labels: Sequence[bool], level: float = 0.95) -> dict:
-  """The confusion table and agreement of verdicts against kept-quality labels, with the
-  agreement's Wilson interval."""
-  table = stats.confusion_counts(admitted, labels)
-  right = table["admitted_kept"] + table["refused_degraded"]
-  return {**table, "interval": list(stats.wilson(right, table["n"], level))}
 
 
 def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool], alpha: float):
@@ -147,6 +145,29 @@ def tolerance_interval(
   return float(lo), float(hi)
 
 
+def too_close_blocks(
+  result: Mapping, rows: Sequence[Mapping], tolerance: float, reading: str, level: float
+) -> dict[str, dict | None]:
+  """The frozen rule's verdicts on `rows` under every reading of "too close"
+  (`scoring.too_close_readings`), per label (primary, accuracy); None for a study whose rows
+  record no too_close, which can then only be read as called.
+
+  Raises:
+    ValueError: such a study with another reading fixed.
+  """
+  flags = scoring.too_close_flags(rows)
+  if flags is None:
+    if reading != scoring.DEFAULT_READING:
+      raise ValueError(f"the study's rows record no too_close: cannot read them as {reading!r}")
+    return {"primary_label": None, "accuracy_label": None}
+  admitted = [bool(r["admitted"]) for r in rows]
+  labels = {
+    "primary_label": [kept(r, tolerance) for r in rows],
+    "accuracy_label": accuracy_labels(result, rows)[0],
+  }
+  return {k: scoring.too_close_readings(admitted, flags, v, level) for k, v in labels.items()}
+
+
 def validate(result: Mapping, config) -> dict[str, Any]:
   """The pre-registered analysis (`config.analysis`) of a study's held-out settings."""
   analysis = config.analysis
@@ -156,10 +177,21 @@ def validate(result: Mapping, config) -> dict[str, Any]:
   rows = [r for r in result["rows"] if r["role"] == "held_out"]
   if not rows:
     raise ValueError("the study has no held-out settings to validate on")
+  reading = scoring.check_reading(analysis.get("too_close", scoring.DEFAULT_READING))
+  readings = too_close_blocks(result, rows, tolerance, reading, level)
+  too_close = scoring.too_close_flags(rows) or [False] * len(rows)
+  if reading == "apart":  # a third answer: every table below is on the settings the check calls
+    rows = [r for r, close in zip(rows, too_close, strict=True) if not close]
+    too_close = [False] * len(rows)
+    if not rows:
+      raise ValueError("every held-out setting is too close to call: none is left to score")
   thresholds = nothing_thresholds(result["rows"], tolerance, config.run)
   tau_band = tolerance_interval(result, level=level)
   verdicts = {
-    analysis.primary: [bool(r["admitted"]) for r in rows],
+    analysis.primary: [
+      bool(v)
+      for v in scoring.read_too_close([bool(r["admitted"]) for r in rows], too_close, reading)
+    ],
     "pooled": [bool(r["admitted_pooled"]) for r in rows],
     "admit_all": [True] * len(rows),
     "measure_nothing": [nothing_admits(r["spec"], thresholds, config.run) for r in rows],
@@ -168,6 +200,7 @@ def validate(result: Mapping, config) -> dict[str, Any]:
   out: dict[str, Any] = {
     "label": result["label"],
     "tolerance": tolerance,
+    "too_close_reading": reading,
     "n": len(rows),
     "degraded": primary_labels.count(False),
     "thresholds": thresholds,
@@ -186,8 +219,14 @@ def validate(result: Mapping, config) -> dict[str, Any]:
     ],
   }
   acc_labels, acc_floor = accuracy_labels(result, rows)
-  for label_name, labels in (("primary_label", primary_labels), ("accuracy_label", acc_labels)):
-    block = {name: score(v, labels, level) for name, v in verdicts.items()}
+  for label_name, labels, label in (
+    ("primary_label", primary_labels, result["label"]),
+    ("accuracy_label", acc_labels, "accuracy"),
+  ):
+    block = {name: scoring.score(v, labels, level) for name, v in verdicts.items()}
+    outside = scoring.outside_band(result, rows, label)
+    block["outside_band"] = scoring.outside_band_scores(verdicts, labels, outside, level)
+    block["too_close"] = readings[label_name]
     rule = verdicts[analysis.primary]
     block["tests"] = {
       name: compare(rule, verdicts[name], labels, alpha)

@@ -347,6 +347,10 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert json.dumps(result["confusion_called"], sort_keys=True) == json.dumps(  # NaN == NaN
     expected, sort_keys=True
   )
+  scores = result["held_out_scores"]  # one held-out setting: both readings and the band
+  assert scores["too_close"]["n"] == 1 and scores["outside_band"]["n"] <= 1
+  assert scores["too_close"]["readings"]["as_called"]["n"] == result["confusion"]["n"]
+  assert "outside ±2 SE of τ" in (workdir / "report.md").read_text()
   for r in result["rows"]:
     assert math.isfinite(r["mismatch/kl"]) and 0.0 <= r["accuracy"] <= 1.0
     # noise σ 0.2 reads below the calibrated σ 0.5 (the fits are anchored at 0), and stale

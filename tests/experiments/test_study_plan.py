@@ -63,6 +63,33 @@ def test_full_plan_counts_and_cost_by_hand(tmp_path):
   assert not os.path.exists(tmp_path / "study")  # the plan writes nothing
 
 
+def test_length_variant_is_eight_ladder_rungs_at_full_length_and_its_plan_by_hand(tmp_path):
+  config = ladders.get_config("length")
+  config_check.validate(config.run)
+  assert set(config.calibration) <= set(ladders.LADDERS) and len(config.calibration) == 8
+  sources = [s.source for s in study.study_settings(config) if s.role == "calibration"]
+  assert sorted(sources) == sorted(
+    ["int4_weights", "fp4_weights", "fp8_weights", "fp8_kv", "fp8_e5m2_kv", "fp4_kv"]
+    + ["stale"] * 2
+  )
+  # each format ladder's coarsest rung, and both ends of the lag ladder
+  assert ladders.LENGTH[:3] == (ladders.INT4[-1], ladders.FP4[-1], ladders.FP8[-1])
+  assert ladders.LENGTH[-2:] == (ladders.LAG[0], ladders.LAG[-1])
+  assert all(",rollout.kv_bf16_layers" not in kv for kv in ladders.LENGTH[3:6])
+  assert config.run.train.steps == ladders.FULL_STEPS == 1000
+  assert config.run.train.eval_every == 1000 and config.run.train.checkpoint_every == 250
+  assert tuple(config.seeds) == (0, 1, 2, 3, 4) and tuple(config.borderline_seeds) == (1, 2)
+  plan = study_plan.study_plan(config, str(tmp_path / "full"))
+  # 5 reference runs + 8 settings x 3 seeds = 29 runs of 1000 steps; 9 measurements.
+  assert plan["counts"] == {"train": 29, "reused": 0, "refused": 0}
+  assert {r["steps"] for r in plan["runs"]} == {1000} and plan["measurements"]["n"] == 9
+  # T = 29·1000·0.3/2 + 65·0.6 + 9·10 = 4350 + 39 + 90, the figure the docstring states.
+  assert plan["seconds"] == pytest.approx(4479.0)
+  assert "4,479 s" in ladders.__doc__
+  # the ladders' own run is unchanged by the variant
+  assert ladders.get_config().run.train.steps == ladders.RUN_STEPS
+
+
 def test_tiny_plan_reuse_and_refusal(tmp_path):
   config = ladders.get_config("tiny")
   workdir = str(tmp_path)

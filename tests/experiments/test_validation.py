@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from opd_jax import validation as validation_command
-from opd_jax.experiments import stats, validation
+from opd_jax.experiments import scoring, stats, validation
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "configs"))
@@ -135,6 +135,116 @@ def test_validate_counts_every_table_by_hand():
   assert block["goal_met"] and not block["beats"]["admit_all"] and block["noninferior"]
   assert rule["interval"] == pytest.approx(list(stats.wilson(5, 5)))
   assert [s["kept"] for s in out["settings"]] == [False, True, True, True, False]
+
+
+def test_too_close_readings_by_hand():
+  admitted = [True, True, False, False, True]
+  close = [False, True, True, False, False]
+  labels = [True, False, True, False, False]
+  assert scoring.read_too_close(admitted, close, "admit") == [True, True, True, False, True]
+  assert scoring.read_too_close(admitted, close, "refuse") == [True, False, False, False, True]
+  assert scoring.read_too_close(admitted, close, "apart") == [True, None, None, False, True]
+  out = scoring.too_close_readings(admitted, close, labels)
+  assert (out["too_close"], out["n"], out["share"]) == (2, 5, 0.4)
+  r = out["readings"]
+  # as called: right on rows 0 and 3; admitted: 0, 2, 3; refused: 0, 1, 3; apart: rows 0,
+  # 3 right and 4 wrong of the three the check calls.
+  assert [r[k]["agreement"] for k in scoring.TOO_CLOSE_READINGS] == pytest.approx(
+    [0.4, 0.6, 0.6, 2 / 3]
+  )
+  assert r["apart"]["n"] == 3 and r["apart"]["interval"] == pytest.approx(stats.wilson(2, 3))
+  assert r["admit"]["interval"] == pytest.approx(stats.wilson(3, 5))
+  with pytest.raises(ValueError, match="not one of"):
+    scoring.read_too_close(admitted, close, "abstain")
+
+
+def _close_result():
+  """_result with σ 0.3 and σ 0.1 too close to call, and σ 0.3's two runs apart (KL 0.11 and
+  0.15: d = 0.03, s = 0.028284, SE = s/√2 = 0.02 with the reference's sd 0, so
+  |d − τ| = 0.02 ≤ 2·SE: within the band); every other label has SE 0 and lies outside."""
+  result = _result()
+  for r in result["rows"]:
+    r["too_close"] = r["spec"] in ("rollout.noise_sigma=0.3", "rollout.noise_sigma=0.1")
+    if r["spec"] == "rollout.noise_sigma=0.3":
+      r["teacher_kl_runs"] = [0.11, 0.15]
+  return result
+
+
+def test_validate_scores_outside_the_band_and_each_reading_of_too_close():
+  out = validation.validate(_close_result(), _config())
+  block = out["primary_label"]
+  assert out["too_close_reading"] == "as_called" and block["sum_of_fractions"]["agreement"] == 1
+  band = block["outside_band"]
+  assert (band["n"], band["within"], band["share_within"]) == (4, 1, 0.2)
+  # without σ 0.3 (pooled's one miss): pooled 4/4, admit-all 3/4 (σ 0.5), measure-nothing
+  # 3/4 (refuses k 64 + fp8).
+  got = {k: (s["admitted_kept"] + s["refused_degraded"], s["n"]) for k, s in band["scores"].items()}
+  assert got == {
+    "sum_of_fractions": (4, 4),
+    "pooled": (4, 4),
+    "admit_all": (3, 4),
+    "measure_nothing": (3, 4),
+  }
+  assert band["scores"]["admit_all"]["interval"] == pytest.approx(stats.wilson(3, 4))
+  t = block["too_close"]
+  assert (t["too_close"], t["share"]) == (2, 0.4)
+  # σ 0.3 degraded and σ 0.1 kept: admitting both misses σ 0.3, refusing both misses σ 0.1.
+  assert [t["readings"][k]["agreement"] for k in scoring.TOO_CLOSE_READINGS] == pytest.approx(
+    [1.0, 0.8, 0.8, 1.0]
+  )
+  assert out["accuracy_label"]["too_close"]["n"] == 5
+
+
+@pytest.mark.parametrize("reading", ["refuse", "apart"])
+def test_the_configured_reading_of_too_close_is_the_primarys(reading):
+  config = _config()
+  config.analysis.too_close = reading
+  out = validation.validate(_close_result(), config)
+  rule = out["primary_label"]["sum_of_fractions"]
+  if reading == "refuse":  # σ 0.1 (kept) now refused
+    assert (out["n"], rule["refused_kept"], rule["agreement"]) == (5, 1, 0.8)
+  else:  # σ 0.1 and σ 0.3 scored apart: k 8, k 64 + fp8 and σ 0.5 remain
+    assert (out["n"], out["degraded"], rule["agreement"]) == (3, 1, 1.0)
+    assert out["primary_label"]["admit_all"]["agreement"] == pytest.approx(2 / 3)
+  assert out["primary_label"]["too_close"]["readings"]["refuse"]["agreement"] == 0.8
+  text = _validation_markdown(out)
+  assert f"| {reading} (fixed) |" in text
+
+
+def _validation_markdown(validated):
+  from opd_jax.experiments import study_report
+
+  return study_report.validation_markdown(
+    {"validation": validated, "primary": "sum_of_fractions", "one_scale": {}, "factorial": []}
+  )
+
+
+def test_round9_agreement_outside_the_band():
+  with open(ROOT / "docs" / "study" / "round9" / "study.json") as f:
+    result = json.load(f)
+  config = validation_config.get_config()
+  out = validation.validate(result, config)
+  block = out["primary_label"]
+  # Round 9's two-run labels: 12 of 30 lie within ±2 SE of τ; outside, the frozen rule and
+  # measure-nothing agree on all 18, the pooled rule on 17. No verdict was too close to call.
+  assert (block["outside_band"]["n"], block["outside_band"]["within"]) == (18, 12)
+  right = {
+    k: s["admitted_kept"] + s["refused_degraded"]
+    for k, s in block["outside_band"]["scores"].items()
+  }
+  assert right == {"sum_of_fractions": 18, "pooled": 17, "admit_all": 8, "measure_nothing": 18}
+  assert block["too_close"]["too_close"] == 0
+  assert {s["agreement"] for s in block["too_close"]["readings"].values()} == {0.9}
+
+
+def test_a_reading_needs_the_too_close_field():
+  config = _config()
+  config.analysis.too_close = "admit"
+  with pytest.raises(ValueError, match="record no too_close"):
+    validation.validate(_result(), config)
+  config.analysis.too_close = "maybe"
+  with pytest.raises(ValueError, match="not one of"):
+    validation.validate(_close_result(), config)
 
 
 def test_validate_refuses_a_study_without_held_out_settings():

@@ -79,12 +79,14 @@ def define_flags(fv: flags.FlagValues) -> None:
     "shapes", SHAPES, "Rows as batch:new_tokens, comma-separated.", flag_values=fv
   )
   flags.DEFINE_integer(
-    "repeats", 5, "Timed calls per engine and row after the warm-up; 0 = tokens only.",
+    "repeats",
+    5,
+    "Timed calls per engine and row after the warm-up; 0 = tokens only.",
     flag_values=fv,
   )
-  flags.DEFINE_integer("prompt_len", 64, "Prompt tokens per row.", flag_values=fv)
+  flags.DEFINE_integer("prompt-len", 64, "Prompt tokens per row.", flag_values=fv)
   flags.DEFINE_float(
-    "init_std",
+    "init-std",
     0.1,
     "Std of the random weights (init_params' scale); at 0.02 the 58M model's greedy decode "
     "falls into a loop of a few tokens, which makes a weak token check.",
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.repeats < 0:
     raise ValueError(f"--repeats must be >= 0, got {args.repeats}")
   if args.prompt_len < 1:
-    raise ValueError(f"--prompt_len must be >= 1, got {args.prompt_len}")
+    raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
   import importlib.metadata as metadata
 
   import jax

@@ -11,8 +11,11 @@ Against the embedded student (2 layers, D = 128, 4 query / 2 KV heads) it has tw
 for per-layer error to compound through, a quarter of the KV heads per query head (grouped
 attention 3:1 against 2:1) and 0.75 of the width. It keeps the embedded pair's warm start (250
 supervised steps at 1e-3) and OPD settings (`bf16_sync.py`), and the chain teacher's cache.
-Expected: docs/results/round10.md ("A second pair") records its warm start, its accuracy after
-the full 1,000-step run against the teacher's, and whether it reaches 90 % of the teacher.
+Expected (seed 0, 2 CPU cores): the chain teacher's bootstrap about 9 minutes once, then the
+student from 17.2 % after its warm start to 100 % (the teacher's 100 %) on 256 held-out
+prompts after 1,000 steps, held-out KL(student ‖ teacher) 1.04 → 0.0013; about 6 minutes of
+OPD. So it reaches 90 % of its teacher; the chain task is easy at the full length, and the
+second pair's ladders are to show whether realistic sources cost it quality at all.
 """
 
 import base

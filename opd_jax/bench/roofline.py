@@ -13,8 +13,8 @@ Peaks, measured here (medians of `--repeats` calls after two warm-up calls):
   precision (TF32 on GPUs that have it), "float32_highest" (`Precision.HIGHEST`), "bfloat16",
   and "float8_e4m3fn" (e4m3 × e4m3 with f32 accumulation, as `quant.fp8_matmul` does) where
   `quant.has_native_fp8()`; "n/a" where the device has no FP8 matrix units.
-* `copy_bytes_per_s`: y = x + 1 over an f32 array of `--copy-mb` MB (0: 1024 on an
-  accelerator, 256 on a CPU), 2 × its bytes per call (one read, one write).
+* `copy_bytes_per_s`: x ← x + 1 (donated, in place) over an f32 array of `--copy-mb` MB (0:
+  1024 on an accelerator, 256 on a CPU), 2 × its bytes per call (one read, one write).
 
 Rows, per model of `--models` (random weights in the compute dtype `--dtype`; "auto" is
 bfloat16 on an accelerator, float32 on a CPU), each with its achieved rate as a fraction of
@@ -167,14 +167,25 @@ def matmul_peak(dtype: str, size: int, repeats: int) -> float:
 
 
 def copy_bandwidth(megabytes: int, repeats: int) -> float:
-  """Bytes/s of y = x + 1 over an f32 array of `megabytes` MB: 2 × its bytes per call."""
+  """Bytes/s of x ← x + 1 over an f32 array of `megabytes` MB: 2 × its bytes per call.
+
+  The array is donated and updated in place, so each call reads and writes memory that is
+  already mapped; a fresh output buffer per call would also time the first touch of its pages
+  (on a CPU that cost more than the copy itself and understated the bandwidth several-fold).
+  """
   import jax
   import jax.numpy as jnp
 
-  x = jnp.zeros((megabytes * 2**20 // 4,), jnp.float32)
-  step = jax.jit(lambda x: x + 1)
-  seconds = timing.median_seconds(lambda: step(x).block_until_ready(), repeats)
-  return 2 * x.nbytes / seconds
+  state = {"x": jnp.zeros((megabytes * 2**20 // 4,), jnp.float32)}
+  nbytes = state["x"].nbytes
+  step = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+  def call():
+    state["x"] = step(state["x"])
+    state["x"].block_until_ready()
+
+  seconds = timing.median_seconds(call, repeats)
+  return 2 * nbytes / seconds
 
 
 def peaks(matmul_size: int, copy_mb: int, repeats: int, log=print) -> dict:

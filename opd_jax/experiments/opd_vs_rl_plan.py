@@ -110,7 +110,7 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
     dict(
       {"part": k, "runs": len(mine), "planned_seconds": _wall(mine, speedup)},
       seconds=_wall([r for r in mine if r["state"] == "train"], speedup),
-      **_counts(mine),
+      **study_plan.state_counts(mine),
     )
     for k, mine in enumerate(parts, 1)
   ]
@@ -118,7 +118,7 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
     dict(
       {"methods": list(methods), "settings": list(specs), "seeds": list(seeds)},
       runs=sum(r["block"] == b for r in rows),
-      **_counts([r for r in rows if r["block"] == b]),
+      **study_plan.state_counts([r for r in rows if r["block"] == b]),
     )
     for b, (methods, specs, seeds) in enumerate(opd_vs_rl.blocks(config))
   ]
@@ -131,12 +131,8 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
     "speedup": speedup,
     "teacher_seconds": teacher,
     "seconds": _wall([r for r in rows if r["state"] == "train"], speedup) + teacher,
-    "counts": _counts(rows),
+    "counts": study_plan.state_counts(rows),
   }
-
-
-def _counts(rows) -> dict[str, int]:
-  return {s: sum(r["state"] == s for r in rows) for s in ("train", "reused", "refused")}
 
 
 def _wall(rows, speedup: float) -> float:
@@ -156,13 +152,9 @@ def part_names(plan: dict[str, Any], part: int) -> list[str]:
   return [r["name"] for r in plan["runs"] if r["part"] == part]
 
 
-def _hours(seconds: float) -> str:
-  return f"{seconds:,.0f} s ({seconds / 3600:.2f} h)"
-
-
 def plan_lines(plan: dict[str, Any]) -> list[str]:
   """The plan as the lines `--plan` prints."""
-  c, costs = plan["counts"], plan["costs"]
+  c, costs, hours = plan["counts"], plan["costs"], study_plan.hours
   lines = [
     f"plan: {len(plan['runs'])} runs ({c['train']} to train, {c['reused']} reused, "
     f"{c['refused']} recorded for another configuration)",
@@ -174,7 +166,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
       f"{block['runs']} new runs ({block['train']} to train, {block['reused']} reused)"
     )
   lines.append(
-    f"estimated wall: {_hours(plan['seconds'])}: a run alone {costs['opd_run_seconds']:g} s "
+    f"estimated wall: {hours(plan['seconds'])}: a run alone {costs['opd_run_seconds']:g} s "
     f"(OPD) or {costs['rl_seconds_per_completion']:.3g} s per completion per step (RL) per "
     f"{costs['steps']:g} steps, {costs['compile_seconds']:g} s to compile each arm and setting, "
     f"{plan['workers']} side by side at {plan['speedup']:g}x, teacher and warm start "
@@ -184,15 +176,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     names = [r["name"] for r in plan["runs"] if r["part"] == p["part"]]
     lines.append(
       f"  part {p['part']}: {p['runs']} runs ({names[0]} .. {names[-1]}), "
-      f"{p['train']} to train, {p['reused']} reused; planned {_hours(p['planned_seconds'])}, "
-      f"left {_hours(p['seconds'])}"
+      f"{p['train']} to train, {p['reused']} reused; planned {hours(p['planned_seconds'])}, "
+      f"left {hours(p['seconds'])}"
     )
-  reused = [r["name"] for r in plan["runs"] if r["state"] == "reused"]
-  refused = [r["name"] for r in plan["runs"] if r["state"] == "refused"]
-  lines.append("reused: " + (", ".join(reused) or "none"))
-  if refused:
-    lines.append(
-      "refused (a result of another configuration; the comparison stops there): "
-      + ", ".join(refused)
-    )
-  return lines
+  return lines + study_plan.reuse_lines(plan["runs"], "the comparison")

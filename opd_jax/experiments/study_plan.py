@@ -151,9 +151,7 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
     + (probe["steps"] * costs["probe_step_seconds"] if probe["state"] == "train" else 0.0)
     + (len(specs) - num_cached) * costs["measure_seconds"]
   )
-  counts = {
-    state: sum(r["state"] == state for r in planned) for state in ("train", "reused", "refused")
-  }
+  counts = state_counts(planned)
   return {
     "runs": planned,
     "borderline": borderline,
@@ -167,8 +165,27 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
   }
 
 
-def _hours(seconds: float) -> str:
+def state_counts(rows) -> dict[str, int]:
+  """How many planned runs are to train, reused and refused (`run_state`)."""
+  return {state: sum(r["state"] == state for r in rows) for state in ("train", "reused", "refused")}
+
+
+def hours(seconds: float) -> str:
+  """Seconds as the plans print them: "8,619 s (2.39 h)"."""
   return f"{seconds:,.0f} s ({seconds / 3600:.2f} h)"
+
+
+def reuse_lines(runs, what: str) -> list[str]:
+  """The plan's closing lines: the runs reused, and those refused (a result of another
+  configuration), after which `what` ("the study", "the comparison") stops."""
+  reused = [r["name"] for r in runs if r["state"] == "reused"]
+  refused = [r["name"] for r in runs if r["state"] == "refused"]
+  lines = ["reused: " + (", ".join(reused) or "none")]
+  if refused:
+    lines.append(
+      f"refused (a result of another configuration; {what} stops there): " + ", ".join(refused)
+    )
+  return lines
 
 
 def plan_lines(plan: dict[str, Any]) -> list[str]:
@@ -181,20 +198,13 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     f"reused, {c['refused']} recorded for another configuration), 1 probe of "
     f"{plan['probe']['steps']} steps ({plan['probe']['state']}), {m['n']} measurements "
     f"({m['cached']} cached)",
-    f"estimated wall: {_hours(plan['seconds'])} at {costs['run_step_seconds']:g} s per run step "
+    f"estimated wall: {hours(plan['seconds'])} at {costs['run_step_seconds']:g} s per run step "
     f"with {plan['workers']} side by side, {costs['probe_step_seconds']:g} s per probe step, "
     f"{costs['measure_seconds']:g} s per measurement",
   ]
   if plan["borderline"]:
     lines.append(
       f"then at most {len(plan['borderline'])} borderline re-runs, at most "
-      f"{_hours(plan['borderline_seconds'])} more"
+      f"{hours(plan['borderline_seconds'])} more"
     )
-  reused = [r["name"] for r in plan["runs"] if r["state"] == "reused"]
-  refused = [r["name"] for r in plan["runs"] if r["state"] == "refused"]
-  lines.append("reused: " + (", ".join(reused) or "none"))
-  if refused:
-    lines.append(
-      "refused (a result of another configuration; the study stops there): " + ", ".join(refused)
-    )
-  return lines
+  return lines + reuse_lines(plan["runs"], "the study")

@@ -90,6 +90,23 @@ def test_length_variant_is_eight_ladder_rungs_at_full_length_and_its_plan_by_han
   assert ladders.get_config().run.train.steps == ladders.RUN_STEPS
 
 
+def test_deep_variant_runs_the_same_ladders_on_the_second_pair(tmp_path):
+  config = ladders.get_config("deep")
+  config_check.validate(config.run)
+  assert tuple(config.calibration) == ladders.LADDERS and config.held_out == ()
+  for s in study.study_settings(config):  # every rung is legal on the D = 96 student too
+    config_check.validate(candidates_lib.parse_candidate(s.spec, config.run).config)
+  student = config.run.student.arch
+  assert (student.num_layers, student.hidden_size, student.num_kv_heads) == (4, 96, 1)
+  assert config.run.data.task == "chain"
+  assert config.run.teacher.target_accuracy == 0.95  # the chain teacher's own: its cache reused
+  assert config.run.train.steps == ladders.DEEP_STEPS == 600
+  assert config.full_run_accuracy == ladders.FULL_RUN_ACCURACY_DEEP == 1.0
+  assert tuple(config.seeds) == (0, 1, 2, 3, 4) and config.probe_steps == ladders.PROBE_STEPS
+  plan = study_plan.study_plan(config, str(tmp_path / "deep"))
+  assert plan["counts"] == {"train": 92, "reused": 0, "refused": 0}
+
+
 def test_tiny_plan_reuse_and_refusal(tmp_path):
   config = ladders.get_config("tiny")
   workdir = str(tmp_path)

@@ -37,10 +37,13 @@ function of its arguments.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opd_jax.config import values
 from opd_jax.mismatch import candidates as candidates_lib
 
 STALE_LADDER = candidates_lib.STALE
@@ -272,14 +275,40 @@ def refusal_text(table: Mapping[str, Mapping]) -> str:
   )
 
 
+LINE_LENGTH = 100  # the project's (pyproject.toml, ruff)
+
+
+def _spec_lines(spec: str, comment: str) -> list[str]:
+  """One setting of a pasted tuple: `"spec",  # comment` when it fits in LINE_LENGTH, else
+  the spec split after its items' commas into strings that concatenate, within parentheses."""
+  line = f"  {json.dumps(spec)},  # {comment}"
+  if len(line) <= LINE_LENGTH:
+    return [line]
+  chunks, current = [], ""
+  for item in values.split_spec(spec):
+    piece = item if not current else f"{current},{item}"
+    if current and len(json.dumps(piece + ",")) + 4 > LINE_LENGTH:
+      chunks.append(current + ",")
+      current = item
+    else:
+      current = piece
+  chunks.append(current)
+  return ["  (", *(f"    {json.dumps(c)}" for c in chunks), f"  ),  # {comment}"]
+
+
 def literal_lines(drawn: Sequence[tuple[str, bool]], table: Mapping[str, Mapping]) -> list[str]:
-  """The draw as Python lines to paste into a config: a comment saying what the table refuses
-  and the predicted share, then `HELD_OUT = (...)` with each setting's prediction."""
+  """The draw as Python lines to paste into a config: comments saying what the table refuses
+  and the predicted share, then `HELD_OUT = (...)` with each setting's prediction (lines of
+  at most LINE_LENGTH characters, as the project's formatter leaves them)."""
   degraded = sum(d for _, d in drawn)
+  refuses = textwrap.wrap(
+    f"The ladders' lookup table refuses {refusal_text(table) or 'nothing'}. Predicted "
+    f"degraded by it: {degraded} of {len(drawn)}.",
+    LINE_LENGTH - 2,
+  )
   return [
-    f"# The ladders' lookup table refuses: {refusal_text(table) or 'nothing'}.",
-    f"# Predicted degraded by it: {degraded} of {len(drawn)}.",
+    *(f"# {line}" for line in refuses),
     "HELD_OUT = (",
-    *(f"  {spec!r},  # predicted {_word(d)}" for spec, d in drawn),
+    *(line for spec, d in drawn for line in _spec_lines(spec, f"predicted {_word(d)}")),
     ")",
   ]

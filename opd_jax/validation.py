@@ -2,7 +2,7 @@
 
     python -m opd_jax.validation --study=DIR/study.json --config=configs/validation.py
         [--json=PATH] [--md=PATH] [--third-run=DIR [--config.run.<key>=<value> ...]]
-    python -m opd_jax.validation --draw-held-out --study=LADDERS/study.json \
+    python -m opd_jax.validation --draw-held-out --study=LADDERS/study.json
         --config=configs/round10.py
 
 Reads a finished `study.json` and the analysis its config froze (`config.analysis`), prints the

@@ -5,13 +5,16 @@ table that measures nothing.
 
     python -m opd_jax.validation --draw-held-out --study=LADDERS/study.json \
         --config=configs/round10.py        # once: paste its lines below, commit, then run
-    python -m opd_jax.study --config=configs/round10.py --workdir=DIR --plan   # the cost, first
-    mkdir -p DIR && cp -a LADDERS/runs LADDERS/measurements.json DIR/
+    mkdir -p DIR && cp -a LADDERS/runs LADDERS/measurements.json DIR/   # the ladders' parts
+    python -m opd_jax.study --config=configs/round10.py --workdir=DIR --plan \
+        --config.run.teacher.cache_dir=LADDERS/teacher_cache            # the cost, first
     python -m opd_jax.study --config=configs/round10.py --workdir=DIR \
         --config.run.teacher.cache_dir=LADDERS/teacher_cache
     python -m opd_jax.validation --study=DIR/study.json --config=configs/round10.py
 
-LADDERS is the finished workdir of `configs/ladders.py`. Until the first command has been run
+LADDERS is the finished workdir of `configs/ladders.py`; `--plan` should then print 92 runs
+reused and 90 to train (a run "recorded for another configuration" means another teacher
+cache path than the ladders' runs recorded). Until the first command has been run
 and its lines pasted over `HELD_OUT = ()` below, `get_config()` refuses to build the study
 (`:tiny`, the seconds-long wiring variant the tests use, has its own fixed held-out list).
 The config is committed with the drawn list before any round-10 run trains; every run,

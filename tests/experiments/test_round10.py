@@ -339,3 +339,47 @@ def test_the_draw_command_prints_lines_to_paste(tmp_path, capsys):
         f"--config={ROOT / 'configs' / 'validation.py'}",
       ]
     )
+
+
+@pytest.mark.slow
+def test_tiny_round_reuses_the_ladders_runs_end_to_end(tmp_path, capsys):
+  """`configs/ladders.py:tiny` run, its runs and measurements copied into a fresh workdir, and
+  `configs/round10.py:tiny` run there with the ladders' teacher cache: nothing of the ladders
+  trains or is measured again, only the held-out settings; then the round is scored, the
+  lookup table among its baselines."""
+  import shutil
+  import subprocess
+
+  theirs, mine = tmp_path / "ladders", tmp_path / "r10"
+  cache = f"--config.run.teacher.cache_dir={theirs / 'teacher_cache'}"
+
+  def run_study(name, workdir):
+    cmd = [sys.executable, "-m", "opd_jax.study", f"--config={ROOT / 'configs' / name}:tiny"]
+    done = subprocess.run(
+      [*cmd, f"--workdir={workdir}", cache], capture_output=True, text=True, cwd=ROOT, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+  run_study("ladders.py", theirs)
+  mine.mkdir()
+  shutil.copytree(theirs / "runs", mine / "runs")
+  shutil.copy(theirs / "measurements.json", mine / "measurements.json")
+  mtimes = {p.name: p.stat().st_mtime for p in (mine / "runs").glob("*/result.json")}
+  log = run_study("round10.py", mine)
+  assert f"probe: {ladders.get_config('tiny').probe_steps} reference steps" not in log
+  assert {p.name: p.stat().st_mtime for p in (mine / "runs").glob("*/result.json")} == mtimes
+  measured = [
+    line.split("measured ")[1].split(":")[0] for line in log.splitlines() if "measured " in line
+  ]
+  assert measured and not set(measured) & set(ladders.TINY)  # the ladders' were reused
+  result = json.loads((mine / "study.json").read_text())
+  held = [r for r in result["rows"] if r["role"] == "held_out"]
+  assert [r["spec"] for r in held] == list(round10.TINY_HELD_OUT)
+  assert all(len(r["quality_runs"]) == 2 for r in result["rows"] if r["role"] != "reference")
+  out = tmp_path / "v.json"
+  config = f"{ROOT / 'configs' / 'round10.py'}:tiny"
+  validation_command.main([f"--study={mine / 'study.json'}", f"--config={config}", f"--json={out}"])
+  scored = json.loads(out.read_text())["validation"]
+  assert scored["n"] == 2 and scored["baselines"] == ["pooled", "admit_all", "lookup"]
+  assert "Format lookup table: refuses" in capsys.readouterr().out

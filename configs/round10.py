@@ -50,6 +50,9 @@ Pre-registered analysis (`ANALYSIS`, scored by `python -m opd_jax.validation`):
             `admission.candidate_verdict`, the path of `python -m opd_jax.admit`: agreement with
             the held-out labels (kept ⇔ mean drop over three runs ≤ τ), Wilson 95 % interval,
             on all 30 settings and on those outside ±2 SE of τ; the same under accuracy.
+            A part of a source the ladders did not calibrate (INT8 and FP8 E5M2 weights) or
+            beyond its source's calibrated range is refused (`extrapolate = "refuse"`, the
+            check's default with a budget); the pooled threshold and the table judge it.
   baselines frozen here:
             - admit_all;
             - pooled: one threshold on the check's KL, the budget's overall limit fitted on the

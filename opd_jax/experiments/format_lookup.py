@@ -27,7 +27,7 @@ calibration rungs degraded, is admitted. A combination is refused iff one of its
 The draw (`draw_held_out`). The held-out settings of a pre-registered round: fixed single
 rungs first (`singles`), then combinations drawn with `random.Random(seed)` (only `random()`)
 from knobs (probability, values): each knob present with its probability, its value uniform.
-A combination is kept only while its class is not full, the class being the table's verdict
+A drawn combination is taken only while its class is not full, the class being the table's verdict
 ("going by the ladders": predicted degraded iff the table refuses it), so that exactly
 round(share · size) settings are predicted degraded. A draw that restates a calibration
 setting or an earlier one (the same set of `key=value` items) is skipped. Everything is a
@@ -184,7 +184,7 @@ def admits(spec: str, table: Mapping[str, Mapping], run_cfg) -> bool:
 
 
 def _canonical(spec: str) -> frozenset[str]:
-  return frozenset(item.strip() for item in spec.split(",") if item.strip())
+  return frozenset(item.strip() for item in values.split_spec(spec) if item.strip())
 
 
 def _uniform(rng: random.Random, values: Sequence[str]) -> str:

@@ -2,6 +2,8 @@
 
     python -m opd_jax.validation --study=DIR/study.json --config=configs/validation.py
         [--json=PATH] [--md=PATH] [--third-run=DIR [--config.run.<key>=<value> ...]]
+    python -m opd_jax.validation --draw-held-out --study=LADDERS/study.json
+        --config=configs/round10.py
 
 Reads a finished `study.json` and the analysis its config froze (`config.analysis`), prints the
 markdown tables (the frozen rule beside the baselines, the one-scale and interaction analyses)
@@ -12,6 +14,11 @@ then sets a key of the study's run config as the study ran it (e.g.
 `--config.run.teacher.cache_dir=DIR`), parsed as `--config.<key>=<value>` is everywhere. The
 old `--run-override=KEY=VALUE` still works for this release, with a warning. The logic is
 `opd_jax.experiments.validation`.
+
+With --draw-held-out, nothing is scored: the config file's held-out draw (its `draw_config()`)
+is made on the calibration labels of the finished study given (a calibration-only study, e.g.
+the dose ladders', whose calibration settings are the config's), and printed as the Python
+lines to paste into the config before any of its runs (`format_lookup.draw_held_out`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,13 @@ def define_flags(fv: flags.FlagValues) -> None:
   )
   cli_flags.define_json_flag(fv, "the report's data")
   flags.DEFINE_string("md", None, "Write the markdown tables to PATH.", flag_values=fv)
+  flags.DEFINE_bool(
+    "draw-held-out",
+    False,
+    "Print the config's held-out draw on the study's calibration labels, as Python lines to "
+    "paste into the config, and exit (nothing is scored).",
+    flag_values=fv,
+  )
   flags.DEFINE_string(
     "third-run",
     None,
@@ -70,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
   from opd_jax.experiments import runs, study_report, validation
   from opd_jax.io import json_file
 
+  if args.draw_held_out:
+    with open(args.study, encoding="utf-8") as f:
+      print("\n".join(validation.draw_lines(json.load(f), args.config)))
+    return
   config = validation.load_config(args.config)
   overrides = validation.run_overrides(override_items, config.run)
   if overrides:

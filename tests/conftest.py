@@ -226,6 +226,7 @@ SLOW_FILES_FIRST = (
   "test_sensitivity.py",
   "test_padded_vocab.py",
   "test_device_check.py",
+  "test_round10.py",
 )
 
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opd_jax.experiments import ladders, scoring
+from opd_jax.experiments import format_lookup, ladders, scoring
 from opd_jax.mismatch import budget_fit
 
 
@@ -333,15 +333,29 @@ def _num(x) -> str:
   return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+def _baseline_tables(v: Mapping) -> list[str]:
+  """What the measure-nothing baselines of a scored validation were read off, in words."""
+  out = []
+  if "thresholds" in v:
+    t = v["thresholds"]
+    out.append(
+      f"Measure-nothing thresholds: σ* = {_num(t['sigma'])}, k* = {_num(t['lag'])}, refused "
+      f"formats: {', '.join(t['formats']) or 'none'}."
+    )
+  if "lookup" in v:
+    refused = format_lookup.refusal_text(v["lookup"]) or "nothing"
+    out.append(f"Format lookup table: refuses {refused}.")
+  return out
+
+
 def validation_markdown(report: Mapping) -> str:
   """The tables of a study's scored validation (`experiments.validation.report`)."""
   v = report["validation"]
+  baselines = v.get("baselines", ["pooled", "admit_all", "measure_nothing"])  # before the field
   lines = [
     f"Held-out settings: {v['n']}, of which {v['degraded']} degraded "
     f"(label {v['label']}, τ = {_num(v['tolerance'])}).",
-    f"Measure-nothing thresholds: σ* = {_num(v['thresholds']['sigma'])}, "
-    f"k* = {_num(v['thresholds']['lag'])}, refused formats: "
-    f"{', '.join(v['thresholds']['formats']) or 'none'}.",
+    *_baseline_tables(v),
     f"τ's 95 % interval over the reference seeds: [{_num(v['tolerance_interval'][0])}, "
     f"{_num(v['tolerance_interval'][1])}]; {v['labels_within_tolerance_interval']} held-out "
     "labels lie within it.",
@@ -359,7 +373,7 @@ def validation_markdown(report: Mapping) -> str:
       "| refused degraded |",
       "|---|---|---|---|---|---|---|",
     ]
-    for name in (report["primary"], "pooled", "admit_all", "measure_nothing"):
+    for name in (report["primary"], *baselines):
       s = block[name]
       lo, hi = s["interval"]
       lines.append(
@@ -385,20 +399,24 @@ def validation_markdown(report: Mapping) -> str:
         report["primary"],
         v.get("too_close_reading", scoring.DEFAULT_READING),
       ),
-      f"goal ≥ 90 % met: {block['goal_met']}; beats "
+      f"goal (≥ 90 %{''.join(f', beats {m}' for m in block.get('must_beat', ()))}) met: "
+      f"{block['goal_met']}; beats "
       + ", ".join(f"{k}: {b}" for k, b in block["beats"].items())
       + f"; non-inferior to pooled: {block['noninferior']}",
       "",
     ]
+  shown = [n for n in baselines if n != "admit_all"]
   lines += [
-    "| setting | source | check KL | drop | kept | " + report["primary"] + " | pooled | "
-    "measure_nothing |",
-    "|---|---|---|---|---|---|---|---|",
+    "| setting | source | check KL | drop | kept | "
+    + " | ".join([report["primary"], *shown])
+    + " |",
+    "|---" * (6 + len(shown)) + "|",
   ]
   for s in v["settings"]:
     lines.append(
       f"| `{s['spec']}` | {s['source']} | {_num(s['kl'])} | {_num(s['drop'])} | {s['kept']} | "
-      f"{s[report['primary']]} | {s['pooled']} | {s['measure_nothing']} |"
+      + " | ".join(str(s[n]) for n in [report["primary"], *shown])
+      + " |"
     )
   for axis, block in report["one_scale"].items():
     lines += [

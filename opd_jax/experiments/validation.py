@@ -15,7 +15,14 @@ the pooled rule's (`admitted_pooled`). Beside them:
                     (`nothing_thresholds`): refuse iff σ ≥ σ* or k ≥ k* or the weights format
                     is one whose lone calibration setting lost quality. σ* (k*) is the
                     smallest σ (k) of a lone noise (stale) calibration setting that lost
-                    quality, ∞ when none did.
+                    quality, ∞ when none did;
+  lookup            the format lookup table (`format_lookup`): per dose ladder, refuse a part
+                    at or coarser than the finest rung that lost quality; a combination is
+                    refused iff one of its parts is.
+
+The analysis names the baselines it scores (`baselines`, `mcnemar_against`, `noninferior_to`;
+`baseline_verdicts`). Its goal is met when the rule's agreement is ≥ `goal` and, for each
+baseline of `must_beat` (none by default), the McNemar test below rejects at α.
 
 A setting kept quality iff the mean drop over its runs d̄ ≤ τ. Agreement a = (true accepts +
 true refusals) / n, with the Wilson score interval at level 1 − α (`stats.wilson`), on all the
@@ -57,48 +64,14 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.config import values
-from opd_jax.experiments import scoring, stats
+from opd_jax.experiments import format_lookup, scoring, stats
 from opd_jax.experiments import study as study_lib
+from opd_jax.experiments.baselines import baseline_verdicts, kept
 from opd_jax.io import provenance
 from opd_jax.mismatch import budget, budget_fit
 from opd_jax.mismatch import candidates as candidates_lib
 
 LABEL_DROP = study_lib.LABEL_DROP
-INF = math.inf
-
-
-def kept(row: Mapping, tolerance: float, key: str = LABEL_DROP) -> bool:
-  """A setting kept quality iff its drop over its runs is ≤ τ."""
-  return bool(row[key] <= tolerance)
-
-
-def _engine(spec: str, run_cfg) -> tuple[float, int, str]:
-  """(σ, k, weights format) of a candidate's engine."""
-  c = candidates_lib.parse_candidate(spec, run_cfg)
-  return float(c.engine_cfg.noise_sigma), int(c.lag), str(c.engine_cfg.weights)
-
-
-def nothing_thresholds(rows: Sequence[Mapping], tolerance: float, run_cfg) -> dict[str, Any]:
-  """σ*, k* and the refused weight formats of the measure-nothing rule, from the lone
-  calibration settings' labels (module docstring)."""
-  sigma, lag, formats = INF, INF, set()
-  for r in rows:
-    if r["role"] != "calibration" or "+" in r["source"] or kept(r, tolerance):
-      continue
-    s, k, w = _engine(r["spec"], run_cfg)
-    if r["source"] == "noise":
-      sigma = min(sigma, s)
-    elif r["source"] == "stale":
-      lag = min(lag, k)
-    elif r["source"].endswith("_weights"):
-      formats.add(w)
-  return {"sigma": sigma, "lag": lag, "formats": sorted(formats)}
-
-
-def nothing_admits(spec: str, thresholds: Mapping, run_cfg) -> bool:
-  """The measure-nothing rule's verdict on one setting."""
-  s, k, w = _engine(spec, run_cfg)
-  return s < thresholds["sigma"] and k < thresholds["lag"] and w not in thresholds["formats"]
 
 
 def compare(rule: Sequence[bool], other: Sequence[bool], labels: Sequence[bool], alpha: float):
@@ -185,17 +158,12 @@ def validate(result: Mapping, config) -> dict[str, Any]:
     too_close = [False] * len(rows)
     if not rows:
       raise ValueError("every held-out setting is too close to call: none is left to score")
-  thresholds = nothing_thresholds(result["rows"], tolerance, config.run)
   tau_band = tolerance_interval(result, level=level)
-  verdicts = {
-    analysis.primary: [
-      bool(v)
-      for v in scoring.read_too_close([bool(r["admitted"]) for r in rows], too_close, reading)
-    ],
-    "pooled": [bool(r["admitted_pooled"]) for r in rows],
-    "admit_all": [True] * len(rows),
-    "measure_nothing": [nothing_admits(r["spec"], thresholds, config.run) for r in rows],
-  }
+  primary = [
+    bool(v) for v in scoring.read_too_close([bool(r["admitted"]) for r in rows], too_close, reading)
+  ]
+  baselines, tables = baseline_verdicts(result, rows, config)
+  verdicts = {analysis.primary: primary, **baselines}
   primary_labels = [kept(r, tolerance) for r in rows]
   out: dict[str, Any] = {
     "label": result["label"],
@@ -203,7 +171,8 @@ def validate(result: Mapping, config) -> dict[str, Any]:
     "too_close_reading": reading,
     "n": len(rows),
     "degraded": primary_labels.count(False),
-    "thresholds": thresholds,
+    "baselines": list(baselines),
+    **tables,
     "tolerance_interval": list(tau_band),
     "labels_within_tolerance_interval": len(in_band(result, tau_band)),
     "settings": [
@@ -233,10 +202,14 @@ def validate(result: Mapping, config) -> dict[str, Any]:
       for name in (*analysis.mcnemar_against, analysis.noninferior_to)
     }
     margin = float(analysis.noninferiority_margin)
-    block["goal_met"] = block[analysis.primary]["agreement"] >= float(analysis.goal)
     block["beats"] = {
       name: block["tests"][name]["mcnemar_p"] < alpha for name in analysis.mcnemar_against
     }
+    must_beat = tuple(analysis.get("must_beat", ()))
+    block["must_beat"] = list(must_beat)
+    block["goal_met"] = block[analysis.primary]["agreement"] >= float(analysis.goal) and all(
+      block["beats"][name] for name in must_beat
+    )
     block["noninferior"] = block["tests"][analysis.noninferior_to]["difference_lower"] > -margin
     out[label_name] = block
   out["accuracy_tolerance"] = acc_floor["tolerance"]
@@ -442,14 +415,12 @@ def run_overrides(items: Sequence[str], run_cfg) -> dict[str, Any]:
   return out
 
 
-def load_config(path: str):
-  """A config file's `get_config()` (`path[:arg]`), its directory importable (configs import
-  their siblings)."""
+def load_module(path: str):
+  """A config file as a module, its directory importable (configs import their siblings)."""
   import importlib.util
   import os
   import sys
 
-  path, _, arg = path.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"--config={path!r}: no such file")
   directory = os.path.dirname(os.path.abspath(path))
@@ -458,10 +429,52 @@ def load_config(path: str):
   spec = importlib.util.spec_from_file_location("opd_jax_validation_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  return module
+
+
+def load_config(path: str):
+  """A config file's `get_config()` (`path[:arg]`, `load_module`)."""
+  path, _, arg = path.partition(":")
+  module = load_module(path)
   config = module.get_config(arg) if arg else module.get_config()
   if "analysis" not in config:
     raise ValueError(f"{path} has no `analysis` section: nothing was pre-registered to score")
   return config
+
+
+def draw_lines(result: Mapping, path: str) -> list[str]:
+  """The held-out draw of the config file `path` (its `draw_config()`: "run", "calibration",
+  "draw" with `format_lookup.draw_held_out`'s parameters) on the calibration labels of the
+  finished study `result`, as the Python lines to paste into the config
+  (`format_lookup.literal_lines`).
+
+  Raises:
+    ValueError: a config file without `draw_config`, or a study whose calibration settings are
+      not the config's (named).
+  """
+  module = load_module(path.partition(":")[0])
+  if not hasattr(module, "draw_config"):
+    raise ValueError(f"{path} defines no draw_config(): it has no held-out draw")
+  c = module.draw_config()
+  verdicts = format_lookup.calibration_verdicts(result["rows"], result["tolerance"], LABEL_DROP)
+  missing = sorted(set(c.calibration) - set(verdicts))
+  extra = sorted(set(verdicts) - set(c.calibration))
+  if missing or extra:
+    raise ValueError(
+      f"the study's calibration settings are not {path}'s: missing {missing[:4]}, "
+      f"not in the config {extra[:4]}"
+    )
+  d = c.draw
+  drawn = format_lookup.draw_held_out(
+    verdicts,
+    c.run,
+    seed=int(d.seed),
+    size=int(d.size),
+    degraded_share=float(d.degraded_share),
+    singles=tuple(d.singles),
+    knobs=tuple((float(p), tuple(v)) for p, v in d.knobs),
+  )
+  return format_lookup.literal_lines(drawn, format_lookup.table_from_verdicts(verdicts, c.run))
 
 
 def report(result: Mapping, config) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from opd_jax import validation as validation_command
-from opd_jax.experiments import scoring, stats, validation
+from opd_jax.experiments import baselines, scoring, stats, validation
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "configs"))
@@ -105,14 +105,14 @@ def _config():
 
 def test_measure_nothing_thresholds_from_lone_calibration_labels():
   result = _result()
-  t = validation.nothing_thresholds(result["rows"], result["tolerance"], _run_cfg())
+  t = baselines.nothing_thresholds(result["rows"], result["tolerance"], _run_cfg())
   # noise lost quality from σ 0.4; stale from k 64; int4 kept it.
   assert t == {"sigma": 0.4, "lag": 64, "formats": []}
   run = _run_cfg()
-  assert validation.nothing_admits("rollout.noise_sigma=0.39", t, run)
-  assert not validation.nothing_admits("rollout.noise_sigma=0.4", t, run)
-  assert not validation.nothing_admits("rollout.stale_k=64,rollout.weights=int4", t, run)
-  assert validation.nothing_admits("rollout.stale_k=63,rollout.weights=int4", t, run)
+  assert baselines.nothing_admits("rollout.noise_sigma=0.39", t, run)
+  assert not baselines.nothing_admits("rollout.noise_sigma=0.4", t, run)
+  assert not baselines.nothing_admits("rollout.stale_k=64,rollout.weights=int4", t, run)
+  assert baselines.nothing_admits("rollout.stale_k=63,rollout.weights=int4", t, run)
 
 
 def test_validate_counts_every_table_by_hand():

@@ -34,12 +34,16 @@ the held-out ones by this round's, so `allow_mixed_code` is on and study.json li
 
 Held out (`HELD_OUT`, HELD_OUT_SIZE = 30 settings, three runs each: seeds 0, 1, 2), drawn by
 `format_lookup.draw_held_out` with HELD_OUT_SEED from the ladders' labels:
-  - SINGLES, eight single-source rungs that no ladder has: INT4, FP4 and FP8 weights in groups
-    of 64; FP8 E5M2 and INT8 weights per output channel; stale k 6, 10 and 14;
+  - SINGLES, six single-source rungs that no ladder has: INT4, FP4 and FP8 weights in groups
+    of 64; stale k 6, 10 and 14;
   - then combinations of KNOBS, each present with its probability and its value uniform:
-    a weight recipe (the ladders' rungs and the ones above, FP8 E5M2 and INT8 per tensor too),
-    a KV recipe (the ladders' twelve), a lag (async max_lag 1, 2; stale k 4 to 16);
-  - no weight noise, no setting of the calibration, every one passing `config.check.validate`.
+    a weight recipe (the ladders' rungs and the ones above), a KV recipe (the ladders'
+    twelve), a lag (async max_lag 1, 2; stale k 4 to 16);
+  - no weight noise, no setting of the calibration, every one passing `config.check.validate`;
+  - only formats the ladders calibrate: a weight format no ladder has (INT8, FP8 E5M2) is
+    refused by the check as an "uncalibrated source" whatever it costs, so such a setting
+    would score the refusal default, not the budget; it is left out, and the README's claim
+    covers the calibrated formats only.
 The draw aims at DEGRADED_SHARE = 0.4 of the settings degrading, going by the ladders: a setting
 is predicted degraded iff the lookup table below refuses it, and combinations are drawn until
 exactly 12 of 30 are predicted degraded and 18 kept. Every lag is at most 16, the ladders'
@@ -50,9 +54,9 @@ Pre-registered analysis (`ANALYSIS`, scored by `python -m opd_jax.validation`):
             `admission.candidate_verdict`, the path of `python -m opd_jax.admit`: agreement with
             the held-out labels (kept ⇔ mean drop over three runs ≤ τ), Wilson 95 % interval,
             on all 30 settings and on those outside ±2 SE of τ; the same under accuracy.
-            A part of a source the ladders did not calibrate (INT8 and FP8 E5M2 weights) or
-            beyond its source's calibrated range is refused (`extrapolate = "refuse"`, the
-            check's default with a budget); the pooled threshold and the table judge it.
+            A part beyond its source's calibrated range is refused (`extrapolate =
+            "refuse"`, the check's default with a budget); the pooled threshold and the table
+            judge it.
   baselines frozen here:
             - admit_all;
             - pooled: one threshold on the check's KL, the budget's overall limit fitted on the
@@ -61,8 +65,8 @@ Pre-registered analysis (`ANALYSIS`, scored by `python -m opd_jax.validation`):
               ladder (INT4, FP4, FP8 weights; each KV format with and without layer 0 in
               BF16; the lag, async max_lag L counted as lag L), refuse a part at or coarser
               than the finest rung that degraded on that ladder; a part of a format that no
-              ladder covers (INT8, FP8 E5M2 weights) is admitted; a combination is refused
-              iff one of its parts is.
+              ladder covers is admitted (none is drawn); a combination is refused iff one of
+              its parts is.
   tests     exact one-sided McNemar (α = 0.05) of the rule against each baseline.
             Goal: agreement ≥ 90 % and beating the lookup table (`must_beat`).
   too close a verdict whose KL falls inside its limit's bootstrap band is read as a refusal
@@ -99,8 +103,6 @@ SINGLES = (
   "rollout.weights=int4,rollout.weight_group_size=64",
   "rollout.weights=fp4,rollout.weight_group_size=64",
   "rollout.weights=fp8,rollout.weight_group_size=64",
-  "rollout.weights=fp8_e5m2",
-  "rollout.weights=int8",
   "rollout.stale_k=6",
   "rollout.stale_k=10",
   "rollout.stale_k=14",
@@ -112,9 +114,7 @@ WEIGHTS = (
     *ladders.INT4,
     *ladders.FP4,
     *ladders.FP8,
-    *SINGLES[:5],
-    "rollout.weights=fp8_e5m2,rollout.weight_per_tensor=true",
-    "rollout.weights=int8,rollout.weight_per_tensor=true",
+    *SINGLES[:3],
   ),
 )
 KV = (0.6, ladders.KV)
@@ -143,7 +143,8 @@ VARIANTS = ("tiny",)
 # `:tiny`: ladders.py:tiny's calibration (lags below its 3-step probe) and two held-out settings.
 TINY_HELD_OUT = (
   "rollout.weights=int4,rollout.weight_group_size=32,rollout.stale_k=1",
-  "rollout.weights=int8,rollout.kv_cache=fp4,rollout.kv_granularity=tensor",
+  "rollout.weights=int4,rollout.weight_group_size=64,rollout.kv_cache=fp4,"
+  "rollout.kv_granularity=tensor",
 )
 UNREGISTERED = (
   "round 10's held-out settings are not drawn yet: run `python -m opd_jax.validation "

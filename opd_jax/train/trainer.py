@@ -42,6 +42,7 @@ from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.inference import sampler
 from opd_jax.io import build, metrics_writer, provenance
+from opd_jax.io import progress as progress_lib
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
 from opd_jax.rollout import async_rollouts, sources
@@ -376,7 +377,7 @@ def _train(
       extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
     ckpt.save(step, state, extra)
 
-  progress = metrics_writer.Progress(t.steps)
+  progress = progress_lib.Progress(t.steps)
   lag_breakdown = _LagBreakdown()
   loop_start, first_step, stopped_by = time.time(), step, None
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall

@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
-from opd_jax.inference import sampler
+from opd_jax.inference import decode_loop
 from opd_jax.io import build, metrics_writer, provenance
 from opd_jax.io import progress as progress_lib
 from opd_jax.io.run_history import export_dir, run_fingerprint
@@ -416,7 +416,7 @@ def _train(
         scalars.update(
           {
             "perf/train_seconds": train_seconds,
-            "perf/sampler_traces": sampler.trace_count(),
+            "perf/sampler_traces": decode_loop.trace_count(),
             "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
             "perf/train_wall_seconds": time.time() - loop_start - paused,
           }

@@ -11,7 +11,7 @@ Sections (`--sections`, comma-separated, default all; each runs the named bench'
 functions, `bench/device_sections.py`):
 
 * "environment": python, jax and jaxlib versions, the backend, device kind and count,
-  `quant.has_native_fp8()`, and the code's provenance (`io.provenance.code_state`).
+  `quant_compute.has_native_fp8()`, and the code's provenance (`io.provenance.code_state`).
 * "pallas": `bench.pallas_check`, the opt-in Pallas decode kernel against the blockwise path
   (largest difference, within the tests' tolerance or not, both against float64) and its
   speed. Where Pallas cannot run on the backend (no Pallas backend for the platform, or a

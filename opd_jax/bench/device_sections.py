@@ -139,7 +139,7 @@ def environment(plan: Plan) -> dict:
   import jaxlib
 
   from opd_jax.io import provenance
-  from opd_jax.model import quant
+  from opd_jax.model import quant_compute
 
   device = jax.devices()[0]
   code = provenance.code_state()
@@ -152,7 +152,7 @@ def environment(plan: Plan) -> dict:
     "device_kind": device.device_kind,
     "device_count": jax.device_count(),
     "compute_capability": str(getattr(device, "compute_capability", "") or "") or None,
-    "has_native_fp8": quant.has_native_fp8(),
+    "has_native_fp8": quant_compute.has_native_fp8(),
     "provenance": code | {"described": provenance.describe(provenance.code_key(code))},
   }
 
@@ -208,7 +208,7 @@ def decode_scaling(plan: Plan) -> dict:
 def sampler(plan: Plan) -> dict:
   """bench.sampler's fp8_vs_bf16 rows: FP8 weights and KV against BF16, tokens/s per batch."""
   from opd_jax.bench import sampler as bench
-  from opd_jax.model import quant
+  from opd_jax.model import quant_compute
 
   sizes = SIZES["sampler"][plan.mode]
   rows = bench.bench_model(
@@ -217,7 +217,7 @@ def sampler(plan: Plan) -> dict:
   return {
     "model": sizes["name"],
     "new_tokens": bench.NEW_TOKENS,
-    "native_fp8": quant.has_native_fp8(),
+    "native_fp8": quant_compute.has_native_fp8(),
     "tokens_per_s": {
       f"b{r['batch']}": {"fp8": r["opd_jax_tokens_per_s"], "bf16": r["bf16_tokens_per_s"]}
       for r in rows

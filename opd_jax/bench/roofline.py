@@ -11,8 +11,8 @@ Peaks, measured here (medians of `--repeats` calls after two warm-up calls):
 * `matmul_flops_per_s`: C = A·B of two [n, n] matrices (`--matmul-size` n; 0 picks 8192 on an
   accelerator, 2048 on a CPU), 2n³ FLOPs per call, per dtype: "float32" at JAX's default
   precision (TF32 on GPUs that have it), "float32_highest" (`Precision.HIGHEST`), "bfloat16",
-  and "float8_e4m3fn" (e4m3 × e4m3 with f32 accumulation, as `quant.fp8_matmul` does) where
-  `quant.has_native_fp8()`; "n/a" where the device has no FP8 matrix units.
+  and "float8_e4m3fn" (e4m3 × e4m3 with f32 accumulation, as `quant_compute.fp8_matmul` does) where
+  `quant_compute.has_native_fp8()`; "n/a" where the device has no FP8 matrix units.
 * `copy_bytes_per_s`: x ← x + 1 (donated, in place) over an f32 array of `--copy-mb` MB (0:
   1024 on an accelerator, 256 on a CPU), 2 × its bytes per call (one read, one write).
 
@@ -192,12 +192,12 @@ def peaks(matmul_size: int, copy_mb: int, repeats: int, log=print) -> dict:
   """The device's measured limits (module docstring); sizes 0 pick the backend's default."""
   import jax
 
-  from opd_jax.model import quant
+  from opd_jax.model import quant_compute
 
   cpu = jax.default_backend() == "cpu"
   size = matmul_size or (2048 if cpu else 8192)
   megabytes = copy_mb or (256 if cpu else 1024)
-  native = quant.has_native_fp8()
+  native = quant_compute.has_native_fp8()
   flops = {}
   for dtype in ("float32", "float32_highest", "bfloat16", FP8):
     flops[dtype] = matmul_peak(dtype, size, repeats) if dtype != FP8 or native else NOT_AVAILABLE

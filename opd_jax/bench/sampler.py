@@ -31,7 +31,7 @@ Rows (kind):
   the fair comparison.
 * "fp8_vs_dense": the rollout engine as the trainer builds it for
   `rollout.weights = "fp8"` (`transform.engine_params`: per-channel e4m3 weights,
-  prepared for this hardware by `quant.prepare_for_compute`) with an FP8 KV cache
+  prepared for this hardware by `quant_compute.prepare_for_compute`) with an FP8 KV cache
   (per-token, per-head scales), against the dense engine of the default run: the
   trainer's f32 weights and an f32 KV cache ("dense" = f32 here). The same run
   also times the unprepared QArrays (`fp8_per_step_*`, the weights dequantized
@@ -208,7 +208,7 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS, batches=BATCHES) -> l
 
   from opd_jax.inference import transform
   from opd_jax.io import hf
-  from opd_jax.model import kvcache, quant
+  from opd_jax.model import kvcache, quant, quant_compute
   from opd_jax.model import transformer as model
 
   cfg = MODELS[name]
@@ -229,10 +229,10 @@ def bench_model(name: str, repeats: int, log, kinds=KINDS, batches=BATCHES) -> l
   fp8_engine_params = transform.engine_params(params, fp8_engine, jax.random.key(0))
   fp8_per_step_params = quant.quantize_params(params, quant.QuantRecipe())
   bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  fp8_bf16_params = quant.prepare_for_compute(
+  fp8_bf16_params = quant_compute.prepare_for_compute(
     quant.quantize_params(bf16_params, quant.QuantRecipe())
   )
-  native = quant.has_native_fp8()
+  native = quant_compute.has_native_fp8()
   rows = []
   for batch in batches:
     tokens_bp = np.random.default_rng(batch).integers(3, cfg.vocab_size, (batch, PROMPT_LEN))

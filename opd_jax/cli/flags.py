@@ -149,7 +149,7 @@ class ProgressLog:
   """A command's log function that adds an ETA to its "item i of n" lines.
 
   A line that starts with `[i/n]` (or `<what> i/n`, e.g. `setting 3/44`) says item i of n is
-  finished; the rate is measured by `metrics_writer.Progress` from the moment the counter was
+  finished; the rate is measured by `io.progress.Progress` from the moment the counter was
   first seen (counting that moment as item 0), and the line gets `| ETA 12m30s` appended. On a
   terminal a status line (`setting 3/44 | 0m42s elapsed | ETA 12m30s`) also stays under the
   latest line until the next one replaces it; in a log file only the lines are written.
@@ -177,12 +177,12 @@ class ProgressLog:
 
   def eta(self, what: str, done: int, total: int) -> str:
     """Records that `done` of `total` `what` are finished; returns the formatted ETA."""
-    from opd_jax.io import metrics_writer
+    from opd_jax.io import progress as progress_lib
 
     key = (what, total)
     if key not in self._counters or done < self._counters[key][1]:
       first = [self._start if key not in self._counters else self._clock()]
-      progress = metrics_writer.Progress(
+      progress = progress_lib.Progress(
         max(total, 1), clock=lambda: first.pop() if first else self._clock()
       )
       progress.line(0 if key not in self._counters else done)
@@ -192,7 +192,7 @@ class ProgressLog:
     self._counters[key][1] = done
     rate = progress.rate()
     remaining = (total - done) / rate if rate == rate and rate > 0 else float("nan")
-    return metrics_writer.format_duration(max(remaining, 0.0) if done < total else 0.0)
+    return progress_lib.format_duration(max(remaining, 0.0) if done < total else 0.0)
 
   def __call__(self, *args) -> None:
     text = " ".join(str(a) for a in args)
@@ -205,10 +205,10 @@ class ProgressLog:
         eta = self.eta(what, done, total)
         text += f" | ETA {eta}"
         elapsed = self._clock() - self._start
-        from opd_jax.io import metrics_writer
+        from opd_jax.io import progress as progress_lib
 
         status = (
-          f"{what} {done}/{total} | {metrics_writer.format_duration(elapsed)} elapsed | ETA {eta}"
+          f"{what} {done}/{total} | {progress_lib.format_duration(elapsed)} elapsed | ETA {eta}"
         )
     if self._status:
       out.write("\r\x1b[K")

@@ -52,7 +52,7 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.config.values import DEFAULT_NUM_PROMPTS
-from opd_jax.experiments import runs, study_rules
+from opd_jax.experiments import runs, study_probe, study_rules, study_setting
 from opd_jax.experiments import study as study_lib
 from opd_jax.io import json_file
 from opd_jax.mismatch import budget, budget_file
@@ -148,7 +148,7 @@ def _sources(spec: str, run_cfg) -> list[str]:
   """The sources of a candidate, refusing one that changes nothing the engine does."""
   candidate = candidates_lib.parse_candidate(spec, run_cfg)
   source = candidates_lib.candidate_source(candidate)
-  if source == study_lib.REFERENCE:
+  if source == study_setting.REFERENCE:
     raise ValueError(
       f"candidate {spec!r} changes nothing the rollout engine does: it has no mismatch source "
       "to calibrate (it is the trainer's own engine)"
@@ -305,7 +305,10 @@ def measured_cost(result: dict, full_steps: int) -> float:
   restart loses nothing), over one run of the config, taken as the reference runs' mean wall
   seconds scaled from the runs' steps to `full_steps` (so a run's fixed setup is scaled too)."""
   reference = [
-    s for r in result["rows"] if r["role"] == study_lib.REFERENCE for s in r["wall_seconds_runs"]
+    s
+    for r in result["rows"]
+    if r["role"] == study_setting.REFERENCE
+    for s in r["wall_seconds_runs"]
   ]
   one_run = float(np.mean(reference)) * full_steps / result["run_steps"]
   return result["train_seconds"] / one_run if one_run > 0 else math.nan
@@ -318,17 +321,17 @@ def screen(plan: Plan, workdir: str, log: Callable = print) -> list[dict]:
     return []
   config = plan.study
   settings = [
-    study_lib.Setting(
-      study_lib.setting_name(spec),
+    study_setting.Setting(
+      study_setting.setting_name(spec),
       spec,
-      study_lib.source_of(candidates_lib.parse_candidate(spec, config.run)),
+      study_setting.source_of(candidates_lib.parse_candidate(spec, config.run)),
       "screen",
       int(config.seeds[0]),
     )
     for spec in plan.candidates
   ]
-  probe_dir = os.path.join(workdir, "runs", study_lib.PROBE)
-  measured, _ = study_lib.measure_settings(config, settings, probe_dir, workdir, log)
+  probe_dir = os.path.join(workdir, "runs", study_probe.PROBE)
+  measured, _ = study_probe.measure_settings(config, settings, probe_dir, workdir, log)
   fitted, _ = budget_file.load_budget(os.path.join(workdir, study_lib.BUDGET_FILE))
   rows = [{"spec": s.spec, "source": s.source, **measured[s.spec]} for s in settings]
   out = []

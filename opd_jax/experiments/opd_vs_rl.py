@@ -50,7 +50,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from opd_jax.experiments import opd_vs_rl_report, runs, study, study_provenance
+from opd_jax.experiments import opd_vs_rl_report, runs, study_provenance, study_setting
 from opd_jax.experiments.opd_vs_rl_arms import (
   GROUP_SIZE,
   GRPO_LR,
@@ -67,7 +67,7 @@ from opd_jax.mismatch import candidates as candidates_lib
 def setting_name(spec: str) -> str:
   """A directory name for a setting spec: "rollout.weights=fp8,rollout.kv_cache=fp8" ->
   "weights-fp8_kv_cache-fp8"; the empty spec is the reference."""
-  return study.setting_name(spec) if spec else REFERENCE
+  return study_setting.setting_name(spec) if spec else REFERENCE
 
 
 def grad_norm_stats(run_dir: str) -> dict[str, Any]:

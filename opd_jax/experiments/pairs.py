@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_jax.experiments import runs, stats
+from opd_jax.experiments import runs, stats, study_setting
 from opd_jax.experiments import study as study_lib
 from opd_jax.io import json_file
 from opd_jax.mismatch import budget, budget_fit
@@ -43,7 +43,7 @@ def load(workdir: str) -> dict:
   result = json_file.read_json(os.path.join(workdir, study_lib.STUDY_FILE))
   before = []
   for r in result["rows"]:
-    if r["role"] == study_lib.REFERENCE:
+    if r["role"] == study_setting.REFERENCE:
       done = runs.read_result(os.path.join(workdir, "runs", r["name"]))
       before.append(done["student_teacher_kl_before"])
   result["start_kl"] = float(np.mean(before))
@@ -68,9 +68,9 @@ def label_records(result: dict, label: str, axis: str = "absolute"):
   rows = [
     {**r, "quality_runs": _quality_runs(r, label), budget.KL_KEY: _x(r, result, axis)}
     for r in result["rows"]
-    if r["role"] in (study_lib.REFERENCE, "calibration")
+    if r["role"] in (study_setting.REFERENCE, "calibration")
   ]
-  reference = [q for r in rows if r["role"] == study_lib.REFERENCE for q in r["quality_runs"]]
+  reference = [q for r in rows if r["role"] == study_setting.REFERENCE for q in r["quality_runs"]]
   floor = stats.noise_floor(reference, result["num_eval"], label)
   return study_lib.budget_records(rows, floor["mean"]), floor
 
@@ -139,7 +139,7 @@ def label_agreement(result: dict) -> dict[str, Any]:
   """How well the two labels predict each other on a pair's runs: the Spearman correlation of
   accuracy with −KL(student ‖ teacher) over every reference and calibration run, and on how
   many calibration settings the two labels give the same kept/degraded call."""
-  rows = [r for r in result["rows"] if r["role"] in (study_lib.REFERENCE, "calibration")]
+  rows = [r for r in result["rows"] if r["role"] in (study_setting.REFERENCE, "calibration")]
   accuracy = [q for r in rows for q in _quality_runs(r, "accuracy")]
   minus_kl = [q for r in rows for q in _quality_runs(r, "teacher_kl")]
   by_accuracy = settings(result, "accuracy")
@@ -156,7 +156,7 @@ def label_agreement(result: dict) -> dict[str, Any]:
 def pair_summary(name: str, result: dict) -> dict[str, Any]:
   """One pair's row of the table: accuracies, τ and limits under both labels, and the
   sensitivity scan's ranking and FP8 recipe."""
-  ref = [r for r in result["rows"] if r["role"] == study_lib.REFERENCE]
+  ref = [r for r in result["rows"] if r["role"] == study_setting.REFERENCE]
   out: dict[str, Any] = {
     "pair": name,
     "teacher_accuracy": result["teacher_accuracy"],

@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +64,7 @@ import numpy as np
 
 from opd_jax.config import check as config_check
 from opd_jax.experiments import ladders, plots, runs, scoring, stats, study_provenance, study_report
+from opd_jax.experiments.study_probe import MEASUREMENTS_FILE, PROBE, measure_settings, run_probe
 from opd_jax.experiments.study_rules import (
   LABEL_DROP,  # the drop a held-out verdict is judged by: over its runs (step 5)
   rule_validation,
@@ -72,7 +72,8 @@ from opd_jax.experiments.study_rules import (
   study_rule,
   verdicts,
 )
-from opd_jax.io import provenance, run_history
+from opd_jax.experiments.study_setting import REFERENCE, Setting, run_config, study_settings
+from opd_jax.io import provenance
 from opd_jax.io.json_file import read_json, write_json
 from opd_jax.mismatch import (
   admission,
@@ -81,16 +82,7 @@ from opd_jax.mismatch import (
   budget_fit,
   sensitivity,
 )
-from opd_jax.mismatch import (
-  candidates as candidates_lib,
-)
-from opd_jax.train import setup as setup_lib
-from opd_jax.train import trainer
 
-PROBE = "probe"
-REFERENCE = "reference"
-REFERENCE_SPEC = "rollout.weights=trainer"  # a candidate that changes nothing: the exact engine
-MEASUREMENTS_FILE = "measurements.json"
 BUDGET_FILE = "budget.json"
 STUDY_FILE = "study.json"
 # What a run's quality q is (`run_quality`; `config.label`): held-out accuracy, the held-out
@@ -101,164 +93,6 @@ LABELS = ("accuracy", "teacher_kl", "auto")
 # teacher's is above it too; below, a drop of a few points is unresolvable and it takes the KL.
 AUTO_MIN_ACCURACY = 0.1
 TRAIN_KL = "train/mismatch/kl_mean"  # a run's training-time mean mismatch/kl
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-  """One configuration of the study: a candidate spec, where it is used, and its run.
-
-  Attributes:
-    name: run directory name under DIR/runs.
-    spec: the admission-check candidate (`candidates_lib.parse_candidate`).
-    source: "reference", a source name, or several joined by "+" for combinations.
-    role: "reference" | "calibration" | "held_out".
-    seed: `train.seed` of its run.
-  """
-
-  name: str
-  spec: str
-  source: str
-  role: str
-  seed: int
-
-
-def setting_name(spec: str) -> str:
-  """A directory name for a spec: "rollout.noise_sigma=0.1,rollout.stale_k=2" ->
-  "noise_sigma-0.1_stale_k-2"."""
-  name = spec.replace("rollout.", "").replace("=", "-").replace(",", "_")
-  return re.sub(r"[^A-Za-z0-9_.-]", "", name)
-
-
-source_of = candidates_lib.candidate_source  # the sources a setting perturbs, "+"-joined
-
-
-def study_settings(config: ml_collections.ConfigDict) -> list[Setting]:
-  """The reference seeds, then the calibration and held-out settings, in config order.
-
-  Raises:
-    ValueError: a spec the admission check refuses, a spec given twice, or no seeds.
-  """
-  if not config.seeds:
-    raise ValueError("config.seeds is empty: the reference needs at least one seed")
-  out = [
-    Setting(f"{REFERENCE}_seed{s}", REFERENCE_SPEC, REFERENCE, REFERENCE, int(s))
-    for s in config.seeds
-  ]
-  seen = set()
-  for role, specs in (("calibration", config.calibration), ("held_out", config.held_out)):
-    for spec in specs:
-      if spec in seen:
-        raise ValueError(f"setting {spec!r} is listed twice (calibration and held_out overlap?)")
-      seen.add(spec)
-      candidate = candidates_lib.parse_candidate(spec, config.run)
-      out.append(
-        Setting(setting_name(spec), spec, source_of(candidate), role, int(config.seeds[0]))
-      )
-  return out
-
-
-def run_config(config: ml_collections.ConfigDict, setting: Setting, workdir: str):
-  """The training config of a setting: the candidate's config with its seed and the study's
-  shared teacher cache."""
-  candidate = candidates_lib.parse_candidate(setting.spec, config.run)
-  cache = config.run.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
-  return runs.with_overrides(
-    candidate.config, {"train.seed": setting.seed, "teacher.cache_dir": cache}
-  )
-
-
-def probe_config(config: ml_collections.ConfigDict, settings: Sequence[Setting], workdir: str):
-  """The reference run stopped after `probe_steps`, keeping every checkpoint the stale
-  candidates need (θ_P and θ_(P−k) for each lag k)."""
-  lags = [candidates_lib.parse_candidate(s.spec, config.run).lag for s in settings]
-  lags.append(int(config.get("probe_lag", 0)))  # a lag measured but not trained (a screen)
-  reference = next(s for s in settings if s.role == REFERENCE)
-  base = run_config(config, reference, workdir)
-  if not 0 < config.probe_steps < base.train.steps:
-    raise ValueError(
-      f"config.probe_steps={config.probe_steps} must be in (0, run.train.steps={base.train.steps})"
-    )
-  if max(lags) >= config.probe_steps:
-    raise ValueError(
-      f"a stale setting has lag {max(lags)} but the probe runs only {config.probe_steps} steps; "
-      "raise config.probe_steps"
-    )
-  return runs.with_overrides(
-    base,
-    {
-      "train.stop_after": config.probe_steps,
-      "train.checkpoint_every": 1,
-      "train.keep_checkpoints": max(lags) + 1,
-      "train.eval_every": base.train.steps,
-    },
-  )
-
-
-def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
-  """Trains the probe once; returns its directory."""
-  directory = os.path.join(workdir, "runs", PROBE)
-  done = os.path.isdir(os.path.join(directory, "checkpoints")) and (
-    config.probe_steps in run_history.checkpoint_steps(directory)
-  )
-  if not done:
-    log(f"probe: {config.probe_steps} reference steps into {directory}")
-    done = trainer.run(probe_config(config, settings, workdir), directory, log)
-    study_provenance.write_probe(directory, done.get(provenance.KEY))
-  return directory
-
-
-def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callable = print):
-  """The admission check's measurement of every setting at the probe's student, and of each
-  part of a combination alone (`candidates_lib.source_parts`: what the per-part rule reads).
-
-  Returns:
-    (setting spec -> its measurement dict, with "mismatch/kl/part/<source>" for each part of a
-    combination; the budget fingerprint of the measured student and teacher, with the student
-    the runs start from as its run-start student: `budget_file.with_run_start`). Measurements
-    (parts too) are cached in DIR/measurements.json together with the fingerprint of the
-    measured setup, and reused when it still matches; its "provenance" holds each one's
-    `io.provenance` entry (the code that measured it).
-  """
-  path = os.path.join(workdir, MEASUREMENTS_FILE)
-  cached = read_json(path, {"fingerprint": None, "measurements": {}})
-  run_cfg = run_config(config, settings[0], workdir)
-  run = setup_lib.run_spec(run_cfg)
-  setup = setup_lib.prepare_models(run, workdir, log)
-  history = run_history.RunHistory(run, setup, probe_dir)
-  student = history.params(history.latest)
-  fingerprint = admission.current_fingerprint(setup, student)
-  same = cached["fingerprint"] == fingerprint
-  measured = cached["measurements"] if same else {}
-  made_by = cached.get(provenance.KEY, {}) if same else {}  # absent in older files
-  m = setup.models
-  prompts = admission.calibration_prompts(run_cfg, m.tokenizer, setup.task_cfg, config.num_prompts)
-  parts = {
-    s.spec: candidates_lib.source_parts(candidates_lib.parse_candidate(s.spec, run_cfg), run_cfg)
-    for s in settings
-  }
-  specs = [spec for s in settings for spec in (s.spec, *parts[s.spec].values())]
-  for spec in dict.fromkeys(specs):  # in order, once each
-    if spec in measured:
-      continue
-    candidate = candidates_lib.parse_candidate(spec, run_cfg)
-    problem = admission.stale_lag_problem(candidate, history)
-    if problem:
-      raise ValueError(problem)
-    behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
-    result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
-    measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
-    made_by[spec] = provenance.provenance(candidate.config)
-    log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
-    write_json(path, {"fingerprint": fingerprint, "measurements": measured, "provenance": made_by})
-  run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)
-  by_setting = {
-    spec: {
-      **measured[spec],
-      **{f"{budget.PART_KL_PREFIX}{src}": measured[p][budget.KL_KEY] for src, p in own.items()},
-    }
-    for spec, own in parts.items()
-  }
-  return by_setting, budget_file.with_run_start(fingerprint, run_start)
 
 
 def result_accuracy(result: dict, when: str = "after", who: str = "student") -> float:

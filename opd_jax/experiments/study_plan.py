@@ -10,7 +10,7 @@ From the config alone (no model is built, nothing trains) and what the workdir a
                 differences` finds no differing key: `runs.run_once` reuses it); one recorded
                 for another configuration is listed as refused (the study would stop there);
   probes        one, reused when its checkpoint at `probe_steps` is there;
-  measurements  every setting and each part of a combination, once (`study.measure_settings`);
+  measurements  every setting and each part of a combination, once (`study_probe.measure_settings`);
                 those in DIR/measurements.json are reused if its fingerprint still matches.
 
 Estimated wall time, from the config's cost constants (defaults below where it has none):
@@ -32,7 +32,7 @@ from typing import Any
 
 import ml_collections
 
-from opd_jax.experiments import runs
+from opd_jax.experiments import runs, study_probe, study_setting
 from opd_jax.experiments import study as study_lib
 from opd_jax.io.json_file import read_json
 from opd_jax.mismatch import candidates as candidates_lib
@@ -78,12 +78,13 @@ def run_state(config: ml_collections.ConfigDict, run_dir: str) -> str:
 
 
 def probe_done(config: ml_collections.ConfigDict, workdir: str) -> bool:
-  """Whether DIR/runs/probe holds its checkpoint at `probe_steps` (`study.run_probe` reuses it)."""
-  directory = os.path.join(workdir, "runs", study_lib.PROBE, "checkpoints")
+  """Whether DIR/runs/probe holds its checkpoint at `probe_steps` (`study_probe.run_probe`
+  reuses it)."""
+  directory = os.path.join(workdir, "runs", study_probe.PROBE, "checkpoints")
   return os.path.isdir(directory) and str(int(config.probe_steps)) in os.listdir(directory)
 
 
-def measurement_specs(config, settings: Sequence[study_lib.Setting]) -> list[str]:
+def measurement_specs(config, settings: Sequence[study_setting.Setting]) -> list[str]:
   """Every spec the study measures: each setting, then each part of a combination, once."""
   out = []
   for s in settings:
@@ -101,16 +102,16 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
     "cached"}, "costs", "seconds" (T), "borderline_seconds", "counts": runs by state}.
 
   Raises:
-    ValueError: a setting or rerun plan the study would refuse (`study.study_settings`,
-      `study.rerun_plan`, `study.probe_config`), or a bad cost constant.
+    ValueError: a setting or rerun plan the study would refuse (`study_setting.study_settings`,
+      `study.rerun_plan`, `study_probe.probe_config`), or a bad cost constant.
   """
   costs = cost_constants(config)
-  settings = study_lib.study_settings(config)
+  settings = study_setting.study_settings(config)
   extra, roles, every = study_lib.rerun_plan(config)
-  study_lib.probe_config(config, settings, workdir)  # refuses a probe shorter than a lag
+  study_probe.probe_config(config, settings, workdir)  # refuses a probe shorter than a lag
   jobs, maybe = [], []
   for s in settings:
-    cfg = study_lib.run_config(config, s, workdir)
+    cfg = study_setting.run_config(config, s, workdir)
     jobs.append((s, s.seed, cfg, os.path.join(workdir, "runs", s.name)))
   for s in settings:
     for seed in extra:
@@ -134,7 +135,9 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
 
   planned, borderline = rows(jobs), rows(maybe)
   specs = measurement_specs(config, settings)
-  cached = read_json(os.path.join(workdir, study_lib.MEASUREMENTS_FILE), {}).get("measurements", {})
+  cached = read_json(os.path.join(workdir, study_probe.MEASUREMENTS_FILE), {}).get(
+    "measurements", {}
+  )
   num_cached = sum(spec in cached for spec in specs)
   probe = {
     "steps": int(config.probe_steps),

@@ -9,7 +9,7 @@ sampler's config; `EngineConfig` gathers everything that defines one rollout
 configuration so the admission check and the logs can name it (`engine_id`).
 
 The quantized transform is quantize-then-prepare: `quant.quantize_params` (the recipe,
-the numerics) followed by `quant.prepare_for_compute` (the layout for this hardware's
+the numerics) followed by `quant_compute.prepare_for_compute` (the layout for this hardware's
 matmuls: dense compute-dtype weights where there are no FP8 matmuls, native fp8
 QArrays where there are). T runs once per published version, so the dequantization
 is paid once per version rather than in every decode step; `engine_id` names the
@@ -49,7 +49,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from opd_jax.model import kvcache, quant
+from opd_jax.model import kvcache, quant, quant_compute
 from opd_jax.model import transformer as model
 from opd_jax.model.kvcache import KVCacheSpec
 
@@ -255,7 +255,7 @@ def engine_params(params, cfg: EngineConfig, rng):
     A params pytree for `sampler.sample`. For quantized weights: dense compute-dtype
     matrices equal to the dequantized recipe, except e4m3 weights without group scales on
     hardware with FP8 matmuls, which stay native `quant.QArray` leaves
-    (`quant.prepare_for_compute`). A kernel variant adds the static marker
+    (`quant_compute.prepare_for_compute`). A kernel variant adds the static marker
     `params_r[model.KERNEL_KEY] = model.Kernel(cfg.kernel)`, a bf16 head
     `params_r[quant.HEAD_KEY] = quant.HeadDtype("bfloat16")`.
   """
@@ -266,7 +266,7 @@ def engine_params(params, cfg: EngineConfig, rng):
   if cfg.weights == "bf16":
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   elif cfg.weights in QUANT_WEIGHTS:
-    params = quant.prepare_for_compute(quant.quantize_params(params, cfg.quant_recipe()))
+    params = quant_compute.prepare_for_compute(quant.quantize_params(params, cfg.quant_recipe()))
   if cfg.kernel != "reference":
     params = {**params, model.KERNEL_KEY: model.Kernel(cfg.kernel)}
   if cfg.head_dtype != "float32":

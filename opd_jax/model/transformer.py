@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opd_jax.model import decode_attention, kvcache, pallas_decode, quant
+from opd_jax.model import decode_attention, kvcache, pallas_decode, quant, quant_compute
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray, as_dense
 
@@ -129,8 +129,8 @@ def linear(x, w, num_in_axes: int = 1, kernel: str = "reference"):
 
   A plain W is cast to x's dtype. A `quant.QArray` is dequantized to x's dtype
   (W8A16, `quant.as_dense`), or, when marked `native_fp8` by
-  `quant.prepare_for_compute`, multiplied in fp8 with per-token activation scales
-  (W8A8, `quant.fp8_matmul`). With kernel="bf16_matmul" a dense product rounds both
+  `quant_compute.prepare_for_compute`, multiplied in fp8 with per-token activation scales
+  (W8A8, `quant_compute.fp8_matmul`). With kernel="bf16_matmul" a dense product rounds both
   operands to bf16 and accumulates in f32 (one bf16 pass).
 
   Args:
@@ -146,7 +146,7 @@ def linear(x, w, num_in_axes: int = 1, kernel: str = "reference"):
     if w.num_in_axes != num_in_axes:
       raise ValueError(f"QArray has {w.num_in_axes} input axes, the matmul contracts {num_in_axes}")
     if w.native_fp8:
-      return quant.fp8_matmul(x, w).astype(x.dtype)
+      return quant_compute.fp8_matmul(x, w).astype(x.dtype)
   # Contracting axes listed last-first, as jnp.einsum orders them: same HLO as before.
   x_axes = tuple(range(x.ndim - 1, x.ndim - 1 - num_in_axes, -1))
   w_axes = tuple(range(num_in_axes - 1, -1, -1))

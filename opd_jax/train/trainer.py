@@ -5,7 +5,7 @@
               rollouts.publish(state.params, step + 1)
               log / evaluate / checkpoint
 
-`rollouts` is a rollout source (`rollout.sources`: `SyncRollouts` or `AsyncRollouts`, by
+`rollouts` is a rollout source (`sources.SyncRollouts` or `async_rollouts.AsyncRollouts`, by
 `rollout.mode`); the loop is the same for both (see `rollout.sources` for the weight-version
 semantics). `reference` is None, or the frozen starting student of GRPO's KL penalty
 (`train.kl_coef` > 0, `setup.reference_student`). The models, the warm start and the resume
@@ -40,11 +40,12 @@ from jax.experimental import multihost_utils
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
-from opd_jax.inference import sampler
+from opd_jax.inference import decode_loop
 from opd_jax.io import build, metrics_writer, provenance
+from opd_jax.io import progress as progress_lib
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
-from opd_jax.rollout import sources
+from opd_jax.rollout import async_rollouts, sources
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, hooks, preflight, rl, signals, train_step
 from opd_jax.train import state as train_state
@@ -266,7 +267,7 @@ def make_rollouts(spec: RunSpec, setup: Setup, prompt_iter, width: int, state, n
   )
   if r.mode == "sync":
     return sources.SyncRollouts(worker, first_batch=next_batch, stale_k=r.stale_k)
-  return sources.AsyncRollouts(
+  return async_rollouts.AsyncRollouts(
     worker,
     max_lag=r.max_lag,
     stale_policy=r.stale_policy,
@@ -376,7 +377,7 @@ def _train(
       extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
     ckpt.save(step, state, extra)
 
-  progress = metrics_writer.Progress(t.steps)
+  progress = progress_lib.Progress(t.steps)
   lag_breakdown = _LagBreakdown()
   loop_start, first_step, stopped_by = time.time(), step, None
   paused = 0.0  # seconds spent evaluating and checkpointing, left out of train_wall
@@ -415,7 +416,7 @@ def _train(
         scalars.update(
           {
             "perf/train_seconds": train_seconds,
-            "perf/sampler_traces": sampler.trace_count(),
+            "perf/sampler_traces": decode_loop.trace_count(),
             "perf/steps_per_s": (step - first_step) / (time.time() - loop_start),
             "perf/train_wall_seconds": time.time() - loop_start - paused,
           }

@@ -15,7 +15,7 @@ from conftest import apply_overrides
 from opd_jax.data import padding, prompts, task, toy_checkpoints
 from opd_jax.data import pipeline as data
 from opd_jax.data.toy_checkpoints import CHARS, CHAT_TEMPLATE
-from opd_jax.inference import sampler
+from opd_jax.inference import decode_loop, sampler
 from opd_jax.io import build, hf, run_history
 from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model import transformer as model
@@ -208,11 +208,11 @@ def test_the_sampler_compiles_once_per_bucket(tmp_path, make_hf_checkpoint):
   cfg = hf.load_config(make_hf_checkpoint("qwen3").path)
   params = model.init_params(jax.random.key(0), cfg)
   scfg = sampler.SamplerConfig(max_new_tokens=3, top_k=5, stop_tokens=(tok.eos_id,))
-  before = sampler.trace_count()
+  before = decode_loop.trace_count()
   for batch in data.prompt_batches(prepared, 2, seed=0, num_epochs=1):
     pair = task.encode_prompts(list(batch["prompt"]), tok, prepared.width)
     sampler.sample(params, pair, jax.random.key(0), scfg, cfg)
-  assert sampler.trace_count() - before == len(prepared.buckets) == 2  # not one per batch
+  assert decode_loop.trace_count() - before == len(prepared.buckets) == 2  # not one per batch
 
 
 def test_task_prompts_keep_their_width():

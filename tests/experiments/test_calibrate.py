@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from opd_jax.data import toy_checkpoints
-from opd_jax.experiments import calibrate, stats
+from opd_jax.experiments import calibrate, stats, study_probe, study_setting
 from opd_jax.experiments import study as study_lib
 from opd_jax.mismatch import budget_file
 
@@ -79,8 +79,8 @@ def test_a_screened_candidates_lag_is_covered_by_the_probe():
   its lag and keeps that many checkpoints."""
   plan = calibrate.make_plan(_embedded(), quick=True, candidates=["rollout.stale_k=32"])
   assert plan.study.probe_steps == 33 and plan.study.probe_lag == 32
-  settings = study_lib.study_settings(plan.study)
-  probe = study_lib.probe_config(plan.study, settings, "/tmp/unused")
+  settings = study_setting.study_settings(plan.study)
+  probe = study_probe.probe_config(plan.study, settings, "/tmp/unused")
   assert probe.train.keep_checkpoints == 33 and probe.train.stop_after == 33
 
 

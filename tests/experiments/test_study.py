@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from opd_jax.experiments import stats, study, study_provenance, study_rules
+from opd_jax.experiments import (
+  stats,
+  study,
+  study_probe,
+  study_provenance,
+  study_rules,
+  study_setting,
+)
 from opd_jax.io import run_history
 from opd_jax.mismatch import admission, budget, budget_file, budget_fit
 from opd_jax.train import setup as setup_lib
@@ -93,7 +100,7 @@ ROUND4_HELD_OUT = (  # configs/study.py's round-4 draw as committed before it tr
 
 def test_settings_names_and_sources():
   config = study_config.get_config("rounds")
-  settings = study.study_settings(config)
+  settings = study_setting.study_settings(config)
   by_spec = {s.spec: s for s in settings if s.role != "reference"}
   assert [s.seed for s in settings if s.role == "reference"] == list(config.seeds)
   assert by_spec["rollout.noise_sigma=0.2,rollout.stale_k=2"].source == "noise+stale"
@@ -209,8 +216,8 @@ def test_default_is_one_round_on_the_grid():
   assert config.rerun_all_roles == ("held_out",) and config.borderline_roles == ("held_out",)
   assert len(config.seeds) + len(config.calibration) + (1 + seeds) * len(config.held_out) == 44
   # The grid's runs are the same runs in both studies (same spec, name and training config).
-  one_round = {s.name: s for s in study.study_settings(config)}
-  shared = [s for s in study.study_settings(rounds) if s.name in one_round]
+  one_round = {s.name: s for s in study_setting.study_settings(config)}
+  shared = [s for s in study_setting.study_settings(rounds) if s.name in one_round]
   assert len(shared) == 5 + 15 and all(one_round[s.name] == s for s in shared)
 
 
@@ -255,11 +262,11 @@ def test_settings_refuse_duplicates_and_bad_specs():
   config = study_config.get_config("tiny")
   config.held_out = (config.calibration[0],)
   with pytest.raises(ValueError, match="listed twice"):
-    study.study_settings(config)
+    study_setting.study_settings(config)
   config = study_config.get_config("tiny")
   config.calibration = ("rollout.noise_sigmaa=0.1",)
   with pytest.raises(ValueError, match="did you mean 'rollout.noise_sigma'"):
-    study.study_settings(config)
+    study_setting.study_settings(config)
 
 
 def test_borderline_is_within_one_sd_of_the_tolerance_and_seeds_are_checked(tmp_path):
@@ -298,7 +305,7 @@ def test_probe_must_cover_the_largest_lag(tmp_path):
   config = study_config.get_config("tiny")
   config.calibration = ("rollout.stale_k=4",)
   with pytest.raises(ValueError, match="raise config.probe_steps"):
-    study.probe_config(config, study.study_settings(config), str(tmp_path))
+    study_probe.probe_config(config, study_setting.study_settings(config), str(tmp_path))
 
 
 @pytest.mark.slow
@@ -393,7 +400,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     assert record["mismatch/kl"] == max(row["train_kl_runs"][record["run"]], 0.0)
   assert fingerprint["student"]["weights_sha256"]
   # ... and records the student every run started from, which a guarded run compares with
-  run_cfg = study.run_config(config, study.study_settings(config)[0], str(workdir))
+  run_cfg = study_setting.run_config(config, study_setting.study_settings(config)[0], str(workdir))
   setup = setup_lib.prepare_models(run_spec(run_cfg), str(tmp_path / "fp"), lambda *a: None)
   start = admission.initial_student(run_cfg, setup, lambda *a: None, setup.cache_dir)
   assert fingerprint["student"][budget_file.RUN_START_KEY] == budget_file.weights_sha256(start)
@@ -434,7 +441,9 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   assert "commit 000000000000: 1 part(s): run stale_k-1" in mixed.stderr
   assert "--config.allow_mixed_code=true" in mixed.stderr
   config.allow_mixed_code = True
-  dirs = study_provenance.run_dirs(str(workdir), [s.name for s in study.study_settings(config)], [])
+  dirs = study_provenance.run_dirs(
+    str(workdir), [s.name for s in study_setting.study_settings(config)], []
+  )
   code = study_provenance.study_code(
     config, str(workdir / "measurements.json"), str(workdir / "runs" / "probe"), dirs, print
   )["code"]
@@ -445,7 +454,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
   # (the floor is set so that one held-out and one calibration setting are borderline and no
   # other is): the held-out one is labelled by the mean of its runs, and the calibration one
   # gives the budget one record per run.
-  settings = study.study_settings(config)
+  settings = study_setting.study_settings(config)
   assert "calibration" in config.borderline_roles
   rows = [{**r, budget.DROP_KEY: 1.0} for r in result["rows"]]
   held = next(i for i, st in enumerate(settings) if st.role == "held_out")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from opd_jax.config import check as config_check
-from opd_jax.experiments import runs, study, study_plan
+from opd_jax.experiments import runs, study_plan, study_probe, study_setting
 from opd_jax.mismatch import candidates as candidates_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +22,7 @@ import ladders  # noqa: E402  (configs/ladders.py)
 def test_every_ladder_setting_is_legal_and_of_one_source(arg):
   config = ladders.get_config(arg)
   config_check.validate(config.run)
-  for s in study.study_settings(config):
+  for s in study_setting.study_settings(config):
     candidate = candidates_lib.parse_candidate(s.spec, config.run)
     config_check.validate(candidate.config)
     assert "+" not in s.source  # a ladder rung perturbs one source
@@ -31,7 +31,7 @@ def test_every_ladder_setting_is_legal_and_of_one_source(arg):
 
 def test_the_ladders_are_the_ones_the_docstring_names():
   config = ladders.get_config()
-  sources = [s.source for s in study.study_settings(config) if s.role == "calibration"]
+  sources = [s.source for s in study_setting.study_settings(config) if s.role == "calibration"]
   counts = {name: sources.count(name) for name in dict.fromkeys(sources)}
   assert counts == {
     "int4_weights": 5,
@@ -67,7 +67,7 @@ def test_length_variant_is_eight_ladder_rungs_at_full_length_and_its_plan_by_han
   config = ladders.get_config("length")
   config_check.validate(config.run)
   assert set(config.calibration) <= set(ladders.LADDERS) and len(config.calibration) == 8
-  sources = [s.source for s in study.study_settings(config) if s.role == "calibration"]
+  sources = [s.source for s in study_setting.study_settings(config) if s.role == "calibration"]
   assert sorted(sources) == sorted(
     ["int4_weights", "fp4_weights", "fp8_weights", "fp8_kv", "fp8_e5m2_kv", "fp4_kv"]
     + ["stale"] * 2
@@ -110,9 +110,9 @@ def test_deep_variant_runs_the_same_ladders_on_the_second_pair(tmp_path):
 def test_tiny_plan_reuse_and_refusal(tmp_path):
   config = ladders.get_config("tiny")
   workdir = str(tmp_path)
-  settings = study.study_settings(config)
+  settings = study_setting.study_settings(config)
   first = settings[2]  # the first ladder rung, seed 0
-  cfg = study.run_config(config, first, workdir)
+  cfg = study_setting.run_config(config, first, workdir)
   run_dir = os.path.join(workdir, "runs", first.name)
   os.makedirs(run_dir)
   with open(os.path.join(run_dir, runs.RESULT_FILE), "w") as f:
@@ -122,7 +122,7 @@ def test_tiny_plan_reuse_and_refusal(tmp_path):
   os.makedirs(ref_dir)
   with open(os.path.join(ref_dir, runs.RESULT_FILE), "w") as f:
     json.dump({"config": runs.config_repr(other)}, f)
-  with open(os.path.join(workdir, study.MEASUREMENTS_FILE), "w") as f:
+  with open(os.path.join(workdir, study_probe.MEASUREMENTS_FILE), "w") as f:
     json.dump({"measurements": {first.spec: {}}}, f)
   plan = study_plan.study_plan(config, workdir)
   # 2 reference + 5 rungs x 2 seeds = 12 runs of 6 steps.

@@ -13,7 +13,7 @@ import pytest
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler, transform
 from opd_jax.inference.sampler import SamplerConfig
-from opd_jax.model import kvcache, quant
+from opd_jax.model import kvcache, quant, quant_compute
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
 from opd_jax.train.setup import run_spec
@@ -93,7 +93,7 @@ def test_prepared_fp8_samples_like_per_step_dequantization(params, scfg):
 def test_native_fp8_layout_samples_close_to_emulated(params):
   """W8A8 (the layout on FP8 hardware, forced here) through the whole sampler loop."""
   qparams = quant.quantize_params(params, quant.QuantRecipe())
-  native = quant.prepare_for_compute(qparams, native_fp8=True)
+  native = quant_compute.prepare_for_compute(qparams, native_fp8=True)
   scfg = SamplerConfig(max_new_tokens=8, temperature=1.0, return_topk=-1, kv=FP8_KV)
   rng = jax.random.key(5)
   ref = sampler.sample(qparams, PROMPTS, rng, scfg, CFG)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import safetensors
 
-from opd_jax.io import hf
+from opd_jax.io import hf, hf_layout
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 
@@ -37,7 +37,7 @@ def main(path, process_id, port):
   weight_map, _ = hf._weight_map(path)
   total = held = 0
   equal = True
-  for spec in hf.tensor_specs(cfg):
+  for spec in hf_layout.tensor_specs(cfg):
     with safetensors.safe_open(weight_map[spec.hf_name], framework="numpy") as fh:
       full = spec.to_ours(fh.get_tensor(spec.hf_name))
     total += full.nbytes

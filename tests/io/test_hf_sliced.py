@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from opd_jax.io import hf
+from opd_jax.io import hf, hf_layout
 from opd_jax.model import sharding
 
 
@@ -50,7 +50,7 @@ def test_read_block_equals_the_slice_of_the_whole_tensor(make_hf_checkpoint, mod
   cfg, weight_map = _specs_and_tensors(ckpt)
   rng = np.random.default_rng(0)
   checked = 0
-  for spec in hf.tensor_specs(cfg):
+  for spec in hf_layout.tensor_specs(cfg):
     with safetensors.safe_open(weight_map[spec.hf_name], framework="numpy") as fh:
       whole = spec.to_ours(fh.get_tensor(spec.hf_name))
       for index in _index_variants(spec.shape, rng):
@@ -69,7 +69,7 @@ def test_a_split_of_our_second_axis_reads_only_its_rows_of_the_hf_matrix(make_hf
   """q_dnh [D, N, H] from HF [N·H, D]: heads 2..3 of 4 are HF rows 2H..4H, all D columns."""
   ckpt = make_hf_checkpoint("qwen3")
   cfg, weight_map = _specs_and_tensors(ckpt)
-  spec = next(s for s in hf.tensor_specs(cfg) if s.path == "layers/0/q_dnh")
+  spec = next(s for s in hf_layout.tensor_specs(cfg) if s.path == "layers/0/q_dnh")
   d, n, h = spec.shape
   with safetensors.safe_open(weight_map[spec.hf_name], framework="numpy") as fh:
     hf.reset_bytes_read()
@@ -89,9 +89,8 @@ def test_sharded_load_equals_plain_load_and_reads_each_tensor_once(make_hf_check
   _, placed = hf.load_checkpoint(
     ckpt.path, shardings=lambda c: sharding.tree_shardings(plain, mesh)
   )
-  assert (
-    hf.bytes_read() == plain_bytes == sum(int(np.prod(s.shape)) * 4 for s in hf.tensor_specs(cfg))
-  )
+  specs = hf_layout.tensor_specs(cfg)
+  assert hf.bytes_read() == plain_bytes == sum(int(np.prod(s.shape)) * 4 for s in specs)
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(placed), strict=True):
     np.testing.assert_array_equal(a, b)
   assert (

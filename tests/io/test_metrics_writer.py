@@ -10,6 +10,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
 
 from opd_jax.io import metrics_writer as mw
+from opd_jax.io import progress as progress_lib
 
 
 def _accumulator(workdir):
@@ -164,7 +165,7 @@ def test_bad_metrics_raise(tmp_path):
   ],
 )
 def test_format_duration(seconds, expected):
-  assert mw.format_duration(seconds) == expected
+  assert progress_lib.format_duration(seconds) == expected
 
 
 def _wandb_history(run_file) -> list[dict[str, float]]:
@@ -238,7 +239,7 @@ class _Clock:
 
 
 def test_progress_line_rate_and_eta():
-  progress = mw.Progress(500, window=20, clock=_Clock([100.0, 110.0, 120.0]))
+  progress = progress_lib.Progress(500, window=20, clock=_Clock([100.0, 110.0, 120.0]))
   assert progress.line(0) == "step 0/500 | -- steps/s | ETA --"
   assert progress.line(32) == "step 32/500 | 3.2 steps/s | ETA 2m26s"  # 468 / 3.2 = 146.25 s
   # Over the window (0 → 64 in 20 s): 3.2 steps/s, (500 − 64) / 3.2 = 136.25 s.
@@ -247,7 +248,7 @@ def test_progress_line_rate_and_eta():
 
 
 def test_progress_moving_window_slow_rate_and_restart():
-  progress = mw.Progress(100, window=2, clock=_Clock([0.0, 10.0, 12.0, 40.0, 50.0]))
+  progress = progress_lib.Progress(100, window=2, clock=_Clock([0.0, 10.0, 12.0, 40.0, 50.0]))
   progress.line(0)
   progress.line(10)
   # The window holds only (10, 10 s) and (20, 12 s): 5 steps/s, ETA 80 / 5 = 16 s.

@@ -15,7 +15,7 @@ import pytest
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler, transform
 from opd_jax.inference.sampler import SamplerConfig
-from opd_jax.model import kvcache, quant
+from opd_jax.model import kvcache, quant, quant_compute
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
 from opd_jax.train.setup import run_spec
@@ -192,16 +192,16 @@ def test_non_e4m3_formats_stay_weight_only():
     {"group_size": 8},
   ):
     q = quant.quantize(w, **kw)
-    prepared = quant.prepare_for_compute({"embed_vd": w, "m": q}, native_fp8=True)
+    prepared = quant_compute.prepare_for_compute({"embed_vd": w, "m": q}, native_fp8=True)
     assert not isinstance(prepared["m"], quant.QArray), kw
     np.testing.assert_array_equal(prepared["m"], q.dequantize(jnp.float32))
     with pytest.raises(ValueError, match="fp8_matmul multiplies e4m3"):
-      quant.fp8_matmul(jnp.ones((3, 32)), q)
+      quant_compute.fp8_matmul(jnp.ones((3, 32)), q)
   q = quant.quantize(w, per_tensor=True)
-  native = quant.prepare_for_compute({"embed_vd": w, "m": q}, native_fp8=True)["m"]
+  native = quant_compute.prepare_for_compute({"embed_vd": w, "m": q}, native_fp8=True)["m"]
   assert native.native_fp8
   x = jax.random.normal(jax.random.key(7), (5, 32))
-  y_native = np.asarray(quant.fp8_matmul(x, native))
+  y_native = np.asarray(quant_compute.fp8_matmul(x, native))
   y_dense = np.asarray(x @ q.dequantize())
   assert np.abs(y_native - y_dense).max() < 0.1 * np.abs(y_dense).max()
 

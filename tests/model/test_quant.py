@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opd_jax.model import kvcache, quant
+from opd_jax.model import kvcache, quant, quant_compute
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 
@@ -301,19 +301,19 @@ def test_invalid_quantize_params_inputs(params):
   ],
 )
 def test_native_fp8_rule(platform, kind, capability, native):
-  assert quant.native_fp8_rule(platform, kind, capability) is native
+  assert quant_compute.native_fp8_rule(platform, kind, capability) is native
 
 
 def test_cpu_has_no_native_fp8():
   assert jax.devices()[0].platform == "cpu"  # the test suite runs on CPU
-  assert quant.has_native_fp8() is False
+  assert quant_compute.has_native_fp8() is False
 
 
 @pytest.mark.parametrize("block_size", [None, 32])
 def test_prepare_for_compute_on_cpu_is_bit_identical(params, block_size):
   """Dequantizing once gives exactly the logits of dequantizing inside every forward."""
   qparams = quant.quantize_params(params, quant.QuantRecipe(block_size=block_size))
-  prepared = quant.prepare_for_compute(qparams)  # CPU: the W8A16 layout
+  prepared = quant_compute.prepare_for_compute(qparams)  # CPU: the W8A16 layout
   leaves = jax.tree.leaves(prepared, is_leaf=lambda x: isinstance(x, quant.QArray))
   assert not any(isinstance(x, quant.QArray) for x in leaves)
   for name in quant.LAYER_MATRICES:
@@ -341,22 +341,25 @@ def test_prepare_for_compute_on_cpu_is_bit_identical(params, block_size):
 
 def test_prepare_for_compute_bf16_and_errors(params):
   bf16 = quant.quantize_params(params, quant.QuantRecipe(keep_dtype="bfloat16"))
-  prepared = quant.prepare_for_compute(bf16, native_fp8=False)
+  prepared = quant_compute.prepare_for_compute(bf16, native_fp8=False)
   w = prepared["layers"][1]["o_nhd"]
   assert w.dtype == jnp.bfloat16
   np.testing.assert_array_equal(
     _f32(w), _f32(quant.as_dense(bf16["layers"][1]["o_nhd"], jnp.bfloat16))
   )
-  native = quant.prepare_for_compute(bf16, native_fp8=True)
+  native = quant_compute.prepare_for_compute(bf16, native_fp8=True)
   assert native["layers"][1]["o_nhd"].native_fp8 and not bf16["layers"][1]["o_nhd"].native_fp8
   np.testing.assert_array_equal(
     _f32(native["layers"][1]["o_nhd"].value), _f32(bf16["layers"][1]["o_nhd"].value)
   )
   np.testing.assert_array_equal(
-    np.asarray(quant.prepare_for_compute(params)["embed_vd"]), np.asarray(params["embed_vd"])
+    np.asarray(quant_compute.prepare_for_compute(params)["embed_vd"]),
+    np.asarray(params["embed_vd"]),
   )
   with pytest.raises(ValueError, match="compute dtype float32"):
-    quant.prepare_for_compute(quant.quantize_params(params, quant.QuantRecipe()), jnp.bfloat16)
+    quant_compute.prepare_for_compute(
+      quant.quantize_params(params, quant.QuantRecipe()), jnp.bfloat16
+    )
 
 
 @pytest.mark.parametrize("block_size", [None, 16, 48])
@@ -374,7 +377,7 @@ def test_fp8_matmul_error_bound(block_size, shape, num_in_axes):
   x = jax.random.normal(jax.random.key(1), (3, 5, *shape[:num_in_axes]), jnp.float32)
   x = x * jnp.exp(jax.random.normal(jax.random.key(2), x.shape))  # wide dynamic range
   q = quant.quantize(w, num_in_axes, block_size)
-  y = np.asarray(quant.fp8_matmul(x, q))
+  y = np.asarray(quant_compute.fp8_matmul(x, q))
   rows = int(np.prod(shape[:num_in_axes]))
   w_io = np.asarray(q.dequantize(), np.float64).reshape(rows, -1)
   x_mi = np.asarray(x, np.float64).reshape(-1, rows)
@@ -387,7 +390,7 @@ def test_fp8_matmul_error_bound(block_size, shape, num_in_axes):
   assert np.all(err <= bound), float(np.max(err / bound))
   assert float(np.max(err / bound)) > 0.02  # activations really were rounded
   with pytest.raises(ValueError, match="input axes"):
-    quant.fp8_matmul(x[..., :-1], q)
+    quant_compute.fp8_matmul(x[..., :-1], q)
 
 
 def test_native_w8a8_forward_close_to_emulated(params, kl_setup):
@@ -402,7 +405,7 @@ def test_native_w8a8_forward_close_to_emulated(params, kl_setup):
   fwd = jax.jit(model.forward, static_argnums=2)
   for block_size in (None, 32):
     qparams = quant.quantize_params(params, quant.QuantRecipe(block_size=block_size))
-    native = quant.prepare_for_compute(qparams, native_fp8=True)
+    native = quant_compute.prepare_for_compute(qparams, native_fp8=True)
     assert all(native["layers"][0][name].native_fp8 for name in quant.LAYER_MATRICES)
     kl = _mean_kl(fwd(qparams, tokens, CFG), fwd(native, tokens, CFG))
     assert 1e-4 < kl < 0.07, (block_size, kl)

@@ -24,7 +24,7 @@ import test_rollouts as t  # noqa: E402
 
 from opd_jax.inference import transform
 from opd_jax.model import sharding
-from opd_jax.rollout.sources import AsyncRollouts
+from opd_jax.rollout.async_rollouts import AsyncRollouts
 from opd_jax.rollout.worker import RolloutWorker
 
 

@@ -23,7 +23,8 @@ from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
 from opd_jax.rollout import off_policy
-from opd_jax.rollout.sources import AsyncRollouts, SyncRollouts
+from opd_jax.rollout.async_rollouts import AsyncRollouts
+from opd_jax.rollout.sources import SyncRollouts
 from opd_jax.rollout.worker import RolloutWorker
 from opd_jax.train import (
   mismatch_metrics as mismatch,

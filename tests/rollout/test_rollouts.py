@@ -24,7 +24,8 @@ from opd_jax.data import task
 from opd_jax.inference import sampler, transform
 from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
-from opd_jax.rollout.sources import AsyncRollouts, ProducerError, SyncRollouts
+from opd_jax.rollout.async_rollouts import AsyncRollouts, ProducerError
+from opd_jax.rollout.sources import SyncRollouts
 from opd_jax.rollout.worker import RolloutWorker, host_key
 
 TASK = task.TaskConfig(num_operands=2, max_operand=99)

@@ -2,11 +2,11 @@
 measured at probes trained from different seeds, and the budget's verdict at each.
 
 A study measures every setting at one probe: `probe_steps` steps of the reference run trained
-with the first of its seeds (`study.run_probe`). That student decides the reading x_s of a
+with the first of its seeds (`study_probe.run_probe`). That student decides the reading x_s of a
 candidate, and a verdict that flips with it is partly the probe's. For each seed s, the study's
 own probe trained with train.seed = s goes to DIR/probe_seeds/seed<s>/runs/probe, and each
 candidate is measured at its latest student by the study's own procedure
-(`study.measure_settings`, the same prompts, key and number of prompts; cached in
+(`study_probe.measure_settings`, the same prompts, key and number of prompts; cached in
 DIR/probe_seeds/seed<s>/measurements.json). The study's own probe seed (config.seeds[0])
 reuses DIR/runs/probe and a copy of DIR/measurements.json when DIR holds them, so no reading
 of the study is measured twice.
@@ -29,7 +29,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from opd_jax.experiments import study
+from opd_jax.experiments import study_probe
+from opd_jax.experiments import study_setting as setting_lib
 from opd_jax.mismatch import admission, budget, budget_file
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -38,7 +39,7 @@ SEEDS_DIR = "probe_seeds"
 
 def seed_config(config: ml_collections.ConfigDict, seed: int, cache_dir: str):
   """The study config whose probe trains with train.seed = `seed` (the reference's first seed
-  is the probe's, `study.study_settings`), its teacher cache pinned to `cache_dir`."""
+  is the probe's, `setting_lib.study_settings`), its teacher cache pinned to `cache_dir`."""
   out = copy.deepcopy(config)
   with out.unlocked():
     out.seeds = (int(seed), *(int(s) for s in config.seeds if int(s) != int(seed)))
@@ -46,15 +47,21 @@ def seed_config(config: ml_collections.ConfigDict, seed: int, cache_dir: str):
   return out
 
 
-def probe_settings(config, specs: Sequence[str]) -> list[study.Setting]:
+def probe_settings(config, specs: Sequence[str]) -> list[setting_lib.Setting]:
   """The reference (the probe's run) and one setting per candidate spec."""
   seed = int(config.seeds[0])
-  name = f"{study.REFERENCE}_seed{seed}"
-  out = [study.Setting(name, study.REFERENCE_SPEC, study.REFERENCE, study.REFERENCE, seed)]
+  name = f"{setting_lib.REFERENCE}_seed{seed}"
+  out = [
+    setting_lib.Setting(
+      name, setting_lib.REFERENCE_SPEC, setting_lib.REFERENCE, setting_lib.REFERENCE, seed
+    )
+  ]
   for spec in specs:
     candidate = candidates_lib.parse_candidate(spec, config.run)
     out.append(
-      study.Setting(study.setting_name(spec), spec, study.source_of(candidate), "probe", seed)
+      setting_lib.Setting(
+        setting_lib.setting_name(spec), spec, setting_lib.source_of(candidate), "probe", seed
+      )
     )
   return out
 
@@ -65,11 +72,11 @@ def seed_workdir(workdir: str, study_seed: int, seed: int) -> tuple[str, str | N
   file is then copied there once, so its readings are reused."""
   directory = os.path.join(workdir, SEEDS_DIR, f"seed{seed}")
   os.makedirs(directory, exist_ok=True)
-  own = os.path.join(workdir, "runs", study.PROBE)
+  own = os.path.join(workdir, "runs", study_probe.PROBE)
   if int(seed) != int(study_seed) or not os.path.isdir(own):
     return directory, None
-  cached = os.path.join(workdir, study.MEASUREMENTS_FILE)
-  mine = os.path.join(directory, study.MEASUREMENTS_FILE)
+  cached = os.path.join(workdir, study_probe.MEASUREMENTS_FILE)
+  mine = os.path.join(directory, study_probe.MEASUREMENTS_FILE)
   if os.path.exists(cached) and not os.path.exists(mine):
     shutil.copyfile(cached, mine)
   return directory, own
@@ -136,8 +143,8 @@ def probe_spread(
     cfg = seed_config(config, seed, cache_dir)
     settings = probe_settings(cfg, specs)
     directory, probe_dir = seed_workdir(workdir, config.seeds[0], seed)
-    probe_dir = probe_dir or study.run_probe(cfg, settings, directory, log)  # reused once done
-    by_seed[str(seed)] = study.measure_settings(cfg, settings, probe_dir, directory, log)[0]
+    probe_dir = probe_dir or study_probe.run_probe(cfg, settings, directory, log)  # reused
+    by_seed[str(seed)] = study_probe.measure_settings(cfg, settings, probe_dir, directory, log)[0]
   rows = []
   for spec in specs:
     readings = {s: float(m[spec][budget.KL_KEY]) for s, m in by_seed.items()}

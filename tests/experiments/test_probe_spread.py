@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opd_jax.experiments import probe_spread, study
+from opd_jax.experiments import probe_spread, study_probe, study_setting
 from opd_jax.mismatch import budget_fit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,17 +38,17 @@ def test_seed_config_puts_the_seed_first_and_pins_the_teacher_cache():
   assert tuple(out.seeds) == (1, 0) and tuple(config.seeds) == (0, 1)  # input unchanged
   assert out.run.teacher.cache_dir == "/c"
   settings = probe_spread.probe_settings(out, [INT4])
-  assert [s.role for s in settings] == [study.REFERENCE, "probe"]
+  assert [s.role for s in settings] == [study_setting.REFERENCE, "probe"]
   assert {s.seed for s in settings} == {1}  # the probe trains with seed 1
   assert settings[1].source == "int4_weights"
 
 
 def test_the_study_s_own_probe_and_measurements_are_reused(tmp_path):
-  (tmp_path / "runs" / study.PROBE).mkdir(parents=True)
-  (tmp_path / study.MEASUREMENTS_FILE).write_text('{"measurements": {}}')
+  (tmp_path / "runs" / study_probe.PROBE).mkdir(parents=True)
+  (tmp_path / study_probe.MEASUREMENTS_FILE).write_text('{"measurements": {}}')
   directory, own = probe_spread.seed_workdir(str(tmp_path), 0, 0)
-  assert own == str(tmp_path / "runs" / study.PROBE)
-  assert os.path.exists(os.path.join(directory, study.MEASUREMENTS_FILE))
+  assert own == str(tmp_path / "runs" / study_probe.PROBE)
+  assert os.path.exists(os.path.join(directory, study_probe.MEASUREMENTS_FILE))
   directory, own = probe_spread.seed_workdir(str(tmp_path), 0, 1)  # another seed: its own
   assert own is None and directory.endswith("seed1")
 
@@ -89,7 +89,7 @@ def test_tiny_probes_end_to_end_and_reused(tmp_path):
   assert np.all(np.isfinite(readings)) and np.all(readings > 0)
   assert readings[0] != readings[1]  # two students, two readings
   for seed in (0, 1):
-    assert (tmp_path / "probe_seeds" / f"seed{seed}" / "runs" / study.PROBE).is_dir()
+    assert (tmp_path / "probe_seeds" / f"seed{seed}" / "runs" / study_probe.PROBE).is_dir()
   again = []
   second = probe_spread.probe_spread(config, str(tmp_path), [0, 1], [INT4], log=again.append)
   assert json.dumps(second) == json.dumps(first)

@@ -13,7 +13,15 @@ import pytest
 
 from opd_jax import validation as validation_command
 from opd_jax.config import check as config_check
-from opd_jax.experiments import baselines, format_lookup, study, study_plan, validation
+from opd_jax.experiments import (
+  baselines,
+  format_lookup,
+  study,
+  study_plan,
+  study_probe,
+  study_setting,
+  validation,
+)
 from opd_jax.io import provenance
 from opd_jax.mismatch import candidates as candidates_lib
 
@@ -82,24 +90,25 @@ def test_calibration_runs_hash_as_the_ladders_do(arg, monkeypatch, tmp_path):
     assert mine[key] == theirs[key], key
   assert tuple(mine.borderline_seeds) == tuple(theirs.borderline_seeds)
   workdir = str(tmp_path / "r10")
-  ours = {s.name: s for s in study.study_settings(mine) if s.role != "held_out"}
-  ref = {s.name: s for s in study.study_settings(theirs)}
+  ours = {s.name: s for s in study_setting.study_settings(mine) if s.role != "held_out"}
+  ref = {s.name: s for s in study_setting.study_settings(theirs)}
   assert ours == ref  # same names, specs, sources, seeds
 
   def digest(cfg):
     return provenance.config_sha256(cfg)
 
   for name, s in ref.items():
-    a = study.run_config(mine, ours[name], workdir)
-    b = study.run_config(theirs, s, str(tmp_path / "ladders"))
+    a = study_setting.run_config(mine, ours[name], workdir)
+    b = study_setting.run_config(theirs, s, str(tmp_path / "ladders"))
     assert digest(a) == digest(b), name
     for seed in theirs.borderline_seeds:
       assert digest(study.rerun_job(mine, s, seed, workdir)[0]) == digest(
         study.rerun_job(theirs, s, seed, workdir)[0]
       )
   # the probe too (every held-out lag is within the ladders' largest)
-  probe = study.probe_config(mine, study.study_settings(mine), workdir)
-  assert digest(probe) == digest(study.probe_config(theirs, study.study_settings(theirs), workdir))
+  probe = study_probe.probe_config(mine, study_setting.study_settings(mine), workdir)
+  theirs_probe = study_probe.probe_config(theirs, study_setting.study_settings(theirs), workdir)
+  assert digest(probe) == digest(theirs_probe)
 
 
 def test_the_plan_reuses_a_copied_ladders_workdir(monkeypatch, tmp_path):
@@ -110,10 +119,10 @@ def test_the_plan_reuses_a_copied_ladders_workdir(monkeypatch, tmp_path):
   for c in (theirs, mine):
     c.run.teacher.cache_dir = CACHE
   workdir = tmp_path / "r10"
-  settings = study.study_settings(theirs)
+  settings = study_setting.study_settings(theirs)
   extra = [int(x) for x in theirs.borderline_seeds]
   for s in settings:
-    jobs = [(study.run_config(theirs, s, "x"), workdir / "runs" / s.name)]
+    jobs = [(study_setting.run_config(theirs, s, "x"), workdir / "runs" / s.name)]
     if s.role == "calibration":
       jobs += [study.rerun_job(theirs, s, seed, str(workdir)) for seed in extra]
     for cfg, run_dir in jobs:

@@ -94,7 +94,7 @@ def test_deep_variant_runs_the_same_ladders_on_the_second_pair(tmp_path):
   config = ladders.get_config("deep")
   config_check.validate(config.run)
   assert tuple(config.calibration) == ladders.LADDERS and config.held_out == ()
-  for s in study.study_settings(config):  # every rung is legal on the D = 96 student too
+  for s in study_setting.study_settings(config):  # every rung is legal on the D = 96 student too
     config_check.validate(candidates_lib.parse_candidate(s.spec, config.run).config)
   student = config.run.student.arch
   assert (student.num_layers, student.hidden_size, student.num_kv_heads) == (4, 96, 1)

@@ -25,7 +25,7 @@ every one of them exactly. The f32 scores are scaled after the QKᵀ product and
 probabilities before the P·V product, on [.., T, block] arrays H / G times smaller than
 the block: no per-element multiply and no rounding of k̂ · c to the compute dtype, which
 `kvcache.read` (and the Pallas kernel) do, so with bf16 compute the two paths differ by that
-rounding (2^-9 of an element), with f32 compute by f32 rounding. The pass that converts each
+rounding (2^-8 of an element), with f32 compute by f32 rounding. The pass that converts each
 block (and, for the batched QKᵀ product, transposes it) is then a cast, as for a BF16 cache.
 The bf16_attention variant below keeps the dequantize-then-cast order, as its reference does.
 

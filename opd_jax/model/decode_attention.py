@@ -11,9 +11,23 @@ with a traced bound (a `while` loop in the HLO). Block j covers slots
 [j·block, (j + 1)·block); its slice starts at min(j·block, S − block) so that it stays in
 the buffer, and slots below j·block (already visited) are masked, as are slots after each
 query's own position (rows of different lengths within the last block). Each block is
-sliced from the stored cache and dequantized where it is consumed: FP8 entries as
-f32(k) · k_scale, then cast to the compute dtype, exactly as `kvcache.read` does per
-element, so no full-precision copy of the cache exists at any time.
+sliced from the stored cache and converted where it is consumed, so no full-precision copy
+of the cache exists at any time.
+
+Scaled (quantized) entries. A scale c_s is one per slot and KV head ("token_head") or one
+per sequence ("tensor"), constant along H, which both products contract or keep, so it
+factors out of them exactly:
+
+    q·k_s = c^k_s · (q·k̂_s),     Σ_s p_s v_s = Σ_s (p_s · c^v_s) v̂_s,
+
+with k̂, v̂ the stored values (e4m3, e5m2, e2m1), cast to the compute dtype, which holds
+every one of them exactly. The f32 scores are scaled after the QKᵀ product and the f32
+probabilities before the P·V product, on [.., T, block] arrays H / G times smaller than
+the block: no per-element multiply and no rounding of k̂ · c to the compute dtype, which
+`kvcache.read` (and the Pallas kernel) do, so with bf16 compute the two paths differ by that
+rounding (2^-8 of an element), with f32 compute by f32 rounding. The pass that converts each
+block (and, for the batched QKᵀ product, transposes it) is then a cast, as for a BF16 cache.
+The bf16_attention variant below keeps the dequantize-then-cast order, as its reference does.
 
 Online softmax (flash-decoding). With the scores s_i = q·k_i/√H of a query and its
 visible keys, the running state after a block is
@@ -66,6 +80,28 @@ def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array
   return k.astype(dtype), v.astype(dtype)
 
 
+def block_values(entry: dict, start, size: int, dtype):
+  """Slots start .. start + size − 1 of one layer's cache as the stored values and their scales.
+
+  Returns:
+    (k̂, v̂, k_scale, v_scale): k̂, v̂ [B, size, K, H] in `dtype`, the stored values bit-cast
+    (`kvcache.as_values`) and cast, exact for every cache format; the scales [B, K, 1, 1, size]
+    ("token_head") or [B, 1, 1, 1, 1] ("tensor"), f32, laid out to multiply scores
+    [B, K, G, T, size], or None for an unscaled (f32, bf16) cache. k = k̂ · k_scale up to the
+    rounding `block_kv` adds.
+  """
+  k = kvcache.as_values(_slice_slots(entry["k"], start, size)).astype(dtype)
+  v = kvcache.as_values(_slice_slots(entry["v"], start, size)).astype(dtype)
+  if "k_scale" not in entry:
+    return k, v, None, None
+
+  def scale(name):  # [B, size, K, 1] or [B, 1, 1, 1] -> [B, K, 1, 1, size] or [B, 1, 1, 1, 1]
+    x_bsk = _slice_slots(entry[name], start, size)[..., 0]
+    return jnp.swapaxes(x_bsk, 1, 2)[:, :, None, None, :]
+
+  return k, v, scale("k_scale"), scale("v_scale")
+
+
 def num_blocks(q_pos_bt, slots: int, block: int = BLOCK):
   """⌈(max q_pos + 1) / block⌉ (traced): the blocks a query at the largest position needs."""
   size = min(block, slots)
@@ -108,20 +144,26 @@ def attend_cache(
   trips = num_blocks(q_pos_bt, slots, size)
 
   def scores(j):
-    """Scores [B, K, G, T, size] of block j (masked) and its values [B, size, K, H]."""
+    """Scores [B, K, G, T, size] of block j (masked), its values [B, size, K, H] and their
+    scale [B, K, 1, 1, size] (or [B, 1, 1, 1, 1]; None when the values are dequantized)."""
     nominal = j * size
     start = jnp.minimum(nominal, slots - size)
-    k_bskh, v_bskh = block_kv(entry, start, size, dtype)
     if low:
+      k_bskh, v_bskh = block_kv(entry, start, size, dtype)
+      k_scale = v_scale = None
       k_bskh = k_bskh.astype(jnp.bfloat16)
+    else:
+      k_bskh, v_bskh, k_scale, v_scale = block_values(entry, start, size, dtype)
     s_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     if low:
       s_bkgts = (s_bkgts.astype(jnp.bfloat16) * jnp.bfloat16(h**-0.5)).astype(jnp.float32)
-    else:
+    elif k_scale is None:
       s_bkgts = s_bkgts * (h**-0.5)
+    else:
+      s_bkgts = s_bkgts * (k_scale * h**-0.5)
     slot_s = start + jnp.arange(size)
     visible_bts = (slot_s[None, None, :] <= q_pos_bt[:, :, None]) & (slot_s >= nominal)
-    return jnp.where(visible_bts[:, None, None], s_bkgts, _MASKED), v_bskh
+    return jnp.where(visible_bts[:, None, None], s_bkgts, _MASKED), v_bskh, v_scale
 
   m0 = jnp.full((b, kh, g, t), _MASKED, jnp.float32)  # running max m
   z0 = jnp.zeros((b, kh, g, t), jnp.float32)
@@ -131,11 +173,13 @@ def attend_cache(
 
     def online(j, state):
       m, z, acc = state
-      s_bkgts, v_bskh = scores(j)
+      s_bkgts, v_bskh, v_scale = scores(j)
       m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
       alpha = jnp.exp(m - m_new)
       p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
       z = z * alpha + jnp.sum(p_bkgts, axis=-1)
+      if v_scale is not None:
+        p_bkgts = p_bkgts * v_scale  # Σ_s p_s · c_s · v̂_s: the values' scale, not z's
       pv = jnp.einsum("bkgts,bskh->btkgh", p_bkgts, v_bskh, preferred_element_type=jnp.float32)
       acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
       return m_new, z, acc
@@ -146,7 +190,7 @@ def attend_cache(
 
   def stats(j, state):
     m, z = state
-    s_bkgts, _ = scores(j)
+    s_bkgts, _, _ = scores(j)
     m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
     z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s_bkgts - m_new[..., None]), axis=-1)
     return m_new, z
@@ -154,7 +198,7 @@ def attend_cache(
   m, z = jax.lax.fori_loop(0, trips, stats, (m0, z0))
 
   def weighted(j, acc):
-    s_bkgts, v_bskh = scores(j)
+    s_bkgts, v_bskh, _ = scores(j)
     p_bkgts = (jnp.exp(s_bkgts - m[..., None]) / z[..., None]).astype(jnp.bfloat16)
     pv = jnp.einsum(
       "bkgts,bskh->btkgh", p_bkgts, v_bskh.astype(jnp.bfloat16), preferred_element_type=jnp.float32

@@ -17,7 +17,9 @@ the scores s_j = q·k_j/√H of a block (invisible slots set to the f32 minimum)
 
 from m = f32 min, l = 0, o = 0; the output is o / l. Scores, probabilities and P·V are f32
 whatever the compute dtype; q and each dequantized block are rounded to the compute dtype first,
-as in the blockwise path, so the two agree to f32 rounding (tests/model/test_pallas_decode.py).
+as `kvcache.read` does (the blockwise path scales a quantized block's scores and probabilities
+instead), so the two agree to f32 rounding, and with a quantized cache and bf16 compute to the
+bf16 rounding of a dequantized element (tests/model/test_pallas_decode.py).
 
 Layout inside the kernel. The T queries of a row and the G query heads of one KV head form
 R = T·G query rows (row r = t·G + g), padded to a power of two of at least `MIN_ROWS` = 16 so

@@ -347,14 +347,17 @@ def forward_with_cache(
   that cache slot, and it attends to every slot at or before its position.
 
   attention="blockwise" (`decode_attention.attend_cache`) reads the cache in blocks of
-  `block` slots up to the largest position of the batch, dequantizing each block where it
-  is consumed: a step costs O(position), not O(S). attention="reference" reads the whole
-  cache (`kvcache.read`, a dense copy in the compute dtype) and runs `attend` over all S
-  slots; the two agree to f32 rounding (tests/model/test_decode_attention.py).
+  `block` slots up to the largest position of the batch, converting each block where it
+  is consumed (a quantized cache's scales multiply the scores and probabilities): a step
+  costs O(position), not O(S). attention="reference" reads the whole cache (`kvcache.read`,
+  a dense copy in the compute dtype) and runs `attend` over all S slots; the two agree to
+  f32 rounding, and with a quantized cache and bf16 compute to the bf16 rounding of a
+  dequantized element (tests/model/test_decode_attention.py).
   attention="pallas" (`pallas_decode.attend_cache`) runs the same blockwise online softmax as
   a Pallas kernel for steps of T ≤ `pallas_decode.MAX_QUERIES` tokens, in interpret mode on
   CPU; longer calls (prefill) and the kernel variant "bf16_attention" (two passes) take the
-  blockwise path. It equals the blockwise path to f32 rounding (tests/model/test_pallas_decode.py).
+  blockwise path. It equals the blockwise path as the reference does
+  (tests/model/test_pallas_decode.py).
 
   Args:
     params: the params pytree.

@@ -92,6 +92,76 @@ def _f32(x):
   return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
+def _attention_float64(q_btnh, entry, q_pos_bt):
+  """softmax(q·kᵀ/√H + mask)·v in float64 over the exact dequantized cache, k = f64(k̂) · c."""
+  scale = {"k": entry.get("k_scale"), "v": entry.get("v_scale")}
+  k, v = (
+    np.asarray(kvcache.as_values(entry[n]).astype(jnp.float32), np.float64)
+    * (1.0 if scale[n] is None else np.asarray(scale[n], np.float64))
+    for n in ("k", "v")
+  )
+  b, t, n, h = q_btnh.shape
+  q_btkgh = np.asarray(q_btnh.astype(jnp.float32), np.float64).reshape(
+    b, t, CFG.num_kv_heads, -1, h
+  )
+  s_bkgts = np.einsum("btkgh,bskh->bkgts", q_btkgh, k) / np.sqrt(h)
+  visible_bts = np.arange(k.shape[1])[None, None, :] <= np.asarray(q_pos_bt)[:, :, None]
+  s_bkgts = np.where(visible_bts[:, None, None], s_bkgts, -np.inf)
+  p_bkgts = np.exp(s_bkgts - s_bkgts.max(-1, keepdims=True))
+  p_bkgts /= p_bkgts.sum(-1, keepdims=True)
+  return np.einsum("bkgts,bskh->btkgh", p_bkgts, v).reshape(b, t, n, h)
+
+
+@pytest.mark.parametrize("granularity", ["token_head", "tensor"])
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"])
+def test_scaled_cache_scales_after_the_products_against_float64(fmt, granularity):
+  """A quantized cache's scale multiplies the scores and the probabilities (module docstring),
+  not every element of K and V. Against float64 attention over the exact dequantized values
+  f64(k̂)·c: with f32 compute within f32 rounding (2e-6, outputs are O(1)); with bf16 compute
+  within the output's own bf16 rounding, 2^-8 relative, plus f32 accumulation (1e-5), since
+  k̂ and v̂ are exact in bf16, and closer than the dequantize-then-cast order (`kvcache.read`,
+  which rounds k̂·c and v̂·c to bf16 before the products), which both paths agree with to
+  bf16 rounding."""
+  spec = kvcache.KVCacheSpec(dtype=fmt, granularity=granularity)
+  entry = _filled_entry(spec, 3, 20, seed=6)
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.standard_normal((3, 2, CFG.num_heads, CFG.head_dim)), jnp.float32)
+  q_pos_bt = jnp.asarray([[18, 19], [5, 6], [12, 13]], jnp.int32)
+  got32 = np.asarray(decode_attention.attend_cache(q, entry, q_pos_bt, CFG, block=8))
+  want32 = _attention_float64(q, entry, q_pos_bt)
+  np.testing.assert_allclose(got32, want32, atol=2e-6, rtol=0)
+
+  q16 = q.astype(jnp.bfloat16)
+  want16 = _attention_float64(q16, entry, q_pos_bt)
+  got16 = _f32(decode_attention.attend_cache(q16, entry, q_pos_bt, CFG, block=8))
+  assert np.all(np.abs(got16 - want16) <= 2.0**-8 * np.abs(want16) + 1e-5)
+  # The dequantize-then-cast order: the bf16 cache of dtype(f32(k̂)·c), as `kvcache.read` gives.
+  keys, values = kvcache.read(entry, jnp.bfloat16)
+  bits = {n: jax.lax.bitcast_convert_type(x, jnp.uint16) for n, x in (("k", keys), ("v", values))}
+  old16 = _f32(decode_attention.attend_cache(q16, bits, q_pos_bt, CFG, block=8))
+  assert np.abs(got16 - want16).max() < np.abs(old16 - want16).max()
+  np.testing.assert_allclose(got16, old16, atol=2e-2, rtol=0)
+
+
+def test_compiled_decode_step_scales_scores_not_the_block():
+  """The blockwise decode step on an FP8 "token_head" cache multiplies nothing of the size of
+  a block of K or V (B · block · K · H elements): the scales meet the [B, K, G, T, block]
+  scores and probabilities only."""
+  spec = kvcache.KVCacheSpec(dtype=FP8, granularity="token_head")
+  params = model.init_params(jax.random.key(0), CFG)
+  cache = kvcache.init_cache(CFG, _B, _S, spec)
+  args = (params, jnp.zeros((_B, 1), jnp.int32), jnp.arange(_B, dtype=jnp.int32), cache, CFG, spec)
+  step = jax.jit(model.forward_with_cache, static_argnums=(4, 5), static_argnames="attention")
+  hlo = step.lower(*args, attention="blockwise").compile().as_text()
+  block_elements = _B * decode_attention.BLOCK * CFG.num_kv_heads * CFG.head_dim
+  sizes = [
+    int(np.prod([int(d) for d in dims.split(",")]))
+    for dims in re.findall(r"= f32\[([\d,]+)\]\S* multiply\(", hlo)
+  ]
+  assert sizes, "no f32 multiply found at all"
+  assert max(sizes) < block_elements, sorted(set(sizes))
+
+
 def test_blocks_after_the_largest_position_are_never_read():
   """Slots from the first block boundary after the batch's largest position hold NaN: the
   blockwise result stays finite and equal to the reference on a clean cache; the reference

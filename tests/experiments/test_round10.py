@@ -63,16 +63,17 @@ def _draw(verdicts=VERDICTS, **kw):
 
 
 def test_the_config_refuses_to_build_before_its_draw_is_pasted(monkeypatch):
-  assert round10.HELD_OUT == ()
+  monkeypatch.setattr(round10, "HELD_OUT", ())  # as it was before the draw was pasted
   with pytest.raises(ValueError, match="held-out settings are not drawn yet: run `python -m"):
     round10.get_config()
   with pytest.raises(ValueError, match="unknown variant"):
     round10.get_config("full")
   tiny = round10.get_config("tiny")  # the wiring variant has its own list
   assert tuple(tiny.held_out) == round10.TINY_HELD_OUT
-  monkeypatch.setattr(round10, "HELD_OUT", tuple(s for s, _ in _draw()))
+  monkeypatch.undo()  # the committed draw
   c = round10.get_config()
-  assert len(c.held_out) == 30 and c.analysis.too_close == "refuse"
+  assert len(c.held_out) == 30 and len(set(c.held_out)) == 30
+  assert not set(c.held_out) & set(ladders.LADDERS) and c.analysis.too_close == "refuse"
   assert c.rule == c.analysis.primary == "sum_of_fractions"
   assert tuple(c.analysis.must_beat) == ("lookup",)
   assert set(c.analysis.mcnemar_against) == {"admit_all", "pooled", "lookup"}

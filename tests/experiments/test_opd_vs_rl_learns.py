@@ -73,14 +73,14 @@ def test_every_arm_shares_the_warm_start_and_the_grpo_arms_take_the_named_recipe
     assert {k: got[k] for k in shared} == want, method
     assert run.student.warmup_steps == grpo_practice.WARMUP_STEPS and run.train.eval_sampled
     if method.startswith("grpo"):
-      assert (run.train.loss, run.train.lr, run.data.batch_size) == ("grpo", 1e-4, 32)
+      assert (run.train.loss, run.train.lr, run.data.batch_size) == ("grpo", 1e-4, 64)
       assert (run.rollout.samples_per_prompt, run.train.ppo_minibatches) == (8, 1)
       correction = "none" if method == "grpo" else method.removeprefix("grpo_")
       assert run.train.mismatch_correction == correction
     else:
       assert run.train.loss.startswith("reverse_kl") and run.data.batch_size == 32
-  monkeypatch.setattr(learns, "GRPO_RECIPE", "grpo_lr1e4_n512")
-  assert learns.get_config().grpo_run.data.batch_size == 64  # one line picks the recipe
+  monkeypatch.setattr(learns, "GRPO_RECIPE", "grpo_lr1e4_n256")
+  assert learns.get_config().grpo_run.data.batch_size == 32  # one line picks the recipe
   monkeypatch.setattr(learns, "GRPO_RECIPE", "grpo_lr1e4_n1024")
   with pytest.raises(ValueError, match="not an arm of grpo_sweep.py"):
     learns.get_config()
@@ -112,21 +112,21 @@ def test_full_plan_counts_cost_and_parts_by_hand(tmp_path):
   assert plan["counts"] == {"train": 200, "reused": 0, "refused": 0}
   rows = plan["runs"]
   grpo = [r for r in rows if r["method"].startswith("grpo")]
-  # GRPO: 2 × 6 × 5 + 3 × 6 × 2 + 5 × 2 × 2 = 116 runs of 256 completions per step, 200 s each;
+  # GRPO: 2 × 6 × 5 + 3 × 6 × 2 + 5 × 2 × 2 = 116 runs of 512 completions per step, 400 s each;
   # OPD: 84 runs of 35 s; one compile of 30 s per cell, 8 arms × 8 settings; two side by side
   # at 1.18×; the teacher and warm start (not cached) 480 s.
-  assert len(grpo) == 116 and [r["seconds"] for r in grpo] == pytest.approx([200.0] * 116)
+  assert len(grpo) == 116 and [r["seconds"] for r in grpo] == pytest.approx([400.0] * 116)
   assert {r["seconds"] for r in rows if r not in grpo} == {35.0}
   assert sum(r["compile"] > 0 for r in rows) == 64
-  seconds = (116 * 200 + 84 * 35 + 64 * 30) / 1.18 + 480
+  seconds = (116 * 400 + 84 * 35 + 64 * 30) / 1.18 + 480  # 12.2 h
   assert plan["seconds"] == pytest.approx(seconds)
   parts = plan["parts"]
-  assert sum(p["runs"] for p in parts) == 200 and len(parts) == 4
+  assert sum(p["runs"] for p in parts) == 200 and len(parts) == 7
   assert all(p["planned_seconds"] <= 7200 for p in parts)
   assert sum(p["seconds"] for p in parts) == pytest.approx(seconds - 480)
   assert opd_vs_rl_plan.part_names(plan, 1)[0] == "opd__reference"
-  with pytest.raises(ValueError, match="the plan has parts 1 to 4"):
-    opd_vs_rl_plan.part_names(plan, 5)
+  with pytest.raises(ValueError, match="the plan has parts 1 to 7"):
+    opd_vs_rl_plan.part_names(plan, 8)
   lines = opd_vs_rl_plan.plan_lines(plan)
   assert lines[0] == "plan: 200 runs (200 to train, 0 reused, 0 recorded for another configuration)"
   assert lines[1].startswith("  block 1: 4 arms x 6 settings (the reference and 5) x 5 seeds: 120")
@@ -223,7 +223,7 @@ def test_plan_flag_prints_the_plan_and_trains_nothing(tmp_path):
   ]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "plan: 200 runs (200 to train" in done.stdout and "  part 4: " in done.stdout
+  assert "plan: 200 runs (200 to train" in done.stdout and "  part 7: " in done.stdout
   assert not (tmp_path / "cmp" / "runs").exists()
 
 

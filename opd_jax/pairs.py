@@ -1,7 +1,7 @@
 """Entry point: calibrations of several student–teacher pairs side by side.
 
-    python -m opd_jax.pairs --pair=embedded=/tmp/cal_A --pair=llama4=/tmp/cal_B
-        --pair=chain=/tmp/cal_C [--json=PATH] [--md=PATH]
+    python -m opd_jax.pairs --pair=embedded=/tmp/cal_A --pair=chain=/tmp/cal_C
+        --pair=deep=/tmp/cal_D [--json=PATH] [--md=PATH]
 
 Each DIR is an `opd_jax.calibrate` workdir (its `study.json` and `runs/`). Prints, and writes
 with --md, the markdown tables: each pair's limits under both labels (held-out accuracy and

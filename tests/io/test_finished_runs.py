@@ -1,0 +1,123 @@
+"""A workdir's finished records saved and restored between sittings (`io.finished_runs`, and
+`python -m opd_jax.finished_runs`): only the records travel, a restored run is reused by the
+study's plan, and a restore never replaces a different file."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from opd_jax.experiments import runs, study_plan, study_probe, study_setting
+from opd_jax.io import finished_runs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "configs"))
+
+import ladders  # noqa: E402  (configs/ladders.py)
+
+
+def _write(path, text):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def _finished_part(workdir):
+  """A ladders:tiny workdir after a part: one finished run (its real config), its checkpoint
+  and events, the measurements, and the caches; returns (config, the run's setting)."""
+  config = ladders.get_config("tiny")
+  first = study_setting.study_settings(config)[2]
+  cfg = study_setting.run_config(config, first, workdir)
+  run_dir = os.path.join(workdir, "runs", first.name)
+  _write(os.path.join(run_dir, runs.RESULT_FILE), json.dumps({"config": runs.config_repr(cfg)}))
+  _write(os.path.join(run_dir, "checkpoints", "6", "state"), "weights")
+  _write(os.path.join(run_dir, "tb", "events"), "events")
+  _write(os.path.join(run_dir, "metrics.jsonl"), "{}\n")
+  _write(os.path.join(workdir, "runs", "probe", "checkpoints", "3", "state"), "probe")
+  _write(
+    os.path.join(workdir, study_probe.MEASUREMENTS_FILE),
+    json.dumps({"measurements": {first.spec: {}}}),
+  )
+  _write(os.path.join(workdir, "teacher_cache", "t", "result.json"), "{}")  # a cache: skipped
+  _write(os.path.join(workdir, "jax_cache", "x"), "compiled")
+  return config, first
+
+
+def test_only_records_travel_and_a_restored_run_is_reused(tmp_path):
+  workdir, saved = str(tmp_path / "study"), str(tmp_path / "records")
+  config, first = _finished_part(workdir)
+  paths = finished_runs.save(workdir, saved)
+  assert paths == [study_probe.MEASUREMENTS_FILE, os.path.join("runs", first.name, "result.json")]
+  on_disk = sorted(
+    os.path.relpath(os.path.join(r, f), saved) for r, _, fs in os.walk(saved) for f in fs
+  )
+  assert on_disk == paths  # no checkpoint, events, metrics or cache
+  before = study_plan.study_plan(config, workdir)["counts"]
+  shutil.rmtree(workdir)  # the next sitting's machine starts bare
+  assert study_plan.study_plan(config, workdir)["counts"] == {
+    "train": 12,
+    "reused": 0,
+    "refused": 0,
+  }
+  done = finished_runs.restore(saved, workdir)
+  assert done == {"copied": paths, "present": []}
+  after = study_plan.study_plan(config, workdir)
+  assert after["counts"] == before == {"train": 11, "reused": 1, "refused": 0}
+  assert after["measurements"]["cached"] == 1
+  # A second restore finds every record there already, identical, and copies nothing.
+  assert finished_runs.restore(saved, workdir) == {"copied": [], "present": paths}
+
+
+def test_a_restore_that_would_replace_a_different_file_copies_nothing(tmp_path):
+  workdir, saved = str(tmp_path / "study"), str(tmp_path / "records")
+  _, first = _finished_part(workdir)
+  finished_runs.save(workdir, saved)
+  target = tmp_path / "other"
+  result = target / "runs" / first.name / "result.json"
+  _write(str(result), '{"config": {}}')
+  with pytest.raises(
+    ValueError, match=f"1 record.*runs/{first.name}/result.json.*nothing was copied"
+  ):
+    finished_runs.restore(saved, str(target))
+  assert result.read_text() == '{"config": {}}'
+  assert not (target / study_probe.MEASUREMENTS_FILE).exists()
+
+
+def test_empty_and_missing_directories_are_refused(tmp_path):
+  (tmp_path / "empty" / "runs" / "a" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(ValueError, match="holds no finished record"):
+    finished_runs.save(str(tmp_path / "empty"), str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+  with pytest.raises(FileNotFoundError, match="missing is not a directory"):
+    finished_runs.restore(str(tmp_path / "missing"), str(tmp_path / "w"))
+  with pytest.raises(ValueError, match="no record"):
+    finished_runs.restore(str(tmp_path / "empty"), str(tmp_path / "w"))
+
+
+def _command(*args):
+  return subprocess.run(
+    [sys.executable, "-m", "opd_jax.finished_runs", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "PYTHONPATH": REPO},
+  )
+
+
+def test_command_saves_restores_and_refuses_an_unclear_request(tmp_path):
+  workdir, saved = str(tmp_path / "study"), str(tmp_path / "records")
+  _finished_part(workdir)
+  out = _command(f"--workdir={workdir}", f"--save={saved}")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == f"saved 2 record(s) of {workdir} to {saved}"
+  shutil.rmtree(workdir)
+  out = _command(f"--workdir={workdir}", f"--restore={saved}")
+  assert out.returncode == 0, out.stderr
+  assert "restored 2 record(s)" in out.stdout and "(0 already there, identical)" in out.stdout
+  both = _command(f"--workdir={workdir}", f"--save={saved}", f"--restore={saved}")
+  assert both.returncode == 1
+  assert both.stderr.strip() == "error: give exactly one of --save=RECORDS and --restore=RECORDS"

@@ -16,6 +16,9 @@ per label, the Spearman and Pearson correlations of the two lengths' mean drops 
 of the full-length drop on the short one (bootstrap intervals over settings), and how often
 the two lengths' verdicts (drop > τ, each length with its own τ) agree, with its Wilson
 interval (`opd_jax.experiments.run_length`; under "run_length" in the JSON).
+
+The JSON records its own `provenance` (the code, and a hash of the arguments) and, under
+"studies_provenance", the entry each study it read recorded (None where it recorded none).
 """
 
 from __future__ import annotations
@@ -71,16 +74,24 @@ def main(argv: list[str] | None = None) -> None:
   """Prints the ladders of the study (the module docstring)."""
   args = runner.parse_own_flags(define_flags, argv, __doc__, required=("study",))
   from opd_jax.experiments import ladders
-  from opd_jax.io import json_file
+  from opd_jax.io import json_file, provenance
 
   result = read_study(args.study, "study")
   out = ladders.ladder_report(result, args.full_run_accuracy or None, args.min_plateau_share)
   lines = ladders.markdown_lines(out)
+  # The code and arguments that made this output, and the code that made each study it read.
+  read = {"study": result.get(provenance.KEY)}
   if args.full_length:
     from opd_jax.experiments import run_length
 
-    out["run_length"] = run_length.length_check(result, read_study(args.full_length, "full-length"))
+    full = read_study(args.full_length, "full-length")
+    read["full_length"] = full.get(provenance.KEY)
+    out["run_length"] = run_length.length_check(result, full)
     lines += run_length.markdown_lines(out["run_length"])
+  options = {k: getattr(args, k) for k in ("study", "full_length", "full_run_accuracy")}
+  options["min_plateau_share"] = args.min_plateau_share
+  out[provenance.KEY] = provenance.provenance(options)
+  out["studies_provenance"] = read
   text = "\n".join(lines)
   print(text, file=sys.stderr if args.json == "-" else sys.stdout)  # the JSON alone on stdout
   if args.md:

@@ -136,6 +136,14 @@ def test_the_command_prints_the_run_length_check(tmp_path, capsys):
   assert "| teacher_kl | 4 | 0.02 | 0.015 | 0.8 [" in text
   data = json.loads(out.read_text())
   assert data["run_length"]["labels"]["teacher_kl"]["verdicts_agree"] == 2
+  # Provenance: this output's own (code and arguments), and each study's as it recorded it.
+  assert set(data["provenance"]) == {"git_sha", "dirty", "diff_sha256", "config_sha256"}
+  assert len(data["provenance"]["config_sha256"]) == 64
+  assert data["studies_provenance"] == {"study": None, "full_length": None}  # none recorded
+  short["provenance"] = {"git_sha": "a" * 40, "dirty": False}
+  a.write_text(json.dumps(short))
+  ladders_command.main([f"--study={a}", f"--full-length={b}", f"--json={out}"])
+  assert json.loads(out.read_text())["studies_provenance"]["study"]["git_sha"] == "a" * 40
   bad = tmp_path / "bad.json"
   bad.write_text("{}")
   with pytest.raises(ValueError, match="--full-length=.*not a study.json"):

@@ -52,8 +52,12 @@ def save(workdir: str, dest: str) -> list[str]:
 
   Raises:
     FileNotFoundError: `workdir` is not a directory.
-    ValueError: `workdir` holds no record (nothing finished yet).
+    ValueError: `workdir` holds no record (nothing finished yet), or `dest` lies inside it
+      (a later save would carry the copies too).
   """
+  inside = os.path.commonpath([os.path.abspath(workdir), os.path.abspath(dest)])
+  if inside == os.path.abspath(workdir):
+    raise ValueError(f"save the records outside the workdir: {dest} is inside {workdir}")
   paths = record_paths(workdir)
   if not paths:
     raise ValueError(f"{workdir} holds no finished record ({' or '.join(RECORD_FILES)})")

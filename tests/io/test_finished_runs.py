@@ -91,6 +91,8 @@ def test_empty_and_missing_directories_are_refused(tmp_path):
   with pytest.raises(ValueError, match="holds no finished record"):
     finished_runs.save(str(tmp_path / "empty"), str(tmp_path / "out"))
   assert not (tmp_path / "out").exists()
+  with pytest.raises(ValueError, match="outside the workdir: .*/empty/records is inside"):
+    finished_runs.save(str(tmp_path / "empty"), str(tmp_path / "empty" / "records"))
   with pytest.raises(FileNotFoundError, match="missing is not a directory"):
     finished_runs.restore(str(tmp_path / "missing"), str(tmp_path / "w"))
   with pytest.raises(ValueError, match="no record"):

@@ -201,6 +201,25 @@ def tiny_config(teacher_cache, **overrides):
   return apply_overrides(config, overrides)
 
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_module(module: str, *args: str, timeout: float = 120):
+  """`python -m <module> <args>` in a subprocess at the repository root, with the repository
+  on PYTHONPATH; the CompletedProcess, its stdout and stderr as text."""
+  import subprocess
+  import sys
+
+  return subprocess.run(
+    [sys.executable, "-m", module, *args],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+  )
+
+
 def with_rollout(config, **rollout):
   """A copy of `config` with `rollout.<key>=value` for each keyword."""
   import copy

@@ -4,10 +4,10 @@ continuous label, and a quick calibration end to end on toy Hugging Face checkpo
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+from conftest import run_module
 
 from opd_jax.data import toy_checkpoints
 from opd_jax.experiments import calibrate, stats, study_probe, study_setting
@@ -156,13 +156,7 @@ def _toy_args(toy, workdir):
 
 
 def _calibrate(*args):
-  return subprocess.run(
-    [sys.executable, "-m", "opd_jax.calibrate", *args],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
+  return run_module("opd_jax.calibrate", *args, timeout=900)
 
 
 def test_too_few_eval_prompts_are_refused_before_anything_loads(toy, tmp_path):

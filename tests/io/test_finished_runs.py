@@ -5,10 +5,10 @@ study's plan, and a restore never replaces a different file."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from conftest import run_module
 
 from opd_jax.experiments import runs, study_plan, study_probe, study_setting
 from opd_jax.io import finished_runs
@@ -100,14 +100,7 @@ def test_empty_and_missing_directories_are_refused(tmp_path):
 
 
 def _command(*args):
-  return subprocess.run(
-    [sys.executable, "-m", "opd_jax.finished_runs", *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env={**os.environ, "PYTHONPATH": REPO},
-  )
+  return run_module("opd_jax.finished_runs", *args)
 
 
 def test_command_saves_restores_and_refuses_an_unclear_request(tmp_path):

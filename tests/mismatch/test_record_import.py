@@ -6,13 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_module
 
 from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import budget_file, budget_fit, record_import
@@ -282,14 +280,7 @@ def test_admit_refuses_a_budget_without_a_fingerprint_unless_forced():
 
 
 def _command(*args):
-  return subprocess.run(
-    [sys.executable, "-m", "opd_jax.fit_budget", *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    env=dict(os.environ, PYTHONPATH=str(REPO)),
-  )
+  return run_module("opd_jax.fit_budget", *args)
 
 
 def test_the_command_writes_the_budget_file_of_a_verl_log(tmp_path):

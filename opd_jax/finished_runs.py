@@ -5,7 +5,8 @@ study runs in parts on machines that keep nothing between sittings.
     python -m opd_jax.finished_runs --workdir=DIR --restore=RECORDS   # before the next
 
 RECORDS holds every `result.json` and `measurements.json` of DIR at the same relative paths,
-and nothing else (no checkpoints, TensorBoard events or compiled programs). Restore into the
+with each finished run's `metrics.jsonl` (as `metrics.jsonl.gz`), and nothing else (no
+checkpoints, TensorBoard events, compiled programs, or logs of unfinished runs). Restore into the
 same DIR path the part ran in: a run's config holds its teacher cache's path, by default under
 DIR, and a run is reused only for the same config. A restore that would replace a different
 file is refused, naming it, and copies nothing. The study's plan (`python -m opd_jax.study ...

@@ -4,15 +4,21 @@ A study (`experiments.study`), the OPD-against-RL comparison and a sweep reuse e
 `<workdir>/runs/<name>/result.json` was written for the same config (`experiments.runs.run_once`),
 and the admission check's readings in `<workdir>/measurements.json` while the measured
 student's fingerprint still matches (`experiments.study_probe.measure_settings`). Those small
-JSON files are all a later sitting needs to skip what is finished: checkpoints, TensorBoard
-events and compiled programs are not read again. So a long study runs in parts on machines that
-keep nothing between sittings: save the records after a part, restore them into the same
-workdir path before the next (a run's config holds its teacher cache's path, by default under
-the workdir), and the next part's plan counts them as reused.
+JSON files are all a later sitting needs to skip what is finished; a finished run's
+`metrics.jsonl` travels with its result (gzip-compressed, about a fifth of its size), because the
+OPD-against-RL table reads its training curves (accuracy at T = 1, reward, gradient-norm spikes).
+Checkpoints, TensorBoard events and compiled programs are not read again. So a long study
+runs in parts on machines that keep nothing between sittings: save the records after a part,
+restore them into the same workdir path before the next (a run's config holds its teacher
+cache's path, by default under the workdir), and the next part's plan counts them as reused.
 
 - `record_paths(workdir)`: the relative path of every file named in `RECORD_FILES` under
-  `workdir`, outside the caches in `SKIPPED_DIRS`, sorted.
-- `save(workdir, dest)`: copies each to the same relative path under `dest`.
+  `workdir`, outside the caches in `SKIPPED_DIRS`, and of each `RUN_LOG` beside a result,
+  sorted. The log of a run without a result stays behind: that run trains again from its
+  first step, and its writer would append to a carried log.
+- `save(workdir, dest)`: copies each to the same relative path under `dest` (a `RUN_LOG` as
+  `metrics.jsonl.gz`, compressed with no timestamp, so saving the same log twice writes the
+  same bytes).
 - `restore(src, workdir)`: copies them back, after checking every one first: a file already in
   the workdir with other contents is refused (named), and nothing is copied; an identical one
   is left alone.
@@ -24,16 +30,42 @@ probe's fingerprint differs, its measurements are taken again rather than reused
 
 from __future__ import annotations
 
-import filecmp
+import gzip
 import os
-import shutil
 
 RECORD_FILES = ("result.json", "measurements.json")
+RUN_LOG = "metrics.jsonl"  # carried for a run with a result.json beside it
+COMPRESSED = ".gz"
 SKIPPED_DIRS = ("jax_cache", "teacher_cache", "checkpoints", "tb")
 
 
+def _walk(root_dir: str):
+  """(directory relative to `root_dir`, its file names) outside SKIPPED_DIRS."""
+  for root, dirs, files in os.walk(root_dir):
+    dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+    yield os.path.relpath(root, root_dir), set(files)
+
+
+def _stored(rel: str) -> str:
+  """The name under the records directory of workdir file `rel`."""
+  return rel + COMPRESSED if os.path.basename(rel) == RUN_LOG else rel
+
+
+def _read(path: str) -> bytes:
+  with open(path, "rb") as f:
+    data = f.read()
+  return gzip.decompress(data) if path.endswith(COMPRESSED) else data
+
+
+def _write(path: str, data: bytes) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "wb") as f:
+    f.write(gzip.compress(data, mtime=0) if path.endswith(COMPRESSED) else data)
+
+
 def record_paths(workdir: str) -> list[str]:
-  """Every RECORD_FILES file under `workdir` (SKIPPED_DIRS left out), relative, sorted.
+  """Every RECORD_FILES file under `workdir` (SKIPPED_DIRS left out), and each RUN_LOG beside a
+  result.json, relative, sorted.
 
   Raises:
     FileNotFoundError: `workdir` is not a directory.
@@ -41,9 +73,23 @@ def record_paths(workdir: str) -> list[str]:
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"{workdir} is not a directory")
   found = []
-  for root, dirs, files in os.walk(workdir):
-    dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
-    found += [os.path.relpath(os.path.join(root, f), workdir) for f in files if f in RECORD_FILES]
+  for rel_dir, files in _walk(workdir):
+    names = [f for f in files if f in RECORD_FILES]
+    if RUN_LOG in files and "result.json" in files:
+      names.append(RUN_LOG)
+    found += [os.path.normpath(os.path.join(rel_dir, f)) for f in names]
+  return sorted(found)
+
+
+def _stored_paths(src: str) -> list[str]:
+  """The workdir-relative path of every record stored under `src` (RUN_LOG from its .gz)."""
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f"{src} is not a directory")
+  found = []
+  for rel_dir, files in _walk(src):
+    names = [f for f in files if f in RECORD_FILES]
+    names += [RUN_LOG for f in files if f == RUN_LOG + COMPRESSED]
+    found += [os.path.normpath(os.path.join(rel_dir, f)) for f in names]
   return sorted(found)
 
 
@@ -62,9 +108,7 @@ def save(workdir: str, dest: str) -> list[str]:
   if not paths:
     raise ValueError(f"{workdir} holds no finished record ({' or '.join(RECORD_FILES)})")
   for rel in paths:
-    target = os.path.join(dest, rel)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(os.path.join(workdir, rel), target)
+    _write(os.path.join(dest, _stored(rel)), _read(os.path.join(workdir, rel)))
   return paths
 
 
@@ -79,14 +123,14 @@ def restore(src: str, workdir: str) -> dict[str, list[str]]:
     ValueError: `src` holds no record, or a record would replace a different file in the
       workdir (every such path named; nothing is copied).
   """
-  paths = record_paths(src)
+  paths = _stored_paths(src)
   if not paths:
     raise ValueError(f"{src} holds no record ({' or '.join(RECORD_FILES)}) to restore")
   present, clashes = [], []
   for rel in paths:
     target = os.path.join(workdir, rel)
     if os.path.exists(target):
-      same = filecmp.cmp(os.path.join(src, rel), target, shallow=False)
+      same = _read(os.path.join(src, _stored(rel))) == _read(target)
       (present if same else clashes).append(rel)
   if clashes:
     raise ValueError(
@@ -95,7 +139,5 @@ def restore(src: str, workdir: str) -> dict[str, list[str]]:
     )
   copied = [rel for rel in paths if rel not in present]
   for rel in copied:
-    target = os.path.join(workdir, rel)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(os.path.join(src, rel), target)
+    _write(os.path.join(workdir, rel), _read(os.path.join(src, _stored(rel))))
   return {"copied": copied, "present": present}

@@ -2,6 +2,7 @@
 `python -m opd_jax.finished_runs`): only the records travel, a restored run is reused by the
 study's plan, and a restore never replaces a different file."""
 
+import gzip
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import pytest
 from conftest import run_module
 
 from opd_jax.experiments import runs, study_plan, study_probe, study_setting
-from opd_jax.io import finished_runs
+from opd_jax.io import finished_runs, metrics_writer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -35,7 +36,10 @@ def _finished_part(workdir):
   _write(os.path.join(run_dir, runs.RESULT_FILE), json.dumps({"config": runs.config_repr(cfg)}))
   _write(os.path.join(run_dir, "checkpoints", "6", "state"), "weights")
   _write(os.path.join(run_dir, "tb", "events"), "events")
-  _write(os.path.join(run_dir, "metrics.jsonl"), "{}\n")
+  _write(os.path.join(run_dir, "metrics.jsonl"), '{"step": 0, "quality/student_accuracy": 0.5}\n')
+  unfinished = os.path.join(workdir, "runs", "unfinished")  # trains again: its log stays
+  _write(os.path.join(unfinished, "metrics.jsonl"), '{"step": 0}\n')
+  _write(os.path.join(unfinished, "checkpoints", "2", "state"), "weights")
   _write(os.path.join(workdir, "runs", "probe", "checkpoints", "3", "state"), "probe")
   _write(
     os.path.join(workdir, study_probe.MEASUREMENTS_FILE),
@@ -50,11 +54,16 @@ def test_only_records_travel_and_a_restored_run_is_reused(tmp_path):
   workdir, saved = str(tmp_path / "study"), str(tmp_path / "records")
   config, first = _finished_part(workdir)
   paths = finished_runs.save(workdir, saved)
-  assert paths == [study_probe.MEASUREMENTS_FILE, os.path.join("runs", first.name, "result.json")]
+  run = os.path.join("runs", first.name)
+  log, result = os.path.join(run, "metrics.jsonl"), os.path.join(run, "result.json")
+  assert paths == [study_probe.MEASUREMENTS_FILE, log, result]
   on_disk = sorted(
     os.path.relpath(os.path.join(r, f), saved) for r, _, fs in os.walk(saved) for f in fs
   )
-  assert on_disk == paths  # no checkpoint, events, metrics or cache
+  # No checkpoint, events, cache, or log of an unfinished run; the finished run's log gzipped.
+  assert on_disk == [study_probe.MEASUREMENTS_FILE, log + ".gz", result]
+  original_log = (tmp_path / "study" / log).read_bytes()
+  assert gzip.decompress((tmp_path / "records" / (log + ".gz")).read_bytes()) == original_log
   before = study_plan.study_plan(config, workdir)["counts"]
   shutil.rmtree(workdir)  # the next sitting's machine starts bare
   assert study_plan.study_plan(config, workdir)["counts"] == {
@@ -64,11 +73,17 @@ def test_only_records_travel_and_a_restored_run_is_reused(tmp_path):
   }
   done = finished_runs.restore(saved, workdir)
   assert done == {"copied": paths, "present": []}
+  assert (tmp_path / "study" / log).read_bytes() == original_log
+  assert metrics_writer.read_jsonl(os.path.join(workdir, run))[0]["quality/student_accuracy"] == 0.5
   after = study_plan.study_plan(config, workdir)
   assert after["counts"] == before == {"train": 11, "reused": 1, "refused": 0}
   assert after["measurements"]["cached"] == 1
-  # A second restore finds every record there already, identical, and copies nothing.
+  # A second restore finds every record there already, identical, and copies nothing; saving
+  # the same logs again writes the same bytes (no timestamp in the gzip header).
   assert finished_runs.restore(saved, workdir) == {"copied": [], "present": paths}
+  finished_runs.save(workdir, str(tmp_path / "again"))
+  gz = log + ".gz"
+  assert (tmp_path / "again" / gz).read_bytes() == (tmp_path / "records" / gz).read_bytes()
 
 
 def test_a_restore_that_would_replace_a_different_file_copies_nothing(tmp_path):
@@ -84,6 +99,12 @@ def test_a_restore_that_would_replace_a_different_file_copies_nothing(tmp_path):
     finished_runs.restore(saved, str(target))
   assert result.read_text() == '{"config": {}}'
   assert not (target / study_probe.MEASUREMENTS_FILE).exists()
+  # A different log is a clash too: compared after decompressing the saved one.
+  result.unlink()
+  _write(str(result.parent / "metrics.jsonl"), '{"step": 0, "quality/student_accuracy": 0.25}\n')
+  with pytest.raises(ValueError, match=f"runs/{first.name}/metrics.jsonl.*nothing was copied"):
+    finished_runs.restore(saved, str(target))
+  assert not result.exists()
 
 
 def test_empty_and_missing_directories_are_refused(tmp_path):
@@ -108,11 +129,11 @@ def test_command_saves_restores_and_refuses_an_unclear_request(tmp_path):
   _finished_part(workdir)
   out = _command(f"--workdir={workdir}", f"--save={saved}")
   assert out.returncode == 0, out.stderr
-  assert out.stdout.strip() == f"saved 2 record(s) of {workdir} to {saved}"
+  assert out.stdout.strip() == f"saved 3 record(s) of {workdir} to {saved}"
   shutil.rmtree(workdir)
   out = _command(f"--workdir={workdir}", f"--restore={saved}")
   assert out.returncode == 0, out.stderr
-  assert "restored 2 record(s)" in out.stdout and "(0 already there, identical)" in out.stdout
+  assert "restored 3 record(s)" in out.stdout and "(0 already there, identical)" in out.stdout
   both = _command(f"--workdir={workdir}", f"--save={saved}", f"--restore={saved}")
   assert both.returncode == 1
   assert both.stderr.strip() == "error: give exactly one of --save=RECORDS and --restore=RECORDS"

@@ -14,7 +14,10 @@ Command:  python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl_learns.py \
           python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl_learns.py \
               --workdir=/tmp/ovr_learns --config.run.teacher.cache_dir=/tmp/tcache --part=K
           for K = 1, 2, ... (each trains its part's runs and rewrites the report over every
-          finished run; a part stopped midway resumes where it stopped).
+          finished run; a part stopped midway resumes where it stopped). On machines that
+          keep nothing between sittings, carry the finished runs (results and metrics.jsonl):
+          python -m opd_jax.finished_runs --workdir=/tmp/ovr_learns --save=RECORDS after a
+          part, --restore=RECORDS into the same workdir path before the next.
 Tiny:     python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl_learns.py:tiny \
               --workdir=/tmp/ovrl_tiny
           (two arms, one setting: a wiring check, not learning).

@@ -40,7 +40,11 @@ the peak it is bound by:
   where the weight bytes are every weight read once (the unembedding included; the input
   embedding's lookup, B rows, is not counted) and the cache term is K and V of the filled
   prefix of every layer. Batch 1 is read as bytes/s, larger batches as FLOP/s; both figures
-  are in every row.
+  are in every row. A batch-1 row also times `matvec_chain_seconds`: the same weights read
+  through a chain of the device's own batch-1 dots and nothing else, with
+  `step_over_matvec_chain` the decode step's seconds over it (1.0: the step costs no more
+  than its dots; the dots' own rate, `matvec_chain_bytes_per_s`, against the copy bandwidth
+  says how much of the gap to the bandwidth lies in the dots).
 """
 
 from __future__ import annotations
@@ -286,6 +290,63 @@ def train_row(
   }
 
 
+# Each layer's matmul weights and how many leading axes each contracts (`transformer.linear`).
+_LAYER_MATRICES = {
+  "q_dnh": 1,
+  "k_dkh": 1,
+  "v_dkh": 1,
+  "o_nhd": 2,
+  "gate_df": 1,
+  "up_df": 1,
+  "down_fd": 1,
+}
+
+
+def decode_matrices(params) -> list:
+  """Every matrix a decode step multiplies by, as 2-D [in, out] views in the step's order (each
+  layer's `_LAYER_MATRICES`, then the LM head); a tied head is the embedding table [V, D], kept
+  as stored and marked by being the last entry of a params tree without "lm_head_dv"."""
+  matrices = [
+    layer[key].reshape(math.prod(layer[key].shape[:axes]), -1)
+    for layer in params["layers"]
+    for key, axes in _LAYER_MATRICES.items()
+  ]
+  return [*matrices, params.get("lm_head_dv", params["embed_vd"])]
+
+
+def matvec_chain_seconds(params, repeats: int, passes: int = 8) -> float:
+  """Seconds to read every matmul weight of `params` once through batch-1 XLA dots.
+
+  One pass multiplies a vector by each matrix of `decode_matrices` in turn (x·W, or W·x for a
+  tied [V, D] head), each vector built from the previous product's first element, so no dot
+  can be skipped or run ahead. `passes` passes run in one `lax.fori_loop`; the median call over
+  `passes` is one pass. This is the floor of a decode step built from the device's own
+  unfused dots: the weight bytes over these seconds is the rate XLA's matrix-vector products
+  reach on these shapes.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  tied = "lm_head_dv" not in params
+
+  @jax.jit
+  def chain(matrices):
+    def one_pass(_, s):
+      for i, w in enumerate(matrices):
+        if tied and i == len(matrices) - 1:
+          product = w @ jnp.full((w.shape[1],), s, w.dtype)
+        else:
+          product = (jnp.full((1, w.shape[0]), s, w.dtype) @ w)[0]
+        s = s + product[0].astype(s.dtype) * 1e-9
+      return s
+
+    return jax.lax.fori_loop(0, passes, one_pass, jnp.float32(0.0))
+
+  matrices = decode_matrices(params)
+  seconds = timing.median_seconds(lambda: chain(matrices).block_until_ready(), repeats)
+  return seconds / passes
+
+
 def decode_row(
   name: str,
   dtype: str,
@@ -333,8 +394,16 @@ def decode_row(
     **counts,
     "counted_by": "hand: weights once + K and V of the filled prefix per step",
   }
+  if batch == 1:  # the same weights through the device's own unfused dots, no other work
+    chain_s = matvec_chain_seconds(params, repeats)
+    row |= {
+      "matvec_chain_seconds": chain_s,
+      "matvec_chain_bytes_per_s": counts["weight_bytes"] / chain_s,
+    }
   if step_s <= 0:  # the two calls' difference drowned in noise: no rate to report
     return row | {"error": "the longer call was not slower; rerun on a quieter machine"}
+  if batch == 1:
+    row["step_over_matvec_chain"] = step_s / chain_s
   bytes_per_s, flops_per_s = counts["bytes"] / step_s, counts["flops"] / step_s
   bound = "bandwidth" if batch == 1 else f"matmul {dtype}"
   fraction = (
@@ -420,7 +489,10 @@ def row_line(row: dict) -> str:
     if row["peak"] == "bandwidth"
     else _human(row["flops_per_s"], "FLOP/s")
   )
-  return f"{what} {rate:>14} = {100 * row['fraction_of_peak']:5.1f}% of {row['peak']}"
+  line = f"{what} {rate:>14} = {100 * row['fraction_of_peak']:5.1f}% of {row['peak']}"
+  if "step_over_matvec_chain" in row:
+    line += f" ({row['step_over_matvec_chain']:.2f}x its chain of dots)"
+  return line
 
 
 def define_flags(fv: flags.FlagValues) -> None:

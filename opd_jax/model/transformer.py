@@ -147,9 +147,11 @@ def linear(x, w, num_in_axes: int = 1, kernel: str = "reference"):
       raise ValueError(f"QArray has {w.num_in_axes} input axes, the matmul contracts {num_in_axes}")
     if w.native_fp8:
       return quant_compute.fp8_matmul(x, w).astype(x.dtype)
-  # Contracting axes listed last-first, as jnp.einsum orders them: same HLO as before.
-  x_axes = tuple(range(x.ndim - 1, x.ndim - 1 - num_in_axes, -1))
-  w_axes = tuple(range(num_in_axes - 1, -1, -1))
+  # Contracting axes in their stored order, so that W [*in, *out] is already the row-major
+  # [prod(in), prod(out)] matrix the dot wants; listed last-first (jnp.einsum's order), XLA
+  # transposed the whole of a 2-axis W (the o projection) in every call, every decode step.
+  x_axes = tuple(range(x.ndim - num_in_axes, x.ndim))
+  w_axes = tuple(range(num_in_axes))
   dims = ((x_axes, w_axes), ((), ()))
   if kernel == "bf16_matmul":
     x16, w16 = x.astype(jnp.bfloat16), as_dense(w, jnp.bfloat16)

@@ -55,3 +55,25 @@ def test_decode_row_counts_at_the_mean_context():
   assert row["weight_bytes"] == 22720 * 4
   assert row["kv_bytes"] == pytest.approx(7.5 * 2 * 2 * 2 * 8 * 4)  # 1920
   assert row["flops"] == pytest.approx(2 * 22528 + 4 * 2 * 4 * 8 * 7.5)  # 46976
+  assert row["matvec_chain_seconds"] > 0
+  assert "error" in row or row["step_over_matvec_chain"] > 0  # no ratio when the step drowned
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_matrices_are_the_matmul_weights(tied):
+  """The chain of dots reads exactly the W of `matmul_params`: every projection of every layer
+  and the head, tied or not."""
+  import dataclasses
+
+  import jax
+
+  from opd_jax.model import transformer as model
+
+  cfg = dataclasses.replace(SMALL, tie_word_embeddings=tied)
+  params = model.init_params(jax.random.key(0), cfg)
+  matrices = roofline.decode_matrices(params)
+  assert len(matrices) == 2 * 7 + 1 and all(m.ndim == 2 for m in matrices)
+  assert sum(m.size for m in matrices) == roofline.matmul_params(cfg) == 328
+  assert matrices[3].shape == (2 * 3, 4)  # o [N·H, D]
+  assert matrices[-1].shape == ((10, 4) if tied else (4, 10))
+  assert roofline.matvec_chain_seconds(params, repeats=1, passes=2) > 0

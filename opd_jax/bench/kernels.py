@@ -8,12 +8,12 @@ Command (results: docs/results/benchmarks.md):
 
 * "matvec" rows: x·W for x [1, in] and W [in, out] in `--dtype` (f32 by default), for each
   distinct matrix shape of the decode step (`roofline.decode_matrices`). Enough distinct
-  matrices of the shape to hold `--matvec-mb` MB are multiplied in a chain (each vector built
-  from the previous product, so none is skipped) inside one `lax.fori_loop`, so the weights
-  come from memory, not from a cache that held the last call's. `bytes_per_s` is W's bytes
-  over the seconds of one product; against `copy_bytes_per_s` (`roofline.copy_bandwidth`,
-  measured in the same run) it says how much of the memory's bandwidth XLA's dot reaches at
-  that shape.
+  matrices of the shape to hold `--matvec-mb` MB are multiplied in a chain
+  (`roofline.dot_chain_seconds`: each vector built from the previous product, so none is
+  skipped) inside one `lax.fori_loop`, so the weights come from memory, not from a cache that
+  held the last call's. `bytes_per_s` is W's bytes over the seconds of one product; against
+  `copy_bytes_per_s` (`roofline.copy_bandwidth`, measured in the same run) it says how much of
+  the memory's bandwidth XLA's dot reaches at that shape.
 * "convert" rows: y = sum over the last axis of x.astype(f32) for x of `--elements` elements
   in rows of 64, for x in f32, bf16, FP8 E4M3 and E5M2 (and FP8 through bf16, which is exact:
   every FP8 value is a bf16 value; `exact` says whether the two routes agree bit for bit).
@@ -54,18 +54,7 @@ def matvec_row(shape: tuple[int, int], dtype: str, megabytes: float, repeats: in
   matrices = [
     jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype) for i in range(count)
   ]
-
-  @jax.jit
-  def chain(matrices):
-    def one_pass(_, s):
-      for w in matrices:
-        s = s + (jnp.full((1, rows), s, w.dtype) @ w)[0, 0].astype(s.dtype) * 1e-9
-      return s
-
-    return jax.lax.fori_loop(0, CHAIN_PASSES, one_pass, jnp.float32(0.0))
-
-  seconds = timing.median_seconds(lambda: chain(matrices).block_until_ready(), repeats)
-  per_product = seconds / (CHAIN_PASSES * count)
+  per_product = roofline.dot_chain_seconds(matrices, repeats, CHAIN_PASSES) / count
   return {
     "kind": "matvec",
     "shape": [rows, cols],

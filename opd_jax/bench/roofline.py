@@ -290,50 +290,33 @@ def train_row(
   }
 
 
-# Each layer's matmul weights and how many leading axes each contracts (`transformer.linear`).
-_LAYER_MATRICES = {
-  "q_dnh": 1,
-  "k_dkh": 1,
-  "v_dkh": 1,
-  "o_nhd": 2,
-  "gate_df": 1,
-  "up_df": 1,
-  "down_fd": 1,
-}
-
-
 def decode_matrices(params) -> list:
   """Every matrix a decode step multiplies by, as 2-D [in, out] views in the step's order (each
-  layer's `_LAYER_MATRICES`, then the LM head); a tied head is the embedding table [V, D], kept
-  as stored and marked by being the last entry of a params tree without "lm_head_dv"."""
+  layer's `quant.LAYER_MATRICES`, then the LM head); a tied head is the embedding table [V, D],
+  kept as stored and marked by being the last entry of a params tree without "lm_head_dv"."""
+  from opd_jax.model.quant import LAYER_MATRICES
+
   matrices = [
     layer[key].reshape(math.prod(layer[key].shape[:axes]), -1)
     for layer in params["layers"]
-    for key, axes in _LAYER_MATRICES.items()
+    for key, axes in LAYER_MATRICES.items()
   ]
   return [*matrices, params.get("lm_head_dv", params["embed_vd"])]
 
 
-def matvec_chain_seconds(params, repeats: int, passes: int = 8) -> float:
-  """Seconds to read every matmul weight of `params` once through batch-1 XLA dots.
-
-  One pass multiplies a vector by each matrix of `decode_matrices` in turn (x·W, or W·x for a
-  tied [V, D] head), each vector built from the previous product's first element, so no dot
-  can be skipped or run ahead. `passes` passes run in one `lax.fori_loop`; the median call over
-  `passes` is one pass. This is the floor of a decode step built from the device's own
-  unfused dots: the weight bytes over these seconds is the rate XLA's matrix-vector products
-  reach on these shapes.
-  """
+def dot_chain_seconds(matrices: list, repeats: int, passes: int, last_transposed=False) -> float:
+  """Seconds of one pass of batch-1 dots through `matrices` in turn: x·W for each [in, out] W,
+  or W·x for the last when `last_transposed` (a [V, D] head). Each vector is built from the
+  previous product's first element, so no dot can be skipped or run ahead; `passes` passes run
+  in one `lax.fori_loop`, and the median call over `passes` is one pass."""
   import jax
   import jax.numpy as jnp
-
-  tied = "lm_head_dv" not in params
 
   @jax.jit
   def chain(matrices):
     def one_pass(_, s):
       for i, w in enumerate(matrices):
-        if tied and i == len(matrices) - 1:
+        if last_transposed and i == len(matrices) - 1:
           product = w @ jnp.full((w.shape[1],), s, w.dtype)
         else:
           product = (jnp.full((1, w.shape[0]), s, w.dtype) @ w)[0]
@@ -342,9 +325,18 @@ def matvec_chain_seconds(params, repeats: int, passes: int = 8) -> float:
 
     return jax.lax.fori_loop(0, passes, one_pass, jnp.float32(0.0))
 
-  matrices = decode_matrices(params)
   seconds = timing.median_seconds(lambda: chain(matrices).block_until_ready(), repeats)
   return seconds / passes
+
+
+def matvec_chain_seconds(params, repeats: int, passes: int = 8) -> float:
+  """Seconds to read every matmul weight of `params` once through batch-1 XLA dots: one pass of
+  `dot_chain_seconds` over `decode_matrices` (W·x for a tied [V, D] head). This is the floor of
+  a decode step built from the device's own unfused dots: the weight bytes over these seconds
+  is the rate XLA's matrix-vector products reach on these shapes.
+  """
+  tied = "lm_head_dv" not in params
+  return dot_chain_seconds(decode_matrices(params), repeats, passes, last_transposed=tied)
 
 
 def decode_row(

@@ -1,7 +1,8 @@
 """Entry point: a finished study's dose ladders under each label.
 
     python -m opd_jax.ladders --study=DIR/study.json [--full-run-accuracy=0.965]
-        [--min-plateau-share=0.85] [--full-length=FULL/study.json] [--json=PATH] [--md=PATH]
+        [--min-plateau-share=0.85] [--full-length=FULL/study.json]
+        [--second-pair=OTHER/study.json --pair-names=embedded,deep] [--json=PATH] [--md=PATH]
 
 Reads a `study.json` and prints, for each label (teacher_kl, accuracy), τ, the share of the
 settings' labels within ±2 SE of τ, and per source its rungs (the check's KL and the mean
@@ -16,6 +17,14 @@ per label, the Spearman and Pearson correlations of the two lengths' mean drops 
 of the full-length drop on the short one (bootstrap intervals over settings), and how often
 the two lengths' verdicts (drop > τ, each length with its own τ) agree, with its Wilson
 interval (`opd_jax.experiments.run_length`; under "run_length" in the JSON).
+
+With --second-pair, model dependence: OTHER is a study of the same ladders on another
+student–teacher pair (`configs/ladders.py:deep`); for the settings in both, per label, each
+setting's check KL and drop (with Welch's interval) on both pairs, the Spearman correlation and
+the geometric-mean ratio of the two pairs' check KLs, the Spearman correlation of the drops
+over each pair's τ, how often the two pairs' verdicts agree, and both pairs' knees per source
+(`opd_jax.experiments.pair_dependence`; under "pair_dependence" in the JSON). --pair-names
+names the two pairs in the tables (--study's first).
 
 The JSON records its own `provenance` (the code, and a hash of the arguments) and, under
 "studies_provenance", the entry each study it read recorded (None where it recorded none).
@@ -53,6 +62,15 @@ def define_flags(fv: flags.FlagValues) -> None:
     "A study.json of the same settings at full length: print the run-length check too.",
     flag_values=fv,
   )
+  flags.DEFINE_string(
+    "second-pair",
+    None,
+    "A study.json of the same ladders on another pair: print the two side by side.",
+    flag_values=fv,
+  )
+  flags.DEFINE_list(
+    "pair-names", ["A", "B"], "The two pairs' names, --study's first.", flag_values=fv
+  )
   cli_flags.define_json_flag(fv, "the ladders' data")
   flags.DEFINE_string("md", None, "Write the markdown to PATH.", flag_values=fv)
 
@@ -88,7 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     read["full_length"] = full.get(provenance.KEY)
     out["run_length"] = run_length.length_check(result, full)
     lines += run_length.markdown_lines(out["run_length"])
+  if args.second_pair:
+    from opd_jax.experiments import pair_dependence
+
+    other = read_study(args.second_pair, "second-pair")
+    read["second_pair"] = other.get(provenance.KEY)
+    out["pair_dependence"] = pair_dependence.compare(result, other, args.pair_names)
+    lines += pair_dependence.markdown_lines(out["pair_dependence"])
   arguments = ("study", "full_length", "full_run_accuracy", "min_plateau_share")
+  if args.second_pair:  # outputs made without it keep the hash they recorded
+    arguments += ("second_pair", "pair_names")
   options = {k: getattr(args, k) for k in arguments}
   out[provenance.KEY] = provenance.provenance(options)
   out["studies_provenance"] = read

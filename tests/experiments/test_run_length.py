@@ -2,47 +2,20 @@
 `experiments.study` writes (round 9's recorded study.json gives the key names), paired by
 setting, every number checked by hand; and the command's --full-length."""
 
-import copy
 import json
 import math
-import os
 
 import pytest
 
 from opd_jax import ladders as ladders_command
 from opd_jax.experiments import run_length, stats
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ROUND9 = os.path.join(REPO, "docs", "study", "round9", "study.json")
 
-with open(ROUND9) as f:
-  _RECORDED = json.load(f)
-_TOP = ("run_steps", "num_eval", "label", "tolerance", "noise_floor")
-_ROW = ("name", "spec", "source", "role", "accuracy_runs", "teacher_kl_runs", "mismatch/kl")
-
-
-def _study(steps, tolerance, reference, settings):
-  """A study.json of `steps` whose reference runs have (KL, accuracy) pairs `reference` and
-  whose settings are (spec, [(KL, accuracy) per run]); every key copied from a recorded one."""
-  result = {key: copy.deepcopy(_RECORDED[key]) for key in _TOP}
-  result.update(run_steps=steps, tolerance=tolerance, label="teacher_kl", num_eval=256)
-  template = next(r for r in _RECORDED["rows"] if r["role"] == "calibration")
-  rows = []
-  for i, (kl, acc) in enumerate(reference):
-    rows.append({**template, "name": f"reference_seed{i}", "spec": "", "source": "reference"})
-    rows[-1].update(role="reference", teacher_kl_runs=[kl], accuracy_runs=[acc])
-  for spec, runs in settings:
-    rows.append({**template, "name": spec.replace("=", "-"), "spec": spec, "role": "calibration"})
-    rows[-1].update(teacher_kl_runs=[k for k, _ in runs], accuracy_runs=[a for _, a in runs])
-  result["rows"] = rows
-  return result
-
-
-def _pair():
+def _pair(make):
   # Short: reference KL 0.10, 0.12, 0.11 (mean 0.11), accuracy 0.8; τ_KL 0.02 (configured),
   # τ_acc = 2·sqrt(0.8·0.2/256) = 0.05. KL drops a 0, b 0.01, c 0.03, d 0.09; accuracy drops
   # 0, 0.02, 0.04, 0.10; e is in the short study only.
-  short = _study(
+  short = make(
     600,
     0.02,
     [(0.10, 0.8), (0.12, 0.8), (0.11, 0.8)],
@@ -57,7 +30,7 @@ def _pair():
   # Full: reference KL 0.05, 0.06, 0.07 (mean 0.06), accuracy 0.9; τ_KL 0.015,
   # τ_acc = 2·sqrt(0.9·0.1/256) = 0.0375. KL drops a 0, b 0.02, c 0.01, d 0.10; accuracy
   # drops 0, 0.02, 0.04, 0.10.
-  full = _study(
+  full = make(
     1000,
     0.015,
     [(0.05, 0.9), (0.06, 0.9), (0.07, 0.9)],
@@ -71,13 +44,14 @@ def _pair():
   return short, full
 
 
-def test_the_schema_is_the_recorded_one():
-  row = next(r for r in _RECORDED["rows"] if r["role"] == "calibration")
-  assert set(_ROW) <= set(row) and set(_TOP) <= set(_RECORDED)
+def test_the_schema_is_the_recorded_one(recorded_study, study_keys):
+  top, keys = study_keys
+  row = next(r for r in recorded_study["rows"] if r["role"] == "calibration")
+  assert set(keys) <= set(row) and set(top) <= set(recorded_study)
 
 
-def test_length_check_by_hand():
-  short, full = _pair()
+def test_length_check_by_hand(make_study):
+  short, full = _pair(make_study)
   check = run_length.length_check(short, full, num_bootstrap=200)
   assert (check["short_steps"], check["full_steps"]) == (600, 1000)
   kl = check["labels"]["teacher_kl"]
@@ -117,15 +91,15 @@ def test_slope_and_bootstrap_edges():
   assert all(math.isnan(x) for x in interval)  # every resample's x is constant
 
 
-def test_studies_that_share_no_setting_are_refused():
-  short, full = _pair()
+def test_studies_that_share_no_setting_are_refused(make_study):
+  short, full = _pair(make_study)
   full["rows"] = [r for r in full["rows"] if r["role"] == "reference"]
   with pytest.raises(ValueError, match="share no setting"):
     run_length.length_check(short, full)
 
 
-def test_the_command_prints_the_run_length_check(tmp_path, capsys):
-  short, full = _pair()
+def test_the_command_prints_the_run_length_check(tmp_path, capsys, make_study):
+  short, full = _pair(make_study)
   a, b = tmp_path / "a.json", tmp_path / "b.json"
   a.write_text(json.dumps(short))
   b.write_text(json.dumps(full))

@@ -40,26 +40,21 @@ NUM_BOOTSTRAP = 2000
 
 
 def _settings(result: Mapping, label: str) -> dict[str, dict[str, Any]] | None:
-  """spec → {name, source, kl, drop, interval, runs} of every non-reference row with runs
-  under `label`; None when the reference lacks the label."""
-  floor = ladders.label_tolerance(result, label)
-  if floor is None:
+  """spec → {name, drop, runs, source, kl, interval} of every non-reference row with runs
+  under `label` (`run_length.setting_drops`, with the check's reading and Welch's interval of
+  the drop); None when the reference lacks the label."""
+  out = run_length.setting_drops(result, label)
+  if out is None:
     return None
+  rows = {r["spec"]: r for r in result["rows"] if r["role"] != "reference"}
   q_ref = [
     q for r in result["rows"] if r["role"] == "reference" for q in ladders.label_runs(r, label)
   ]
-  out = {}
-  for r in result["rows"]:
-    q = ladders.label_runs(r, label) if r["role"] != "reference" else None
-    if q:
-      out[r["spec"]] = {
-        "name": r["name"],
-        "source": r["source"],
-        "kl": float(r[budget.KL_KEY]),
-        "drop": floor["mean"] - float(np.mean(q)),
-        "interval": list(stats.welch_interval(q_ref, q)),
-        "runs": len(q),
-      }
+  for spec, setting in out.items():
+    row = rows[spec]
+    setting["source"] = row["source"]
+    setting["kl"] = float(row[budget.KL_KEY])
+    setting["interval"] = list(stats.welch_interval(q_ref, ladders.label_runs(row, label)))
   return out
 
 
@@ -173,12 +168,7 @@ def compare(
   return {"names": list(names), "labels": labels}
 
 
-def _g(x: float) -> str:
-  return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
-
-
-def _with(x: float, interval: Sequence[float]) -> str:
-  return f"{_g(x)} [{_g(interval[0])}, {_g(interval[1])}]"
+_g, _with = run_length.fmt, run_length.fmt_interval
 
 
 def _knee_text(k: Mapping | None) -> str:
@@ -200,14 +190,12 @@ def markdown_lines(comparison: Mapping[str, Any]) -> list[str]:
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for label, c in comparison["labels"].items():
-    lo, hi = c["agreement_interval"]
     lines.append(
       f"| {label} | {c['n']} | {_g(c['tolerance_a'])} | {_g(c['tolerance_b'])} | "
       f"{_with(c['kl_spearman'], c['kl_spearman_interval'])} | "
       f"{_with(c['kl_ratio_geomean'], c['kl_ratio_geomean_interval'])} | "
       f"{_with(c['drop_spearman'], c['drop_spearman_interval'])} | {c['degraded_a']} | "
-      f"{c['degraded_b']} | {c['verdicts_agree']}/{c['n']} = {c['agreement']:.0%} "
-      f"[{lo:.0%}, {hi:.0%}] |"
+      f"{c['degraded_b']} | {run_length.agreement_text(c)} |"
     )
   lines += [
     "",

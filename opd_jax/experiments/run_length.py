@@ -148,12 +148,20 @@ def length_check(
   }
 
 
-def _g(x: float) -> str:
+def fmt(x: float) -> str:
+  """x to 3 significant digits; "n/a" for None or a non-finite x."""
   return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
 
 
-def _with(x: float, interval: Sequence[float]) -> str:
-  return f"{_g(x)} [{_g(interval[0])}, {_g(interval[1])}]"
+def fmt_interval(x: float, interval: Sequence[float]) -> str:
+  """ "x [lo, hi]", each by `fmt`."""
+  return f"{fmt(x)} [{fmt(interval[0])}, {fmt(interval[1])}]"
+
+
+def agreement_text(c: Mapping[str, Any]) -> str:
+  """ "k/n = p [lo, hi]" of a block's verdict agreement and its interval, in percent."""
+  lo, hi = c["agreement_interval"]
+  return f"{c['verdicts_agree']}/{c['n']} = {c['agreement']:.0%} [{lo:.0%}, {hi:.0%}]"
 
 
 def markdown_lines(check: Mapping[str, Any]) -> list[str]:
@@ -166,12 +174,11 @@ def markdown_lines(check: Mapping[str, Any]) -> list[str]:
     "|---|---|---|---|---|---|---|---|",
   ]
   for label, c in check["labels"].items():
-    lo, hi = c["agreement_interval"]
     lines.append(
-      f"| {label} | {c['n']} | {_g(c['tolerance_short'])} | {_g(c['tolerance_full'])} | "
-      f"{_with(c['spearman'], c['spearman_interval'])} | "
-      f"{_with(c['pearson'], c['pearson_interval'])} | {_with(c['slope'], c['slope_interval'])} | "
-      f"{c['verdicts_agree']}/{c['n']} = {c['agreement']:.0%} [{lo:.0%}, {hi:.0%}] |"
+      f"| {label} | {c['n']} | {fmt(c['tolerance_short'])} | {fmt(c['tolerance_full'])} | "
+      f"{fmt_interval(c['spearman'], c['spearman_interval'])} | "
+      f"{fmt_interval(c['pearson'], c['pearson_interval'])} | "
+      f"{fmt_interval(c['slope'], c['slope_interval'])} | {agreement_text(c)} |"
     )
   lines += ["", "Intervals: 95 %, bootstrap over settings (agreement: Wilson).", ""]
   for label, c in check["labels"].items():
@@ -181,8 +188,8 @@ def markdown_lines(check: Mapping[str, Any]) -> list[str]:
       f"| setting | drop at {short} | degraded | drop at {full} | degraded |",
       "|---|---|---|---|---|",
       *(
-        f"| {s['name']} | {_g(s['drop_short'])} | {'yes' if s['degraded_short'] else 'no'} | "
-        f"{_g(s['drop_full'])} | {'yes' if s['degraded_full'] else 'no'} |"
+        f"| {s['name']} | {fmt(s['drop_short'])} | {'yes' if s['degraded_short'] else 'no'} | "
+        f"{fmt(s['drop_full'])} | {'yes' if s['degraded_full'] else 'no'} |"
         for s in c["settings"]
       ),
       "",

@@ -253,8 +253,9 @@ def study_keys():
 def make_study(recorded_study):
   """make(steps, tolerance, reference, settings): a study.json of `steps` whose reference runs
   have (KL, accuracy) pairs `reference` and whose settings are (spec, [(KL, accuracy) per
-  run]) or (spec, [(KL, accuracy) per run], check KL); every key copied from a recorded one,
-  each setting its own source named by its spec's key."""
+  run]) or (spec, [(KL, accuracy) per run], check KL); every key copied from a recorded one.
+  A setting given a check KL gets it as mismatch/kl and its own source, named by its spec's
+  key; one without keeps the recorded row's."""
 
   def make(steps, tolerance, reference, settings):
     result = {key: copy.deepcopy(recorded_study[key]) for key in STUDY_TOP}

@@ -64,7 +64,8 @@ def label_runs(row: Mapping[str, Any], label: str) -> list[float] | None:
   raise ValueError(f"label {label!r} is not one of {', '.join(LABELS)}")
 
 
-def _reference(result: Mapping, label: str) -> list[float] | None:
+def reference_runs(result: Mapping, label: str) -> list[float] | None:
+  """The reference rows' quality per run under `label`, pooled; None when any lacks it."""
   out = []
   for r in result["rows"]:
     if r["role"] == "reference":
@@ -78,7 +79,7 @@ def _reference(result: Mapping, label: str) -> list[float] | None:
 def label_tolerance(result: Mapping, label: str) -> dict[str, float] | None:
   """The reference's noise floor under `label` (`stats.noise_floor`), with τ the study's own
   for the label it ran with (a configured τ included); None when the runs lack the label."""
-  q_ref = _reference(result, label)
+  q_ref = reference_runs(result, label)
   if q_ref is None:
     return None
   floor = stats.noise_floor(q_ref, int(result["num_eval"]), label)
@@ -93,7 +94,7 @@ def label_band(result: Mapping, label: str) -> dict[str, Any] | None:
   floor = label_tolerance(result, label)
   if floor is None:
     return None
-  q_ref = _reference(result, label)
+  q_ref = reference_runs(result, label)
   m, s_ref, tau = len(q_ref), floor["sd"], floor["tolerance"]
   settings = []
   for r in result["rows"]:
@@ -177,7 +178,7 @@ def ladder_table(result: Mapping, label: str) -> dict[str, Any] | None:
 def plateau(result: Mapping, full_run_accuracy: float | None, min_share: float) -> dict | None:
   """The reference's mean held-out accuracy as a share of `full_run_accuracy`, and whether it
   reaches `min_share`; None without a full-run accuracy or recorded accuracies."""
-  q_ref = _reference(result, "accuracy")
+  q_ref = reference_runs(result, "accuracy")
   if not full_run_accuracy or q_ref is None:
     return None
   mean = float(np.mean(q_ref))

@@ -47,9 +47,7 @@ def _settings(result: Mapping, label: str) -> dict[str, dict[str, Any]] | None:
   if out is None:
     return None
   rows = {r["spec"]: r for r in result["rows"] if r["role"] != "reference"}
-  q_ref = [
-    q for r in result["rows"] if r["role"] == "reference" for q in ladders.label_runs(r, label)
-  ]
+  q_ref = ladders.reference_runs(result, label)
   for spec, setting in out.items():
     row = rows[spec]
     setting["source"] = row["source"]
@@ -122,9 +120,7 @@ def label_comparison(
     "drop_spearman_interval": interval(stats.spearman, rel_a, rel_b),
     "degraded_a": sum(r["degraded_a"] for r in rows),
     "degraded_b": sum(r["degraded_b"] for r in rows),
-    "verdicts_agree": agree,
-    "agreement": agree / len(specs),
-    "agreement_interval": list(stats.wilson(agree, len(specs), level)),
+    **run_length.agreement(agree, len(specs), level),
     "settings": rows,
   }
 

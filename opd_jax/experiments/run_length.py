@@ -79,6 +79,15 @@ def bootstrap_interval(
   return [float(lo), float(hi)]
 
 
+def agreement(agree: int, n: int, level: float) -> dict[str, Any]:
+  """Verdicts agreeing on `agree` of `n` settings: the count, the share and its Wilson interval."""
+  return {
+    "verdicts_agree": agree,
+    "agreement": agree / n,
+    "agreement_interval": list(stats.wilson(agree, n, level)),
+  }
+
+
 def label_check(
   short: Mapping, full: Mapping, label: str, num_bootstrap: int, level: float, seed: int
 ) -> dict[str, Any] | None:
@@ -105,9 +114,7 @@ def label_check(
     "pearson_interval": bootstrap_interval(stats.pearson, x, y, num_bootstrap, level, seed),
     "slope": slope(x, y),
     "slope_interval": bootstrap_interval(slope, x, y, num_bootstrap, level, seed),
-    "verdicts_agree": agree,
-    "agreement": agree / len(specs),
-    "agreement_interval": list(stats.wilson(agree, len(specs), level)),
+    **agreement(agree, len(specs), level),
     "settings": [
       {
         "spec": s,

@@ -147,11 +147,11 @@ def _sample_core(params, tokens_bp, lens_b, live_b, rng, cfg, model_cfg, cache_l
 
 
 def _constrain_cache(cache, mesh):
-  """The KV cache laid out [B over data·fsdp, S, K over tensor, H] (scales alike)."""
+  """The KV cache laid out [B over data·fsdp, K over tensor, S, H] (scales alike)."""
   if mesh is None:
     return cache
   return [
-    {name: _constrain(x, mesh, "btkh"[: x.ndim]) for name, x in entry.items()} for entry in cache
+    {name: _constrain(x, mesh, "bkth"[: x.ndim]) for name, x in entry.items()} for entry in cache
   ]
 
 

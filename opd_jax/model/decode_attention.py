@@ -26,7 +26,7 @@ probabilities before the P·V product, on [.., T, block] arrays H / G times smal
 the block: no per-element multiply and no rounding of k̂ · c to the compute dtype, which
 `kvcache.read` (and the Pallas kernel) do, so with bf16 compute the two paths differ by that
 rounding (2^-8 of an element), with f32 compute by f32 rounding. The pass that converts each
-block (and, for the batched QKᵀ product, transposes it) is then a cast, as for a BF16 cache.
+block is then a cast, as for a BF16 cache.
 The bf16_attention variant below keeps the dequantize-then-cast order, as its reference does.
 
 Online softmax (flash-decoding). With the scores s_i = q·k_i/√H of a query and its
@@ -58,15 +58,16 @@ BLOCK = 256  # cache slots read per block
 _MASKED = jnp.finfo(jnp.float32).min  # the score of an invisible slot, as in transformer.attend
 
 
-def _slice_slots(x_bs, start, size: int) -> jax.Array:
-  """x[:, start : start + size]; a [B, 1, ...] "tensor" scale is returned whole."""
-  if x_bs.shape[1] == 1:  # one scale per sequence, broadcast over the slots
-    return x_bs
-  return jax.lax.dynamic_slice_in_dim(x_bs, start, size, axis=1)
+def _slice_slots(x_bks, start, size: int) -> jax.Array:
+  """x[:, :, start : start + size] (the slot axis); a [B, 1, 1, 1] "tensor" scale is returned
+  whole."""
+  if x_bks.shape[kvcache.SLOT_AXIS] == 1:  # one scale per sequence, broadcast over the slots
+    return x_bks
+  return jax.lax.dynamic_slice_in_dim(x_bks, start, size, axis=kvcache.SLOT_AXIS)
 
 
 def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
-  """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, size, K, H] in `dtype`.
+  """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, K, size, H] in `dtype`.
 
   Stored bits are bit-cast to their values (`kvcache.as_values`); FP8 entries dequantize as
   f32(e4m3(k)) · k_scale then cast to `dtype`: per element the value `kvcache.read` gives.
@@ -84,10 +85,10 @@ def block_values(entry: dict, start, size: int, dtype):
   """Slots start .. start + size − 1 of one layer's cache as the stored values and their scales.
 
   Returns:
-    (k̂, v̂, k_scale, v_scale): k̂, v̂ [B, size, K, H] in `dtype`, the stored values bit-cast
-    (`kvcache.as_values`) and cast, exact for every cache format; the scales [B, K, 1, 1, size]
-    ("token_head") or [B, 1, 1, 1, 1] ("tensor"), f32, laid out to multiply scores
-    [B, K, G, T, size], or None for an unscaled (f32, bf16) cache. k = k̂ · k_scale up to the
+    (k̂, v̂, k_scale, v_scale): k̂, v̂ [B, K, size, H] in `dtype`, the stored values bit-cast
+    (`kvcache.as_values`) and cast, exact for every cache format; the scales [B, K, 1, size]
+    ("token_head") or [B, 1, 1, 1] ("tensor"), f32, laid out to multiply scores
+    [B, K, R, size], or None for an unscaled (f32, bf16) cache. k = k̂ · k_scale up to the
     rounding `block_kv` adds.
   """
   k = kvcache.as_values(_slice_slots(entry["k"], start, size)).astype(dtype)
@@ -95,9 +96,8 @@ def block_values(entry: dict, start, size: int, dtype):
   if "k_scale" not in entry:
     return k, v, None, None
 
-  def scale(name):  # [B, size, K, 1] or [B, 1, 1, 1] -> [B, K, 1, 1, size] or [B, 1, 1, 1, 1]
-    x_bsk = _slice_slots(entry[name], start, size)[..., 0]
-    return jnp.swapaxes(x_bsk, 1, 2)[:, :, None, None, :]
+  def scale(name):  # [B, K, size, 1] or [B, 1, 1, 1] -> [B, K, 1, size] or [B, 1, 1, 1]
+    return jnp.swapaxes(_slice_slots(entry[name], start, size), 2, 3)
 
   return k, v, scale("k_scale"), scale("v_scale")
 
@@ -107,6 +107,31 @@ def num_blocks(q_pos_bt, slots: int, block: int = BLOCK):
   size = min(block, slots)
   last = jnp.clip(jnp.max(q_pos_bt), 0, slots - 1)
   return last // size + 1
+
+
+def _batched_f32(lhs, rhs):
+  """Σ_c lhs[b, k, m, c] · rhs[b, k, c, n] with an f32 result: a batched product over (b, k).
+
+  bf16 operands multiply exactly in f32 and accumulate there, which is what a bf16 product
+  with an f32 result means; on CPU they are widened first, because XLA:CPU's dot runtime
+  rejects bf16 × bf16 = f32 for some shapes (GPUs and TPUs take them as they are)."""
+  if jax.default_backend() == "cpu":
+    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  return jax.lax.dot_general(
+    lhs, rhs, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32
+  )
+
+
+def _scores(k_bksh, q_bkhr):
+  """s[b, k, r, s] = Σ_h q[b, k, h, r] · k[b, k, s, h] in f32: the block as the left operand of
+  a batched [size, H]·[H, R] product (no operand of block size is transposed), then the small
+  [size, R] result turned to [R, size]."""
+  return jnp.swapaxes(_batched_f32(k_bksh, q_bkhr), 2, 3)
+
+
+def _weighted(p_bkrs, v_bksh):
+  """Σ_s p[b, k, r, s] · v[b, k, s, h] in f32: a batched [R, size]·[size, H] product."""
+  return _batched_f32(p_bkrs, v_bksh)
 
 
 def attend_cache(
@@ -119,7 +144,10 @@ def attend_cache(
 ):
   """softmax(q·kᵀ/√H + mask)·v over the filled prefix of one layer's cache (module docstring).
 
-  Slot s holds the key of position s; query (b, t) sees slots s ≤ q_pos[b, t].
+  Slot s holds the key of position s; query (b, t) sees slots s ≤ q_pos[b, t]. The G query
+  heads of a KV head and the T queries form R = G·T rows (r = g·T + t), so that each block
+  enters two batched products per (b, k) with no transpose of the block (`_scores`,
+  `_weighted`).
 
   Args:
     q_btnh: queries [B, T, N, H] in the compute dtype (T = 1 in decode, the prompt in prefill).
@@ -134,76 +162,78 @@ def attend_cache(
   """
   b, t, n, h = q_btnh.shape
   kh, g = cfg.num_kv_heads, cfg.num_groups
-  slots = entry["k"].shape[1]
+  rows = g * t
+  slots = entry["k"].shape[kvcache.SLOT_AXIS]
   size = min(block, slots)
   low = kernel == "bf16_attention"
   dtype = q_btnh.dtype
-  q_btkgh = q_btnh.reshape(b, t, kh, g, h)
+  # [B, T, K, G, H] -> [B, K, H, G, T] -> [B, K, H, R]: the small operand carries the transpose.
+  q_bkhr = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 4, 3, 1).reshape(b, kh, h, rows)
   if low:
-    q_btkgh = q_btkgh.astype(jnp.bfloat16)
+    q_bkhr = q_bkhr.astype(jnp.bfloat16)
+  # Row r = g·T + t sees slots ≤ q_pos[b, t].
+  pos_br = jnp.tile(q_pos_bt, (1, g))
   trips = num_blocks(q_pos_bt, slots, size)
 
   def scores(j):
-    """Scores [B, K, G, T, size] of block j (masked), its values [B, size, K, H] and their
-    scale [B, K, 1, 1, size] (or [B, 1, 1, 1, 1]; None when the values are dequantized)."""
+    """Scores [B, K, R, size] of block j (masked), its values [B, K, size, H] and their
+    scale [B, K, 1, size] (or [B, 1, 1, 1]; None when the values are dequantized)."""
     nominal = j * size
     start = jnp.minimum(nominal, slots - size)
     if low:
-      k_bskh, v_bskh = block_kv(entry, start, size, dtype)
+      k_bksh, v_bksh = block_kv(entry, start, size, dtype)
       k_scale = v_scale = None
-      k_bskh = k_bskh.astype(jnp.bfloat16)
+      k_bksh = k_bksh.astype(jnp.bfloat16)
     else:
-      k_bskh, v_bskh, k_scale, v_scale = block_values(entry, start, size, dtype)
-    s_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+      k_bksh, v_bksh, k_scale, v_scale = block_values(entry, start, size, dtype)
+    s_bkrs = _scores(k_bksh, q_bkhr)
     if low:
-      s_bkgts = (s_bkgts.astype(jnp.bfloat16) * jnp.bfloat16(h**-0.5)).astype(jnp.float32)
+      s_bkrs = (s_bkrs.astype(jnp.bfloat16) * jnp.bfloat16(h**-0.5)).astype(jnp.float32)
     elif k_scale is None:
-      s_bkgts = s_bkgts * (h**-0.5)
+      s_bkrs = s_bkrs * (h**-0.5)
     else:
-      s_bkgts = s_bkgts * (k_scale * h**-0.5)
+      s_bkrs = s_bkrs * (k_scale * h**-0.5)
     slot_s = start + jnp.arange(size)
-    visible_bts = (slot_s[None, None, :] <= q_pos_bt[:, :, None]) & (slot_s >= nominal)
-    return jnp.where(visible_bts[:, None, None], s_bkgts, _MASKED), v_bskh, v_scale
+    visible_brs = (slot_s[None, None, :] <= pos_br[:, :, None]) & (slot_s >= nominal)
+    return jnp.where(visible_brs[:, None], s_bkrs, _MASKED), v_bksh, v_scale
 
-  m0 = jnp.full((b, kh, g, t), _MASKED, jnp.float32)  # running max m
-  z0 = jnp.zeros((b, kh, g, t), jnp.float32)
-  acc0 = jnp.zeros((b, t, kh, g, h), jnp.float32)
+  m0 = jnp.full((b, kh, rows), _MASKED, jnp.float32)  # running max m
+  z0 = jnp.zeros((b, kh, rows), jnp.float32)
+  acc0 = jnp.zeros((b, kh, rows, h), jnp.float32)
+
+  def output(acc_bkrh):
+    out = acc_bkrh.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4)
+    return out.astype(dtype).reshape(b, t, n, h)
 
   if not low:
 
     def online(j, state):
       m, z, acc = state
-      s_bkgts, v_bskh, v_scale = scores(j)
-      m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
+      s_bkrs, v_bksh, v_scale = scores(j)
+      m_new = jnp.maximum(m, jnp.max(s_bkrs, axis=-1))
       alpha = jnp.exp(m - m_new)
-      p_bkgts = jnp.exp(s_bkgts - m_new[..., None])
-      z = z * alpha + jnp.sum(p_bkgts, axis=-1)
+      p_bkrs = jnp.exp(s_bkrs - m_new[..., None])
+      z = z * alpha + jnp.sum(p_bkrs, axis=-1)
       if v_scale is not None:
-        p_bkgts = p_bkgts * v_scale  # Σ_s p_s · c_s · v̂_s: the values' scale, not z's
-      pv = jnp.einsum("bkgts,bskh->btkgh", p_bkgts, v_bskh, preferred_element_type=jnp.float32)
-      acc = acc * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
+        p_bkrs = p_bkrs * v_scale  # Σ_s p_s · c_s · v̂_s: the values' scale, not z's
+      acc = acc * alpha[..., None] + _weighted(p_bkrs, v_bksh)
       return m_new, z, acc
 
     _, z, acc = jax.lax.fori_loop(0, trips, online, (m0, z0, acc0))
-    out = acc / jnp.moveaxis(z, 3, 1)[..., None]
-    return out.astype(dtype).reshape(b, t, n, h)
+    return output(acc / z[..., None])
 
   def stats(j, state):
     m, z = state
-    s_bkgts, _, _ = scores(j)
-    m_new = jnp.maximum(m, jnp.max(s_bkgts, axis=-1))
-    z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s_bkgts - m_new[..., None]), axis=-1)
+    s_bkrs, _, _ = scores(j)
+    m_new = jnp.maximum(m, jnp.max(s_bkrs, axis=-1))
+    z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s_bkrs - m_new[..., None]), axis=-1)
     return m_new, z
 
   m, z = jax.lax.fori_loop(0, trips, stats, (m0, z0))
 
   def weighted(j, acc):
-    s_bkgts, v_bskh, _ = scores(j)
-    p_bkgts = (jnp.exp(s_bkgts - m[..., None]) / z[..., None]).astype(jnp.bfloat16)
-    pv = jnp.einsum(
-      "bkgts,bskh->btkgh", p_bkgts, v_bskh.astype(jnp.bfloat16), preferred_element_type=jnp.float32
-    )
-    return acc + pv
+    s_bkrs, v_bksh, _ = scores(j)
+    p_bkrs = (jnp.exp(s_bkrs - m[..., None]) / z[..., None]).astype(jnp.bfloat16)
+    return acc + _weighted(p_bkrs, v_bksh.astype(jnp.bfloat16))
 
-  acc = jax.lax.fori_loop(0, trips, weighted, acc0)
-  return acc.astype(dtype).reshape(b, t, n, h)
+  return output(jax.lax.fori_loop(0, trips, weighted, acc0))

@@ -2,15 +2,20 @@
 
 Layout. `init_cache` returns a list with one dict per layer:
 
-    {"k": [B, S, K, H], "v": [B, S, K, H]}                      # f32 layers
-    {"k": [B, S, K, H] uint16, "v": [B, S, K, H] uint16}        # bf16 layers: bf16 bits
-    {"k": [B, S, K, H] uint8 | int8, "v": same,                 # quantized layers: the bits
-     "k_scale": [B, s, k, 1] f32, "v_scale": [B, s, k, 1] f32}  # of the format (below)
-                                  # (s, k) = (S, K) for "token_head", (1, 1) for "tensor"
+    {"k": [B, K, S, H], "v": [B, K, S, H]}                      # f32 layers
+    {"k": [B, K, S, H] uint16, "v": [B, K, S, H] uint16}        # bf16 layers: bf16 bits
+    {"k": [B, K, S, H] uint8 | int8, "v": same,                 # quantized layers: the bits
+     "k_scale": [B, k, s, 1] f32, "v_scale": [B, k, s, 1] f32}  # of the format (below)
+                                  # (k, s) = (K, S) for "token_head", (1, 1) for "tensor"
 
 Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
-at position p attends to slots 0..p. `as_values` reads stored bits as their values (a
-bit-cast); quantized entries dequantize as f32(q(k)) · k_scale.
+at position p attends to slots 0..p. The layout is head-major ([B, K, S, H], the model's
+activations are [B, T, K, H]): a block of slots of one KV head is contiguous, so decode
+attention multiplies it in place, as a batched [slots, H]·[H, G] product per (b, k). With
+[B, S, K, H] storage every block read was first transposed, and on 2 CPU cores those copies
+cost more than the products (docs/bench/decode_scaling.md, "Head-major cache"). `as_values`
+reads stored bits as their values (a bit-cast); quantized entries dequantize as
+f32(q(k)) · k_scale.
 
 Quantized formats (`QUANTIZED_KV_DTYPES`, `rollout.kv_cache` name in brackets). Each
 stores round_fmt(clip(x / scale, ±q_max)) with the scale of the granularity below, so
@@ -48,7 +53,7 @@ unchanged.
 Scale granularity (`KVCacheSpec.granularity`), the capacity-versus-mismatch knob, for
 every quantized format:
 
-* "token_head": one scale per token and head ([B, S, K, 1]); the scale is
+* "token_head": one scale per token and head ([B, K, S, 1]); the scale is
   amax(|k|)/q_max of that head's vector, so every entry uses the format's full range.
   Costs 4 bytes per token per head per K and V: 2·K·(H+4) bytes per token per layer.
 * "tensor": one scale per layer and sequence ([B, 1, 1, 1]), calibrated at the
@@ -160,6 +165,10 @@ def storage_dtype(dtype: str):
   return _STORAGE[dtype]
 
 
+# The slot axis of every cache array ([B, K, S, H] values, [B, K, S, 1] scales).
+SLOT_AXIS = 2
+
+
 def as_values(x):
   """The values of stored cache entries: uint16 bits as bf16, uint8 bits as e4m3 (which also
   holds e2m1 values), int8 bits as e5m2, f32 as is (a bit-cast: same bytes, no arithmetic)."""
@@ -187,14 +196,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
     spec: the cache numerics.
 
   Returns:
-    L dicts with "k", "v" [B, S, K, H] (f32; uint16 bf16 bits; uint8 e4m3 bits, int8 e5m2
+    L dicts with "k", "v" [B, K, S, H] (f32; uint16 bf16 bits; uint8 e4m3 bits, int8 e5m2
     bits, uint8 e4m3 bits of e2m1 values) and, on quantized layers, "k_scale", "v_scale"
-    ([B, S, K, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
+    ([B, K, S, 1] for "token_head", [B, 1, 1, 1] for "tensor") f32 zeros.
   """
   out_of_range = [i for i in spec.bf16_layers if i >= cfg.num_layers]
   if out_of_range:
     raise ValueError(f"bf16_layers {out_of_range} out of range for {cfg.num_layers} layers")
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   cache = []
   for layer in range(cfg.num_layers):
     dtype = spec.layer_dtype(layer)
@@ -202,7 +211,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, spec: KVCacheSpec) ->
     entry = {"k": jnp.zeros(shape, stored), "v": jnp.zeros(shape, stored)}
     if dtype in QUANTIZED_KV_DTYPES:
       if spec.granularity == "token_head":
-        scale_shape = (batch, max_len, cfg.num_kv_heads, 1)
+        scale_shape = (batch, cfg.num_kv_heads, max_len, 1)
       else:
         scale_shape = (batch, 1, 1, 1)
       entry["k_scale"] = jnp.zeros(scale_shape, jnp.float32)
@@ -237,7 +246,7 @@ def bytes_per_token(cache: list[dict]) -> float:
   """
   total = 0.0
   for entry in cache:
-    batch, slots = entry["k"].shape[:2]
+    batch, slots = entry["k"].shape[0], entry["k"].shape[SLOT_AXIS]
     total += sum(_nbytes(x) for x in entry.values()) / (batch * slots)
   return total
 
@@ -250,19 +259,19 @@ def _quantize_rows(x_btkh: jax.Array, scale, dtype: str) -> jax.Array:
   return jnp.clip(q, -q_max, q_max).astype(value_dtype)
 
 
-def _scatter_time(dst_bs, src_bt, start_b):
-  """dst[b, start_b : start_b + T] = src[b] for every b, in place.
+def _scatter_time(dst_bks, src_btk, start_b):
+  """dst[b, :, start_b : start_b + T] = src[b] (moved to [K, T, ...]) for every b, in place.
 
-  The source is cast to the cache's value dtype and bit-cast to its integer storage (module
-  docstring); only the T new tokens are converted, never the buffer.
+  The source [B, T, K, ·] (the model's layout) is cast to the cache's value dtype, bit-cast to
+  its integer storage (module docstring) and moved to the cache's head-major layout; only the T
+  new tokens are converted and moved, never the buffer.
   """
-  src_bt = _as_stored(src_bt, dst_bs.dtype)
+  src_bkt = jnp.swapaxes(_as_stored(src_btk, dst_bks.dtype), 1, 2)
 
   def one(d, s, start):
-    idx = (start,) + (0,) * (d.ndim - 1)
-    return jax.lax.dynamic_update_slice(d, s, idx)
+    return jax.lax.dynamic_update_slice(d, s, (0, start) + (0,) * (d.ndim - 2))
 
-  return jax.vmap(one)(dst_bs, src_bt, start_b)
+  return jax.vmap(one)(dst_bks, src_bkt, start_b)
 
 
 def write(entry: dict, k_btkh, v_btkh, start_b, spec: KVCacheSpec, valid_len_b=None) -> dict:
@@ -338,15 +347,15 @@ def read(entry: dict, dtype) -> tuple[jax.Array, jax.Array]:
   """The whole cache of one layer as dense (k, v) arrays [B, S, K, H] in `dtype`.
 
   Quantized layers dequantize as f32(k) · k_scale (scale broadcast over H, or over all). This
-  materializes the whole cache in `dtype`: the reference path of
-  `transformer.forward_with_cache` (attention="reference"); the blockwise one reads blocks.
+  materializes the whole cache in `dtype`, in the model's [B, S, K, H] layout: the reference
+  path of `transformer.forward_with_cache` (attention="reference"); the blockwise one reads
+  blocks in place.
   """
   k, v = as_values(entry["k"]), as_values(entry["v"])
-  if "k_scale" not in entry:
-    return k.astype(dtype), v.astype(dtype)
-  k = k.astype(jnp.float32) * entry["k_scale"]
-  v = v.astype(jnp.float32) * entry["v_scale"]
-  return k.astype(dtype), v.astype(dtype)
+  if "k_scale" in entry:
+    k = k.astype(jnp.float32) * entry["k_scale"]
+    v = v.astype(jnp.float32) * entry["v_scale"]
+  return jnp.swapaxes(k.astype(dtype), 1, 2), jnp.swapaxes(v.astype(dtype), 1, 2)
 
 
 def measure_bytes_per_token(

@@ -4,7 +4,7 @@ What it computes is `decode_attention.attend_cache` (the XLA blockwise path, whi
 reference and the CPU path): softmax(q·kᵀ/√H + mask)·v over the filled prefix of one layer's
 cache, query (b, t) seeing slots s ≤ q_pos[b, t], with grouped KV heads (G = N / K query heads
 per KV head). The kernel reads the cache's stored bits (`kvcache` layout: f32, uint16 bf16 bits,
-uint8 e4m3 bits with "token_head" [B, S, K, 1] or "tensor" [B, 1, 1, 1] f32 scales) one block
+uint8 e4m3 bits with "token_head" [B, K, S, 1] or "tensor" [B, 1, 1, 1] f32 scales) one block
 of `block` slots at a time, bit-casts and dequantizes each block inside the kernel,
 
     k = dtype(f32(e4m3(bits)) · k_scale)   (FP8),   k = dtype(bits as bf16 / f32)   (else),
@@ -39,10 +39,11 @@ Two drivers share the per-block update (`_block_update`):
   Triton reads refs from global memory, so only the visited blocks are read.
 * "grid" (the structure of jax's TPU kernels, `pallas/ops/tpu/flash_attention.py` and
   `paged_attention`): grid (B, ⌈S / block⌉) with the block axis sequential ("arbitrary"), each
-  step's [block, K, H] tile (last two dims the full K, H, as Mosaic's tiling rule requires)
-  DMA'd to VMEM by the pipeline; the running m, l, o live in VMEM scratch. The last live block
-  of each row is scalar-prefetched, and the index map clamps later block indices to it, so the
-  pipeline issues no copy for them (same block index) and `pl.when` skips their compute.
+  step's [K, block, H] tile (the cache's head-major layout; last two dims the block and the
+  full H, as Mosaic's tiling rule requires for a block that is a multiple of 8) DMA'd to VMEM
+  by the pipeline; the running m, l, o live in VMEM scratch. The last live block of each row
+  is scalar-prefetched, and the index map clamps later block indices to it, so the pipeline
+  issues no copy for them (same block index) and `pl.when` skips their compute.
 
 Default driver: "grid" on TPU, "loop" elsewhere. Default `interpret`: True on CPU.
 
@@ -174,8 +175,8 @@ def _loop_kernel(q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bool, tensor
 def _grid_kernel(
   last_ref, q_ref, pos_ref, k_ref, v_ref, *rest, dims, scaled: bool, tensor_scale: bool, kv_heads
 ):
-  """The "grid" driver's program (b, j): refs q [K, R, H], pos [R, 1], k/v [size, K, H], optional
-  scales [size, K, 1] or [1, 1, 1], output [K, R, H]; scratch m, l [K, R, 1] and o [K, R, H]."""
+  """The "grid" driver's program (b, j): refs q [K, R, H], pos [R, 1], k/v [K, size, H], optional
+  scales [K, size, 1] or [1, 1, 1], output [K, R, H]; scratch m, l [K, R, 1] and o [K, R, H]."""
   if scaled:
     ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
   else:
@@ -196,11 +197,11 @@ def _grid_kernel(
       k_scale = v_scale = None
       if scaled:  # one [1, 1] scale for every head, or the head's [size, 1] column
         which = 0 if tensor_scale else head
-        k_scale, v_scale = ks_ref[:, which, :], vs_ref[:, which, :]
+        k_scale, v_scale = ks_ref[which], vs_ref[which]
       state = (m_ref[head], l_ref[head], acc_ref[head])
       q_rh = q_ref[head].astype(jnp.float32)
       m_r1, l_r1, o_rh = _block_update(
-        state, q_rh, k_ref[:, head, :], v_ref[:, head, :], k_scale, v_scale, pos_r1,
+        state, q_rh, k_ref[head], v_ref[head], k_scale, v_scale, pos_r1,
         j * size, j * size, dims=dims,
       )  # fmt: skip
       m_ref[head], l_ref[head], acc_ref[head] = m_r1, l_r1, o_rh
@@ -247,7 +248,7 @@ def attend_cache(
     interpret = jax.default_backend() == "cpu"
   b, t, n, h = q_btnh.shape
   kh, g = cfg.num_kv_heads, cfg.num_groups
-  slots = entry["k"].shape[1]
+  slots = entry["k"].shape[kvcache.SLOT_AXIS]
   size = 1 << (min(block, slots).bit_length() - 1)  # the largest power of two ≤ min(block, S)
   rows = t * g
   padded = max(MIN_ROWS, 1 << (rows - 1).bit_length())  # a power of two ≥ rows
@@ -258,14 +259,14 @@ def attend_cache(
   pos_br = jnp.repeat(q_pos_bt.astype(jnp.int32), g, axis=1)
   pos_br1 = jnp.pad(pos_br, ((0, 0), (0, padded - rows)), mode="edge")[..., None]
   scaled = "k_scale" in entry
-  tensor_scale = scaled and entry["k_scale"].shape[1] == 1
+  tensor_scale = scaled and entry["k_scale"].shape[kvcache.SLOT_AXIS] == 1
   operands = [q_bkrh, pos_br1, entry["k"], entry["v"]]
   if scaled:
     operands += [entry["k_scale"], entry["v_scale"]]
   out_shape = jax.ShapeDtypeStruct((b, kh, padded, h), q_btnh.dtype)
 
   if driver == "loop":
-    kv_spec = pl.BlockSpec((None, slots, None, h), lambda i, k: (i, 0, k, 0))
+    kv_spec = pl.BlockSpec((None, None, slots, h), lambda i, k: (i, k, 0, 0))
     in_specs = [
       pl.BlockSpec((None, None, padded, h), lambda i, k: (i, k, 0, 0)),
       pl.BlockSpec((None, padded, 1), lambda i, k: (i, 0, 0)),
@@ -274,9 +275,9 @@ def attend_cache(
     ]
     if scaled:
       if tensor_scale:
-        scale_spec = pl.BlockSpec((None, 1, None, 1), lambda i, k: (i, 0, 0, 0))
+        scale_spec = pl.BlockSpec((None, None, 1, 1), lambda i, k: (i, 0, 0, 0))
       else:
-        scale_spec = pl.BlockSpec((None, slots, None, 1), lambda i, k: (i, 0, k, 0))
+        scale_spec = pl.BlockSpec((None, None, slots, 1), lambda i, k: (i, k, 0, 0))
       in_specs += [scale_spec, scale_spec]
     kernel = functools.partial(_loop_kernel, dims=dims, scaled=scaled, tensor_scale=tensor_scale)
     out_bkrh = pl.pallas_call(
@@ -294,9 +295,9 @@ def attend_cache(
     last_b = jnp.clip(jnp.max(q_pos_bt, axis=1), 0, slots - 1).astype(jnp.int32) // size
 
     def block_index(i, j, last):
-      return (i, jnp.minimum(j, last[i]), 0, 0)
+      return (i, 0, jnp.minimum(j, last[i]), 0)
 
-    kv_spec = pl.BlockSpec((None, size, kh, h), block_index)
+    kv_spec = pl.BlockSpec((None, kh, size, h), block_index)
     in_specs = [
       pl.BlockSpec((None, kh, padded, h), lambda i, j, last: (i, 0, 0, 0)),
       pl.BlockSpec((None, padded, 1), lambda i, j, last: (i, 0, 0)),
@@ -307,7 +308,7 @@ def attend_cache(
       if tensor_scale:
         scale_spec = pl.BlockSpec((None, 1, 1, 1), lambda i, j, last: (i, 0, 0, 0))
       else:
-        scale_spec = pl.BlockSpec((None, size, kh, 1), block_index)
+        scale_spec = pl.BlockSpec((None, kh, size, 1), block_index)
       in_specs += [scale_spec, scale_spec]
     grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,

@@ -93,11 +93,16 @@ def _f32(x):
 
 
 def _attention_float64(q_btnh, entry, q_pos_bt):
-  """softmax(q·kᵀ/√H + mask)·v in float64 over the exact dequantized cache, k = f64(k̂) · c."""
+  """softmax(q·kᵀ/√H + mask)·v in float64 over the exact dequantized cache, k = f64(k̂) · c
+  (the cache's [B, K, S, H] moved to [B, S, K, H])."""
   scale = {"k": entry.get("k_scale"), "v": entry.get("v_scale")}
   k, v = (
-    np.asarray(kvcache.as_values(entry[n]).astype(jnp.float32), np.float64)
-    * (1.0 if scale[n] is None else np.asarray(scale[n], np.float64))
+    np.swapaxes(
+      np.asarray(kvcache.as_values(entry[n]).astype(jnp.float32), np.float64)
+      * (1.0 if scale[n] is None else np.asarray(scale[n], np.float64)),
+      1,
+      2,
+    )
     for n in ("k", "v")
   )
   b, t, n, h = q_btnh.shape
@@ -137,7 +142,10 @@ def test_scaled_cache_scales_after_the_products_against_float64(fmt, granularity
   assert np.all(np.abs(got16 - want16) <= 2.0**-8 * np.abs(want16) + 1e-5)
   # The dequantize-then-cast order: the bf16 cache of dtype(f32(k̂)·c), as `kvcache.read` gives.
   keys, values = kvcache.read(entry, jnp.bfloat16)
-  bits = {n: jax.lax.bitcast_convert_type(x, jnp.uint16) for n, x in (("k", keys), ("v", values))}
+  bits = {  # stored head-major, as `kvcache.init_cache` lays a cache out
+    n: jax.lax.bitcast_convert_type(jnp.swapaxes(x, 1, 2), jnp.uint16)
+    for n, x in (("k", keys), ("v", values))
+  }
   old16 = _f32(decode_attention.attend_cache(q16, bits, q_pos_bt, CFG, block=8))
   assert np.abs(got16 - want16).max() < np.abs(old16 - want16).max()
   np.testing.assert_allclose(got16, old16, atol=2e-2, rtol=0)
@@ -145,7 +153,7 @@ def test_scaled_cache_scales_after_the_products_against_float64(fmt, granularity
 
 def test_compiled_decode_step_scales_scores_not_the_block():
   """The blockwise decode step on an FP8 "token_head" cache multiplies nothing of the size of
-  a block of K or V (B · block · K · H elements): the scales meet the [B, K, G, T, block]
+  a block of K or V (B · block · K · H elements): the scales meet the [B, K, R, block]
   scores and probabilities only."""
   spec = kvcache.KVCacheSpec(dtype=FP8, granularity="token_head")
   params = model.init_params(jax.random.key(0), CFG)
@@ -167,7 +175,9 @@ def test_blocks_after_the_largest_position_are_never_read():
   blockwise result stays finite and equal to the reference on a clean cache; the reference
   reads them and turns NaN."""
   entry = _filled_entry(SPECS["f32"], 2, 24, seed=4)
-  poisoned = dict(entry, k=entry["k"].at[:, 16:].set(jnp.nan), v=entry["v"].at[:, 16:].set(jnp.nan))
+  poisoned = dict(
+    entry, k=entry["k"].at[:, :, 16:].set(jnp.nan), v=entry["v"].at[:, :, 16:].set(jnp.nan)
+  )
   q = jnp.asarray(np.random.default_rng(5).standard_normal((2, 1, 4, 16)), jnp.float32)
   q_pos_bt = jnp.asarray([[15], [3]], jnp.int32)
   assert int(decode_attention.num_blocks(q_pos_bt, 24, 8)) == 2
@@ -238,14 +248,17 @@ def test_unknown_attention_is_named():
     model.forward_with_cache({}, jnp.zeros((1, 1), jnp.int32), None, [], CFG, attention="dense")
 
 
-# Cache shape [B, S, K, H] chosen so that no other array of the program has it.
+# Cache shape [B, K, S, H] chosen so that no other array of the program has it (nor its
+# [B, S, K, H] transpose, the layout a dequantized copy for the model's attention takes).
 _B, _S = 4, 600
 
 
 def _cache_sized(hlo: str):
   """(computation, dtype, opcode, called computation's root opcode) of every instruction whose
-  result has the cache's [B, S, K, H] shape, parameters and tuple plumbing excluded."""
-  shape = rf"\[{_B},{_S},{CFG.num_kv_heads},{CFG.head_dim}\]"
+  result has the cache's [B, K, S, H] shape or its [B, S, K, H] transpose, parameters and tuple
+  plumbing excluded."""
+  k, h = CFG.num_kv_heads, CFG.head_dim
+  shape = rf"\[(?:{_B},{k},{_S},{h}|{_B},{_S},{k},{h})\]"
   roots, found, comp = {}, [], None
   for line in hlo.splitlines():
     head = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
@@ -269,7 +282,7 @@ def _while_bodies(hlo: str) -> set[str]:
 def test_compiled_decode_loop_neither_copies_nor_dequantizes_the_cache(kv):
   """The sampler's compiled program (prefill + decode while loop) on a BF16 or FP8 cache of
   600 slots (three blocks): no instruction anywhere produces the cache in a value dtype
-  ([B, S, K, H] in f32, bf16, f16 or e4m3: a conversion of the whole cache), only in its
+  ([B, K, S, H] in f32, bf16, f16 or e4m3: a conversion of the whole cache), only in its
   integer storage, and inside the loops the only cache-sized instructions are the in-place
   scatters of the new token (no copy, no bit-cast pass over the buffer)."""
   params = model.init_params(jax.random.key(0), CFG)
@@ -289,7 +302,7 @@ def test_compiled_decode_loop_neither_copies_nor_dequantizes_the_cache(kv):
 
 def test_reference_attention_materializes_the_dequantized_cache():
   """The detector above on the full-cache reference path finds what the blockwise path
-  avoids: the FP8 cache dequantized to f32 at its full [B, S, K, H] shape."""
+  avoids: the FP8 cache dequantized to f32 at its full size."""
   spec = kvcache.KVCacheSpec(dtype=FP8, granularity="token_head")
   params = model.init_params(jax.random.key(0), CFG)
   cache = kvcache.init_cache(CFG, _B, _S, spec)

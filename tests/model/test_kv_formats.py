@@ -71,6 +71,11 @@ def _err_bound(q, dtype):
   return np.maximum(u * np.abs(q), floor)
 
 
+def _slots_first(x_bksh, slots):
+  """The first `slots` slots of a [B, K, S, ·] cache array in the model's [B, S, K, ·] layout."""
+  return np.swapaxes(np.asarray(x_bksh[:, :, :slots]), 1, 2)
+
+
 def _wide_kv(seed, tokens):
   """K/V [B, T, K, H] whose heads differ by 30× and whose entries spread over e^±2."""
   rng = np.random.default_rng(seed)
@@ -90,7 +95,7 @@ def test_token_head_round_trip_within_the_format_bound(dtype):
   q_max, u, _ = FORMATS[dtype]
   spec = kvcache.KVCacheSpec(dtype=dtype, granularity="token_head")
   entry = kvcache.init_cache(CFG, B, S, spec)[0]
-  assert entry["k"].dtype == STORAGE[dtype] and entry["k_scale"].shape == (B, S, 2, 1)
+  assert entry["k"].dtype == STORAGE[dtype] and entry["k_scale"].shape == (B, 2, S, 1)
   k, v = _wide_kv(0, 5), _wide_kv(1, 5) * 1e-3
   entry = kvcache.write(entry, k, v, jnp.array([1, 3]), spec)
   k_all, v_all = kvcache.read(entry, jnp.float32)
@@ -99,7 +104,7 @@ def test_token_head_round_trip_within_the_format_bound(dtype):
     for b, s0 in enumerate((1, 3)):
       x_b = np.asarray(x[b])
       got = np.asarray(x_all[b, s0 : s0 + 5])
-      scale = np.asarray(entry[name + "_scale"][b, s0 : s0 + 5])
+      scale = np.swapaxes(np.asarray(entry[name + "_scale"][b, :, s0 : s0 + 5]), 0, 1)
       np.testing.assert_allclose(scale, np.abs(x_b).max(-1, keepdims=True) / q_max, rtol=1e-6)
       q = x_b / scale
       assert np.all(np.abs(got - x_b) <= scale * _err_bound(q, dtype) * (1 + 1e-6))
@@ -119,16 +124,16 @@ def test_fp4_bytes_are_e4m3_bits_of_e2m1_values():
   entry = kvcache.init_cache(CFG, B, S, spec)[0]
   k = _wide_kv(2, 4)
   entry = kvcache.write(entry, k, k, jnp.zeros(B, jnp.int32), spec)
-  stored = np.asarray(entry["k"][:, :4]).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  stored = _slots_first(entry["k"], 4).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
   on_grid = stored.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
   np.testing.assert_array_equal(stored, on_grid)
   assert set(np.unique(np.abs(stored))) <= {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0}
-  q = np.clip(np.asarray(k) / np.asarray(entry["k_scale"][:, :4]), -6, 6)
+  q = np.clip(np.asarray(k) / _slots_first(entry["k_scale"], 4), -6, 6)
   np.testing.assert_array_equal(stored, q.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
   e5m2 = kvcache.KVCacheSpec(dtype=E5M2)
   entry = kvcache.write(kvcache.init_cache(CFG, B, S, e5m2)[0], k, k, jnp.zeros(B, jnp.int32), e5m2)
-  got = np.asarray(entry["k"][:, :4]).view(ml_dtypes.float8_e5m2).astype(np.float32)
-  q = np.asarray(k) / np.asarray(entry["k_scale"][:, :4])
+  got = _slots_first(entry["k"], 4).view(ml_dtypes.float8_e5m2).astype(np.float32)
+  q = np.asarray(k) / _slots_first(entry["k_scale"], 4)
   np.testing.assert_array_equal(got, q.astype(ml_dtypes.float8_e5m2).astype(np.float32))
 
 

@@ -37,17 +37,17 @@ def test_init_cache_layout_with_bf16_layers(granularity):
   spec = kvcache.KVCacheSpec(dtype=FP8, granularity=granularity, bf16_layers=(1,))
   cache = kvcache.init_cache(CFG, B, S, spec)
   assert len(cache) == 3
-  scale_shape = (B, S, 2, 1) if granularity == "token_head" else (B, 1, 1, 1)
+  scale_shape = (B, 2, S, 1) if granularity == "token_head" else (B, 1, 1, 1)
   for layer in (0, 2):
     entry = cache[layer]
     assert set(entry) == {"k", "v", "k_scale", "v_scale"}
     for name in ("k", "v"):
       # e4m3 values stored as their bytes (kvcache module docstring: "Why uint8").
-      assert entry[name].shape == (B, S, 2, 16) and entry[name].dtype == jnp.uint8
+      assert entry[name].shape == (B, 2, S, 16) and entry[name].dtype == jnp.uint8
       assert entry[name + "_scale"].shape == scale_shape
       assert entry[name + "_scale"].dtype == jnp.float32
   assert set(cache[1]) == {"k", "v"}
-  assert cache[1]["k"].shape == (B, S, 2, 16) and cache[1]["k"].dtype == jnp.uint16  # bf16 bits
+  assert cache[1]["k"].shape == (B, 2, S, 16) and cache[1]["k"].dtype == jnp.uint16  # bf16 bits
   # Non-fp8 caches ignore bf16_layers: every layer has the one dtype.
   f32 = kvcache.init_cache(CFG, B, S, kvcache.KVCacheSpec(dtype="float32", bf16_layers=(1,)))
   assert all(set(e) == {"k", "v"} and e["v"].dtype == jnp.float32 for e in f32)
@@ -85,7 +85,7 @@ def test_fp8_token_head_scales_and_error_bound():
     for b, s0 in enumerate((1, 3)):
       x_b = np.asarray(x[b])  # [T, K, H]
       got = np.asarray(x_all[b, s0 : s0 + 5])
-      scale = np.asarray(entry[name + "_scale"][b, s0 : s0 + 5])  # [T, K, 1]
+      scale = np.swapaxes(np.asarray(entry[name + "_scale"][b, :, s0 : s0 + 5]), 0, 1)  # [T, K, 1]
       # scale = amax over the head's H entries / 448, one per token and head.
       np.testing.assert_allclose(scale, np.abs(x_b).max(-1, keepdims=True) / 448, rtol=1e-6)
       # e4m3 rounding: |x̂ − x| ≤ s · max(2^-4 |x/s|, 2^-10); 1e-6 slack for f32.
@@ -261,10 +261,10 @@ def test_fp8_storage_holds_the_e4m3_bytes(granularity):
   entry = kvcache.init_cache(CFG, B, S, spec)[0]
   k = jax.random.normal(jax.random.key(3), (B, 3, 2, 16))
   entry = kvcache.write(entry, k, -k, jnp.array([2, 5]), spec)
-  scale = np.asarray(entry["k_scale"], np.float32)
+  scale = np.swapaxes(np.asarray(entry["k_scale"], np.float32), 1, 2)  # [B, S or 1, K or 1, 1]
   scale = scale[:, 2:5] if granularity == "token_head" else scale  # row 0's slots 2..4
   expected = (np.asarray(k[0]) / scale[0]).astype(jnp.float8_e4m3fn)
-  stored = np.asarray(entry["k"][0, 2:5])
+  stored = np.swapaxes(np.asarray(entry["k"][0, :, 2:5]), 0, 1)  # head-major storage
   np.testing.assert_array_equal(stored, expected.view(np.uint8))
   k_all, _ = kvcache.read(entry, jnp.float32)
   np.testing.assert_array_equal(np.asarray(k_all[0, 2:5]), expected.astype(np.float32) * scale[0])
@@ -275,9 +275,9 @@ def test_bf16_storage_holds_the_bf16_bits():
   entry = kvcache.init_cache(CFG, B, S, spec)[0]
   k = jax.random.normal(jax.random.key(4), (B, 2, 2, 16))
   entry = kvcache.write(entry, k, k, jnp.array([0, 6]), spec)
-  stored = np.asarray(entry["k"][1, 6:8])
+  stored = np.swapaxes(np.asarray(entry["k"][1, :, 6:8]), 0, 1)  # head-major storage
   np.testing.assert_array_equal(stored, np.asarray(k[1].astype(jnp.bfloat16)).view(np.uint16))
-  assert not np.any(np.asarray(entry["k"][1, :6]))  # 0 bits: bf16 zeros
+  assert not np.any(np.asarray(entry["k"][1, :, :6]))  # 0 bits: bf16 zeros
 
 
 def test_token_head_write_adds_no_counter():

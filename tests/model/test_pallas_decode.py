@@ -96,7 +96,7 @@ def test_unvisited_and_stale_slots_are_never_read(driver):
   q_pos_bt = jnp.asarray([[15], [3]], jnp.int32)
   nan_bits = jax.lax.bitcast_convert_type(jnp.bfloat16(jnp.nan), jnp.uint16)
   after_bs = np.arange(24)[None, :] > np.asarray(q_pos_bt)
-  poison = jnp.asarray(after_bs)[:, :, None, None]
+  poison = jnp.asarray(after_bs)[:, None, :, None]  # [B, 1, S, 1] over the [B, K, S, H] cache
   poisoned = dict(
     entry, k=jnp.where(poison, nan_bits, entry["k"]), v=jnp.where(poison, nan_bits, entry["v"])
   )

@@ -132,7 +132,9 @@ def degraded_engine_logits(params, tokens_bt):
   )
   cache = [
     dict(
-      e, k=e["k"].at[:, s].set(one_bit(e["k"][:, s])), v=e["v"].at[:, s].set(one_bit(e["v"][:, s]))
+      e,
+      k=e["k"].at[:, :, s].set(one_bit(e["k"][:, :, s])),  # slot s of the [B, K, S, H] cache
+      v=e["v"].at[:, :, s].set(one_bit(e["v"][:, :, s])),
     )
     for e in cache
   ]

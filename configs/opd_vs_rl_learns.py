@@ -26,6 +26,10 @@ Cost:     200 runs of 400 steps (116 GRPO, 84 OPD); from COSTS (one run alone on
           run about 35 s, 30 s of compilation for the first run of each arm and setting) and
           two side by side, about 6.6 h at GRPO_RECIPE "grpo_lr1e4_n256" and 12.1 h at
           "grpo_lr1e4_n512", plus 8 minutes for the teacher and warm start when not cached.
+          Measured on its first part: with two runs side by side, a GRPO run takes about 3 s per
+          step on quiet cores (1,200 s per run, 600 s of the pair's wall: 1.8x the plan), so
+          about 20 h in all; `--plan` prints the rates of the runs already finished
+          ("measured:"), which include any time the cores were shared.
 Expected: not yet run.
 """
 

@@ -20,6 +20,13 @@ From the config alone (no model is built, nothing trains) and what the workdir h
   parts   the runs in plan order, cut where a part's planned wall Σ (c_i + k_i) / s would pass
           costs.part_seconds: fixed by the config alone, so part K names the same runs in every
           sitting, whatever the workdir holds.
+  measured  once runs have finished, the plan checks its constants against them. For each
+          family f (RL, OPD) with finished runs, ρ_f = median_i (w_i / c_i) over them, w_i a
+          run's recorded `wall_seconds` (its compilation and evaluations included), and the
+          runs left would take T_f = Σ_{i of f to train} ρ_f · c_i / W at that rate, W =
+          `workers` (the recorded walls are of runs that ran W side by side, so W finish per
+          such wall). A family with no finished run keeps its planned term. This changes no
+          part: the parts stay fixed by the config.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from opd_jax.experiments import opd_vs_rl, runs, study_plan
 
@@ -65,11 +73,12 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
 
   Returns:
     {"runs": [{"name", "method", "setting", "seed", "block", "steps", "seconds" (c_i),
-    "compile" (k_i), "state", "part"}...],
+    "family" ("RL" or "OPD"), "compile" (k_i), "state", "part", and "wall" (w_i) when
+    reused}...],
     "blocks": [{"methods", "settings", "seeds", "runs", "train", "reused", "refused"}...],
     "parts": [{"part", "runs", "train", "reused", "refused", "planned_seconds",
     "seconds"}...], "costs", "workers", "speedup", "teacher_seconds" (0 when cached),
-    "seconds" (T), "counts" (runs by state)}.
+    "seconds" (T), "counts" (runs by state), "measured" (`measured_rates`)}.
 
   Raises:
     ValueError: a config `opd_vs_rl.plan` refuses, a bad cost constant or bad workers.
@@ -92,10 +101,14 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
         "block": block,
         "steps": int(run.train.steps),
         "seconds": run_seconds(run, costs),
+        "family": "RL" if run.train.loss in RL_LOSSES else "OPD",
         "compile": costs["compile_seconds"] if first else 0.0,
         "state": study_plan.run_state(run, os.path.join(workdir, "runs", run_name)),
       }
     )
+    if rows[-1]["state"] == "reused":
+      done = runs.read_result(os.path.join(workdir, "runs", run_name))
+      rows[-1]["wall"] = float(done.get("wall_seconds") or 0.0) or None
   parts, total = [], 0.0
   for r in rows:
     wall = (r["seconds"] + r["compile"]) / speedup
@@ -132,7 +145,35 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
     "teacher_seconds": teacher,
     "seconds": _wall([r for r in rows if r["state"] == "train"], speedup) + teacher,
     "counts": study_plan.state_counts(rows),
+    "measured": measured_rates(rows, workers, speedup),
   }
+
+
+def measured_rates(rows: list[dict], workers: int, speedup: float) -> dict[str, Any]:
+  """ρ_f and the wall left at the measured rates (module docstring, "measured").
+
+  Returns:
+    {"families": {f: {"runs", "ratio" (ρ_f)}} for the families with a recorded wall,
+    "seconds": the runs left, measured families at ρ_f · c_i / W and the others at their
+    planned (c_i + k_i) / s}; {} when no finished run records a wall.
+  """
+  walls: dict[str, list[float]] = {}
+  for r in rows:
+    if r.get("wall") and r["seconds"] > 0:
+      walls.setdefault(r["family"], []).append(r["wall"] / r["seconds"])
+  if not walls:
+    return {}
+  ratio = {f: float(np.median(v)) for f, v in walls.items()}
+  left = 0.0
+  for r in rows:
+    if r["state"] != "train":
+      continue
+    if r["family"] in ratio:
+      left += ratio[r["family"]] * r["seconds"] / workers
+    else:
+      left += (r["seconds"] + r["compile"]) / speedup
+  families = {f: {"runs": len(walls[f]), "ratio": ratio[f]} for f in sorted(walls)}
+  return {"families": families, "seconds": left}
 
 
 def _wall(rows, speedup: float) -> float:
@@ -172,6 +213,16 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     f"{plan['workers']} side by side at {plan['speedup']:g}x, teacher and warm start "
     f"{plan['teacher_seconds']:g} s"
   )
+  measured = plan.get("measured") or {}
+  if measured:
+    said = ", ".join(
+      f"{f} {m['ratio']:.2f}x its planned time alone over {m['runs']} finished run(s)"
+      for f, m in measured["families"].items()
+    )
+    lines.append(
+      f"measured: {said} ({plan['workers']} side by side); the runs left at those rates: "
+      f"{hours(measured['seconds'])}"
+    )
   for p in plan["parts"]:
     names = [r["name"] for r in plan["runs"] if r["part"] == p["part"]]
     lines.append(

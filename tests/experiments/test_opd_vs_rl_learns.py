@@ -153,6 +153,37 @@ def test_plan_reuses_a_recorded_run_and_refuses_another_configurations(tmp_path)
   assert "reused: opd__reference" in opd_vs_rl_plan.plan_lines(plan)
 
 
+def test_plan_measures_its_cost_constants_on_finished_runs(tmp_path):
+  """:tiny, one worker (W = 1): an OPD run planned at 0.35 s that took 0.7 s (ρ = 2) and a GRPO
+  run planned at 0.125 s that took 0.5 s (ρ = 4) leave one run of each at 2 × 0.35 + 4 × 0.125
+  = 1.2 s; the parts and the planned wall do not move."""
+  config, workdir = learns.get_config("tiny"), str(tmp_path / "cmp")
+  before = opd_vs_rl_plan.comparison_plan(config, workdir)
+  assert before["measured"] == {}
+  todo = opd_vs_rl.plan(opd_vs_rl.resolved(config, workdir))
+  first = {}
+  for m, s, _, seed, run in todo:
+    first.setdefault(run.train.loss in opd_vs_rl_plan.RL_LOSSES, (m, s, seed, run))
+  for rl, wall in ((False, 0.7), (True, 0.5)):
+    m, s, seed, run = first[rl]
+    result = {"config": runs.config_repr(run), "wall_seconds": wall}
+    json_file.write_json(
+      os.path.join(workdir, "runs", opd_vs_rl.run_name(m, s, seed), "result.json"), result
+    )
+  plan = opd_vs_rl_plan.comparison_plan(config, workdir)
+  assert plan["counts"]["reused"] == 2
+  measured = plan["measured"]
+  assert measured["families"] == {
+    "OPD": {"runs": 1, "ratio": pytest.approx(2.0)},
+    "RL": {"runs": 1, "ratio": pytest.approx(4.0)},
+  }
+  assert measured["seconds"] == pytest.approx(2 * 0.35 + 4 * 0.125)
+  assert [p["runs"] for p in plan["parts"]] == [p["runs"] for p in before["parts"]]
+  line = next(x for x in opd_vs_rl_plan.plan_lines(plan) if x.startswith("measured:"))
+  assert "OPD 2.00x its planned time alone over 1 finished run(s)" in line
+  assert line.endswith("1 s (0.00 h)")
+
+
 def test_a_part_naming_an_unknown_run_is_refused_before_anything_trains(tmp_path):
   config = learns.get_config("tiny")
   with pytest.raises(ValueError, match="runs not in the plan: nope"):

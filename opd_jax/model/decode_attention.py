@@ -12,7 +12,10 @@ with a traced bound (a `while` loop in the HLO). Block j covers slots
 the buffer, and slots below j·block (already visited) are masked, as are slots after each
 query's own position (rows of different lengths within the last block). Each block is
 sliced from the stored cache and converted where it is consumed, so no full-precision copy
-of the cache exists at any time.
+of the cache exists at any time. The cache is head-major ([B, K, S, H], `kvcache`), so a block
+of one KV head is contiguous and enters both products as it is: the G query heads of that KV
+head and the T queries form R = G·T rows, the scores are a batched [block, H]·[H, R] product
+per (b, k) and the weighted values [R, block]·[block, H] (`_scores`, `_weighted`).
 
 Scaled (quantized) entries. A scale c_s is one per slot and KV head ("token_head") or one
 per sequence ("tensor"), constant along H, which both products contract or keep, so it
@@ -22,12 +25,12 @@ factors out of them exactly:
 
 with k̂, v̂ the stored values (e4m3, e5m2, e2m1), cast to the compute dtype, which holds
 every one of them exactly. The f32 scores are scaled after the QKᵀ product and the f32
-probabilities before the P·V product, on [.., T, block] arrays H / G times smaller than
-the block: no per-element multiply and no rounding of k̂ · c to the compute dtype, which
+probabilities before the P·V product, on [B, K, R, block] arrays H / (G·T) times smaller
+than the block: no per-element multiply and no rounding of k̂ · c to the compute dtype, which
 `kvcache.read` (and the Pallas kernel) do, so with bf16 compute the two paths differ by that
 rounding (2^-8 of an element), with f32 compute by f32 rounding. The pass that converts each
-block is then a cast, as for a BF16 cache.
-The bf16_attention variant below keeps the dequantize-then-cast order, as its reference does.
+block is then a cast, as for a BF16 cache. The bf16_attention variant below keeps the
+dequantize-then-cast order, as its reference does.
 
 Online softmax (flash-decoding). With the scores s_i = q·k_i/√H of a query and its
 visible keys, the running state after a block is

@@ -92,6 +92,7 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
     run_name = opd_vs_rl.run_name(method, name, seed)
     first = (method, name) not in cells
     cells.add((method, name))
+    done = runs.read_result(os.path.join(workdir, "runs", run_name))
     rows.append(
       {
         "name": run_name,
@@ -103,12 +104,11 @@ def comparison_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str
         "seconds": run_seconds(run, costs),
         "family": "RL" if run.train.loss in RL_LOSSES else "OPD",
         "compile": costs["compile_seconds"] if first else 0.0,
-        "state": study_plan.run_state(run, os.path.join(workdir, "runs", run_name)),
+        "state": study_plan.result_state(run, done),
       }
     )
-    if rows[-1]["state"] == "reused":
-      done = runs.read_result(os.path.join(workdir, "runs", run_name))
-      rows[-1]["wall"] = float(done.get("wall_seconds") or 0.0) or None
+    if rows[-1]["state"] == "reused" and done.get("wall_seconds"):
+      rows[-1]["wall"] = float(done["wall_seconds"])
   parts, total = [], 0.0
   for r in rows:
     wall = (r["seconds"] + r["compile"]) / speedup

@@ -27,7 +27,7 @@ borderline re-runs that may follow add at most their own S · c_run / w, reporte
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -71,7 +71,11 @@ def cost_constants(
 def run_state(config: ml_collections.ConfigDict, run_dir: str) -> str:
   """ "reused" (a result of this configuration), "refused" (a result of another one), or
   "train" (no finished result)."""
-  done = runs.read_result(run_dir)
+  return result_state(config, runs.read_result(run_dir))
+
+
+def result_state(config: ml_collections.ConfigDict, done: Mapping[str, Any] | None) -> str:
+  """`run_state` of a result already read (`runs.read_result`; None when unfinished)."""
   if done is None:
     return "train"
   return "refused" if runs.recorded_differences(config, done)[1] else "reused"

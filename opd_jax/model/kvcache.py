@@ -11,7 +11,7 @@ Layout. `init_cache` returns a list with one dict per layer:
 Slot `s` of sequence `b` holds the key/value of the token at position `s`; a query
 at position p attends to slots 0..p. The layout is head-major ([B, K, S, H], the model's
 activations are [B, T, K, H]): a block of slots of one KV head is contiguous, so decode
-attention multiplies it in place, as a batched [slots, H]·[H, G] product per (b, k). With
+attention multiplies it in place, as a batched [slots, H]·[H, G·T] product per (b, k). With
 [B, S, K, H] storage every block read was first transposed, and on 2 CPU cores those copies
 cost more than the products (docs/bench/decode_scaling.md, "Head-major cache"). `as_values`
 reads stored bits as their values (a bit-cast); quantized entries dequantize as

@@ -16,7 +16,9 @@ Command (results: docs/results/benchmarks.md):
   the memory's bandwidth XLA's dot reaches at that shape.
 * "convert" rows: y = sum over the last axis of x.astype(f32) for x of `--elements` elements
   in rows of 64, for x in f32, bf16, FP8 E4M3 and E5M2 (and FP8 through bf16, which is exact:
-  every FP8 value is a bf16 value; `exact` says whether the two routes agree bit for bit).
+  every FP8 value is a bf16 value, and FP8 by the cache readers' route from the stored bits,
+  `kvcache.as_wide_values`, through f16 on CPU; `exact` says whether the routes agree bit for
+  bit).
   `ns_per_element` is the median seconds over the elements. The reduction keeps the output
   small, so the figure is the read and the cast.
 """
@@ -34,12 +36,13 @@ from opd_jax.cli import runner
 from opd_jax.io import json_file
 
 CHAIN_PASSES = 4
+WIDE = "as_wide_values"  # the cache readers' route: the stored bits through kvcache.as_wide_values
 # Stored dtype -> the casts timed (each ends in f32).
 CONVERSIONS = {
   "float32": [("float32",)],
   "bfloat16": [("float32",)],
-  "float8_e4m3fn": [("float32",), ("bfloat16", "float32")],
-  "float8_e5m2": [("float32",), ("bfloat16", "float32")],
+  "float8_e4m3fn": [("float32",), ("bfloat16", "float32"), (WIDE,)],
+  "float8_e5m2": [("float32",), ("bfloat16", "float32"), (WIDE,)],
 }
 
 
@@ -71,11 +74,17 @@ def convert_rows(stored: str, elements: int, repeats: int) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
+  from opd_jax.model import kvcache
+
   x = (jax.random.normal(jax.random.key(0), (elements // 64, 64), jnp.float32)).astype(stored)
   rows, outputs = [], []
   for route in CONVERSIONS[stored]:
 
     def widen(x, route=route):
+      if route == (WIDE,):
+        bits = jax.lax.bitcast_convert_type(x, kvcache.storage_dtype(stored))
+        values, factor = kvcache.as_wide_values(bits)
+        return values.astype(jnp.float32) * factor
       for dtype in route:
         x = x.astype(dtype)
       return x

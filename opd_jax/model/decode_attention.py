@@ -64,7 +64,7 @@ _MASKED = jnp.finfo(jnp.float32).min  # the score of an invisible slot, as in tr
 def _slice_slots(x_bks, start, size: int) -> jax.Array:
   """x[:, :, start : start + size] (the slot axis); a [B, 1, 1, 1] "tensor" scale is returned
   whole."""
-  if x_bks.shape[kvcache.SLOT_AXIS] == 1:  # one scale per sequence, broadcast over the slots
+  if kvcache.is_tensor_scale(x_bks):
     return x_bks
   return jax.lax.dynamic_slice_in_dim(x_bks, start, size, axis=kvcache.SLOT_AXIS)
 
@@ -73,14 +73,17 @@ def block_kv(entry: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array
   """Slots start .. start + size − 1 of one layer's cache as (k, v) [B, K, size, H] in `dtype`.
 
   Stored bits are bit-cast to their values (`kvcache.as_values`); FP8 entries dequantize as
-  f32(e4m3(k)) · k_scale then cast to `dtype`: per element the value `kvcache.read` gives.
+  f32(e4m3(k)) · k_scale (read through `kvcache.as_wide_values`, which gives the same f32)
+  then cast to `dtype`: per element the value `kvcache.read` gives.
   """
-  k = kvcache.as_values(_slice_slots(entry["k"], start, size))
-  v = kvcache.as_values(_slice_slots(entry["v"], start, size))
   if "k_scale" not in entry:
+    k = kvcache.as_values(_slice_slots(entry["k"], start, size))
+    v = kvcache.as_values(_slice_slots(entry["v"], start, size))
     return k.astype(dtype), v.astype(dtype)
-  k = k.astype(jnp.float32) * _slice_slots(entry["k_scale"], start, size)
-  v = v.astype(jnp.float32) * _slice_slots(entry["v_scale"], start, size)
+  k, c = kvcache.as_wide_values(_slice_slots(entry["k"], start, size))
+  v, _ = kvcache.as_wide_values(_slice_slots(entry["v"], start, size))
+  k = k.astype(jnp.float32) * (_slice_slots(entry["k_scale"], start, size) * c)
+  v = v.astype(jnp.float32) * (_slice_slots(entry["v_scale"], start, size) * c)
   return k.astype(dtype), v.astype(dtype)
 
 
@@ -88,19 +91,23 @@ def block_values(entry: dict, start, size: int, dtype):
   """Slots start .. start + size − 1 of one layer's cache as the stored values and their scales.
 
   Returns:
-    (k̂, v̂, k_scale, v_scale): k̂, v̂ [B, K, size, H] in `dtype`, the stored values bit-cast
-    (`kvcache.as_values`) and cast, exact for every cache format; the scales [B, K, 1, size]
+    (k̂, v̂, k_scale, v_scale): k̂, v̂ [B, K, size, H] in `dtype`, the stored values read by
+    `kvcache.as_wide_values` (on CPU an FP8 value divided by the power of two c, with the
+    scales multiplied by it) and cast, exact for every cache format; the scales [B, K, 1, size]
     ("token_head") or [B, 1, 1, 1] ("tensor"), f32, laid out to multiply scores
     [B, K, R, size], or None for an unscaled (f32, bf16) cache. k = k̂ · k_scale up to the
     rounding `block_kv` adds.
   """
-  k = kvcache.as_values(_slice_slots(entry["k"], start, size)).astype(dtype)
-  v = kvcache.as_values(_slice_slots(entry["v"], start, size)).astype(dtype)
   if "k_scale" not in entry:
+    k = kvcache.as_values(_slice_slots(entry["k"], start, size)).astype(dtype)
+    v = kvcache.as_values(_slice_slots(entry["v"], start, size)).astype(dtype)
     return k, v, None, None
+  k, c = kvcache.as_wide_values(_slice_slots(entry["k"], start, size))
+  v, _ = kvcache.as_wide_values(_slice_slots(entry["v"], start, size))
+  k, v = k.astype(dtype), v.astype(dtype)
 
   def scale(name):  # [B, K, size, 1] or [B, 1, 1, 1] -> [B, K, 1, size] or [B, 1, 1, 1]
-    return jnp.swapaxes(_slice_slots(entry[name], start, size), 2, 3)
+    return jnp.swapaxes(_slice_slots(entry[name], start, size), 2, 3) * c
 
   return k, v, scale("k_scale"), scale("v_scale")
 

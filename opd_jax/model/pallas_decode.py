@@ -259,7 +259,7 @@ def attend_cache(
   pos_br = jnp.repeat(q_pos_bt.astype(jnp.int32), g, axis=1)
   pos_br1 = jnp.pad(pos_br, ((0, 0), (0, padded - rows)), mode="edge")[..., None]
   scaled = "k_scale" in entry
-  tensor_scale = scaled and entry["k_scale"].shape[kvcache.SLOT_AXIS] == 1
+  tensor_scale = scaled and kvcache.is_tensor_scale(entry["k_scale"])
   operands = [q_bkrh, pos_br1, entry["k"], entry["v"]]
   if scaled:
     operands += [entry["k_scale"], entry["v_scale"]]

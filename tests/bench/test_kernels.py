@@ -1,5 +1,6 @@
 """bench.kernels on tiny sizes: its rows cover the decode step's distinct matrix shapes, the
-FP8 routes through bf16 equal the direct casts bit for bit, and bad arguments are refused."""
+FP8 routes through bf16 and the cache readers' route (kvcache.as_wide_values) equal the
+direct casts bit for bit, and bad arguments are refused."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from opd_jax.bench import kernels
 
 
-def test_rows_cover_the_shapes_and_fp8_through_bf16_is_exact():
+def test_rows_cover_the_shapes_and_every_fp8_route_is_exact():
   out = kernels.run("tiny", matvec_mb=0.05, elements=4096, repeats=1, log=lambda *a: None)
   matvec = [r for r in out["rows"] if r["kind"] == "matvec"]
   # "tiny" (D 32, F 64, N 4, K 2, H 8, V 128, untied): q [32, 32], k and v [32, 16],
@@ -23,8 +24,10 @@ def test_rows_cover_the_shapes_and_fp8_through_bf16_is_exact():
     "bfloat16 -> float32",
     "float8_e4m3fn -> float32",
     "float8_e4m3fn -> bfloat16 -> float32",
+    "float8_e4m3fn -> as_wide_values",
     "float8_e5m2 -> float32",
     "float8_e5m2 -> bfloat16 -> float32",
+    "float8_e5m2 -> as_wide_values",
   ]
   assert all(r["exact"] and r["ns_per_element"] > 0 and r["elements"] == 4096 for r in convert)
 

@@ -287,3 +287,17 @@ def test_token_head_write_adds_no_counter():
   entry = kvcache.write(entry, x, x, jnp.zeros(B, jnp.int32), spec)
   assert set(entry) == {"k", "v", "k_scale", "v_scale"}
   np.testing.assert_array_equal(np.asarray(kvcache.read(entry, jnp.float32)[0]), 0.0)
+
+
+@pytest.mark.parametrize("stored", [jnp.uint8, jnp.int8])
+def test_wide_values_equal_the_values_for_every_code(stored):
+  """Every one of the 256 codes: as_wide_values' v · c equals as_values' value exactly, in f32,
+  NaN to NaN (on CPU through f16; elsewhere the format's own conversion with c = 1)."""
+  codes = jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), stored)
+  want = np.asarray(kvcache.as_values(codes).astype(jnp.float32))
+  v, c = kvcache.as_wide_values(codes)
+  got = np.asarray(v.astype(jnp.float32)) * np.float32(c)
+  assert c in (1.0, 256.0)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+  assert np.isnan(want).sum() == (2 if stored == jnp.uint8 else 6)  # e4m3fn: ±NaN; e5m2: ±3 NaN

@@ -12,7 +12,10 @@ on the unperturbed engine's samples), the own-prefix mismatch (on the perturbed 
 samples), and the first position where the two decodes differ, beside what the per-token
 flip probabilities predict for it. A candidate is a rollout setting in the admission check's
 syntax, e.g. `rollout.noise_sigma=0.05` or
-`rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. The old `--source`
+`rollout.weights=fp8,rollout.kv_cache=fp8,rollout.kv_granularity=tensor`. A stale candidate
+(`rollout.stale_k=K`, or `rollout.mode=async,rollout.max_lag=K`) samples with the student K
+steps before the one measured: it needs `--params-from=RUN` with checkpoints at the run's
+latest step t and at t - K. The old `--source`
 (`noise:<sigma>[:<sigma>...]`, `kernel:<name>`, `fp8`, `fp8_weights`, `fp8_kv` or a spec) still
 works for this release, with a warning. The JSON (default <workdir>/prefix_shift.json; `-` for
 stdout) holds every figure and the first-divergence histograms. The logic is

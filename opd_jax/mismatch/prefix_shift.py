@@ -33,7 +33,12 @@ F_j = Σ_{i≤j} π_θ(i), G_j = Σ_{i≤j} π_b(i), both engines draw token j i
 and, treating the steps' uniforms as independent, P(d_b ≥ c) = Π_{s<c} (1 − flip_s),
 predicted diverged fraction 1 − Π_{s<L_b} (1 − flip_s), predicted E[min(d_b, L_b)] =
 Σ_{c=1}^{L_b} Π_{s<c} (1 − flip_s). Setting the observed figures beside these predictions
-says whether a perturbation shifts prefixes more than its per-token mismatch implies. Needs
+says whether a perturbation shifts prefixes more than its per-token mismatch implies.
+
+Staleness. A candidate with a weight lag k (rollout.stale_k, or rollout.max_lag in async mode)
+is the engine that samples with θ_{t−k}, the run's student k steps before the one measured
+(θ_t): the same figures with π_b built from θ_{t−k}. It needs a trainer workdir holding both
+checkpoints (`--params-from`, `sensitivity.load_student_and_lagged`). Needs
 the full behaviour distribution (V ≤ 4096, `mismatch.default_return_topk`) and unfiltered
 sampling at T > 0 (top-k/top-p kept sets differ between the engines).
 """
@@ -168,18 +173,25 @@ def check_sampling(sampler_cfg, vocab_size: int) -> None:
 
 
 def prefix_shift(
-  student_params, cfg: ModelConfig, engine_cfg: transform.EngineConfig, prompts, rng, sampler_cfg
+  student_params,
+  cfg: ModelConfig,
+  engine_cfg: transform.EngineConfig,
+  prompts,
+  rng,
+  sampler_cfg,
+  engine_params=None,
 ) -> dict:
   """The module docstring's figures for one perturbed engine.
 
   Args:
-    student_params: θ (dense): the unperturbed engine's weights, the source of the
-      perturbed engine's, and the scoring student.
+    student_params: θ (dense): the unperturbed engine's weights and the scoring student.
     cfg: its ModelConfig.
     engine_cfg: the perturbed engine.
     prompts: calibration prompts.
     rng: the shared key (the same uniforms in both engines).
     sampler_cfg: unfiltered sampling at T > 0 (`check_sampling`).
+    engine_params: the dense weights the perturbed engine is built from: θ_{t−k} of the same
+      run for a stale engine (lag k), None for θ itself.
 
   Returns:
     A dict of floats: "teacher_forced/kl" (mean, and _p95), "own_prefix/kl" (and _p95),
@@ -194,11 +206,12 @@ def prefix_shift(
   compute_dtype = jnp.dtype(model.compute_dtype(student_params)).name
   ref_engine = sensitivity.reference_engine(compute_dtype)
   reference = measure_lib.engine_rollout(student_params, cfg, ref_engine, prompts, rng, sampler_cfg)
-  perturbed = measure_lib.engine_rollout(student_params, cfg, engine_cfg, prompts, rng, sampler_cfg)
+  source_params = student_params if engine_params is None else engine_params
+  perturbed = measure_lib.engine_rollout(source_params, cfg, engine_cfg, prompts, rng, sampler_cfg)
   own, own_kl_bc = measure_lib.score_rollout(
     student_params, perturbed.replace(engine_id=""), cfg, temperature
   )
-  params_r, _ = measure_lib.engine_inputs(student_params, engine_cfg, rng)  # the engine's weights
+  params_r, _ = measure_lib.engine_inputs(source_params, engine_cfg, rng)  # the engine's weights
   tf = _teacher_forced(
     student_params, params_r, reference.replace(engine_id=""), cfg, engine_cfg.kv, temperature
   )
@@ -280,17 +293,33 @@ def source_specs(source: str) -> list[tuple[str, str]]:
 def source_engine(spec: str, config: ml_collections.ConfigDict) -> transform.EngineConfig:
   """The engine of a candidate spec applied to `config` with its engine reset to the
   reference (`REFERENCE_ROLLOUT`); refuses specs that change sampling or staleness."""
+  candidate = source_candidate(spec, config)
+  if candidate.lag:
+    raise ValueError(
+      f"--source {spec!r} changes the weight lag: both engines must sample from the same "
+      "weights here (a lag needs the run's earlier checkpoint: `run_prefix_shift`)"
+    )
+  return candidate.engine_cfg
+
+
+def source_candidate(spec: str, config: ml_collections.ConfigDict) -> candidates_lib.Candidate:
+  """A candidate spec applied to `config` with its engine reset to the reference
+  (`REFERENCE_ROLLOUT`); refuses specs that change sampling (both engines must sample alike).
+
+  Its `lag` k (rollout.stale_k, or rollout.max_lag in async mode: the worst batch's lag) makes
+  a stale engine: the perturbed engine is built from θ_{t−k}, the run's student k steps (one
+  weight version each) before the one measured."""
   base = ml_collections.ConfigDict(config.to_dict())
   for key, value in REFERENCE_ROLLOUT.items():
     base.rollout[key] = value
   candidate = candidates_lib.parse_candidate(spec, base)
   changed = [k for k in SAMPLING_KEYS if candidate.config.rollout[k] != base.rollout[k]]
-  if changed or candidate.lag:
+  if changed:
     raise ValueError(
-      f"--source {spec!r} changes {changed or ['the weight lag']}: both engines must sample "
-      "alike from the same weights (set sampling in --config)"
+      f"--source {spec!r} changes {changed}: both engines must sample alike (set sampling in "
+      "--config)"
     )
-  return candidate.engine_cfg
+  return candidate
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -327,16 +356,20 @@ def run_prefix_shift(
   """Measures every --source against the unperturbed engine; returns what --json writes.
 
   Returns:
-    {"student", "num_prompts", "sampler", "rows": [{"name", "spec", **prefix_shift(...)}],
-     "seconds"}.
+    {"student", "num_prompts", "sampler", "rows": [{"name", "spec", "lag",
+     **prefix_shift(...)}], "seconds"}. A candidate with a weight lag k (rollout.stale_k, or
+    rollout.max_lag in async mode) builds its engine from θ_{t−k}, the run's checkpoint k steps
+    before the latest (`sensitivity.load_student_and_lagged`; needs `params_from`).
   """
   start = time.perf_counter()
   if not sources:
     raise ValueError("give at least one --source")
   config_check.validate(config)
   specs = [pair for source in sources for pair in source_specs(source)]
-  engines = [(name, spec, source_engine(spec, config)) for name, spec in specs]
-  models, task_cfg, params, student = sensitivity.load_student(config, params_from, log)
+  engines = [(name, spec, source_candidate(spec, config)) for name, spec in specs]
+  models, task_cfg, params, student, lagged = sensitivity.load_student_and_lagged(
+    config, params_from, [c for *_, c in engines], log
+  )
   cfg = models.student_cfg
   _, tokens_bp, lens_b = admission.calibration_prompts(
     config, models.tokenizer, task_cfg, num_prompts
@@ -352,11 +385,13 @@ def run_prefix_shift(
   check_sampling(scfg, cfg.real_vocab_size)
   log(f"prefix shift of {student}: {num_prompts} prompts, T={scfg.temperature:g}")
   rows = []
-  for name, spec, ecfg in engines:
+  for name, spec, candidate in engines:
+    ecfg, lag = candidate.engine_cfg, candidate.lag
     row = {
       "name": name,
       "spec": spec,
-      **prefix_shift(params, cfg, ecfg, (tokens_bp, lens_b), rng, scfg),
+      "lag": lag,
+      **prefix_shift(params, cfg, ecfg, (tokens_bp, lens_b), rng, scfg, lagged.get(lag)),
     }
     rows.append(row)
     log(

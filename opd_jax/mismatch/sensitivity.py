@@ -391,20 +391,31 @@ def load_student(config, params_from: str | None, log: Callable[..., None] = pri
   checkpoint (`run_history.RunHistory`, read only), else the HF checkpoint, else the
   warm-started built-in student (`admission.initial_student`).
   """
+  return load_student_and_lagged(config, params_from, (), log)[:4]
+
+
+def load_student_and_lagged(
+  config, params_from: str | None, candidates: Sequence, log: Callable[..., None] = print
+):
+  """`load_student`'s four, plus {k: θ_{t−k}} for the lag k > 0 of each candidate
+  (`candidates.Candidate`): the student of `params_from`'s run k checkpointed steps before its
+  latest t. A lag the run cannot give (no `params_from`, no checkpoint at t − k) fails with
+  `admission.stale_lag_problem`'s message, which names the training flags that keep one."""
   spec = setup_lib.run_spec(config)
   models = build.build_models(spec)
   task_cfg = setup_lib.task_config(spec)
   setup = setup_lib.Setup(models, task_cfg, teacher_info={}, eval_set=None)
-  if params_from:
-    history = run_history.RunHistory(spec, setup, params_from)
-    return (
-      models,
-      task_cfg,
-      history.params(history.latest),
-      (f"{params_from} checkpoint {history.latest}"),
-    )
+  history = run_history.RunHistory(spec, setup, params_from) if params_from else None
+  for candidate in candidates:
+    problem = admission.stale_lag_problem(candidate, history)
+    if problem:
+      raise ValueError(problem)
+  if history is not None:
+    t = history.latest
+    lagged = {c.lag: history.params(t - c.lag) for c in candidates if c.lag > 0}
+    return models, task_cfg, history.params(t), f"{params_from} checkpoint {t}", lagged
   source = config.student.checkpoint or "warm-started built-in student"
-  return models, task_cfg, admission.initial_student(config, setup, log), source
+  return models, task_cfg, admission.initial_student(config, setup, log), source, {}
 
 
 def run_sensitivity(

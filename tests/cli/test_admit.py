@@ -579,6 +579,40 @@ def test_stale_candidates_are_measured_from_a_runs_checkpoints(
   assert async_["mismatch/kl"] == stale["mismatch/kl"]
 
 
+@pytest.mark.slow
+def test_prefix_shift_of_a_stale_engine_samples_with_the_runs_earlier_checkpoint(
+  config, budget_path, trained_run, tmp_path
+):
+  """A stale candidate's prefix shift builds its engine from θ_(t−k) of the run: its own-prefix
+  KL is the admission check's measurement of the same lag (same prompts, key and procedure),
+  async at max_lag k reads what sync stale_k k reads, and a lag the run cannot give is refused
+  with the check's message."""
+  from opd_jax.mismatch import prefix_shift
+
+  run = str(trained_run)
+  specs = ["rollout.stale_k=3", "rollout.mode=async,rollout.max_lag=3", EXACT]
+  rows = prefix_shift.run_prefix_shift(
+    config, specs, params_from=run, num_prompts=PROMPTS, log=quiet
+  )["rows"]
+  stale, async_, exact = rows
+  assert (stale["lag"], async_["lag"], exact["lag"]) == (3, 3, 0)
+  assert stale["own_prefix/kl"] > 1e-5 and stale["teacher_forced/kl"] > 1e-5
+  assert stale["diverged_fraction"] > 0
+  assert {k: v for k, v in async_.items() if k not in ("name", "spec")} == {
+    k: v for k, v in stale.items() if k not in ("name", "spec")
+  }
+  assert exact["diverged_fraction"] == 0.0 and exact["own_prefix/kl"] < 1e-6
+  kwargs = dict(num_prompts=PROMPTS, workdir=str(tmp_path / "w"), params_from=run, log=quiet)
+  (checked,) = admit_check.run_admission(
+    config, str(budget_path), ["rollout.stale_k=3"], force=True, **kwargs
+  )["rows"]
+  assert stale["own_prefix/kl"] == pytest.approx(checked["mismatch/kl"], rel=1e-5)
+  with pytest.raises(ValueError, match=r"holds steps \[3, 6\]"):
+    prefix_shift.run_prefix_shift(config, ["rollout.stale_k=2"], params_from=run, log=quiet)
+  with pytest.raises(ValueError, match="--params-from=RUN with checkpoints at steps t and t-3"):
+    prefix_shift.run_prefix_shift(config, ["rollout.stale_k=3"], log=quiet)
+
+
 def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
   lines = [
     {"step": 10 * i, "mismatch/kl": 0.1 * i, "mismatch/kl/lag_1": 0.2 * i} for i in range(1, 11)

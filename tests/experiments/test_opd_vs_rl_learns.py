@@ -284,3 +284,33 @@ def test_tiny_part_end_to_end(tmp_path):
   assert "plan: 4 runs (4 to train" in done.stderr
   again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert again.returncode == 0 and "plan: 4 runs (0 to train, 4 reused" in again.stderr
+
+
+def test_prefix_shift_students_are_the_comparisons_reference_runs_with_checkpoints():
+  """configs/prefix_shift_learns.py trains exactly the comparison's seed-0 reference GRPO and
+  OPD runs (its arm configs, checkpointing aside), keeps a checkpoint at every lag its
+  candidates need, and its docstring's command measures exactly CANDIDATES, the comparison's
+  settings."""
+  import re
+
+  import prefix_shift_learns as ps
+
+  from opd_jax.mismatch import candidates as candidates_lib
+
+  config = learns.get_config()
+  checkpointing = ("train.checkpoint_every", "train.keep_checkpoints")
+  for method in ("grpo", "opd"):
+    student = dict(config_check.flatten(ps.get_config(method)))
+    arm = dict(config_check.flatten(opd_vs_rl.arm_config(config, method, {}, 0)))
+    assert set(student) == set(arm)
+    assert {k: v for k, v in student.items() if student[k] != arm[k]}.keys() <= set(checkpointing)
+    steps = student["train.steps"]
+    kept = range(steps - (ps.KEEP_CHECKPOINTS - 1) * ps.CHECKPOINT_EVERY, steps + 1)
+    for spec in ps.CANDIDATES:
+      lag = candidates_lib.parse_candidate(spec, ps.get_config(method)).lag
+      assert lag % ps.CHECKPOINT_EVERY == 0 and steps - lag in kept, (spec, lag)
+  assert set(ps.CANDIDATES) == set(learns.SETTINGS + learns.LADDER)
+  in_docstring = re.findall(r"--candidate=(\S+)", ps.__doc__)
+  assert tuple(in_docstring) == ps.CANDIDATES
+  with pytest.raises(ValueError, match="unknown variant 'gpro'"):
+    ps.get_config("gpro")

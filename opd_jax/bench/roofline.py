@@ -44,7 +44,9 @@ the peak it is bound by:
   through a chain of the device's own batch-1 dots and nothing else, with
   `step_over_matvec_chain` the decode step's seconds over it (1.0: the step costs no more
   than its dots; the dots' own rate, `matvec_chain_bytes_per_s`, against the copy bandwidth
-  says how much of the gap to the bandwidth lies in the dots).
+  says how much of the gap to the bandwidth lies in the dots). A larger batch's row times
+  the same chain with x of `batch` rows (`dot_chain_seconds`), and `step_over_dot_chain` is
+  the step over it: what the step spends beyond its matrix products at that batch.
 """
 
 from __future__ import annotations
@@ -304,11 +306,13 @@ def decode_matrices(params) -> list:
   return [*matrices, params.get("lm_head_dv", params["embed_vd"])]
 
 
-def dot_chain_seconds(matrices: list, repeats: int, passes: int, last_transposed=False) -> float:
-  """Seconds of one pass of batch-1 dots through `matrices` in turn: x·W for each [in, out] W,
-  or W·x for the last when `last_transposed` (a [V, D] head). Each vector is built from the
-  previous product's first element, so no dot can be skipped or run ahead; `passes` passes run
-  in one `lax.fori_loop`, and the median call over `passes` is one pass."""
+def dot_chain_seconds(
+  matrices: list, repeats: int, passes: int, last_transposed=False, batch: int = 1
+) -> float:
+  """Seconds of one pass of dots through `matrices` in turn: x·W for x [batch, in] and each
+  [in, out] W, or W·xᵀ for the last when `last_transposed` (a [V, D] head). Each x is built
+  from the previous product's first element, so no dot can be skipped or run ahead; `passes`
+  passes run in one `lax.fori_loop`, and the median call over `passes` is one pass."""
   import jax
   import jax.numpy as jnp
 
@@ -317,9 +321,9 @@ def dot_chain_seconds(matrices: list, repeats: int, passes: int, last_transposed
     def one_pass(_, s):
       for i, w in enumerate(matrices):
         if last_transposed and i == len(matrices) - 1:
-          product = w @ jnp.full((w.shape[1],), s, w.dtype)
+          product = (w @ jnp.full((w.shape[1], batch), s, w.dtype)).reshape(-1)
         else:
-          product = (jnp.full((1, w.shape[0]), s, w.dtype) @ w)[0]
+          product = (jnp.full((batch, w.shape[0]), s, w.dtype) @ w).reshape(-1)
         s = s + product[0].astype(s.dtype) * 1e-9
       return s
 
@@ -392,10 +396,13 @@ def decode_row(
       "matvec_chain_seconds": chain_s,
       "matvec_chain_bytes_per_s": counts["weight_bytes"] / chain_s,
     }
+  else:  # the same weights through the device's own dots at this batch, no other work
+    tied = "lm_head_dv" not in params
+    chain_s = dot_chain_seconds(decode_matrices(params), repeats, 4, tied, batch)
+    row["dot_chain_seconds"] = chain_s
   if step_s <= 0:  # the two calls' difference drowned in noise: no rate to report
     return row | {"error": "the longer call was not slower; rerun on a quieter machine"}
-  if batch == 1:
-    row["step_over_matvec_chain"] = step_s / chain_s
+  row["step_over_matvec_chain" if batch == 1 else "step_over_dot_chain"] = step_s / chain_s
   bytes_per_s, flops_per_s = counts["bytes"] / step_s, counts["flops"] / step_s
   bound = "bandwidth" if batch == 1 else f"matmul {dtype}"
   fraction = (
@@ -482,8 +489,9 @@ def row_line(row: dict) -> str:
     else _human(row["flops_per_s"], "FLOP/s")
   )
   line = f"{what} {rate:>14} = {100 * row['fraction_of_peak']:5.1f}% of {row['peak']}"
-  if "step_over_matvec_chain" in row:
-    line += f" ({row['step_over_matvec_chain']:.2f}x its chain of dots)"
+  for key in ("step_over_matvec_chain", "step_over_dot_chain"):
+    if key in row:
+      line += f" ({row[key]:.2f}x its chain of dots)"
   return line
 
 

@@ -77,3 +77,13 @@ def test_decode_matrices_are_the_matmul_weights(tied):
   assert matrices[3].shape == (2 * 3, 4)  # o [N·H, D]
   assert matrices[-1].shape == ((10, 4) if tied else (4, 10))
   assert roofline.matvec_chain_seconds(params, repeats=1, passes=2) > 0
+  # The batched chain multiplies x [B, in] (and W·xᵀ for a tied head) through the same W.
+  last = matrices[-1].shape
+  assert roofline.dot_chain_seconds(matrices, 1, 2, last_transposed=tied, batch=3) > 0
+  assert last == ((10, 4) if tied else (4, 10))
+
+
+def test_a_batched_decode_row_is_set_against_its_own_chain_of_dots():
+  row = roofline.decode_row("tiny", "float32", 4, 4, (2, 6), repeats=1, peak=PEAK)
+  assert row["dot_chain_seconds"] > 0 and "matvec_chain_seconds" not in row
+  assert "error" in row or row["step_over_dot_chain"] > 0

@@ -15,7 +15,8 @@ attention multiplies it in place, as a batched [slots, H]·[H, G·T] product per
 [B, S, K, H] storage every block read was first transposed, and on 2 CPU cores those copies
 cost more than the products (docs/bench/decode_scaling.md, "Head-major cache"). `as_values`
 reads stored bits as their values (a bit-cast); quantized entries dequantize as
-f32(q(k)) · k_scale.
+f32(q(k)) · k_scale, which the readers compute through `as_wide_values` (on CPU an 8-bit value
+goes through f16, with the scale times a power of two: the same f32).
 
 Quantized formats (`QUANTIZED_KV_DTYPES`, `rollout.kv_cache` name in brackets). Each
 stores round_fmt(clip(x / scale, ±q_max)) with the scale of the granularity below, so

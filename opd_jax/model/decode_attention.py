@@ -138,12 +138,12 @@ def _scores(k_bksh, q_bkhr):
   [size, R] result turned to [R, size].
 
   On CPU an optimization barrier keeps XLA from folding that transpose into the product:
-  folded, it becomes q·kᵀ with the block contracted over its minor axis, which XLA:CPU runs with
-  Eigen instead of XNNPACK, at about 2 ms per layer for batch 64 × 104 slots of qwen3-50m (a fifth of
-  the decode step). Kept apart, the step at S 4096 took 0.98–1.14× less time at batch 1 and
-  1.00–1.54× at batch 16, 1.30–1.54× at t = 4000 (docs/bench/decode_scaling.md, "The scores'
-  transpose"). GPUs and TPUs
-  take either form of the product, so there the transpose may fold."""
+  folded, it becomes q·kᵀ with the block contracted over its minor axis, which XLA:CPU runs
+  with Eigen instead of XNNPACK, at about 2 ms per layer for batch 64 × 104 slots of
+  qwen3-50m (a fifth of the decode step). Kept apart, the step at S 4096 ran 0.98–1.14× as
+  fast as before at batch 1 and 1.00–1.54× at batch 16, 1.30–1.54× at t = 4000
+  (docs/bench/decode_scaling.md, "The scores' transpose"). GPUs and TPUs take either form of
+  the product, so there the transpose may fold."""
   s_bksr = _batched_f32(k_bksh, q_bkhr)
   if jax.default_backend() == "cpu":
     s_bksr = jax.lax.optimization_barrier(s_bksr)

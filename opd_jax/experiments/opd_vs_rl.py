@@ -275,7 +275,9 @@ def run_comparison(
   reports them beside every other planned run that has finished. The report records the code
   of the comparison and of every run (`study_provenance.code_summary`); with
   `config.allow_mixed_code` false, finished runs made by other code than the code running now
-  are refused before anything trains (`study_provenance.check_code`).
+  are refused before anything trains (`study_provenance.check_code`), and so are finished runs
+  that started from different teachers or warm starts (`study_provenance.check_same_start`,
+  checked again as each run finishes, before it joins the report).
 
   Returns:
     The report dict written to <workdir>/opd_vs_rl.json.
@@ -304,6 +306,7 @@ def run_comparison(
   study_provenance.check_code(
     {k: r.get(provenance.KEY) for k, r in finished.items() if r is not None}, current, allow, log
   )
+  study_provenance.check_same_start(finished)
   failed = None  # a side-by-side run's error: raised after the report of the finished ones
   if workers > 1 and any(runs.read_result(d) is None for d in run_dirs):
     # train side by side first; the loop below reads each recorded result
@@ -346,6 +349,8 @@ def run_comparison(
       continue  # not trained: reported as missing by its absence
     log(f"[{i + 1}/{len(todo)}] {method} on {name}, seed {seed} -> {run_dir}")
     result = runs.run_once(run_config, run_dir, log)
+    finished[f"run {os.path.basename(run_dir)}"] = result
+    study_provenance.check_same_start(finished)  # before the run joins the report
     rows.append(run_row(method, name, spec, run_dir, result, seed))
     meta["finished"] = len(rows)
     parts = {f"run {os.path.basename(r['run_dir'])}": r[provenance.KEY] for r in rows}

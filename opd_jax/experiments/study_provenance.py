@@ -9,6 +9,12 @@ probe's `PROBE_FILE`, and each measurement in `measurements.json` ("provenance":
 than one version, or from another version than the code running now, is refused
 (`check_code`) unless `config.allow_mixed_code`, and `study.json` reports the versions either
 way (`code_summary`).
+
+The same code can still give a study's runs different starting points: a built-in teacher and
+warm start are rebuilt from their settings on each machine, and the bits (even the teacher's
+number of bootstrap steps) can differ across machines. `check_same_start` refuses to pool runs
+whose recorded teachers or warm starts differ (`io.run_history.start_digests`, and for runs that
+predate the digests, the teacher's and the warm start's held-out accuracies).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from opd_jax.experiments import runs
-from opd_jax.io import json_file, provenance
+from opd_jax.io import json_file, provenance, run_history
 
 PROBE_FILE = "provenance.json"  # in the probe's directory: the code that trained it
 NOW = "this sitting"  # the parts the code running now is making
@@ -95,6 +101,69 @@ def check_code(parts: Mapping[str, Any], current: Mapping[str, Any], allow: bool
     )
   log(f"warning: {text}\n(allow_mixed_code: going on; study.json reports it)")
   return versions
+
+
+def start_signatures(results: Mapping[str, Any]) -> dict[str, dict[str, list[str]]]:
+  """What each finished run started from, grouped: {"accuracies": {"teacher a, warm start b":
+  runs}, "digests": {"teacher t, student s": runs}}.
+
+  The accuracies are the result's teacher_accuracy and student_accuracy_before (the warm
+  start's, left out for a resumed run, whose "before" is its resumption's); the digests are its
+  "start_digests" (`io.run_history.start_digests`), for the runs that record them.
+
+  Args:
+    results: run name -> the run's result dict, or None when not finished (left out).
+  """
+  accuracies: dict[str, list[str]] = {}
+  digests: dict[str, list[str]] = {}
+  for name, result in results.items():
+    if result is None:
+      continue
+    key = f"teacher {result.get('teacher_accuracy')}"
+    if result.get("start_step"):
+      key += " (resumed)"
+    else:
+      key += f", warm start {result.get('student_accuracy_before')}"
+    accuracies.setdefault(key, []).append(name)
+    start = result.get(run_history.START_DIGESTS) or {}
+    if start.get("teacher") or start.get("student"):
+      key = f"teacher {start.get('teacher')}, student {start.get('student')}"
+      digests.setdefault(key, []).append(name)
+  return {"accuracies": accuracies, "digests": digests}
+
+
+def check_same_start(results: Mapping[str, Any]) -> None:
+  """Refuses runs that started from different teachers or warm starts (`start_signatures`).
+
+  Two starts differ when their teacher accuracies differ, when two runs that did not resume
+  differ in their warm start's accuracy, or when two recorded digests differ. A resumed run is
+  held to the others' teacher accuracy only.
+
+  Raises:
+    ValueError: more than one start among the finished runs; the message lists each start and
+      its runs, and says how to go on.
+  """
+  groups = start_signatures(results)
+  accuracies = groups["accuracies"]
+  teachers = {r.get("teacher_accuracy") for r in results.values() if r is not None}
+  warm_starts = [key for key in accuracies if "warm start" in key]
+  if len(teachers) > 1 or len(warm_starts) > 1:
+    bad = accuracies
+  else:
+    bad = groups["digests"] if len(groups["digests"]) > 1 else {}
+  if not bad:
+    return
+  lines = []
+  for key, names in bad.items():
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    lines.append(f"  {key}: {len(names)} run(s): {shown}")
+  raise ValueError(
+    "these runs started from different teachers or warm starts (rebuilt on different machines "
+    "from the same settings, or from different caches):\n" + "\n".join(lines) + "\nOne "
+    "comparison pools runs of one start only: move the records of the runs that differ from "
+    "the rest aside (they train again from the teacher cache in use), or carry one teacher "
+    "cache (teacher.cache_dir) between machines"
+  )
 
 
 def code_summary(

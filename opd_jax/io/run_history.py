@@ -4,6 +4,8 @@ its export.
 - `run_fingerprint(spec)`: every config value that shapes the trajectory (less
   `RESUMABLE_KEYS`), stored in each checkpoint; `check_same_run` refuses to resume another
   config's checkpoints.
+- `start_digests`: the digests of the teacher and of the student a run started from
+  (`params_digest`), kept across resumptions; a resumption under another teacher is refused.
 - `export_dir` and `EXPORT_RECORD`: a finished run writes its student as a Hugging Face
   checkpoint with a record of the checkpoint step and config it holds.
 - `RunHistory`: the student at any checkpointed step of a run (`--params-from=RUN`), read from
@@ -19,7 +21,7 @@ from typing import Any
 import jax
 
 from opd_jax.config.spec import RunSpec
-from opd_jax.io import build, hf
+from opd_jax.io import build, hf, params_digest
 from opd_jax.model import sharding
 
 # Keys that may change between a run and its resumption (how long and how often).
@@ -63,6 +65,34 @@ def check_same_run(
       f"the checkpoints in {directory} come from a different config ({details}); "
       "resume with the same config or use a new --workdir"
     )
+
+
+START_DIGESTS = "start_digests"  # the key in checkpoint extras and in a run's result
+
+
+def start_digests(teacher_params, start_params, saved: dict | None, directory: str) -> dict:
+  """{"teacher": digest of the teacher, "student": digest of the student the run started from}
+  (`params_digest.digest`; None where unknown).
+
+  A fresh run (`saved` None) digests `start_params`, its warm start. A resumed run passes its
+  checkpoint's record as `saved` and keeps the student digest recorded there, which no longer
+  matches the params it resumes with (None for checkpoints that predate the record).
+
+  Raises:
+    ValueError: the checkpoint was trained under another teacher than the one now loaded
+      (a teacher rebuilt on another machine, or another teacher checkpoint).
+  """
+  teacher = params_digest.digest(teacher_params)
+  if saved is None:
+    return {"teacher": teacher, "student": params_digest.digest(start_params)}
+  if saved.get("teacher") not in (None, teacher):
+    raise ValueError(
+      f"the checkpoints in {directory} were trained under teacher {saved['teacher']}, but the "
+      f"teacher loaded now is {teacher}: a teacher bootstrapped on another machine can differ "
+      "from the cached one under the same settings. Resume with the teacher cache the run "
+      "started with (teacher.cache_dir), or start again in a new --workdir"
+    )
+  return {"teacher": teacher, "student": saved.get("student")}
 
 
 def export_dir(spec: RunSpec, workdir: str) -> str | None:

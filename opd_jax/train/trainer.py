@@ -41,7 +41,7 @@ from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import pipeline as data
 from opd_jax.inference import decode_loop
-from opd_jax.io import build, metrics_writer, provenance
+from opd_jax.io import build, metrics_writer, provenance, run_history
 from opd_jax.io import progress as progress_lib
 from opd_jax.io.run_history import export_dir, run_fingerprint
 from opd_jax.model import sharding, teacher_topk
@@ -196,6 +196,12 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     )
     signals.check("the warm start")
     reference = reference_student(spec, setup, state, state_shardings.params, bool(resumed), log)
+    digests = run_history.start_digests(
+      m.teacher_params,
+      state.params,
+      resumed.get(run_history.START_DIGESTS, {}) if resumed else None,
+      ckpt.directory,
+    )
     schedule_steps = schedule_length(spec, resumed, log)
     if schedule_steps != t.steps:  # a resumed run keeps its checkpoint's schedule
       tx = train_state.make_optimizer(
@@ -230,6 +236,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
         schedule_steps=schedule_steps,
         stop=stop,
         reference=reference,
+        digests=digests,
       )
     finally:
       source.close()
@@ -334,13 +341,15 @@ def _train(
   schedule_steps: int | None = None,
   stop: StopOnSignal | None = None,
   reference=None,
+  digests: dict | None = None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
 
   `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
   None = train.steps), stored in every checkpoint for a resumed run to keep. `reference` is
   the frozen starting student of GRPO's KL penalty (`setup.reference_student`; None without
-  one), passed to every step and never saved.
+  one), passed to every step and never saved. `digests` (`run_history.start_digests`) goes
+  into every checkpoint and into the result, as "start_digests".
 
   `hook` (a `hooks.StepHook`: the budget guard with `budget.file`) sees every step's scalars
   after the
@@ -372,6 +381,7 @@ def _train(
       "config": run_fingerprint(spec),
       "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
       "heldout_slice": evaluate.takes_heldout_slice(spec),  # trained without it (resume check)
+      run_history.START_DIGESTS: digests or {},  # the teacher and warm start it started from
     }
     if hook:
       extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
@@ -443,6 +453,7 @@ def _train(
     "stopped_by": stopped_by,
     **(evaluate.before_after(initial, quality, evaluator.metric) if evaluator else {}),
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
+    run_history.START_DIGESTS: digests or {},
     "wall_seconds": time.time() - start,
     provenance.KEY: provenance.provenance(spec),  # the code and config that made the run
   }

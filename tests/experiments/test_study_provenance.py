@@ -84,3 +84,48 @@ def test_the_code_running_now_counts_against_what_the_workdir_holds(tmp_path):
   meas, probe = _workdir(tmp_path, B, {}, {})  # a probe of other code, nothing else
   with pytest.raises(ValueError, match="made by 2 versions"):
     study_provenance.study_code(_config(), meas, probe, {})
+
+
+def _result(teacher, warm, start_step=0, digests=None):
+  out = {"teacher_accuracy": teacher, "student_accuracy_before": warm, "start_step": start_step}
+  return out | ({"start_digests": digests} if digests else {})
+
+
+def test_runs_of_one_start_pass_and_a_resumed_one_is_held_to_its_teacher_only():
+  same = {"teacher": "t1", "student": "s1"}
+  study_provenance.check_same_start(
+    {
+      "run a": _result(0.95, 0.55, digests=same),
+      "run b": _result(0.95, 0.55, digests=same),
+      "run c": _result(0.95, 0.60, start_step=200),  # "before" is its resumption's
+      "run d": _result(0.95, 0.55),  # predates the digests
+      "run e": None,  # not finished
+    }
+  )
+
+
+def test_runs_from_two_teachers_or_warm_starts_are_refused_naming_each_start():
+  # The case that motivated the check: 6 of one comparison's runs trained under a teacher
+  # bootstrapped on another machine (100 % held-out, warm start 55.9 %) than the rest's.
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)teacher 1.0, warm start 0.559: 1 run\(s\): run a.*"
+    r"teacher 0.953, warm start 0.551: 2 run\(s\): run b, run c",
+  ):
+    study_provenance.check_same_start(
+      {"run a": _result(1.0, 0.559), "run b": _result(0.953, 0.551), "run c": _result(0.953, 0.551)}
+    )
+  with pytest.raises(ValueError, match=r"different teachers or warm starts"):
+    study_provenance.check_same_start({"run a": _result(0.95, 0.55), "run b": _result(0.95, 0.56)})
+  with pytest.raises(ValueError, match=r"teacher 1.0 \(resumed\)"):
+    study_provenance.check_same_start(
+      {"run a": _result(0.95, 0.55), "run b": _result(1.0, 0.55, start_step=9)}
+    )
+  # Equal accuracies, different bits: the digests tell them apart.
+  with pytest.raises(ValueError, match=r"teacher t1, student s2: 1 run\(s\): run b"):
+    study_provenance.check_same_start(
+      {
+        "run a": _result(0.95, 0.55, digests={"teacher": "t1", "student": "s1"}),
+        "run b": _result(0.95, 0.55, digests={"teacher": "t1", "student": "s2"}),
+      }
+    )

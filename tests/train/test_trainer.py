@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from opd_jax.data import pipeline as data
-from opd_jax.io import checkpointing, metrics_writer
+from opd_jax.io import checkpointing, metrics_writer, params_digest, run_history
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import signals, trainer
 from opd_jax.train.setup import run_spec
@@ -98,6 +98,31 @@ def test_resume_with_a_different_config_is_refused(tiny_run, teacher_cache, tmp_
     ValueError, match=r"come from a different config \(train.lr: 0.001 -> 0.0005\)"
   ):
     trainer.run(config, str(copy), log=lambda *a: None)
+
+
+def test_the_result_records_the_teacher_and_warm_start_a_resumed_run_keeps(
+  tiny_run, teacher_cache, tmp_path
+):
+  workdir, result = tiny_run
+  config = tiny_config(teacher_cache)
+  spec = run_spec(config)
+  setup = setup_lib.prepare_models(spec, str(tmp_path / "setup"), log=lambda *a: None)
+  warm = setup_lib.warm_started_student(spec, setup, lambda *a: None, teacher_cache)
+  digests = result[run_history.START_DIGESTS]
+  assert digests == {
+    "teacher": params_digest.digest(setup.models.teacher_params),
+    "student": params_digest.digest(warm),
+  }
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+  assert _restore(ckpt, 6)["extra"][run_history.START_DIGESTS] == digests
+  # Resumed for two more steps, the run keeps the digest of the student it started from.
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  resumed = trainer.run(
+    tiny_config(teacher_cache, **{"train.steps": 8}), str(copy), log=lambda *a: None
+  )
+  assert resumed["start_step"] == 6
+  assert resumed[run_history.START_DIGESTS] == digests
 
 
 def test_empty_prompt_file_is_refused(teacher_cache, tmp_path):

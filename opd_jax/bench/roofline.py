@@ -44,7 +44,10 @@ the peak it is bound by:
   through a chain of the device's own batch-1 dots and nothing else, with
   `step_over_matvec_chain` the decode step's seconds over it (1.0: the step costs no more
   than its dots; the dots' own rate, `matvec_chain_bytes_per_s`, against the copy bandwidth
-  says how much of the gap to the bandwidth lies in the dots). A larger batch's row times
+  says how much of the gap to the bandwidth lies in the dots), and the same chain with the
+  projections that share an input joined (`fused_decode_matrices`: q|k|v and gate|up, 4 dots
+  per layer instead of 7), with `fused_chain_over_matvec_chain` its seconds over the unfused
+  chain's (below 1: fusing the projections would speed the dots). A larger batch's row times
   the same chain with x of `batch` rows (`dot_chain_seconds`), and `step_over_dot_chain` is
   the step over it: what the step spends beyond its matrix products at that batch.
 """
@@ -306,6 +309,25 @@ def decode_matrices(params) -> list:
   return [*matrices, params.get("lm_head_dv", params["embed_vd"])]
 
 
+FUSED_GROUPS = (("q_dnh", "k_dkh", "v_dkh"), ("o_nhd",), ("gate_df", "up_df"), ("down_fd",))
+
+
+def fused_decode_matrices(params) -> list:
+  """`decode_matrices` with the matrices that share an input joined along their outputs: per
+  layer [D, (N + 2K)·H] for q, k and v, o, [D, 2F] for gate and up, and down (FUSED_GROUPS).
+  The same bytes in 4 dots per layer instead of 7: what fusing the projections would buy."""
+  import jax.numpy as jnp
+
+  from opd_jax.model.quant import LAYER_MATRICES
+
+  unfused = decode_matrices(params)
+  keys, out = list(LAYER_MATRICES), []
+  for i in range(len(params["layers"])):
+    layer = dict(zip(keys, unfused[i * len(keys) : (i + 1) * len(keys)], strict=True))
+    out += [jnp.concatenate([layer[k] for k in group], axis=1) for group in FUSED_GROUPS]
+  return [*out, unfused[-1]]
+
+
 def dot_chain_seconds(
   matrices: list, repeats: int, passes: int, last_transposed=False, batch: int = 1
 ) -> float:
@@ -392,9 +414,13 @@ def decode_row(
   }
   if batch == 1:  # the same weights through the device's own unfused dots, no other work
     chain_s = matvec_chain_seconds(params, repeats)
+    tied = "lm_head_dv" not in params
+    fused_s = dot_chain_seconds(fused_decode_matrices(params), repeats, 8, tied)
     row |= {
       "matvec_chain_seconds": chain_s,
       "matvec_chain_bytes_per_s": counts["weight_bytes"] / chain_s,
+      "fused_chain_seconds": fused_s,
+      "fused_chain_over_matvec_chain": fused_s / chain_s,
     }
   else:  # the same weights through the device's own dots at this batch, no other work
     tied = "lm_head_dv" not in params

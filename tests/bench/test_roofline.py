@@ -56,6 +56,9 @@ def test_decode_row_counts_at_the_mean_context():
   assert row["kv_bytes"] == pytest.approx(7.5 * 2 * 2 * 2 * 8 * 4)  # 1920
   assert row["flops"] == pytest.approx(2 * 22528 + 4 * 2 * 4 * 8 * 7.5)  # 46976
   assert row["matvec_chain_seconds"] > 0
+  assert row["fused_chain_over_matvec_chain"] == pytest.approx(
+    row["fused_chain_seconds"] / row["matvec_chain_seconds"]
+  )
   assert "error" in row or row["step_over_matvec_chain"] > 0  # no ratio when the step drowned
 
 
@@ -81,6 +84,30 @@ def test_decode_matrices_are_the_matmul_weights(tied):
   last = matrices[-1].shape
   assert roofline.dot_chain_seconds(matrices, 1, 2, last_transposed=tied, batch=3) > 0
   assert last == ((10, 4) if tied else (4, 10))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_matrices_join_the_projections_that_share_an_input(tied):
+  """q|k|v and gate|up, joined along their outputs: the same products in 4 dots per layer."""
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from opd_jax.model import transformer as model
+
+  cfg = dataclasses.replace(SMALL, tie_word_embeddings=tied)
+  params = model.init_params(jax.random.key(0), cfg)
+  unfused, fused = roofline.decode_matrices(params), roofline.fused_decode_matrices(params)
+  assert [m.shape for m in fused[:4]] == [(4, 6 + 3 + 3), (6, 4), (4, 12), (6, 4)]
+  assert len(fused) == 2 * 4 + 1 and fused[-1] is unfused[-1]
+  assert sum(m.size for m in fused) == sum(m.size for m in unfused)
+  x = np.arange(4, dtype=np.float32)
+  layer1 = unfused[7:14]
+  joined = np.concatenate([x @ np.asarray(layer1[i]) for i in (0, 1, 2)])
+  np.testing.assert_allclose(x @ np.asarray(fused[4]), joined, rtol=1e-6)  # layer 1's q|k|v
+  gate_up = np.concatenate([x @ np.asarray(layer1[4]), x @ np.asarray(layer1[5])])
+  np.testing.assert_allclose(x @ np.asarray(fused[6]), gate_up, rtol=1e-6)
 
 
 def test_a_batched_decode_row_is_set_against_its_own_chain_of_dots():

@@ -196,12 +196,14 @@ def run_dirs(workdir: str, names, extra_seeds) -> dict[str, str]:
 def study_code(
   config, measurements_path: str, probe_dir: str, dirs: Mapping[str, str], log: Callable = print
 ) -> dict[str, Any]:
-  """`check_code` on what a study's workdir holds (the probe, the measurements in
-  `measurements_path`, the finished runs among `dirs`: run name -> directory), then
-  {"provenance": the code running now with the study config's hash, "code": `code_summary`}.
+  """`check_code` and `check_same_start` on what a study's workdir holds (the probe, the
+  measurements in `measurements_path`, the finished runs among `dirs`: run name -> directory),
+  then {"provenance": the code running now with the study config's hash, "code":
+  `code_summary`}.
 
   Raises:
-    ValueError: as `check_code`.
+    ValueError: as `check_code`, or as `check_same_start` (finished runs of different teachers
+      or warm starts).
   """
   measurements = json_file.read_json(measurements_path, {})
   results = {name: runs.read_result(d) for name, d in dirs.items()}
@@ -209,4 +211,5 @@ def study_code(
   current = provenance.provenance(config)
   allow = bool(config.get("allow_mixed_code", False))
   check_code(parts, current, allow, log)
+  check_same_start({f"run {name}": r for name, r in results.items()})
   return {provenance.KEY: current, "code": code_summary(parts, current, allow)}

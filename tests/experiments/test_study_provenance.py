@@ -129,3 +129,14 @@ def test_runs_from_two_teachers_or_warm_starts_are_refused_naming_each_start():
         "run b": _result(0.95, 0.55, digests={"teacher": "t1", "student": "s2"}),
       }
     )
+
+
+def test_a_study_whose_runs_started_from_two_teachers_is_refused(tmp_path):
+  meas, probe = _workdir(tmp_path, A, {}, {"ref": A, "other": A})
+  for name, teacher in (("ref", 0.953), ("other", 1.0)):
+    path = tmp_path / "runs" / name / "result.json"
+    result = json.loads(path.read_text()) | _result(teacher, 0.55)
+    json_file.write_json(str(path), result)
+  dirs = study_provenance.run_dirs(str(tmp_path), ["ref", "other"], [])
+  with pytest.raises(ValueError, match=r"teacher 1.0, warm start 0.55: 1 run\(s\): run other"):
+    study_provenance.study_code(_config(), meas, probe, dirs)

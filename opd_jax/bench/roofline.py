@@ -412,9 +412,9 @@ def decode_row(
     **counts,
     "counted_by": "hand: weights once + K and V of the filled prefix per step",
   }
+  tied = "lm_head_dv" not in params
   if batch == 1:  # the same weights through the device's own unfused dots, no other work
     chain_s = matvec_chain_seconds(params, repeats)
-    tied = "lm_head_dv" not in params
     fused_s = dot_chain_seconds(fused_decode_matrices(params), repeats, 8, tied)
     row |= {
       "matvec_chain_seconds": chain_s,
@@ -423,7 +423,6 @@ def decode_row(
       "fused_chain_over_matvec_chain": fused_s / chain_s,
     }
   else:  # the same weights through the device's own dots at this batch, no other work
-    tied = "lm_head_dv" not in params
     chain_s = dot_chain_seconds(decode_matrices(params), repeats, 4, tied, batch)
     row["dot_chain_seconds"] = chain_s
   if step_s <= 0:  # the two calls' difference drowned in noise: no rate to report

@@ -144,11 +144,15 @@ def check_same_start(results: Mapping[str, Any]) -> None:
       its runs, and says how to go on.
   """
   groups = start_signatures(results)
-  accuracies = groups["accuracies"]
-  teachers = {r.get("teacher_accuracy") for r in results.values() if r is not None}
-  warm_starts = [key for key in accuracies if "warm start" in key]
+  finished = [r for r in results.values() if r is not None]
+  teachers = {r.get("teacher_accuracy") for r in finished}
+  warm_starts = {
+    (r.get("teacher_accuracy"), r.get("student_accuracy_before"))
+    for r in finished
+    if not r.get("start_step")
+  }
   if len(teachers) > 1 or len(warm_starts) > 1:
-    bad = accuracies
+    bad = groups["accuracies"]
   else:
     bad = groups["digests"] if len(groups["digests"]) > 1 else {}
   if not bad:

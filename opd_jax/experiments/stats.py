@@ -3,7 +3,8 @@ and the study's noise floor (its tolerance τ).
 
 Every function is pure (numbers in, numbers out). Where scipy has the test it is scipy's:
 Wilson's score interval (`scipy.stats.binomtest(...).proportion_ci(method="wilson")`), the
-exact McNemar test (`binomtest` on the discordant pairs), the quantiles of Welch's interval
+exact McNemar test (`binomtest` on the discordant pairs), Fisher's exact test
+(`scipy.stats.fisher_exact`), the quantiles of Welch's interval
 and the Wald bound (`scipy.stats.t`, `scipy.stats.norm`), Spearman's and Pearson's correlations
 (`scipy.stats.spearmanr`, `scipy.stats.pearsonr`). The comparisons that use them are in
 docs/design.md ("Scoring a pre-registered validation") and `experiments.opd_vs_rl`.
@@ -46,6 +47,17 @@ def mcnemar_one_sided(b: int, c: int) -> float:
   if b + c == 0:
     return 1.0
   return float(stats.binomtest(int(b), int(b + c), 0.5, alternative="greater").pvalue)
+
+
+def fisher_greater(hits: int, n: int, ref_hits: int, ref_n: int) -> float:
+  """Fisher's exact one-sided p that a rate hits/n exceeds ref_hits/ref_n: the
+  hypergeometric P(X ≥ hits) of the 2×2 table [[hits, n − hits], [ref_hits, ref_n − ref_hits]]
+  with its margins fixed (`scipy.stats.fisher_exact`, alternative "greater"); 1.0 when either
+  count of trials is 0."""
+  if n <= 0 or ref_n <= 0:
+    return 1.0
+  table = [[int(hits), int(n - hits)], [int(ref_hits), int(ref_n - ref_hits)]]
+  return float(stats.fisher_exact(table, alternative="greater").pvalue)
 
 
 def paired_lower_bound(b: int, c: int, n: int, alpha: float = 0.05) -> float:

@@ -28,7 +28,10 @@ its runs are the comparison's code):
         --config.teacher.cache_dir=/tmp/tcache
     (/tmp/tcache: a copy of docs/study/opd_vs_rl_learns/teacher_cache)
 Cost:     about 90 s per run alone on 2 CPU cores.
-Expected: not yet run.
+Expected: ran once (docs/results/opd_vs_rl.md, "Sampled-token OPD under a one-step lag"):
+          repro 2.3 % (as the comparison's run), async_lr2e-4 52.0 %, async_lr1e-4 56.6 %,
+          sync_lr2e-4 57.0 %, sync_lr1e-4 57.8 % greedy at step 400 from a 55.1 % warm
+          start: read as a step-size instability under staleness, on one seed.
 """
 
 import grpo_practice

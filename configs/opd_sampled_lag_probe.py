@@ -21,6 +21,14 @@ Reading, fixed before the runs: a run *collapsed* when its final greedy accuracy
 (ends above the 55.1 % warm start), the collapse is an instability of step size under
 staleness; if both collapse, the step size is not the lever; anything else is unclear.
 
+A second part, fixed after the first ran and before its own runs: the same reading on stale k 4
+(the comparison's other collapse) and on the lag with train seed 1 (the comparison's seed-1 run
+ended at 0.4 %), each with its own repro of the comparison's run:
+    repro_stale4, stale4_lr2e-4, stale4_lr1e-4            rollout.stale_k = 4, seed 0
+    repro_seed1, async_lr2e-4_seed1, async_lr1e-4_seed1   the lag of 1, train seed 1
+with the on-policy twins of the first part (seed 0) standing for both. The first part's
+verdict holds up if neither smaller-lr run collapses in either group.
+
 Command (from a checkout of the comparison's commit, with this file copied outside it, so that
 its runs are the comparison's code):
     PYTHONPATH=CHECKOUT/configs python -m opd_jax.main \\
@@ -36,25 +44,43 @@ Expected: ran once (docs/results/opd_vs_rl.md, "Sampled-token OPD under a one-st
 
 import grpo_practice
 
-VARIANTS = ("repro", "async_lr2e-4", "async_lr1e-4", "sync_lr2e-4", "sync_lr1e-4")
+# variant: (lr, rollouts, train seed); rollouts "async" (the loop's lag of 1), "stale4"
+# (rollout.stale_k = 4) or "sync" (on-policy)
+RUNS = {
+  "repro": (5e-4, "async", 0),
+  "async_lr2e-4": (2e-4, "async", 0),
+  "async_lr1e-4": (1e-4, "async", 0),
+  "sync_lr2e-4": (2e-4, "sync", 0),
+  "sync_lr1e-4": (1e-4, "sync", 0),
+  "repro_stale4": (5e-4, "stale4", 0),
+  "stale4_lr2e-4": (2e-4, "stale4", 0),
+  "stale4_lr1e-4": (1e-4, "stale4", 0),
+  "repro_seed1": (5e-4, "async", 1),
+  "async_lr2e-4_seed1": (2e-4, "async", 1),
+  "async_lr1e-4_seed1": (1e-4, "async", 1),
+}
+VARIANTS = tuple(RUNS)
 
 
 def get_config(arg=None):
   """One variant of the probe (module docstring); no variant is `repro`."""
   arg = arg or "repro"
-  if arg not in VARIANTS:
+  if arg not in RUNS:
     raise ValueError(f"unknown variant {arg!r} of opd_sampled_lag_probe.py; known: {VARIANTS}")
+  lr, rollouts, seed = RUNS[arg]
   c = grpo_practice.get_config("opd")
   # the comparison's sampled-token arm (experiments.opd_vs_rl_arms.SAMPLED_OPD, no correction)
   c.train.loss = "reverse_kl_sampled"
-  c.train.lr = 5e-4
+  c.train.lr = lr
   c.train.advantage_clip = 0.5
   c.train.advantage_baseline = "batch_mean"
   c.rollout.temperature = 1.0
   c.train.is_clip = 0.0
-  if arg == "repro" or arg.startswith("async"):
+  if rollouts == "async":
     c.rollout.mode = "async"
     c.rollout.max_lag = 1
-  if arg != "repro":
-    c.train.lr = float(arg.split("_lr")[1])
+  elif rollouts == "stale4":
+    c.rollout.stale_k = 4
+  if seed:
+    c.train.seed = seed  # as the comparison sets a run's seed other than 0
   return c

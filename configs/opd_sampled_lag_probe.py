@@ -39,7 +39,10 @@ Cost:     about 90 s per run alone on 2 CPU cores.
 Expected: ran once (docs/results/opd_vs_rl.md, "Sampled-token OPD under a one-step lag"):
           repro 2.3 % (as the comparison's run), async_lr2e-4 52.0 %, async_lr1e-4 56.6 %,
           sync_lr2e-4 57.0 %, sync_lr1e-4 57.8 % greedy at step 400 from a 55.1 % warm
-          start: read as a step-size instability under staleness, on one seed.
+          start: read as a step-size instability under staleness, on one seed. Part 2:
+          stale k 4 collapsed at 5e-4 (0.0 %) and 2e-4 (0.8 %), learned at 1e-4 (51.2 %);
+          the lag at seed 1 collapsed at 5e-4 (0.8 %), learned at 2e-4 (57.8 %) and 1e-4
+          (60.5 %): the part-2 reading fails; the tolerated step shrinks with staleness.
 """
 
 import grpo_practice

@@ -3,16 +3,13 @@ built so that exactly the criterion under test holds, and the command on a writt
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_module
 
 from opd_jax.experiments import opd_vs_rl_verdict as verdict
 from opd_jax.experiments import stats
 
-REPO = Path(__file__).resolve().parents[2]
 NAN = math.nan
 
 
@@ -132,13 +129,7 @@ def test_the_command_reads_a_written_report(tmp_path):
   body = report(cell("s", "opd", 1.0, (-2.0, 4.0)), cell("s", "grpo", 9.0, (3.0, 15.0)))
   path.write_text(json.dumps(body))
   out = tmp_path / "verdict.json"
-  proc = subprocess.run(
-    [sys.executable, "-m", "opd_jax.opd_vs_rl_verdict", f"--report={path}", f"--json={out}"],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = run_module("opd_jax.opd_vs_rl_verdict", f"--report={path}", f"--json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "| s | +1.0 [-2.0, +4.0] | +9.0 [+3.0, +15.0] | 2, 2 |" in proc.stdout
   written = json.loads(out.read_text())

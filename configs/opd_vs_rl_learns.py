@@ -18,6 +18,9 @@ Command:  python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl_learns.py \
           keep nothing between sittings, carry the finished runs (results and metrics.jsonl):
           python -m opd_jax.finished_runs --workdir=/tmp/ovr_learns --save=RECORDS after a
           part, --restore=RECORDS into the same workdir path before the next.
+Verdict:  python -m opd_jax.opd_vs_rl_verdict --report=/tmp/ovr_learns/opd_vs_rl.json
+          (the reading fixed below, applied to the report; it reads only the JSON, so code
+          newer than the comparison's own commit reads it).
 Tiny:     python -m opd_jax.opd_vs_rl --config=configs/opd_vs_rl_learns.py:tiny \
               --workdir=/tmp/ovrl_tiny
           (two arms, one setting: a wiring check, not learning).

@@ -29,7 +29,7 @@ comparison had finished (53 of its 200 runs saved) and is the same for every set
    reference cell by Fisher's exact one-sided test at p < 0.05 (`stats.fisher_greater`,
    seeds pooled). The first draft of this module read "higher" as any excess; run on the 44
    runs then finished, it called full-vocabulary OPD spiking under σ 0.4 for 3 spiking steps
-   of 160 against its reference's 2 of 160, one step. That draft was never committed or
+   of 160 against its reference's 2 of 160, one step more. That draft was never committed or
    used; the test replaced it before the comparison finished, and this note says so because
    the interim table was seen when the choice was made.
 4. A setting with a supporting and a contradicting criterion at once is "mixed"; one with

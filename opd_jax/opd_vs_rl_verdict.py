@@ -32,8 +32,7 @@ def main() -> None:
   from opd_jax.experiments import opd_vs_rl_verdict
   from opd_jax.io import provenance
 
-  with open(_REPORT.value) as f:
-    report = json.load(f)
+  report = json_file.read_json(_REPORT.value)
   result = opd_vs_rl_verdict.verdicts(report)
   result["provenance"] = provenance.provenance()
   log = cli_flags.log_for_json(_JSON.value)

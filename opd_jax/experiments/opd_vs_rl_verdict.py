@@ -50,10 +50,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from opd_jax.experiments import stats
+from opd_jax.experiments.opd_vs_rl_report import ACCURACIES, REFERENCE
 
 OPD, GRPO, GRPO_TIS = "opd", "grpo", "grpo_tis"
-REFERENCE = "reference"
-SUFFIXES = {"_t1": "T = 1", "": "greedy"}  # the primary reading first
+# key suffix -> the report's label for that accuracy, the primary reading (T = 1) first
+SUFFIXES = {suffix: ACCURACIES[suffix][2] for suffix in ("_t1", "")}
 SUPPORTED, CONTRADICTED, MIXED, NOT_SHOWN = "supported", "contradicted", "mixed", "not shown"
 
 
@@ -185,7 +186,17 @@ def read_correction(cells: dict, setting: str, suffix: str) -> dict[str, Any] | 
 
 def verdicts(report: dict) -> dict[str, Any]:
   """The readings of every non-reference setting with an OPD and a GRPO cell, at T = 1 and
-  greedy, and of GRPO + TIS against GRPO, from a comparison report (`opd_vs_rl.json`)."""
+  greedy, and of GRPO + TIS against GRPO, from a comparison report (`opd_vs_rl.json`).
+
+  Raises:
+    ValueError: a report without its "cells" list, or with no setting beside the reference
+      that has both an OPD and a GRPO cell.
+  """
+  if not isinstance(report, dict) or not isinstance(report.get("cells"), list):
+    raise ValueError(
+      "not an OPD-against-RL report: no 'cells' list (pass the opd_vs_rl.json that "
+      "python -m opd_jax.opd_vs_rl writes)"
+    )
   cells = {(c["setting"], c["method"]): c for c in report["cells"]}
   matched = report.get("matched", [])
   ladder = tuple(report.get("matched_settings", ()))

@@ -124,6 +124,16 @@ def test_a_report_without_both_arms_is_refused():
     verdict.verdicts(report(cell("s", "opd")))
 
 
+def test_a_file_that_is_not_a_report_is_refused_by_name(tmp_path):
+  with pytest.raises(ValueError, match="not an OPD-against-RL report: no 'cells' list"):
+    verdict.verdicts({"rows": []})
+  path = tmp_path / "budget.json"
+  path.write_text(json.dumps({"sources": {}}))
+  proc = run_module("opd_jax.opd_vs_rl_verdict", f"--report={path}")
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr
+  assert "error: not an OPD-against-RL report: no 'cells' list" in proc.stderr
+
+
 def test_the_command_reads_a_written_report(tmp_path):
   path = tmp_path / "opd_vs_rl.json"
   body = report(cell("s", "opd", 1.0, (-2.0, 4.0)), cell("s", "grpo", 9.0, (3.0, 15.0)))

@@ -20,6 +20,7 @@ import numpy as np
 
 from opd_jax.experiments import plots, stats
 from opd_jax.io import json_file
+from opd_jax.io.table_cells import MISSING, interval, number
 
 REFERENCE = plots.REFERENCE  # the reference engine's setting name
 # The arms (`opd_vs_rl_arms.method_overrides`), in the order the report draws them (a marker
@@ -202,8 +203,8 @@ def matched_table(entries: Sequence[dict], suffix: str = "") -> str:
     lines.append(
       f"| {method} | "
       + " | ".join(
-        f"{_fmt(by_kl[k].get(f'drop{suffix}_points', math.nan), '+.1f')} / "
-        f"{_fmt(by_kl[k].get(f'gain_kept{suffix}', math.nan), '.2f')}"
+        f"{number(by_kl[k].get(f'drop{suffix}_points', math.nan), '+.1f')} / "
+        f"{number(by_kl[k].get(f'gain_kept{suffix}', math.nan), '.2f')}"
         if k in by_kl
         else "—"
         for k in kls
@@ -223,10 +224,10 @@ def summary_table(cells: Sequence[dict]) -> str:
   )
   lines = [
     f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | {_accuracy_cells(c, '')} | "
-    f"{_fmt(c['mismatch_kl_mean'], '.2e')} | "
-    f"{_fmt(c['grad_norm_mean'], '.3g')} / {_fmt(c['grad_norm_max'], '.3g')} | "
+    f"{number(c['mismatch_kl_mean'], '.2e')} | "
+    f"{number(c['grad_norm_mean'], '.3g')} / {number(c['grad_norm_max'], '.3g')} | "
     f"{c.get('grad_norm_spikes', 0)}/{c.get('grad_norm_logged_steps', 0)} | "
-    f"{_fmt(c.get('loss_max', math.nan), '.3g')} |"
+    f"{number(c.get('loss_max', math.nan), '.3g')} |"
     for c in cells
   ]
   return head + "\n".join(lines) + "\n"
@@ -241,7 +242,7 @@ def summary_table_t1(cells: Sequence[dict]) -> str:
   )
   lines = [
     f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | {_accuracy_cells(c, '_t1')} | "
-    f"{_fmt(c['mismatch_kl_mean'], '.2e')} |"
+    f"{number(c['mismatch_kl_mean'], '.2e')} |"
     for c in cells
   ]
   return head + "\n".join(lines) + "\n"
@@ -250,28 +251,18 @@ def summary_table_t1(cells: Sequence[dict]) -> str:
 def _accuracy_cells(c: dict, suffix: str) -> str:
   """ "mean ± sd % | drop [ci] | share [ci]" of one accuracy of a cell."""
   return (
-    f"{_fmt(100 * c.get(f'accuracy{suffix}', math.nan), '.1f')} ± "
-    f"{_fmt(100 * c.get(f'accuracy{suffix}_sd', math.nan), '.1f')} % | "
-    f"{_fmt(c.get(f'drop{suffix}_points', math.nan), '+.1f')} "
-    f"{_interval(c.get(f'drop{suffix}_ci_points'), '.1f')} | "
-    f"{_fmt(c.get(f'gain_kept{suffix}', math.nan), '.2f')} "
-    f"{_interval(c.get(f'gain_kept{suffix}_ci'), '.2f')}"
+    f"{number(100 * c.get(f'accuracy{suffix}', math.nan), '.1f')} ± "
+    f"{number(100 * c.get(f'accuracy{suffix}_sd', math.nan), '.1f')} % | "
+    f"{number(c.get(f'drop{suffix}_points', math.nan), '+.1f')} "
+    f"{interval(c.get(f'drop{suffix}_ci_points'), '.1f')} | "
+    f"{number(c.get(f'gain_kept{suffix}', math.nan), '.2f')} "
+    f"{interval(c.get(f'gain_kept{suffix}_ci'), '.2f')}"
   )
-
-
-def _interval(ci, spec: str) -> str:
-  if not ci or any(x is None or math.isnan(x) for x in ci):
-    return ""
-  return f"[{format(ci[0], spec)}, {format(ci[1], spec)}]"
 
 
 def _percent(x: float) -> str:
   """A share as "61.3 %", "—" when unknown."""
-  return "—" if x is None or math.isnan(x) else f"{100 * x:.1f} %"
-
-
-def _fmt(x: float, spec: str) -> str:
-  return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+  return MISSING if x is None or math.isnan(x) else f"{100 * x:.1f} %"
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
@@ -283,10 +274,10 @@ def markdown_table(rows: Sequence[dict]) -> str:
   )
   lines = [
     f"| {r['setting']} | {r['method']} | {r.get('seed', 0)} | "
-    f"{_fmt(100 * r['accuracy'], '.1f')} % | "
-    f"{_fmt(r['drop_points'], '+.1f')} | {_fmt(r['mismatch_kl_mean'], '.2e')} | "
-    f"{_fmt(r['grad_norm_mean'], '.3g')} | {_fmt(r['grad_norm_max'], '.3g')} | "
-    f"{_fmt(r['grad_norm_std'], '.3g')} | {_fmt(r['train_reward_last'], '.3f')} | "
+    f"{number(100 * r['accuracy'], '.1f')} % | "
+    f"{number(r['drop_points'], '+.1f')} | {number(r['mismatch_kl_mean'], '.2e')} | "
+    f"{number(r['grad_norm_mean'], '.3g')} | {number(r['grad_norm_max'], '.3g')} | "
+    f"{number(r['grad_norm_std'], '.3g')} | {number(r['train_reward_last'], '.3f')} | "
     f"{_percent(r.get('accuracy_t1', math.nan))} |"
     for r in rows
   ]

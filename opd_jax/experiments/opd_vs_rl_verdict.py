@@ -51,6 +51,7 @@ from typing import Any
 
 from opd_jax.experiments import stats
 from opd_jax.experiments.opd_vs_rl_report import ACCURACIES, REFERENCE
+from opd_jax.io import table_cells
 
 OPD, GRPO, GRPO_TIS = "opd", "grpo", "grpo_tis"
 # key suffix -> the report's label for that accuracy, the primary reading (T = 1) first
@@ -225,13 +226,12 @@ def _kls(kls: Sequence[float]) -> str:
   return ", ".join(f"{k:g}" for k in kls)
 
 
-def _points(x: float) -> str:
-  return f"{x:+.1f}" if math.isfinite(x) else "—"
+def _pts(x: float) -> str:
+  return table_cells.number(x, "+.1f")
 
 
 def _ci(ci: Sequence[float]) -> str:
-  lo, hi = ci
-  return f"[{lo:+.1f}, {hi:+.1f}]" if math.isfinite(lo) and math.isfinite(hi) else "—"
+  return table_cells.interval(ci, "+.1f", missing=table_cells.MISSING)
 
 
 def markdown(result: dict) -> str:
@@ -249,8 +249,8 @@ def markdown(result: dict) -> str:
       if r["accuracy"] != label:
         continue
       out.append(
-        f"| {r['setting']} | {_points(r['opd_drop'])} {_ci(r['opd_drop_ci'])} | "
-        f"{_points(r['grpo_drop'])} {_ci(r['grpo_drop_ci'])} | {r['opd_seeds']}, "
+        f"| {r['setting']} | {_pts(r['opd_drop'])} {_ci(r['opd_drop_ci'])} | "
+        f"{_pts(r['grpo_drop'])} {_ci(r['grpo_drop_ci'])} | {r['opd_seeds']}, "
         f"{r['grpo_seeds']} | {'; '.join(r['for']) or '—'} | {'; '.join(r['against']) or '—'} "
         f"| {r['verdict']} |\n"
       )
@@ -261,7 +261,7 @@ def markdown(result: dict) -> str:
     )
     for c in result["corrections"]:
       out.append(
-        f"| {c['setting']} | {c['accuracy']} | {_points(c['grpo_drop'])} | "
-        f"{_points(c['tis_drop'])} | {_points(c['tis_minus_grpo'])} | {c['verdict']} |\n"
+        f"| {c['setting']} | {c['accuracy']} | {_pts(c['grpo_drop'])} | "
+        f"{_pts(c['tis_drop'])} | {_pts(c['tis_minus_grpo'])} | {c['verdict']} |\n"
       )
   return "".join(out)

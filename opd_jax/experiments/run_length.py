@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from opd_jax.experiments import ladders, stats
+from opd_jax.io import table_cells
 
 NUM_BOOTSTRAP = 2000
 
@@ -157,7 +158,7 @@ def length_check(
 
 def fmt(x: float) -> str:
   """x to 3 significant digits; "n/a" for None or a non-finite x."""
-  return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
+  return table_cells.number(x, ".3g", missing="n/a")
 
 
 def fmt_interval(x: float, interval: Sequence[float]) -> str:

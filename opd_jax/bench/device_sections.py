@@ -41,7 +41,7 @@ SIZES = {
       "prompt_len": 4,
       "completion_len": 4,
       "decode_batches": (1, 2),
-      "decode_tokens": (4, 132),
+      "decode_tokens": (4, 260),
     },
   },
   # bench.async_vs_sync flags: a short run, or one long enough to reach the target.

@@ -86,6 +86,9 @@ def _qwen3(vocab, hidden, inter, layers, heads, kv_heads, head_dim) -> ModelConf
 
 
 # The bench's own shapes ("tiny", "qwen3-50m" of bench/sampler.py) and Qwen3's smallest two.
+# A decode row's error when its two calls' difference drowned in the machine's noise.
+DROWNED = "the longer call was not slower; rerun on a quieter machine"
+
 MODELS = {
   **SAMPLER_MODELS,
   "qwen3-0.6b": _qwen3(151936, 1024, 3072, 28, 16, 8, 128),
@@ -426,7 +429,7 @@ def decode_row(
     chain_s = dot_chain_seconds(decode_matrices(params), repeats, 4, tied, batch)
     row["dot_chain_seconds"] = chain_s
   if step_s <= 0:  # the two calls' difference drowned in noise: no rate to report
-    return row | {"error": "the longer call was not slower; rerun on a quieter machine"}
+    return row | {"error": DROWNED}
   row["step_over_matvec_chain" if batch == 1 else "step_over_dot_chain"] = step_s / chain_s
   bytes_per_s, flops_per_s = counts["bytes"] / step_s, counts["flops"] / step_s
   bound = "bandwidth" if batch == 1 else f"matmul {dtype}"

@@ -100,8 +100,8 @@ _COMPILATION_CACHE = cli_flags.define_compilation_cache_flag(
 _FAST_COMPILE = flags.DEFINE_bool(
   "fast-compile",
   True,
-  "Compile the check's programs without XLA backend optimisation (and, on CPU, without the "
-  "fusion emitters): a fifth to a half of the compile time, the same KLs to ~1e-6 relative "
+  "Compile the check's programs without XLA backend optimisation (and, on CPU, without LLVM's "
+  "expensive passes): about half the compile time, the same KLs to ~1e-6 relative "
   "(compile_cache.fast_compilation).",
 )
 _CONSERVATIVE = flags.DEFINE_bool(

@@ -41,20 +41,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# XLA's backend (LLVM) optimisation off for the session, its workers and their subprocesses,
-# as the admission check runs (`io.compile_cache.fast_compilation`): the suite compiles
-# hundreds of small programs and runs each for milliseconds, so compiling is most of its time,
-# and without it the suite takes well under half as long. The HLO programs are the same; only
-# their machine code is less optimised (the measured mismatch moves by about 2e-7 relative).
-# `XLA_FLAGS` that set the level themselves win: run with
-# XLA_FLAGS=--xla_backend_optimization_level=2 to test the optimised code.
-from opd_jax.io import compile_cache  # noqa: E402
-
-compile_cache.fast_compilation()
-
 import pytest  # noqa: E402
 
+from opd_jax.io import compile_cache  # noqa: E402
 from opd_jax.model.config import ModelConfig  # noqa: E402
+
+
+def pytest_configure(config):
+  """XLA's backend (LLVM) optimisation off for the session, its workers and their
+  subprocesses, as the admission check compiles (`io.compile_cache.fast_compilation`): the
+  suite compiles hundreds of small programs and runs each for milliseconds, so compiling is
+  most of its time, and without backend optimisation the suite takes about two thirds as long.
+  The HLO programs are the same; only their machine code is less optimised (the measured
+  mismatch moves by about 2e-7 relative). `XLA_FLAGS` that set the level themselves win:
+  XLA_FLAGS=--xla_backend_optimization_level=2 tests the optimised code. A script that imports
+  this file as a module (for its tiny configs) keeps its own flags.
+  """
+  compile_cache.fast_compilation()
+
 
 # Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
 # several RoPE frequencies, and two layers.

@@ -52,8 +52,8 @@ def pytest_configure(config):
   subprocesses, as the admission check compiles (`io.compile_cache.fast_compilation`): the
   suite compiles hundreds of small programs and runs each for milliseconds, so compiling is
   most of its time; without backend optimisation the suite takes about four fifths as long on
-  2 CPU cores. The HLO programs are the same; only their machine code is less optimised (the measured
-  mismatch moves by about 2e-7 relative). `XLA_FLAGS` that set the level themselves win:
+  2 CPU cores. The HLO programs are the same; only their machine code is less optimised (the
+  measured mismatch moves by about 2e-7 relative). `XLA_FLAGS` that set the level themselves win:
   XLA_FLAGS=--xla_backend_optimization_level=2 tests the optimised code. A script that imports
   this file as a module (for its tiny configs) keeps its own flags.
   """

@@ -25,8 +25,8 @@ The student is `--student`: "run" reads the run's latest checkpoint (`--params-f
 run's export when it holds that step, as a finished run's does, else with orbax),
 "initial" warm-starts the built-in student as a run does (250 supervised steps on the default
 config). The budget is a placeholder fitted on hand-made
-records with an empty fingerprint and checked with `--force`: the verdict does not change the
-cost.
+records with an empty fingerprint and checked with `--force` and `--extrapolate=pooled` (it
+calibrates no real source): the verdict does not change the cost.
 
 The training run. `--params-from=RUN` reads a finished run's `metrics.jsonl`: its
 `perf/wall_seconds` (the whole `run`: model build, the teacher bootstrap if that run made one,
@@ -115,6 +115,7 @@ def time_check(args, workdir: str, budget_path: str, out: str) -> dict:
     f"--json={out}",
     f"--workdir={workdir}",
     "--force",
+    "--extrapolate=pooled",  # the placeholder calibrates no real source: judge by its limit
   ]
   if args.student == "run":
     cmd.append(f"--params-from={args.run}")

@@ -165,21 +165,24 @@ print(json.dumps({{"took": took, "again": compile_cache.fast_compilation(),
 """
 
 
+def _script_json(script: str, mode: str) -> dict:
+  """Runs `script` with argument `mode` in a fresh Python without the session's XLA_FLAGS and
+  returns the JSON its last line prints."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(
+    [sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, timeout=300
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_fast_compilation_changes_machine_code_not_the_measurement(tmp_path):
   """The admission check compiles without XLA backend optimisation (`--fast-compile`): the
   flag must reach XLA (the backend reads it at start, so a second call is refused), and the
   FP8 engine's mismatch/kl must match an optimised build within 1e-4 relative."""
   tests = str(Path(__file__).resolve().parents[1])  # where conftest is
   script = FAST_COMPILE_SCRIPT.format(tests=tests, prompts=PROMPTS)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  runs = {}
-  for mode in ("fast", "optimised"):
-    out = subprocess.run(
-      [sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-  fast, optimised = runs["fast"], runs["optimised"]
+  fast, optimised = (_script_json(script, mode) for mode in ("fast", "optimised"))
   assert fast["took"] and not fast["again"]  # set once, before the backend started
   assert "--xla_backend_optimization_level=0" in fast["xla_flags"]
   for flag in compile_cache.FAST_COMPILE_CPU_XLA_FLAGS:  # this jaxlib has them all
@@ -217,16 +220,7 @@ def test_fast_compilation_converts_every_format_bit_for_bit(mode):
   """f32 to FP4/FP8 in a jitted fusion equals ml_dtypes' rounding element for element, with
   and without the fast flags. (XLA's legacy CPU emitters, --xla_cpu_use_fusion_emitters=false,
   once among them, rounded to FP4 twice: 38 of these 65,536 draws differed.)"""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run(
-    [sys.executable, "-c", FORMATS_SCRIPT, mode],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  result = json.loads(out.stdout.strip().splitlines()[-1])
+  result = _script_json(FORMATS_SCRIPT, mode)
   assert result["took"] == (mode == "fast")
   assert result["differ"] == {"float4_e2m1fn": 0, "float8_e4m3fn": 0, "float8_e5m2": 0}
 

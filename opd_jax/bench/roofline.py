@@ -85,10 +85,10 @@ def _qwen3(vocab, hidden, inter, layers, heads, kv_heads, head_dim) -> ModelConf
   )
 
 
-# The bench's own shapes ("tiny", "qwen3-50m" of bench/sampler.py) and Qwen3's smallest two.
 # A decode row's error when its two calls' difference drowned in the machine's noise.
 DROWNED = "the longer call was not slower; rerun on a quieter machine"
 
+# The bench's own shapes ("tiny", "qwen3-50m" of bench/sampler.py) and Qwen3's smallest two.
 MODELS = {
   **SAMPLER_MODELS,
   "qwen3-0.6b": _qwen3(151936, 1024, 3072, 28, 16, 8, 128),

@@ -60,6 +60,12 @@ def pytest_configure(config):
   compile_cache.fast_compilation()
 
 
+def xla_flags_with(*flags: str) -> str:
+  """The session's `XLA_FLAGS` (with `pytest_configure`'s fast compilation) and `flags` after
+  them, for a subprocess's environment: e.g. its own count of host devices."""
+  return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 # Small enough to run in milliseconds, large enough to exercise GQA (N=4, K=2),
 # several RoPE frequencies, and two layers.
 TINY_CONFIG = {

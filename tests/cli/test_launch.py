@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags_with
 
 from opd_jax.cli import flags as cli_flags
 from opd_jax.config import check as config_check
@@ -326,14 +327,14 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(
   devices = "--xla_force_host_platform_device_count="
   single = _run(
     [sys.executable, "-m", "opd_jax.main", *flags, *single_only, f"--workdir={one}"],
-    {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {devices}8"},
+    {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_with(f"{devices}8")},
     timeout=900,
   )
   assert single.returncode == 0, single.stderr[-4000:]
   assert "process 0/1 holding 8 of 8 devices (cpu)" in single.stdout
   multi = _run(
     ["bash", "launch/local_multiprocess.sh", "2", *flags, f"--workdir={two}"],
-    {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {devices}4"},
+    {"XLA_FLAGS": xla_flags_with(f"{devices}4")},
     timeout=900,
   )
   assert multi.returncode == 0, multi.stderr[-4000:]

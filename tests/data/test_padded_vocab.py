@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags_with
 from test_prompts import user_config
 
 from opd_jax.inference import sampler
@@ -427,9 +428,7 @@ def sharded_main() -> None:
 
 @pytest.mark.slow
 def test_sharded_vocabulary_axis_cuts_the_same_logits():
-  env = dict(os.environ)
-  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=8"))
   env["JAX_PLATFORMS"] = "cpu"
   tests = str(ROOT / "tests")  # the conftest test_prompts imports from
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), tests, env.get("PYTHONPATH", "")]).rstrip(

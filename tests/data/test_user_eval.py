@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import apply_overrides
+from conftest import apply_overrides, xla_flags_with
 
 from opd_jax.data import scoring
 from opd_jax.io import build, hf, metrics_writer
@@ -522,9 +522,8 @@ def test_a_chunked_eval_on_a_mesh_matches_the_unsharded_one(tmp_path):
   """13 rows in chunks of 5 on a 2x2x2 mesh (chunks padded to 8, 8 and 4 rows over 4
   data·fsdp shards) against one unsharded batch: padding rows are neither scored nor in
   the KL, and every row is scored once."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  flags = xla_flags_with("--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   proc = subprocess.run(
     [sys.executable, "-c", SHARDED_CHECK], env=env, capture_output=True, text=True, timeout=900
   )

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model_cfg
+from conftest import tiny_model_cfg, xla_flags_with
 
 from opd_jax.config import check as config_check
 from opd_jax.inference import sampler
@@ -124,10 +124,8 @@ def test_rollout_mesh_from_the_config():
 
 @pytest.fixture(scope="module")
 def eight_devices():
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  # LLVM -O0 halves the compile time of the many small programs; partitioning is unchanged.
-  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  flags = xla_flags_with("--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   script = pathlib.Path(__file__).with_name("_sharded_sampler_check.py")
   proc = subprocess.run(
     [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200

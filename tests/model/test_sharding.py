@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from _sharded_forward_check import CFG  # the model the subprocess check uses
+from conftest import xla_flags_with
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, SequenceKey
@@ -232,11 +233,8 @@ def test_describe_counts_and_specs():
 
 
 def test_sharded_forward_matches_unsharded_on_8_devices():
-  env = dict(os.environ)
-  # 8 host devices for this process only; LLVM -O0 halves the compile time of the
-  # many small programs and leaves the partitioning under test unchanged.
-  flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+  # 8 host devices for this process only.
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with("--xla_force_host_platform_device_count=8"))
   env["JAX_PLATFORMS"] = "cpu"
   script = pathlib.Path(__file__).with_name("_sharded_forward_check.py")
   proc = subprocess.run(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_char_cfg
+from conftest import tiny_char_cfg, xla_flags_with
 
 from opd_jax.data import pipeline as data
 from opd_jax.data import task
@@ -352,8 +352,8 @@ def test_engine_on_separate_devices_gives_the_same_rollouts():
   batch within the lag bound and handed to the trainer's device. And `rollout.devices` = 4:
   trainer on devices 0-3, sampler on 4-7, inline at max_lag = 1, token for token the rollouts
   of the same run with the sampler on the trainer's devices."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+  flags = xla_flags_with("--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   script = Path(__file__).with_name("_separate_devices_check.py")
   proc = subprocess.run(
     [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600

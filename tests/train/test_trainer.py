@@ -24,7 +24,7 @@ from opd_jax.train.setup import run_spec
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "configs"))
 
-from conftest import tiny_config  # noqa: E402
+from conftest import tiny_config, xla_flags_with  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +224,8 @@ def _restore(ckpt, step):
 
 def _sharded_step1(workdir, teacher_cache, mesh):
   devices = int(np.prod(mesh))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flag = f"--xla_force_host_platform_device_count={devices}"
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
+  flags = xla_flags_with(f"--xla_force_host_platform_device_count={devices}")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   script = Path(__file__).with_name("_sharded_trainer_check.py")
   proc = subprocess.run(
     [sys.executable, str(script), str(workdir), teacher_cache, *map(str, mesh)],

@@ -45,7 +45,7 @@ from scipy import stats as scipy_stats
 
 from opd_jax.config import check as config_check
 from opd_jax.experiments import plots, runs, stats, study_provenance
-from opd_jax.io import json_file, metrics_writer, provenance
+from opd_jax.io import json_file, metrics_writer, provenance, table_cells
 
 METRICS = ("quality/student_accuracy", "quality/student_accuracy_t1")  # greedy, T = 1
 SHORT = {"quality/student_accuracy": "greedy", "quality/student_accuracy_t1": "t1"}
@@ -212,22 +212,20 @@ def select(cells: Sequence[dict], config: ml_collections.ConfigDict) -> str | No
   return max(candidates, key=lambda c: (c[name], -list(config.arms).index(c["arm"])))["arm"]
 
 
-def _pct(x: float) -> str:
-  return "n/a" if not math.isfinite(x) else f"{100 * x:+.1f}"
-
-
-def _ci(ci) -> str:
+def _cell(x: float, ci, spec: str, scale: float = 1.0) -> str:
+  """scale·x by `spec`, then its interval when both ends are finite: "+3.1 [+0.2, +6.0]";
+  "n/a" when x is not finite (the report's footnote says why)."""
+  value = table_cells.number(scale * x, spec, missing="n/a")
+  if value == "n/a":
+    return value
   lo, hi = ci
-  if not (math.isfinite(lo) and math.isfinite(hi)):
-    return ""
-  return f" [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+  bounds = table_cells.interval((scale * lo, scale * hi), spec)
+  return f"{value} {bounds}" if bounds else value
 
 
-def _share(x: float, ci) -> str:
-  if not math.isfinite(x):
-    return "n/a"
-  lo, hi = ci
-  return f"{x:.2f}" + (f" [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) and math.isfinite(hi) else "")
+def _points(x: float, ci=(math.nan, math.nan)) -> str:
+  """A gain in accuracy points (x a fraction), with its interval."""
+  return _cell(x, ci, "+.1f", scale=100.0)
 
 
 def markdown(cells: Sequence[dict], selected: str | None, meta: Mapping[str, Any]) -> str:
@@ -243,10 +241,11 @@ def markdown(cells: Sequence[dict], selected: str | None, meta: Mapping[str, Any
   for c in cells:
     lines.append(
       f"| {c['arm']}{' (selected)' if c['arm'] == selected else ''} | {len(c['seeds'])} | "
-      f"{_pct(c['gain_greedy'])}{_ci(c['gain_greedy_ci'])} | {_pct(c['gain_t1'])}"
-      f"{_ci(c['gain_t1_ci'])} | {_share(c['share_greedy'], c['share_greedy_ci'])} | "
-      f"{_share(c['share_t1'], c['share_t1_ci'])} | {_pct(c['at_ref_wall_greedy'])} / "
-      f"{_pct(c['at_ref_wall_t1'])} | {c['train_wall_seconds']:.0f} |"
+      f"{_points(c['gain_greedy'], c['gain_greedy_ci'])} | "
+      f"{_points(c['gain_t1'], c['gain_t1_ci'])} | "
+      f"{_cell(c['share_greedy'], c['share_greedy_ci'], '.2f')} | "
+      f"{_cell(c['share_t1'], c['share_t1_ci'], '.2f')} | {_points(c['at_ref_wall_greedy'])} / "
+      f"{_points(c['at_ref_wall_t1'])} | {c['train_wall_seconds']:.0f} |"
     )
   lines += [
     "",

@@ -12,8 +12,9 @@ Log-probability conventions (all f32, natural log):
   and the rest renormalised. Greedy decoding (temperature 0) samples from a point
   mass on the argmax, so its behaviour log-prob is exactly 0.
 * `model_logprobs` is the engine model's unfiltered log-prob of the same token:
-  log_softmax(logits / T)[y_c] for T > 0, log_softmax(logits)[y_c] for greedy. The
-  mismatch metrics compare it with the trainer's log-prob on the same scale.
+  log_softmax(logits / T)[y_c] for T > 0, log_softmax(logits)[y_c] for greedy. It is
+  carried for inspection; the trainer and the mismatch metrics read `behaviour_logprobs`
+  (against π_θ under the same filter: `train.mismatch_metrics`).
 * The optional `topk_*` fields describe the behaviour distribution π_b(·|prefix)
   at every step: its k largest log-probs (descending) with their token ids, and the
   log of the remaining mass. When the sampler is asked for the full distribution,

@@ -107,6 +107,9 @@ class AsyncRollouts:
     self.version = -1
     self._pending = None
     self._next_batch = first_batch
+    # The gate counts batches from where this source started: its first index and the first
+    # version published to it (`_gate_open`).
+    self._first_batch, self._first_version = first_batch, None
     self._consumed_data_state = worker.data_state()
     self._thread: threading.Thread | None = None
     # Counters (read by tests and logs).
@@ -131,6 +134,8 @@ class AsyncRollouts:
     trainer may donate `params` to its next step right away; the copy is enqueued
     before that step, and the runtime orders the two.
     """
+    if self._first_version is None:
+      self._first_version = version
     if self._engine_shardings is None:
       copy = self.worker.engine_copy(params)
     else:
@@ -181,6 +186,21 @@ class AsyncRollouts:
     self.last_stats = item.stats
     return item.rollout
 
+  def _gate_open(self, index: int) -> bool:
+    """The gate of batch `index` (`rollout.sources`): the newest version v holds
+    v ≥ v₀ + (index − n₀) − dropped − max_ahead, with n₀ this source's first batch index and v₀
+    the first version published to it.
+
+    On a fresh run n₀ = v₀ = 0. A resumed source, or one the live guard switches to, starts at
+    the checkpoint's next batch n₀ = step + (batches dropped before), with v₀ = step and
+    `dropped` counting from 0 again: counted from n₀ and v₀ the gate is the one the run had
+    before (its total drops on the right), where the absolute index would demand a version the
+    trainer never publishes once more than max_ahead batches had been dropped.
+    """
+    return self.version >= (
+      self._first_version + (index - self._first_batch) - self.dropped - self.max_ahead
+    )
+
   # -- inline dispatch (one thread: the trainer's) -------------------------------
 
   def _publish_inline(self, copy, version: int) -> None:
@@ -194,13 +214,13 @@ class AsyncRollouts:
     self._fill()
 
   def _fill(self) -> None:
-    """Dispatches batches while a slot is free and the gate of the next one holds: the same
-    gate as the producer thread's, n − dropped − max_ahead ≤ version, so the same batches get
-    the same versions; with one thread doing it, every process does it at the same point."""
+    """Dispatches batches while a slot is free and the gate of the next one holds
+    (`_gate_open`, the producer thread's gate); with one thread doing it, every process does it
+    at the same point."""
     while (
       len(self._dispatched) < QUEUE_SLOTS
       and (not self._dispatched or self._dispatched[-1] is not _END)
-      and self.version >= self._inline_index - self.dropped - self.max_ahead
+      and self._gate_open(self._inline_index)
     ):
       params_r, version_r = self._inline_params
       try:
@@ -312,7 +332,7 @@ class AsyncRollouts:
     """Waits for the gate of batch `index`; returns (raw params or None, version)."""
     start = time.perf_counter()
     with self._cond:
-      while not self._stop.is_set() and self.version < index - self.dropped - self.max_ahead:
+      while not self._stop.is_set() and not self._gate_open(index):
         self._cond.wait(0.1)
       pending, self._pending = self._pending, None
       version = self.version

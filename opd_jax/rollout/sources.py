@@ -23,7 +23,10 @@ Weight-version semantics of the async loop (the same words are in the README):
 * **The gate.** The producer starts batch n (n counts the batches it has produced)
   only once a version v ≥ (n − dropped) − `max_ahead` is published, where `dropped`
   counts batches the trainer discarded. Batch n is consumed at step t ≤ n − dropped,
-  so its lag t − v ≤ `max_ahead`. With the default `max_ahead = max_lag` the bound
+  so its lag t − v ≤ `max_ahead`. A source that starts mid-run (a resume, a live-guard
+  switch) counts n and v from its own start: v − v₀ ≥ (n − n₀) − dropped − `max_ahead`,
+  with n₀ its first batch index and v₀ the first version published to it, which is the
+  same gate (`AsyncRollouts._gate_open`). With the default `max_ahead = max_lag` the bound
   holds by construction and nothing is ever stale; `max_lag = 0` is the synchronous
   loop, batch for batch (same prompts, same keys, same weights).
 * **Stale batches.** With `max_ahead > max_lag` the producer may run further ahead
@@ -57,8 +60,13 @@ Dispatch. Who issues the sampling programs (`rollout.dispatch`):
   prompt exchange, the sampler's and the train step's) always pair up and cannot deadlock,
   which two threads per process could. The gate, the lag bound, `stale_policy` and the
   `rollout/*` metrics are the thread's; what differs is that nothing depends on timing, so a
-  run is reproducible at any `max_lag` (with `max_ahead = max_lag` every batch has lag
-  exactly `max_lag` once the run is under way).
+  run is reproducible at any `max_lag`.
+
+Lag reached. The two-slot buffer, not `max_lag`, caps the lag a batch actually has: inline
+dispatch fills a slot only at `publish`, so batch t is sampled with version t − 1 at the oldest
+(lag ≤ 1: with `max_ahead = max_lag ≥ 1` every batch after the first has lag exactly 1); the
+producer thread holds one more batch in hand while the queue is full (lag ≤ 2). `max_lag`
+above the cap bounds nothing more. Staleness beyond it is `SyncRollouts`' `stale_k`.
 
 `publish` makes an explicit copy of the trainer's params for the engine
 (`RolloutWorker.engine_copy`): on the rollout devices when they are apart (a transfer between

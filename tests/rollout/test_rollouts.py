@@ -333,6 +333,55 @@ def test_inline_resume_state_points_after_the_last_consumed_batch(mesh):
   assert next(resumed)["prompt"] == next(straight)["prompt"]
 
 
+@pytest.mark.parametrize("dispatch", ["inline", "thread"])
+def test_a_source_resumed_after_more_drops_than_max_ahead_samples_on(mesh, dispatch):
+  """A resume (or the live guard's switch) builds a source at the checkpoint's next batch,
+  which counts the batches dropped before; its gate counts from that start, so the source
+  samples on (it used to wait for a version the trainer never publishes: an empty inline
+  buffer, a hung producer), from the prompts after the last consumed batch, within the bound."""
+  first = AsyncRollouts(
+    _engine(mesh), max_lag=0, max_ahead=1, stale_policy="drop", dispatch="inline"
+  )
+  try:
+    _drive(first, 6)
+    state = first.resume_state()
+  finally:
+    first.close()
+  assert first.dropped > 1 and state["next_batch"] == 6 + first.dropped
+
+  prompts = _prompts()
+  prompts.set_state(state["data_state"])
+  resumed = AsyncRollouts(
+    _engine(mesh, prompts),
+    max_lag=0,
+    max_ahead=1,
+    stale_policy="drop",
+    dispatch=dispatch,
+    first_batch=state["next_batch"],
+    producer_timeout_s=20.0,
+  )
+  params = _params()
+  seen = []
+  try:
+    resumed.publish(params, 6)
+    for step in range(6, 10):
+      seen.append((step, next(resumed)))
+      params = _update_donating(params)
+      resumed.publish(params, step + 1)
+  finally:
+    resumed.close()
+  assert [step - int(r.weight_version) for step, r in seen] == [0, 0, 0, 0]
+  straight = _prompts()
+  for _ in range(state["next_batch"]):
+    next(straight)
+  sync = SyncRollouts(_engine(mesh, straight))
+  sync.publish(_params(), 0)
+  expected = next(sync)
+  np.testing.assert_array_equal(
+    np.asarray(seen[0][1].prompt_tokens), np.asarray(expected.prompt_tokens)
+  )
+
+
 def test_bad_async_settings_are_refused(mesh):
   with pytest.raises(ValueError, match="dispatch must be one of auto, thread, inline"):
     AsyncRollouts(_engine(mesh), max_lag=1, dispatch="process")

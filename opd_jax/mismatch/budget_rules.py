@@ -289,7 +289,10 @@ def _sum_of_fractions(measurement: Mapping, budget: Budget, conservative: bool) 
   """The sum_of_fractions verdict (docs/budget_rules.md): F = Σ_s kl_s / L_s, admitted ⇔ F ≤ 1.
 
   The verdict's limit is the whole's kl at which F would reach 1 with every part scaled alike,
-  kl / F (min_s L_s when F = 0), so that margin = limit − kl ≥ 0 ⇔ F ≤ 1; its band is that
+  kl / F, so that for kl > 0 margin = limit − kl ≥ 0 ⇔ F ≤ 1. When F = 0 (nothing measured,
+  as where the guard asks for its limit at kl = 0) the parts have no direction, and the limit
+  is the one of equal parts, 1 / Σ_s (1 / L_s): the point where parts each standing in for the
+  whole's kl (`apply_rule`'s unmeasured_parts="whole") reach F = 1. Its band is that
   limit with every L_s at the lower and at the upper end of its interval, and limit_source the
   part with the largest share of F. A term with L_s = 0 is 0 for kl_s = 0, else infinite.
   """
@@ -315,7 +318,9 @@ def _sum_of_fractions(measurement: Mapping, budget: Budget, conservative: bool) 
   def whole_limit(fraction: float, end: str) -> float:
     if fraction > 0:
       return kl / fraction
-    return min(limit_of(s, end) for s in kls)
+    limits = [limit_of(s, end) for s in kls]
+    inverse = sum(1.0 / limit if limit > 0 else math.inf for limit in limits)
+    return 1.0 / inverse if inverse > 0 else math.inf
 
   end = "lower" if conservative else "point"
   shares = terms(end)
@@ -471,6 +476,7 @@ def apply_rule(
   if not isinstance(measurement, Mapping):
     raise ValueError(f"admit: measurement must be a mapping, got {type(measurement).__name__}")
   conservative = rule.conservative
+  as_measured = measurement  # the parts filled in below were not measured (`extrapolation`)
   if rule.needs_parts and unmeasured_parts == "whole" and KL_KEY in measurement:
     whole = measurement[KL_KEY]
     filled = {f"{PART_KL_PREFIX}{s}": whole for s in measurement_parts(measurement)}
@@ -483,7 +489,7 @@ def apply_rule(
     verdict = admit(measurement, budget, conservative=conservative, per_part=True)
   else:
     verdict = _sum_of_fractions(measurement, budget, conservative)
-  kind, lines = extrapolation(measurement, budget)
+  kind, lines = extrapolation(as_measured, budget)
   if kind is not None:
     verdict = _extrapolated(verdict, measurement, kind, lines, extrapolate)
   return dataclasses.replace(verdict, rule=rule.name)

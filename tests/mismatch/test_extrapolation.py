@@ -106,6 +106,16 @@ def test_parts_combinations_and_budgets_without_records(fitted):
   assert budget_rules.extrapolation({"mismatch/kl": 0.41, "source": "noise+stale"}, fitted)[0] == (
     "beyond calibrated range"
   )
+  # So does a rule that reads parts when they stand in for the whole (a training step's
+  # unmeasured_parts="whole"): filled-in parts are not measured ones.
+  for name in ("whole", "per_part", "sum_of_fractions"):
+    rule = budget_lib.Rule(name)
+    assert (
+      _judge(fitted, 0.4, "noise+stale", rule=rule, unmeasured_parts="whole").extrapolation is None
+    )
+    assert _judge(
+      fitted, 0.41, "noise+stale", rule=rule, unmeasured_parts="whole"
+    ).extrapolation == ("beyond calibrated range")
   # An uncalibrated part wins over a range: it is named.
   kind, lines = budget_rules.extrapolation({"mismatch/kl": 0.1, "source": "noise+fp8_kv"}, fitted)
   assert kind == "uncalibrated source" and "'fp8_kv'" in lines[0]

@@ -365,6 +365,8 @@ def test_a_rule_that_reads_parts_takes_the_whole_for_an_unmeasured_part():
   assert guard("sum_of_fractions").verdict(0.05, 0).fraction == pytest.approx(0.05 * fractions)
   assert guard("sum_of_fractions").admits(0.99 / fractions)
   assert not guard("sum_of_fractions").admits(1.01 / fractions)
+  # The limit the guard reports (budget/max_kl, its warnings) is the one it applies.
+  assert guard("sum_of_fractions").limit == pytest.approx(1 / fractions)
   # A measurement with its parts (adaptive's, on the check's axis) is judged part by part: the
   # whole at .25 is over .15, its noise part alone (.1) and the others are within their own.
   measured = {

@@ -216,7 +216,13 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]] =
         f"    training: this run sampled with this configuration; its {row['train/key']} was "
         f"{row['train/mismatch_kl_last']:.4g} over the last {TRAIN_LAST_FRACTION:.0%} of its "
         f"logged steps ({row['train/mismatch_kl_mean']:.4g} over all "
-        f"{row['train/logged_steps']})"
+        f"{row['train/logged_steps']}"
+        + (
+          f"; {row['train/nonfinite_steps']} non-finite steps left out"
+          if row.get("train/nonfinite_steps")
+          else ""
+        )
+        + ")"
         + (
           f"; check / training = {row['check_over_training']:.3g}"
           if "check_over_training" in row

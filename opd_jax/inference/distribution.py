@@ -6,7 +6,10 @@ token's log-probs and the kept set. Math in f32, for temperature T > 0:
             the k-th value go to the lower token id, as `jax.lax.top_k` orders them)
     top-p:  sort the surviving tokens by probability q (softmax of z); keep token j
             iff the mass of the tokens ranked above it is < p (the top token is
-            always kept, and the kept set is the smallest whose mass reaches p)
+            always kept, and the kept set is the smallest whose mass reaches p). Ties:
+            after top-k the ranking is top-k's (the lower id first); top-p alone keeps
+            every token tied at the threshold (`filter_logits`), so with logits tied
+            across the threshold a top-k that removes nothing can change the kept set
     π_b = softmax(z)  (renormalised over the kept set K_b)
     y ~ π_b by inverse-CDF sampling with key fold_in(rng, step)
 

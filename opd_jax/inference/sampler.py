@@ -67,6 +67,10 @@ from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# The smallest sampling temperature above 0: below it f32 logits / T can overflow to inf for
+# finite logits (then inf − inf gives NaN log-probs and a token that is not the argmax); use
+# T = 0 (greedy) for the limit.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ class SamplerConfig:
 
   Attributes:
     max_new_tokens: C, tokens to generate per sequence (≥ 1).
-    temperature: T; 0 means greedy decoding.
+    temperature: T; 0 means greedy decoding, else at least `MIN_TEMPERATURE`.
     top_k: keep the k most likely tokens (exactly k; ties go to the lower id); 0 disables it.
     top_p: nucleus mass in (0, 1]; 1 disables the filter.
     stop_tokens: ids that end a sequence (the stop token itself is kept and counted).
@@ -112,8 +116,11 @@ class SamplerConfig:
     integer("return_topk", -1, "0 (none), k > 0, or -1 (full distribution)")
     if self.cache_len is not None:
       integer("cache_len", 1, "a positive int or None")
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+    if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+      raise ValueError(
+        f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g} (f32 logits / T overflows "
+        f"below it), got {self.temperature!r}"
+      )
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
     object.__setattr__(self, "temperature", float(self.temperature))

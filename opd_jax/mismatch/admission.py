@@ -265,16 +265,20 @@ def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_F
   late ones; the mean over the last `last_fraction` of the logged steps is the one to set beside
   a check at the latest checkpoint.
 
+  A non-finite value (a step whose mismatch overflowed) is left out of both means and counted
+  in "train/nonfinite_steps", so that one such step does not make the means NaN.
+
   Returns:
-    {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps"}, or
-    None when the run logged neither key.
+    {"train/key", "train/mismatch_kl_mean", "train/mismatch_kl_last", "train/logged_steps" (the
+    finite values), "train/nonfinite_steps"}, or None when the run logged neither key finitely.
   """
   path = os.path.join(run_dir, metrics_writer.JSONL_NAME)
   if not os.path.exists(path):
     return None
   rows = metrics_writer.read_jsonl(run_dir)
   for key in (f"{budget_lib.KL_KEY}/lag_{lag}", budget_lib.KL_KEY):
-    values = [r[key] for _, r in sorted(rows.items()) if key in r]
+    logged = [r[key] for _, r in sorted(rows.items()) if key in r]
+    values = [v for v in logged if math.isfinite(v)]
     if values:
       tail = values[-max(1, math.ceil(last_fraction * len(values))) :]
       return {
@@ -282,5 +286,6 @@ def training_time_kl(run_dir: str, lag: int, last_fraction: float = TRAIN_LAST_F
         "train/mismatch_kl_mean": sum(values) / len(values),
         "train/mismatch_kl_last": sum(tail) / len(tail),
         "train/logged_steps": len(values),
+        "train/nonfinite_steps": len(logged) - len(values),
       }
   return None

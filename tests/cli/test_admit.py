@@ -13,6 +13,7 @@ import ast
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -628,6 +629,12 @@ def test_training_time_kl_reads_the_lag_breakdown_or_the_plain_key(tmp_path):
   assert lagged["train/key"] == "mismatch/kl/lag_1"
   assert lagged["train/mismatch_kl_mean"] == pytest.approx(1.1)
   assert admission.training_time_kl(str(tmp_path / "none"), lag=0) is None
+  # A non-finite step is left out of both means and counted.
+  lines.insert(5, {"step": 45, "mismatch/kl": math.nan})
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  plain = admission.training_time_kl(str(tmp_path), lag=0)
+  assert plain["train/mismatch_kl_mean"] == pytest.approx(0.55)
+  assert plain["train/logged_steps"] == 10 and plain["train/nonfinite_steps"] == 1
 
 
 def test_trained_with_compares_every_rollout_key_the_run_saved(config):

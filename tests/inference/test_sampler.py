@@ -320,8 +320,9 @@ def test_bad_inputs_raise_clear_errors(params):
     SamplerConfig(max_new_tokens=4, top_p=0.0)
   with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
     SamplerConfig(max_new_tokens=4, top_p=1.5)
-  with pytest.raises(ValueError, match=r"temperature must be >= 0 \(0 = greedy\), got -0.5"):
-    SamplerConfig(max_new_tokens=4, temperature=-0.5)
+  for bad in (-0.5, 1e-38, float("nan")):
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or >= 1e-06"):
+      SamplerConfig(max_new_tokens=4, temperature=bad)
   with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
     SamplerConfig(max_new_tokens=0)
   with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):

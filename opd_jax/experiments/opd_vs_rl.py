@@ -94,6 +94,7 @@ def grad_norm_stats(run_dir: str) -> dict[str, Any]:
 
 
 T1_KEY = "quality/student_accuracy_t1"  # the held-out accuracy of one T = 1 sample per prompt
+GREEDY_KEY = "quality/student_accuracy"  # the held-out greedy accuracy
 
 
 def first_logged(run_dir: str, key: str) -> float:
@@ -113,14 +114,23 @@ def last_logged(run_dir: str, key: str, window: int = 10) -> float:
 def run_row(
   method: str, setting: str, spec: str, run_dir: str, result: dict, seed: int = 0
 ) -> dict[str, Any]:
-  """One table row from a finished run's result and its metrics.jsonl."""
+  """One table row from a finished run's result and its metrics.jsonl.
+
+  The warm start's accuracies (`accuracy_before`, `accuracy_t1_before`) are the first ones the
+  run logged, at step 0: a resumed run's result holds the accuracy at its resumption as
+  `student_accuracy_before`, which is not the warm start (the result's value stands in only when
+  the log has none).
+  """
+  greedy_before = first_logged(run_dir, GREEDY_KEY)
+  if not math.isfinite(greedy_before):
+    greedy_before = result["student_accuracy_before"]
   row = {
     "method": method,
     "setting": setting,
     "spec": spec,
     "seed": seed,
     "run_dir": run_dir,
-    "accuracy_before": result["student_accuracy_before"],
+    "accuracy_before": greedy_before,
     "accuracy": result["student_accuracy_after"],
     "student_teacher_kl": result["student_teacher_kl_after"],
     "teacher_accuracy": result["teacher_accuracy"],

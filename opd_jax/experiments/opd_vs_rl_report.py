@@ -95,13 +95,17 @@ def _accuracy_summary(mine, ref_rows, setting: str, suffix: str) -> dict[str, An
   warm = float(np.mean([r.get(before, math.nan) for r in mine]))
   known = bool(q.size and ref.size and np.all(np.isfinite(q)) and np.all(np.isfinite(ref)))
   lo = hi = math.nan
-  kept, kept_ci = math.nan, (math.nan, math.nan)
-  if known and setting == REFERENCE:
-    kept, kept_ci = 1.0, (1.0, 1.0)
+  kept, kept_ci, fieller = math.nan, (math.nan, math.nan), (math.nan, math.nan)
+  gained = known and math.isfinite(warm) and float(ref.mean()) - warm >= stats.MIN_GAIN
+  if setting == REFERENCE:
+    if gained:
+      kept, kept_ci, fieller = 1.0, (1.0, 1.0), (1.0, 1.0)
   elif known:
     lo, hi = stats.welch_interval(ref, q)
     if math.isfinite(warm):
       kept, kept_ci = stats.gain_kept(ref, q, warm)
+      if math.isfinite(kept):
+        fieller = stats.fieller_share(ref, q, warm)
   return {
     f"accuracy{suffix}": float(q.mean()),
     f"accuracy{suffix}_sd": float(q.std(ddof=1)) if q.size > 1 else math.nan,
@@ -110,6 +114,7 @@ def _accuracy_summary(mine, ref_rows, setting: str, suffix: str) -> dict[str, An
     f"drop{suffix}_ci_points": [100.0 * lo, 100.0 * hi],
     f"gain_kept{suffix}": kept,
     f"gain_kept{suffix}_ci": list(kept_ci),
+    f"gain_kept{suffix}_fieller_ci": list(fieller),
   }
 
 
@@ -120,7 +125,9 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
       drop_points = 100·(mean of the method's reference − accuracy), with Welch's interval
         (`stats.welch_interval`, reference seeds against the cell's),
       gain_kept = (accuracy − w) / (reference − w), w the warm start, with its bootstrap
-        interval (`stats.gain_kept`),
+        interval (`stats.gain_kept`, the one the config fixed) and Fieller's interval beside it
+        (`stats.fieller_share`, gain_kept_fieller_ci: (−inf, inf) when unbounded); nan, also
+        in the reference cell, when the reference gained less than `stats.MIN_GAIN`,
       the same at T = 1 (keys with "_t1": accuracy_t1, drop_t1_points, gain_kept_t1, ...; nan
         where the runs did not evaluate it),
       grad_norm_spikes = logged steps over SPIKE_FACTOR × the method's reference median
@@ -176,7 +183,10 @@ def matched(
       for c in cells
       if c["method"] == method and (c["setting"] in family or c["setting"] == REFERENCE)
     ]
-    pts = sorted((0.0 if c["setting"] == REFERENCE else c["mismatch_kl_mean"], c) for c in mine)
+    pts = sorted(
+      ((0.0 if c["setting"] == REFERENCE else c["mismatch_kl_mean"], c) for c in mine),
+      key=lambda p: p[0],
+    )
     if len(pts) < 2:
       continue
     x = np.asarray([p for p, _ in pts])
@@ -218,7 +228,8 @@ def summary_table(cells: Sequence[dict]) -> str:
   """The per-cell summary over seeds (greedy accuracy) as a markdown table."""
   head = (
     "| setting | method | seeds | accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
-    "share of gain kept [95 %] | train mismatch/kl | grad-norm mean / max | spikes | "
+    "share of gain kept [bootstrap 95 %; Fieller 95 %] | train mismatch/kl | "
+    "grad-norm mean / max | spikes | "
     "loss max |\n"
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
   )
@@ -237,7 +248,7 @@ def summary_table_t1(cells: Sequence[dict]) -> str:
   """The per-cell summary over seeds of the T = 1 accuracy as a markdown table."""
   head = (
     "| setting | method | seeds | T = 1 accuracy (mean ± sd) | drop vs own ref (pts) [95 %] | "
-    "share of gain kept [95 %] | train mismatch/kl |\n"
+    "share of gain kept [bootstrap 95 %; Fieller 95 %] | train mismatch/kl |\n"
     "|---|---|---:|---:|---:|---:|---:|\n"
   )
   lines = [
@@ -257,7 +268,16 @@ def _accuracy_cells(c: dict, suffix: str) -> str:
     f"{interval(c.get(f'drop{suffix}_ci_points'), '.1f')} | "
     f"{number(c.get(f'gain_kept{suffix}', math.nan), '.2f')} "
     f"{interval(c.get(f'gain_kept{suffix}_ci'), '.2f')}"
+    f"{_fieller_cell(c.get(f'gain_kept{suffix}_fieller_ci'))}"
   )
+
+
+def _fieller_cell(ci) -> str:
+  """ "; [lo, hi]" or "; unbounded" for a share's Fieller interval, "" when it has none."""
+  if ci and all(math.isinf(x) for x in ci):
+    return "; unbounded"
+  bounds = interval(ci, ".2f")
+  return f"; {bounds}" if bounds else ""
 
 
 def _percent(x: float) -> str:

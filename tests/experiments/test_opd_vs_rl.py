@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from opd_jax.experiments import opd_vs_rl, opd_vs_rl_arms, opd_vs_rl_report, stats
@@ -319,3 +320,85 @@ def test_report_sections_come_in_order(tmp_path):
   heads = [line for line in text.splitlines() if line.startswith("## ")]
   assert heads == ["## Over seeds", "## At equal training mismatch", "## Every run"]
   assert report["matched"][0]["drop_points"] == pytest.approx(10.0)  # half of 20 at half the KL
+
+
+def test_fieller_share_by_hand_unbounded_and_undefined():
+  """Fieller's set {θ : (a − θb)² ≤ t²(v_a + θ²v_b)} for ref 0.44/0.47/0.45 and cell
+  0.38/0.40/0.36 over a warm start of 0.30 (t_{0.975, 2}), its ends found by a grid over θ;
+  unbounded when the reference's gain is not told from 0; none for one seed or no spread."""
+  lo, hi = stats.fieller_share([0.44, 0.47, 0.45], [0.38, 0.40, 0.36], 0.30)
+  assert (lo, hi) == pytest.approx((0.19418, 0.91737), abs=2e-5)
+  kept, _ = stats.gain_kept([0.44, 0.47, 0.45], [0.38, 0.40, 0.36], 0.30)
+  assert lo < kept < hi
+  assert stats.fieller_share([0.30, 0.36], [0.31, 0.33], 0.30) == (-math.inf, math.inf)
+  assert all(math.isnan(x) for x in stats.fieller_share([0.5], [0.4, 0.45], 0.3))
+  assert all(math.isnan(x) for x in stats.fieller_share([0.5, 0.5], [0.4, 0.4], 0.3))
+  # Welch's interval is undefined, not zero-wide, when neither side has any spread.
+  assert all(math.isnan(x) for x in stats.welch_interval([0.5, 0.5], [0.4, 0.4]))
+
+
+def test_a_reference_that_did_not_gain_leaves_every_share_undefined():
+  rows = [
+    dict(_row("grpo", "reference", 0.455), seed=0),
+    dict(_row("grpo", "reference", 0.450), seed=1),
+    dict(_row("grpo", "noise", 0.40), seed=0),
+    dict(_row("grpo", "noise", 0.35), seed=1),
+  ]
+  ref, noise = opd_vs_rl_report.summarise(rows)  # warm start 0.45: the reference gained 0.25 pt
+  assert math.isnan(ref["gain_kept"]) and math.isnan(noise["gain_kept"])
+  assert all(math.isnan(x) for x in ref["drop_ci_points"])
+  gained = opd_vs_rl_report.summarise(
+    [dict(r, accuracy=r["accuracy"] + 0.2) if r["setting"] == "reference" else r for r in rows]
+  )
+  assert gained[0]["gain_kept"] == 1.0 and "; [" in opd_vs_rl_report.summary_table(gained)
+
+
+def test_cells_at_the_same_mismatch_are_matched_without_comparing_dicts():
+  cells = [
+    {"method": "opd", "setting": "reference", "drop_points": 0.0, "gain_kept": 1.0},
+    {"method": "opd", "setting": "a", "mismatch_kl_mean": 0.1, "drop_points": 2.0},
+    {"method": "opd", "setting": "b", "mismatch_kl_mean": 0.1, "drop_points": 4.0},
+  ]
+  at = opd_vs_rl_report.matched(cells, ["a", "b"], [0.05])
+  assert len(at) == 1 and math.isfinite(at[0]["drop_points"])
+
+
+def test_a_resumed_runs_warm_start_is_its_first_logged_accuracy(tmp_path):
+  """A resumed run's result holds the accuracy at its resumption as student_accuracy_before;
+  the row's warm start is the step-0 accuracy its log holds."""
+  lines = [
+    {"step": 0, "quality/student_accuracy": 0.55, "quality/student_accuracy_t1": 0.4},
+    {"step": 200, "quality/student_accuracy": 0.25, "quality/student_accuracy_t1": 0.2},
+    {"step": 400, "quality/student_accuracy": 0.6, "quality/student_accuracy_t1": 0.5},
+  ]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  result = {
+    "student_accuracy_before": 0.25,
+    "student_accuracy_after": 0.6,
+    "student_teacher_kl_after": 0.1,
+    "teacher_accuracy": 0.95,
+    "start_step": 200,
+  }
+  row = opd_vs_rl.run_row("grpo", "reference", "", str(tmp_path), result)
+  assert row["accuracy_before"] == 0.55 and row["accuracy_t1_before"] == 0.4
+  (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 400, "other": 1.0}) + "\n")
+  assert (
+    opd_vs_rl.run_row("grpo", "reference", "", str(tmp_path), result)["accuracy_before"] == 0.25
+  )
+
+
+def test_fieller_covers_the_share_where_the_fixed_bootstrap_does_not():
+  """Simulated normal seeds with a true share of 0.5 (warm start 0.30, reference gain 0.15,
+  seed sd 0.02), 200 draws per case: the percentile bootstrap the config fixed covers well
+  under 95 % with few seeds, Fieller's interval at least 95 % (conservative ν)."""
+  rng = np.random.default_rng(0)
+  for n_ref, n_cell in ((5, 5), (2, 2)):
+    boot = fieller = 0
+    for _ in range(200):
+      ref = rng.normal(0.45, 0.02, n_ref)
+      cell = rng.normal(0.375, 0.02, n_cell)
+      _, (lo, hi) = stats.gain_kept(ref, cell, 0.30)
+      boot += lo <= 0.5 <= hi
+      lo, hi = stats.fieller_share(ref, cell, 0.30)
+      fieller += lo <= 0.5 <= hi
+    assert boot / 200 < 0.9 and fieller / 200 >= 0.95, (n_ref, n_cell, boot, fieller)

@@ -155,7 +155,11 @@ def collate(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if any(v is None for v in values) or any(isinstance(v, str | bytes) for v in values):
       out[key] = values
       continue
-    arrays = [np.asarray(v) for v in values]
+    try:
+      arrays = [np.asarray(v) for v in values]
+    except ValueError:  # a ragged nested list: numpy refuses it
+      out[key] = values
+      continue
     same_shape = all(a.shape == arrays[0].shape for a in arrays)
     if same_shape and all(a.dtype.kind in "biufV" for a in arrays):
       out[key] = np.stack(arrays)

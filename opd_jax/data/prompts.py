@@ -83,7 +83,9 @@ class PromptSet:
   """Prepared prompts, a random-access source (grain's protocol) for `data.prompt_batches`.
 
   Record i is the source record with "prompt" replaced by its token ids (int32 [n_i], bos
-  included) and "text" set to the text they encode, which `task.encode_prompts` takes as is.
+  included) and "text" set to the record's prompt text, which `task.encode_prompts` takes as
+  is. With `overlong="truncate_left"` the ids may encode only the end of that text: "text" stays
+  the whole prompt (what the scorer and the sample log read), not what the model saw.
   """
 
   name: str  # where the prompts came from, for messages

@@ -112,7 +112,11 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def save(self, step: int, state, extra: dict[str, Any]) -> None:
-    """Writes step `step`; raises ValueError (saving nothing) if `state` is not finite."""
+    """Writes step `step`; raises ValueError (saving nothing) if `state` is not finite.
+
+    A step at or below the latest saved one is skipped without a word (orbax's `should_save`):
+    the trainer's steps only grow from the restored one, so it never asks for that.
+    """
     if self.read_only:
       raise ValueError(f"refusing to save step {step}: {self.directory} was opened read-only")
     if not all_finite(state):

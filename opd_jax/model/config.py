@@ -144,6 +144,9 @@ class ModelConfig:
       )
     if hf.get("mlp_bias"):
       raise ValueError("mlp_bias=True is not supported (no Llama/Qwen checkpoint uses it)")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+      raise ValueError(f"hidden_act={act!r} is not supported (the MLP is SwiGLU: silu only)")
     rope = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))

@@ -41,7 +41,10 @@ Weight-version semantics of the async loop (the same words are in the README):
   are sampled again after a restart, with the restored weights. The version counter
   restarts at the restored step. What timing decides (which batches go stale, and so
   the trajectory when `max_lag > 0`) is not reproducible across runs; with
-  `max_lag = 0` everything is.
+  `max_lag = 0` everything is. `SyncRollouts` with `stale_k = k` starts again from the
+  restored version alone: the k batches after a resume at step s sample with version
+  max(t − k, s), lags 0 … k − 1, where a straight run has lag k (the trainer says so when it
+  resumes such a run).
 
 Dispatch. Who issues the sampling programs (`rollout.dispatch`):
 

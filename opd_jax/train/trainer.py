@@ -359,6 +359,13 @@ def _train(
   step_fn = make_step_fn(spec, setup, state_shardings, tx, schedule_steps)
   step = int(state.step)
   rollouts.publish(state.params, step)
+  stale_k = getattr(rollouts, "stale_k", 0)
+  if step > 0 and stale_k > 0:
+    log(
+      f"resumed at step {step} with rollout.stale_k={stale_k}: the versions before step {step} "
+      f"are not kept, so the next {min(stale_k, step)} batches sample with a lag below "
+      f"{stale_k} (a straight run differs there; rollout/sources.py, Resume)"
+    )
   if hook:
     rollouts = hook.begin(step, state, rollouts)
   writer.write_text(step, "rollout/engine", rollouts.describe())

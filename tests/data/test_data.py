@@ -99,6 +99,9 @@ def test_collate_ragged_and_missing_fields():
   assert batch == {"prompt": ["a", "b"], "ids": [[1, 2], [3]], "answer": ["x", None]}
   stacked = data.collate([{"n": 1}, {"n": 2}])["n"]
   assert stacked.tolist() == [1, 2]
+  # A ragged nested list (numpy refuses it) stays a plain list too.
+  nested = [{"steps": [[1, 2], [3]]}, {"steps": [[4], [5, 6]]}]
+  assert data.collate(nested) == {"steps": [[[1, 2], [3]], [[4], [5, 6]]]}
 
 
 def test_bad_arguments_raise():

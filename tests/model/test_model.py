@@ -138,6 +138,9 @@ def test_unsupported_model_type_lists_supported():
     ValueError, match="unsupported model_type 'mistral' in config.json; supported"
   ):
     ModelConfig.from_hf_dict({"model_type": "mistral"})
+  # A field that changes the outputs is refused, never ignored: the MLP is SwiGLU.
+  with pytest.raises(ValueError, match="hidden_act='gelu_pytorch_tanh' is not supported"):
+    ModelConfig.from_hf_dict({"model_type": "llama", "hidden_act": "gelu_pytorch_tanh"})
 
 
 def test_heads_must_be_multiple_of_kv_heads():

@@ -30,7 +30,17 @@ INF = math.inf
 
 
 def kept(row: Mapping, tolerance: float, key: str = LABEL_DROP) -> bool:
-  """A setting kept quality iff its drop over its runs is ≤ τ."""
+  """A setting kept quality iff its drop over its runs is ≤ τ.
+
+  Raises:
+    ValueError: the drop is not finite (the setting has no label; `nan <= τ` would read as
+      degraded).
+  """
+  if not math.isfinite(row[key]):
+    raise ValueError(
+      f"setting {row.get('spec', row.get('source', '?'))!r} has no label: its {key} is "
+      f"{row[key]!r}; rerun or leave out the setting before scoring"
+    )
   return bool(row[key] <= tolerance)
 
 

@@ -179,8 +179,16 @@ def confusion(
   """Verdicts (`row["admitted"]`) against what training showed (`confusion_counts`): a setting
   "kept quality" iff its drop `row[drop_key]` ≤ τ. Counts: admitted & kept (true accept),
   admitted & degraded (false accept), refused & kept (false refuse), refused & degraded (true
-  refuse)."""
-  return confusion_counts([r["admitted"] for r in rows], [r[drop_key] <= tolerance for r in rows])
+  refuse). A row whose drop is not finite (no label: a run that did not finish evaluating) is
+  left out and counted as "unlabelled" (the key is there only when some are), where
+  `nan <= τ` would have called it degraded."""
+  labelled = [r for r in rows if math.isfinite(r[drop_key])]
+  out = confusion_counts(
+    [r["admitted"] for r in labelled], [r[drop_key] <= tolerance for r in labelled]
+  )
+  if len(labelled) < len(rows):
+    out["unlabelled"] = len(rows) - len(labelled)
+  return out
 
 
 def noise_floor(

@@ -533,3 +533,18 @@ def test_bad_workers_are_refused_before_anything_trains(tmp_path):
   with pytest.raises(ValueError, match="workers=0 must be an int >= 1"):
     study.run_study(config, str(tmp_path / "study"), lambda *a: None)
   assert not (tmp_path / "study" / "runs").exists()  # not even the probe
+
+
+def test_a_setting_without_a_label_is_left_out_not_called_degraded():
+  from opd_jax.experiments import baselines
+
+  rows = [
+    {"admitted": True, "label_drop": math.nan, "spec": "rollout.noise_sigma=0.3"},
+    {"admitted": True, "label_drop": 0.01},
+    {"admitted": False, "label_drop": 0.2},
+  ]
+  c = stats.confusion(rows, 0.05, "label_drop")
+  assert c["n"] == 2 and c["unlabelled"] == 1 and c["agreement"] == 1.0
+  assert "unlabelled" not in stats.confusion(rows[1:], 0.05, "label_drop")
+  with pytest.raises(ValueError, match="'rollout.noise_sigma=0.3' has no label"):
+    baselines.kept(rows[0], 0.05)

@@ -20,7 +20,8 @@ Labels near τ (`label_band`). A setting's SE of d is
     SE = sqrt(s²/n + s_ref²/m),
 
 s the sample sd of its own runs (s_ref when it has one run), s_ref that of the reference's m
-seeds; its label is within the noise when |d − τ| ≤ 2·SE. The share of such labels says how
+seeds (with one seed, which has no sample sd, the binomial or relative SE of one run,
+`stats.noise_floor`'s se); its label is within the noise when |d − τ| ≤ 2·SE. The share of such labels says how
 many verdicts a rerun could flip.
 
 Plateau (`plateau`). The reference's mean accuracy against the full-run accuracy a config
@@ -95,7 +96,8 @@ def label_band(result: Mapping, label: str) -> dict[str, Any] | None:
   if floor is None:
     return None
   q_ref = reference_runs(result, label)
-  m, s_ref, tau = len(q_ref), floor["sd"], floor["tolerance"]
+  m, tau = len(q_ref), floor["tolerance"]
+  s_ref = floor["sd"] if m > 1 else floor["se"]  # one seed: sd is unknown, not 0
   settings = []
   for r in result["rows"]:
     q = label_runs(r, label) if r["role"] != "reference" else None

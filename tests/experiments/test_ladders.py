@@ -104,6 +104,10 @@ def test_label_band_by_hand():
   # c: d = 0, s = 0: SE = 0.01/sqrt(3); |0 − 0.02| > 0.011547.
   assert c["drop"] == pytest.approx(0.0, abs=1e-12) and not c["within"]
   assert (band["within"], band["n"]) == (1, 3) and band["share"] == pytest.approx(1 / 3)
+  # One reference seed has no sample sd: its SE is one run's binomial SE, not 0.
+  result["rows"] = result["rows"][:1] + result["rows"][4:5]
+  (b,) = ladders.label_band(result, "accuracy")["settings"]
+  assert b["se"] == pytest.approx(math.sqrt(2 * 0.8 * 0.2 / 100))
 
 
 def test_ladder_table_by_hand():

@@ -21,8 +21,8 @@ Labels near τ (`label_band`). A setting's SE of d is
 
 s the sample sd of its own runs (s_ref when it has one run), s_ref that of the reference's m
 seeds (with one seed, which has no sample sd, the binomial or relative SE of one run,
-`stats.noise_floor`'s se); its label is within the noise when |d − τ| ≤ 2·SE. The share of such labels says how
-many verdicts a rerun could flip.
+`stats.noise_floor`'s se); its label is within the noise when |d − τ| ≤ 2·SE. The share of
+such labels says how many verdicts a rerun could flip.
 
 Plateau (`plateau`). The reference's mean accuracy against the full-run accuracy a config
 names (`full_run_accuracy`): labels mean final quality only when the reference is near its

@@ -131,7 +131,8 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
       the same at T = 1 (keys with "_t1": accuracy_t1, drop_t1_points, gain_kept_t1, ...; nan
         where the runs did not evaluate it),
       grad_norm_spikes = logged steps over SPIKE_FACTOR × the method's reference median
-        grad-norm, summed over seeds, out of grad_norm_logged_steps,
+        grad-norm (of its finite logged values), summed over seeds, out of
+        grad_norm_logged_steps; None while the method's reference has no grad-norm logged,
 
   and the seed means of the training-time mismatch/kl, the grad-norm and loss statistics.
   """
@@ -142,12 +143,16 @@ def summarise(rows: Sequence[dict]) -> list[dict[str, Any]]:
   out = []
   for (setting, method), mine in cells.items():
     ref_rows = references.get(method, [])
-    norms = [v for r in ref_rows for v in r.get("grad_norms", [])]
+    norms = [v for r in ref_rows for v in r.get("grad_norms", []) if math.isfinite(v)]
     median = float(np.median(norms)) if norms else math.nan
     entry = {"setting": setting, "method": method, "seeds": [r.get("seed", 0) for r in mine]}
     for suffix in ACCURACIES:
       entry.update(_accuracy_summary(mine, ref_rows, setting, suffix))
-    entry["grad_norm_spikes"] = sum(spike_count(r.get("grad_norms", []), median) for r in mine)
+    entry["grad_norm_spikes"] = (  # None: no reference median to count against
+      sum(spike_count(r.get("grad_norms", []), median) for r in mine)
+      if math.isfinite(median)
+      else None
+    )
     entry["grad_norm_logged_steps"] = sum(r.get("grad_norm_logged_steps", 0) for r in mine)
     for key in (
       "mismatch_kl_mean",
@@ -237,7 +242,8 @@ def summary_table(cells: Sequence[dict]) -> str:
     f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | {_accuracy_cells(c, '')} | "
     f"{number(c['mismatch_kl_mean'], '.2e')} | "
     f"{number(c['grad_norm_mean'], '.3g')} / {number(c['grad_norm_max'], '.3g')} | "
-    f"{c.get('grad_norm_spikes', 0)}/{c.get('grad_norm_logged_steps', 0)} | "
+    f"{MISSING if c.get('grad_norm_spikes') is None else c['grad_norm_spikes']}/"
+    f"{c.get('grad_norm_logged_steps', 0)} | "
     f"{number(c.get('loss_max', math.nan), '.3g')} |"
     for c in cells
   ]

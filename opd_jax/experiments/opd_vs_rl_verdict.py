@@ -91,7 +91,10 @@ SPIKE_P = 0.05  # choice 3's level
 
 def spikes(cell: dict, reference: dict) -> bool:
   """The arm's share of spiking logged steps under the cell's setting is higher than in its own
-  reference cell, by Fisher's exact one-sided test at p < SPIKE_P (choice 3)."""
+  reference cell, by Fisher's exact one-sided test at p < SPIKE_P (choice 3); never when either
+  count is unknown (None: the arm's reference logged no grad-norm)."""
+  if cell.get("grad_norm_spikes") is None or reference.get("grad_norm_spikes") is None:
+    return False
   p = stats.fisher_greater(
     cell.get("grad_norm_spikes", 0),
     cell.get("grad_norm_logged_steps", 0),

@@ -229,6 +229,10 @@ def test_intervals_gain_kept_and_spikes_by_hand():
   ]
   ref, noise = opd_vs_rl_report.summarise(rows)  # the reference median is 1.0: spikes are > 3.0
   assert (ref["grad_norm_spikes"], noise["grad_norm_spikes"]) == (1, 2)
+  # Without a reference grad-norm there is nothing to count against: unknown, not 0.
+  (alone,) = opd_vs_rl_report.summarise([dict(rows[2], method="other")])
+  assert alone["grad_norm_spikes"] is None
+  assert "| —/" in opd_vs_rl_report.summary_table([alone])
   assert noise["drop_points"] == pytest.approx(20.0)
   assert noise["drop_ci_points"] == pytest.approx(
     [20.0 - 100 * 4.30265 * math.sqrt(0.005), 20.0 + 100 * 4.30265 * math.sqrt(0.005)], abs=0.01

@@ -127,7 +127,20 @@ def measure_candidate(
 
   Returns:
     `measure.measure`'s dict: the mismatch/* floats, measure/* timings, engine_id.
+
+  Raises:
+    ValueError: the candidate samples greedily (temperature 0) or keeps one token per step
+      (top_k 1): π_b and π_θ are then both the point mass on the sampled token, and every
+      mismatch reads 0 whatever the engine, so the measurement could not refuse anything.
   """
+  r = candidate.config.rollout
+  if not r.temperature > 0 or int(r.get("top_k", 0)) == 1:
+    raise ValueError(
+      f"candidate {candidate.spec!r} samples with rollout.temperature={r.temperature} and "
+      f"rollout.top_k={r.get('top_k', 0)}: each step's distribution is the point mass on the "
+      "sampled token for both the engine and the trainer, so its mismatch reads 0 whatever the "
+      "engine does; measure it at the temperature the run will sample at (> 0, top_k 0 or > 1)"
+    )
   t = candidate.config.train
   return measure_lib.measure(
     *_measure_args(candidate, setup, prompts, student_params, behaviour_params),

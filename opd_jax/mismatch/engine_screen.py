@@ -17,7 +17,8 @@ prompt, this resamples completions): B bootstrap draws of the N prompts with rep
 K̂*_b = Σ w_bi S_i / Σ w_bi n_i (S_i, n_i now summed over prompt i's completions), and either the
 percentile interval [q_(α/2), q_(1−α/2)] of the K̂*_b or BCa (bias-corrected and accelerated,
 Efron 1987) with the bias z0 = Φ⁻¹(#{K̂* < K̂}/B) and the acceleration a from the jackknife over
-completions, a = Σ (θ̄ − θ_(i))³ / (6 (Σ (θ̄ − θ_(i))²)^{3/2}).
+the resampled units (prompts, or completions when each prompt has one), leaving out unit i:
+a = Σ (θ̄ − θ_(i))³ / (6 (Σ (θ̄ − θ_(i))²)^{3/2}).
 
 When the estimate breaks (the inputs `check_samples` refuses):
 - log-probabilities taken after a top-k / top-p / min-p filter and renormalised: π_engine is

@@ -23,7 +23,9 @@ k1 and k3 are both unbiased estimators of KL(π_b ‖ π_θ), the budget's axis 
 **Runs.** A log is one JSON object per line: a step's metrics, flat
 ({"step": 3, "rollout_corr/k3_kl": 0.002, ...}, the console and JSONL loggers' shape) or under
 "data" ({"step": 3, "data": {...}}, verl's file logger). A line's "run" names its run; lines
-without one belong to a run named after their file, so a file per run needs no "run" key.
+without one belong to a run named after their file (its name without folder and extension, or
+its whole path without the extension when two files share that name, as `a/metrics.jsonl` and
+`b/metrics.jsonl` do), so a file per run needs no "run" key.
 Within a run, lines that share a "step" are merged (a later key wins) and the steps ordered; a
 run where some line has no "step" keeps the file's order. A run's "source" (what was changed,
 e.g. "fp8"; default "imported") is read from its lines; the reference runs (the unperturbed
@@ -40,6 +42,7 @@ the runs' training-time mean, so the fitted budget is on the training axis (docs
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -242,8 +245,14 @@ def group_runs(files: Sequence[tuple[str, str]]) -> dict[str, list[tuple[str, di
   """Run name -> its steps in order, each as (where, metrics) with where = "file line n"
   (module docstring: "run", "step", a file per run)."""
   runs: dict[str, list[tuple[str, int, dict]]] = {}
+
+  def bare(name: str, keep_folder: bool) -> str:
+    name = name if keep_folder else name.rsplit("/", 1)[-1]
+    return name.removesuffix(".jsonl").removesuffix(".json")
+
+  stems = collections.Counter(bare(name, False) for name, _ in files)
   for name, text in files:
-    stem = name.rsplit("/", 1)[-1].removesuffix(".jsonl").removesuffix(".json")
+    stem = bare(name, stems[bare(name, False)] > 1)  # two a/m.jsonl, b/m.jsonl: "a/m", "b/m"
     for number, obj in parse_lines(name, text):
       run = obj.get(RUN_KEY, stem)
       if not isinstance(run, str) or not run:
@@ -279,16 +288,18 @@ def _peer_values(fmt: str, obj: Mapping) -> dict[str, tuple[str, Any]]:
 
 
 def _tail_mean(steps, key, tail: int, read, run: str) -> tuple[float, int, str] | None:
-  """(the mean of the last `tail` values of `key`, how many, the name read) or None."""
-  values, name = [], None
+  """(the mean of the last `tail` values of `key`, how many, the name read) or None; only those
+  values must be finite numbers (an early NaN the figure does not read is no reason to drop the
+  run)."""
+  found, name = [], None
   for where, obj in steps:
     got = read(obj)
     if key in got:
       name = got[key][0]
-      values.append(_number(got[key][1], f"{where} (run {run!r})", name))
-  if not values:
+      found.append((where, got[key][1]))
+  if not found:
     return None
-  last = values[-tail:]
+  last = [_number(value, f"{where} (run {run!r})", name) for where, value in found[-tail:]]
   return math.fsum(last) / len(last), len(last), name
 
 
@@ -386,6 +397,19 @@ def import_records(
   if not files:
     raise ValueError("no log files given")
   if fmt == "opd_jax":
+    ignored = {
+      "--quality-key": quality_key,
+      "--kl-key": None if kl_key == "auto" else kl_key,
+      "--abs-diff-to-kl": abs_diff_to_kl,
+      "--reference": ",".join(reference or ()) or None,
+      "--lower-is-better": None if higher_is_better else True,
+    }
+    given = [flag for flag, value in ignored.items() if value is not None]
+    if given:
+      raise ValueError(
+        f"{', '.join(given)} apply to peer logs only: --format=opd_jax reads records as "
+        "budget_fit takes them (their own mismatch/kl and quality_drop), kept as they are"
+      )
     records = [obj for name, text in files for _, obj in parse_lines(name, text)]
     return records, {**provenance, "axis": "as recorded"}
   if not quality_key:
@@ -403,7 +427,9 @@ def import_records(
     x = _tail_mean(steps, x_key, tail, read, run)
     if x is None:
       raise ValueError(f"run {run!r} has no {x_key} (read from {PEER_NAMES[fmt]}'s names)")
-    quality = _tail_mean(steps, quality_key, tail, lambda o: {k: (k, v) for k, v in o.items()}, run)
+    quality = _tail_mean(
+      steps, quality_key, tail, lambda o: {k: (k, v) for k, v in o.items() if v is not None}, run
+    )
     if quality is None:
       raise ValueError(f"run {run!r} has no {quality_key!r} (--quality-key)")
     record = {SOURCE_KEY: _source(run, steps), RUN_KEY: run}
@@ -424,6 +450,18 @@ def import_records(
     for r in records
     if r[RUN_KEY] in names or (not names and REFERENCE_SOURCE in (r[SOURCE_KEY], r[RUN_KEY]))
   ]
+  ref_runs = {r[RUN_KEY] for r in refs}
+  stray = [
+    r[RUN_KEY]
+    for r in records
+    if names and r[RUN_KEY] not in ref_runs and r[SOURCE_KEY] == REFERENCE_SOURCE
+  ]
+  if stray:
+    raise ValueError(
+      f'runs {stray} say "source": "reference" but --reference names {sorted(names)}: the '
+      "fit would anchor at them with drops measured against another run; name them all in "
+      "--reference or change their source"
+    )
   if not refs:
     raise ValueError(
       f"no reference run among {sorted(runs)}: name one with --reference=RUN, or give its lines "

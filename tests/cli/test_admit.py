@@ -751,3 +751,12 @@ def test_the_exit_status_says_whether_every_candidate_was_admitted(config, budge
   assert "error:" in proc.stderr and "missing.json" in proc.stderr
   proc, _ = admit(f"--candidate={EXACT}", "--prompts=many")
   assert proc.returncode == 2 and "--prompts" in proc.stderr
+
+
+@pytest.mark.parametrize("spec", ["rollout.temperature=0.0", "rollout.top_k=1"])
+def test_a_candidate_whose_steps_are_point_masses_is_refused_before_measuring(config, spec):
+  """Greedy or top-1 sampling: engine and trainer both put all mass on the sampled token, so
+  the mismatch reads 0 for any engine; the check refuses to measure it (nothing else is used)."""
+  candidate = candidates_lib.parse_candidate(f"rollout.noise_sigma=1.0,{spec}", config)
+  with pytest.raises(ValueError, match="point mass on the sampled token"):
+    admission.measure_candidate(candidate, setup=None, prompts=None, student_params=None)

@@ -234,6 +234,20 @@ def test_opd_jax_records_pass_through_to_fit_budget_unchanged():
       r"every run is a reference run",
     ),
     ("verl", "", {"quality_key": "q", "tail": 0}, r"tail must be an int >= 1"),
+    (
+      "opd_jax",
+      "",
+      {"kl_key": "mismatch/k3", "reference": ["r"]},
+      r"--kl-key, --reference apply to peer logs only",
+    ),
+    (
+      "verl",
+      '{"run": "base", "rollout_corr/k3_kl": 0.0, "q": 1}\n'
+      '{"run": "other", "source": "reference", "rollout_corr/k3_kl": 0.3, "q": 0.5}\n'
+      '{"run": "fp8", "rollout_corr/k3_kl": 0.1, "q": 0.9}\n',
+      {"quality_key": "q", "reference": ["base"]},
+      r"runs \['other'\] say \"source\": \"reference\" but --reference names \['base'\]",
+    ),
     ("slime", "", {"quality_key": "q", "abs_diff_to_kl": "exact"}, r"--abs-diff-to-kl=exact"),
   ],
 )
@@ -319,3 +333,37 @@ def test_the_command_refuses_an_abs_diff_log_without_a_conversion(tmp_path):
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
   assert proc.stderr.startswith("error: slime's `train_rollout_logprob_abs_diff` is a mean abs")
   assert not (tmp_path / "b.json").exists()
+
+
+def test_files_of_one_name_in_two_folders_stay_two_runs():
+  """runs/<exp>/metrics.jsonl: the files' shared name would merge the runs; each is named by
+  its path instead."""
+  ref = _lines({"step": 1, "rollout_corr/k3_kl": 0.001, "q": 0.8, "source": "reference"})
+  a = _lines({"step": 1, "rollout_corr/k3_kl": 0.01, "q": 0.7})
+  b = _lines({"step": 1, "rollout_corr/k3_kl": 0.05, "q": 0.5})
+  files = [
+    ("runs/ref/metrics.jsonl", ref),
+    ("runs/a/metrics.jsonl", a),
+    ("runs/b/metrics.jsonl", b),
+  ]
+  records, _ = record_import.import_records(files, "verl", quality_key="q", tail=1)
+  assert [r["run"] for r in records] == ["runs/ref/metrics", "runs/a/metrics", "runs/b/metrics"]
+  assert [r["mismatch/kl"] for r in records] == [0.001, 0.01, 0.05]
+
+
+def test_null_qualities_and_early_non_finite_figures_are_steps_without_a_value():
+  """W&B or pandas exports write null where a step has no evaluation; a NaN before the tail
+  the figure averages is not read."""
+  ref = _lines(
+    {"step": 1, "rollout_corr/k3_kl": math.nan, "q": None, "source": "reference"},
+    {"step": 2, "rollout_corr/k3_kl": 0.001, "q": 0.8},
+  )
+  run = _lines(
+    {"step": 1, "rollout_corr/k3_kl": 0.02, "q": None, "rollout_corr/chi2_token": math.nan},
+    {"step": 2, "rollout_corr/k3_kl": 0.03, "q": 0.6, "rollout_corr/chi2_token": 0.06},
+  )
+  records, _ = record_import.import_records(
+    [("ref.jsonl", ref), ("noisy.jsonl", run)], "verl", quality_key="q", tail=1
+  )
+  assert [(r["mismatch/kl"], r["quality"]) for r in records] == [(0.001, 0.8), (0.03, 0.6)]
+  assert records[1]["peer/chi2_token"] == 0.06

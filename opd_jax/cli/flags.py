@@ -91,12 +91,14 @@ def rewrite_deprecated(argv: list[str], renames: dict[str, str]) -> list[str]:
 
 def bare_json_to_stdout(argv: list[str]) -> list[str]:
   """A bare `--json` means `--json=-`, the JSON on stdout; `--json PATH` (a next argument that
-  is no flag: no command takes positional arguments) is `--json=PATH`."""
+  is no flag: no command takes positional arguments) is `--json=PATH`, and `--json -` is
+  `--json=-`."""
   out, args = [], list(argv)
   while args:
     arg = args.pop(0)
     if arg == "--json":
-      arg = f"--json={args.pop(0)}" if args and not args[0].startswith("-") else "--json=-"
+      follows = bool(args) and (args[0] == "-" or not args[0].startswith("-"))
+      arg = f"--json={args.pop(0)}" if follows else "--json=-"
     out.append(arg)
   return out
 
@@ -389,14 +391,21 @@ def reparse_tuple_overrides(argv: list[str], config) -> None:
 
   ml_collections reads `(attention,)` as the one string "(attention,)" (it is no Python
   literal); `parse_value`, the parser of `--candidate` specs, reads it as ("attention",), so the
-  same text means the same value in both. Quoted and other values parse as before.
+  same text means the same value in both, written `--config.<key>=<value>` or
+  `--config.<key> <value>`. Quoted and other values parse as before.
   """
   from opd_jax.config import values
 
-  for arg in argv[1:]:
-    if not arg.startswith("--config.") or "=" not in arg:
+  args = argv[1:]
+  for i, arg in enumerate(args):
+    if not arg.startswith("--config."):
       continue
-    key, raw = arg[len("--config.") :].split("=", 1)
+    if "=" in arg:
+      key, raw = arg[len("--config.") :].split("=", 1)
+    elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+      key, raw = arg[len("--config.") :], args[i + 1]
+    else:
+      continue
     found = _override_path(config, key)
     if found and isinstance(found[0][found[1]], tuple):
       found[0][found[1]] = values.parse_value(raw, found[0][found[1]])

@@ -96,21 +96,25 @@ def test_a_tuple_of_bare_words_parses_alike_in_config_overrides_and_candidates()
   from opd_jax.mismatch import candidates
 
   text = "(attention,)"
-  code = (
-    "from opd_jax.cli import flags as f\n"
-    "from opd_jax.config import check\n"
-    "argv = ['main', '--config=configs/bf16_sync.py:tiny', '--config.rollout.noise_sigma=0.33',\n"
-    f"  '--config.rollout.noise_modules={text}']\n"
-    "import sys; sys.argv = argv  # as under python -m\n"
-    "f.parse_flags(f.resolve_config_arg(argv))\n"
-    "check.validate(f.CONFIG.value)\n"
-    "print(repr(f.CONFIG.value.rollout.noise_modules))\n"
-  )
-  proc = subprocess.run(
-    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
-  )
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert proc.stdout.strip() == "('attention',)"
+  for override in (
+    f"'--config.rollout.noise_modules={text}'",
+    f"'--config.rollout.noise_modules', '{text}'",
+  ):
+    code = (
+      "from opd_jax.cli import flags as f\n"
+      "from opd_jax.config import check\n"
+      "argv = ['main', '--config=configs/bf16_sync.py:tiny', '--config.rollout.noise_sigma=0.33',\n"
+      f"  {override}]\n"
+      "import sys; sys.argv = argv  # as under python -m\n"
+      "f.parse_flags(f.resolve_config_arg(argv))\n"
+      "check.validate(f.CONFIG.value)\n"
+      "print(repr(f.CONFIG.value.rollout.noise_modules))\n"
+    )
+    proc = subprocess.run(
+      [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, (override, proc.stderr[-2000:])
+    assert proc.stdout.strip() == "('attention',)", override
   from conftest import tiny_config
 
   spec = f"rollout.noise_sigma=0.33,rollout.noise_modules={text}"
@@ -167,6 +171,7 @@ def test_bare_json_means_stdout():
     "--json=out.json",
     "--json=-",
   ]
+  assert cli_flags.bare_json_to_stdout(["p", "--json", "-"]) == ["p", "--json=-"]
 
 
 def test_admission_cost_old_spellings_warn_and_still_parse(capsys):

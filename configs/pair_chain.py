@@ -7,7 +7,7 @@ error has many positions to accumulate over.
       --quick --run-steps=200 --candidate=rollout.kv_cache=fp8,rollout.kv_granularity=tensor
 
 A prompt `a+d*n=` with n = 8 steps asks for a + d·n; the completion writes every step,
-"8:45;7:53;...;1:101>101", 50-62 tokens with its eos (the sum task's are 21-25). The teacher is
+"8:45;7:53;...;1:101>101", 43-52 tokens with its eos (the sum task's are 21-25). The teacher is
 bootstrapped on this task (its own cache entry), the student warm-started on it; rollouts may
 write 72 tokens. Expected: the teacher's and student's accuracies and the calibrated limits are
 in docs/results/calibration.md.

@@ -1,7 +1,7 @@
 """The task's rewards for the RL baselines, computed on the host from decoded text.
 
     exact_match    r_b = 1.0 if task.score(prompt_b, completion_b) else 0.0
-    partial        r_b = (Σ_{i<S} [s_i = s*_i] + [answer right]) / (S + 1)
+    partial        r_b = (Σ_{i=1..S} [s_i = s*_i] + [answer right]) / (S + 1)
     step           c_{b,i} = [s_i = s*_i] for i = 1..S, c_{b,S+1} = [answer right]: one
                    credit per written step, each token credited with its own step's
                    (`step_credit`, `token_units`; GRPO only, `train.rl.step_group_advantages`)

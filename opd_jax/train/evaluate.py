@@ -37,7 +37,8 @@ The metrics:
                                  or "package.module:function"), and quality/relative_score.
                                  Absent when no record has an answer or the metric is none.
 
-The teacher is always at T = 1, unfiltered. A user's set is decoded `data.batch_size` rows at a
+The teacher is at T = 1, unfiltered (at τ_T only in quality/student_teacher_kl_at_rollout_t,
+above). A user's set is decoded `data.batch_size` rows at a
 time (`EvalSet.chunk`), so its logits never take more memory than a training batch's; the KL
 is pooled over the chunks' tokens. The built-in task's set is decoded in one batch.
 
@@ -173,8 +174,10 @@ def heldout_split(
   """(training, held-out) records of a prompt file: `heldout_size(N, eval_size)` records,
   the first entries of `np.random.default_rng(seed).permutation(N)`, are held out and the rest
   train; both keep the file's order. Deterministic for a given file, length policy and seed;
-  the held-out records are never trained on. A training set smaller than a batch is drawn
-  with repeats (`data.prompt_batches` cycles over epochs).
+  the held-out records are never trained on. The split is by record: a prompt that appears
+  twice in the file can fall on both sides, so deduplicate a file whose held-out score should
+  be on unseen prompts. A training set smaller than a batch is drawn with repeats
+  (`data.prompt_batches` cycles over epochs).
 
   Raises:
     ValueError: a file of one prompt (`heldout_size`).

@@ -78,6 +78,7 @@ def get_config(arg=None):
   c.methods = ("opd", "rl", "rl_is")  # which methods to train
   c.seeds = (0,)  # train.seed of every cell's runs; more give each cell a mean and an sd
   c.workers = 2  # runs trained side by side, each in a process (runs.run_many); same numbers
+  c.allow_mixed_code = False  # refuse finished runs made by other code than the code running
   c.settings = (  # mismatch settings besides the reference engine, largest mismatch first
     "rollout.noise_sigma=0.4",
     "rollout.stale_k=4",

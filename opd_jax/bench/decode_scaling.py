@@ -22,7 +22,8 @@ f32 weights and activations):
   rows of one attention path and batch are timed round-robin (`_group`);
 * `kv_bytes_read`: bytes of stored cache the step's attention reads, from the cache's own
   layout (`kvcache.bytes_per_token`) times the slots read per row: all S for the reference,
-  ⌈(t + 1) / block⌉ · block (at most S) for the blockwise path, times B. The reference also
+  ⌈(t + 1) / block⌉ · block for the blockwise path (its last block may overlap the one before
+  it when S is not a multiple of the block), times B. The reference also
   writes and reads back a dequantized copy of the whole cache (`dequant_copy_bytes`, S
   slots in the compute dtype) when the storage dtype is not the compute dtype.
 
@@ -156,7 +157,7 @@ def run(
     for (kv, slots, t), (ms, per_token) in timed.items():
       if attention in ("blockwise", "pallas"):  # both read only the filled blocks
         size = min(block, slots)
-        read = min(-(-(t + 1) // size) * size, slots)
+        read = -(-(t + 1) // size) * size  # the last block may overlap the one before it
       else:
         read = slots
       rows.append(

@@ -28,11 +28,13 @@ the peak it is bound by:
   8 · W · B · (P + C), with W the matmul weights of `matmul_params` (student forward 2,
   backward 4, teacher forward 2; attention scores not counted). Against the matmul peak of
   the compute dtype.
-* "decode": the sampler (`sampler.sample`, greedy, KV cache in the compute dtype, blockwise
-  attention) at `--decode-batches` rows. One decode step's seconds are the difference of two
-  calls, with C₁ and C₂ new tokens (`--decode-tokens`, same cache of P + C₂ slots), over
-  C₂ − C₁ steps, so the prefill and the call's fixed costs cancel. Counted by hand per step,
-  with the mean context c̄ = P + (C₁ + C₂ − 1) / 2 of those steps:
+* "decode": the sampler (`sampler.sample`, greedy, KV cache in the compute dtype, the
+  platform's default attention: blockwise on CPU and TPU, the reference on a GPU) at
+  `--decode-batches` rows. One decode step's seconds are the difference of two calls, with C₁
+  and C₂ new tokens (`--decode-tokens`, same cache of S = P + C₂ slots), over C₂ − C₁ steps, so
+  the prefill and the call's fixed costs cancel. Counted by hand per step, with c̄ the mean over
+  those steps of the cache slots the attention reads (`slots_read`: all S for the reference;
+  the blocks up to the step's position for blockwise, which is all S while S ≤ one block):
 
       bytes = weight bytes + B · c̄ · 2·L·K·H·itemsize        (against the copy bandwidth)
       FLOPs = B · (2·W + 4·L·N·H·c̄)                          (against the matmul peak)
@@ -127,8 +129,21 @@ def matmul_params(cfg: ModelConfig) -> int:
   return cfg.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f) + cfg.vocab_size * d
 
 
+def slots_read(position: int, slots: int, attention: str) -> int:
+  """Cache slots one decode step at `position` reads with a cache of `slots`: all of them for
+  the reference path; for blockwise, ⌈(position + 1) / size⌉ blocks of size = min(BLOCK, slots)
+  (`decode_attention.attend_cache`; its last block may overlap the one before)."""
+  from opd_jax.model import decode_attention
+
+  if attention == "reference":
+    return slots
+  size = min(decode_attention.BLOCK, slots)
+  return -(-(position + 1) // size) * size
+
+
 def decode_counts(cfg: ModelConfig, itemsize: int, batch: int, context: float) -> dict:
-  """Bytes and FLOPs of one decode step by hand (module docstring), at mean context `context`.
+  """Bytes and FLOPs of one decode step by hand (module docstring), with `context` the cache
+  slots its attention reads per row (the mean over the steps timed).
 
   Returns:
     {"weight_bytes", "kv_bytes", "bytes", "flops"} per step of `batch` rows.
@@ -400,7 +415,9 @@ def decode_row(
 
     seconds[count] = timing.median_seconds(call, repeats)
   step_s = (seconds[long] - seconds[short]) / (long - short)
-  context = prompt_len + (short + long - 1) / 2
+  attention = model.resolve_attention("auto")
+  positions = range(prompt_len + short, prompt_len + long)  # the steps the difference times
+  context = float(np.mean([slots_read(t, prompt_len + long, attention) for t in positions]))
   counts = decode_counts(cfg, jnp.dtype(dtype).itemsize, batch, context)
   row = {
     "kind": "decode",

@@ -25,7 +25,7 @@ and tabulates, per run: the final held-out accuracy, its drop against the same m
 reference run (in points), the training-time mean `mismatch/kl` (so that settings sit on one
 mismatch scale), the final held-out accuracy at T = 1 when the run evaluates it
 (`train.eval_sampled`), and `perf/grad_norm` statistics (mean, max, std over the logged steps,
-pre-clip). Each run is `mismatch.runs.run_once` into <workdir>/runs/<method>__<setting>
+pre-clip). Each run is `experiments.runs.run_once` into <workdir>/runs/<method>__<setting>
 (`__seed<k>` appended for train.seed k ≠ 0), so a restarted comparison reuses what finished.
 With several `seeds`, each (setting, method) cell is also summarised over its seeds
 (`opd_vs_rl_report.summarise`: the mean and sd of the accuracy, the drop with Welch's
@@ -175,8 +175,11 @@ def blocks(config: ml_collections.ConfigDict) -> list[tuple[tuple, tuple, list[i
     if not methods:
       raise ValueError("config.methods is empty; give some of: " + ", ".join(METHODS))
     seeds = [int(x) for x in block.get("seeds", (0,))]
-    if not seeds or len(set(seeds)) != len(seeds):
-      raise ValueError(f"config.seeds must be distinct train seeds, at least one; got {seeds}")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+      raise ValueError(
+        f"config.seeds must be distinct train seeds >= 0, at least one (a negative train.seed "
+        f"means config.seed, a copy of seed 0); got {seeds}"
+      )
     out.append((methods, tuple(block.get("settings", ())), seeds))
   return out
 
@@ -264,7 +267,9 @@ def resolved(config: ml_collections.ConfigDict, workdir: str) -> ml_collections.
   run's (so the runs a plan compares against the workdir are the ones it holds)."""
   config = ml_collections.ConfigDict(config.to_dict())
   if not config.run.teacher.cache_dir:
-    config.run.teacher.cache_dir = os.path.join(workdir, "teacher_cache")
+    # absolute: the cache path is part of each run's config, so spelling the workdir another
+    # way in a later sitting must not make its finished runs another configuration's
+    config.run.teacher.cache_dir = os.path.join(os.path.abspath(workdir), "teacher_cache")
   if config.get("grpo_run", None) is not None and not config.grpo_run.teacher.cache_dir:
     config.grpo_run.teacher.cache_dir = config.run.teacher.cache_dir
   return config
@@ -311,7 +316,7 @@ def run_comparison(
     log("nothing to train or report: the part names no run and none has finished")
     return {}
   current = provenance.provenance(config)
-  allow = bool(config.get("allow_mixed_code", True))
+  allow = bool(config.get("allow_mixed_code", False))
   finished = {f"run {os.path.basename(d)}": runs.read_result(d) for d in run_dirs}
   study_provenance.check_code(
     {k: r.get(provenance.KEY) for k, r in finished.items() if r is not None}, current, allow, log

@@ -19,7 +19,8 @@ From the config alone (no model is built, nothing trains) and what the workdir h
           the teacher term when the teacher cache directory holds nothing yet;
   parts   the runs in plan order, cut where a part's planned wall Σ (c_i + k_i) / s would pass
           costs.part_seconds: fixed by the config alone, so part K names the same runs in every
-          sitting, whatever the workdir holds.
+          sitting, whatever the workdir holds, as long as `workers` and `costs` (which train
+          nothing differently but set the cut) stay the same between sittings.
   measured  once runs have finished, the plan checks its constants against them. For each
           family f (RL, OPD) with finished runs, ρ_f = median_i (w_i / c_i) over them, w_i a
           run's recorded `wall_seconds` (its compilation and evaluations included), and the

@@ -81,13 +81,6 @@ def result_state(config: ml_collections.ConfigDict, done: Mapping[str, Any] | No
   return "refused" if runs.recorded_differences(config, done)[1] else "reused"
 
 
-def probe_done(config: ml_collections.ConfigDict, workdir: str) -> bool:
-  """Whether DIR/runs/probe holds its checkpoint at `probe_steps` (`study_probe.run_probe`
-  reuses it)."""
-  directory = os.path.join(workdir, "runs", study_probe.PROBE, "checkpoints")
-  return os.path.isdir(directory) and str(int(config.probe_steps)) in os.listdir(directory)
-
-
 def measurement_specs(config, settings: Sequence[study_setting.Setting]) -> list[str]:
   """Every spec the study measures: each setting, then each part of a combination, once."""
   out = []
@@ -145,7 +138,7 @@ def study_plan(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any
   num_cached = sum(spec in cached for spec in specs)
   probe = {
     "steps": int(config.probe_steps),
-    "state": "reused" if probe_done(config, workdir) else "train",
+    "state": "reused" if study_probe.probe_done(config, workdir) else "train",
   }
   workers = runs.check_workers(config.get("workers", 1))
 

@@ -51,13 +51,19 @@ def probe_config(config: ml_collections.ConfigDict, settings: Sequence[Setting],
   )
 
 
+def probe_done(config, workdir: str) -> bool:
+  """Whether DIR/runs/probe holds its checkpoint at `probe_steps` (what `run_probe` reuses and
+  the plan reports)."""
+  directory = os.path.join(workdir, "runs", PROBE, "checkpoints")
+  return os.path.isdir(directory) and str(int(config.probe_steps)) in os.listdir(directory)
+
+
 def run_probe(config, settings, workdir: str, log: Callable = print) -> str:
-  """Trains the probe once; returns its directory."""
+  """Trains the probe once; returns its directory. It is done when `probe_done`; a probe stopped
+  before that (even before its first checkpoint, leaving an empty checkpoints folder) trains
+  on."""
   directory = os.path.join(workdir, "runs", PROBE)
-  done = os.path.isdir(os.path.join(directory, "checkpoints")) and (
-    config.probe_steps in run_history.checkpoint_steps(directory)
-  )
-  if not done:
+  if not probe_done(config, workdir):
     log(f"probe: {config.probe_steps} reference steps into {directory}")
     done = trainer.run(probe_config(config, settings, workdir), directory, log)
     study_provenance.write_probe(directory, done.get(provenance.KEY))
@@ -73,8 +79,10 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
     combination; the budget fingerprint of the measured student and teacher, with the student
     the runs start from as its run-start student: `budget_file.with_run_start`). Measurements
     (parts too) are cached in DIR/measurements.json together with the fingerprint of the
-    measured setup, and reused when it still matches; its "provenance" holds each one's
-    `io.provenance` entry (the code that measured it).
+    measured setup, and reused when it still matches and the spec's own entry agrees: its
+    "provenance" holds each one's `io.provenance` entry (the code that measured it, the
+    candidate config's hash) with the number of prompts, and a spec whose config hash or
+    prompt count differs from now is measured again (an older file without them is reused).
   """
   path = os.path.join(workdir, MEASUREMENTS_FILE)
   cached = read_json(path, {"fingerprint": None, "measurements": {}})
@@ -95,16 +103,24 @@ def measure_settings(config, settings, probe_dir: str, workdir: str, log: Callab
   }
   specs = [spec for s in settings for spec in (s.spec, *parts[s.spec].values())]
   for spec in dict.fromkeys(specs):  # in order, once each
-    if spec in measured:
-      continue
     candidate = candidates_lib.parse_candidate(spec, run_cfg)
+    entry = made_by.get(spec) or {}
+    if (
+      spec in measured
+      and entry.get("config_sha256") in (None, provenance.config_sha256(candidate.config))
+      and entry.get("num_prompts") in (None, int(config.num_prompts))
+    ):
+      continue
     problem = admission.stale_lag_problem(candidate, history)
     if problem:
       raise ValueError(problem)
     behaviour = history.params(history.latest - candidate.lag) if candidate.lag else None
     result = admission.measure_candidate(candidate, setup, prompts[1:], student, behaviour)
     measured[spec] = {k: v for k, v in result.items() if isinstance(v, int | float | str)}
-    made_by[spec] = provenance.provenance(candidate.config)
+    made_by[spec] = {
+      **provenance.provenance(candidate.config),
+      "num_prompts": int(config.num_prompts),
+    }
     log(f"measured {spec}: mismatch/kl {measured[spec][budget.KL_KEY]:.4g}")
     write_json(path, {"fingerprint": fingerprint, "measurements": measured, "provenance": made_by})
   run_start = admission.initial_student(run_cfg, setup, log, setup.cache_dir or None)

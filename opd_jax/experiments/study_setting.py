@@ -76,7 +76,7 @@ def run_config(config: ml_collections.ConfigDict, setting: Setting, workdir: str
   """The training config of a setting: the candidate's config with its seed and the study's
   shared teacher cache."""
   candidate = candidates_lib.parse_candidate(setting.spec, config.run)
-  cache = config.run.teacher.cache_dir or os.path.join(workdir, "teacher_cache")
+  cache = config.run.teacher.cache_dir or os.path.join(os.path.abspath(workdir), "teacher_cache")
   return runs.with_overrides(
     candidate.config, {"train.seed": setting.seed, "teacher.cache_dir": cache}
   )

@@ -40,8 +40,15 @@ SKIPPED_DIRS = ("jax_cache", "teacher_cache", "checkpoints", "tb")
 
 
 def _walk(root_dir: str):
-  """(directory relative to `root_dir`, its file names) outside SKIPPED_DIRS."""
-  for root, dirs, files in os.walk(root_dir):
+  """(directory relative to `root_dir`, its file names) outside SKIPPED_DIRS; a folder that is
+  a symbolic link is followed (its runs are the workdir's too), each real folder once."""
+  seen = set()
+  for root, dirs, files in os.walk(root_dir, followlinks=True):
+    real = os.path.realpath(root)
+    if real in seen:  # a link back into the tree
+      dirs[:] = []
+      continue
+    seen.add(real)
     dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
     yield os.path.relpath(root, root_dir), set(files)
 
@@ -58,9 +65,13 @@ def _read(path: str) -> bytes:
 
 
 def _write(path: str, data: bytes) -> None:
+  """Writes a temporary file beside `path` and renames it, so that a save or restore killed
+  midway leaves no half-written record."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "wb") as f:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as f:
     f.write(gzip.compress(data, mtime=0) if path.endswith(COMPRESSED) else data)
+  os.replace(tmp, path)
 
 
 def record_paths(workdir: str) -> list[str]:

@@ -52,11 +52,32 @@ def _git(root: str, *args: str) -> bytes | None:
   return done.stdout if done.returncode == 0 else None
 
 
+def package_sha256() -> str:
+  """sha256 (first DIFF_SHOWN hex digits) of this package's .py files, path and bytes, sorted
+  by path: what tells two versions of the code apart where git cannot."""
+  digest = hashlib.sha256()
+  for top, dirs, files in os.walk(PACKAGE_DIR):
+    dirs.sort()
+    for name in sorted(f for f in files if f.endswith(".py")):
+      path = os.path.join(top, name)
+      digest.update(f"\0{os.path.relpath(path, PACKAGE_DIR)}\0".encode())
+      with open(path, "rb") as f:
+        digest.update(f.read())
+  return digest.hexdigest()[:DIFF_SHOWN]
+
+
 def code_state(root: str | None = None) -> dict[str, Any]:
   """{"git_sha", "dirty", "diff_sha256"} of the git checkout holding `root` (default: this
-  package's directory); "unknown"/None/None outside a checkout (module docstring)."""
+  package's directory); outside a checkout (or where git refuses it) "unknown"/None/None and
+  "package_sha256", the hash of the package's own files (`package_sha256`), so that
+  `code_key` still tells two versions apart (module docstring)."""
   root = root or PACKAGE_DIR
-  unknown = {"git_sha": UNKNOWN, "dirty": None, "diff_sha256": None}
+  unknown = {
+    "git_sha": UNKNOWN,
+    "dirty": None,
+    "diff_sha256": None,
+    "package_sha256": package_sha256(),
+  }
   sha = _git(root, "rev-parse", "--verify", "HEAD")
   top = _git(root, "rev-parse", "--show-toplevel")
   if sha is None or top is None:
@@ -134,13 +155,15 @@ def provenance(resolved: Any = None, root: str | None = None) -> dict[str, Any]:
 
 def code_key(entry: Mapping[str, Any] | None) -> str:
   """What identifies the code an output was made by: "<sha>" for a clean checkout,
-  "<sha>+<diff hash>" for a dirty one, "unknown" outside a checkout, UNRECORDED for an output
-  with no provenance (written before it was recorded)."""
+  "<sha>+<diff hash>" for a dirty one, "unknown+<package hash>" outside a checkout ("unknown"
+  for an output that recorded no package hash), UNRECORDED for an output with no provenance
+  (written before it was recorded)."""
   if not entry:
     return UNRECORDED
   sha = entry.get("git_sha") or UNKNOWN
   if sha == UNKNOWN:
-    return UNKNOWN
+    package = entry.get("package_sha256")
+    return f"{UNKNOWN}+{package}" if package else UNKNOWN
   diff = entry.get("diff_sha256")
   return f"{sha}+{diff}" if entry.get("dirty") and diff else sha
 
@@ -152,6 +175,8 @@ def describe(key: str) -> str:
     return "unrecorded code (written before provenance was recorded)"
   if key == UNKNOWN:
     return "unknown code (outside a git checkout)"
+  if key.startswith(f"{UNKNOWN}+"):
+    return f"code outside a git checkout (package files {key.partition('+')[2]})"
   sha, _, diff = key.partition("+")
   text = f"commit {sha[:SHA_SHOWN]}"
   return f"{text} with uncommitted changes (diff {diff})" if diff else text

@@ -47,14 +47,21 @@ def test_train_row_hand_flops_and_xla_cost_analysis():
   assert row["flops_per_s"] > 0 and row["fraction_of_peak"] == row["flops_per_s"] / 1e12
 
 
-def test_decode_row_counts_at_the_mean_context():
-  """ "tiny" (untied): weights 2·(9216 + 16 + 64) + 32 + 4096 = 22720 f32 params; batch 1 at
-  c̄ = P + (C₁ + C₂ − 1)/2 = 4 + 7/2."""
+def test_slots_read_per_path():
+  assert roofline.slots_read(10, 104, "reference") == 104
+  assert roofline.slots_read(10, 104, "blockwise") == 104  # one block holds the whole cache
+  assert roofline.slots_read(1000, 4096, "blockwise") == 1024
+  assert roofline.slots_read(299, 300, "blockwise") == 512  # the last block overlaps
+
+
+def test_decode_row_counts_the_slots_the_attention_reads():
+  """ "tiny" (untied): weights 2·(9216 + 16 + 64) + 32 + 4096 = 22720 f32 params; batch 1 with
+  a cache of P + C₂ = 10 slots, which one block holds: every step reads all 10."""
   row = roofline.decode_row("tiny", "float32", 1, 4, (2, 6), repeats=1, peak=PEAK)
-  assert row["mean_context"] == 7.5
+  assert row["mean_context"] == 10
   assert row["weight_bytes"] == 22720 * 4
-  assert row["kv_bytes"] == pytest.approx(7.5 * 2 * 2 * 2 * 8 * 4)  # 1920
-  assert row["flops"] == pytest.approx(2 * 22528 + 4 * 2 * 4 * 8 * 7.5)  # 46976
+  assert row["kv_bytes"] == pytest.approx(10 * 2 * 2 * 2 * 8 * 4)  # 2560
+  assert row["flops"] == pytest.approx(2 * 22528 + 4 * 2 * 4 * 8 * 10)  # 47616
   assert row["matvec_chain_seconds"] > 0
   assert row["fused_chain_over_matvec_chain"] == pytest.approx(
     row["fused_chain_seconds"] / row["matvec_chain_seconds"]

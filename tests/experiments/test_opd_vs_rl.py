@@ -406,3 +406,14 @@ def test_fieller_covers_the_share_where_the_fixed_bootstrap_does_not():
       lo, hi = stats.fieller_share(ref, cell, 0.30)
       fieller += lo <= 0.5 <= hi
     assert boot / 200 < 0.9 and fieller / 200 >= 0.95, (n_ref, n_cell, boot, fieller)
+
+
+def test_negative_seeds_are_refused_and_the_default_cache_path_is_absolute(tmp_path, monkeypatch):
+  config = opd_vs_rl_config.get_config("tiny")
+  config.seeds = (-1,)
+  with pytest.raises(ValueError, match="distinct train seeds >= 0"):
+    opd_vs_rl.blocks(config)
+  config.run.teacher.cache_dir = ""
+  monkeypatch.chdir(tmp_path)
+  cache = opd_vs_rl.resolved(config, "ovr").run.teacher.cache_dir
+  assert cache == os.path.join(str(tmp_path), "ovr", "teacher_cache")

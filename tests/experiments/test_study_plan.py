@@ -176,3 +176,21 @@ def test_plan_flag_prints_and_exits_without_training(tmp_path):
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("plan: 12 runs of 6 steps")
   assert not workdir.exists()
+
+
+def test_a_probe_stopped_before_its_checkpoint_is_not_done(tmp_path):
+  """The trainer makes the checkpoints folder before its first save: an empty folder (or one
+  without the probe's last step) means the probe trains on, as the plan reports."""
+  import ml_collections
+
+  from opd_jax.experiments import study_probe
+
+  config = ml_collections.ConfigDict({"probe_steps": 3})
+  checkpoints = tmp_path / "runs" / study_probe.PROBE / "checkpoints"
+  assert not study_probe.probe_done(config, str(tmp_path))
+  checkpoints.mkdir(parents=True)
+  assert not study_probe.probe_done(config, str(tmp_path))
+  (checkpoints / "2").mkdir()
+  assert not study_probe.probe_done(config, str(tmp_path))
+  (checkpoints / "3").mkdir()
+  assert study_probe.probe_done(config, str(tmp_path))

@@ -137,3 +137,20 @@ def test_command_saves_restores_and_refuses_an_unclear_request(tmp_path):
   both = _command(f"--workdir={workdir}", f"--save={saved}", f"--restore={saved}")
   assert both.returncode == 1
   assert both.stderr.strip() == "error: give exactly one of --save=RECORDS and --restore=RECORDS"
+
+
+def test_runs_behind_a_linked_folder_travel_and_no_temporary_file_is_left(tmp_path):
+  """A workdir whose runs/ is a symbolic link saves those runs too (a link back into the tree
+  is visited once), and every record is written whole by a rename."""
+  real, workdir = str(tmp_path / "elsewhere"), str(tmp_path / "study")
+  _write(os.path.join(real, "a", "result.json"), "{}")
+  _write(os.path.join(real, "a", "metrics.jsonl"), '{"step": 0}\n')
+  os.makedirs(workdir)
+  os.symlink(real, os.path.join(workdir, "runs"))
+  os.symlink(workdir, os.path.join(real, "loop"))
+  saved = str(tmp_path / "records")
+  paths = finished_runs.save(workdir, saved)
+  assert os.path.join("runs", "a", "result.json") in paths
+  assert not any("loop" in p for p in paths)
+  left = [f for _, _, files in os.walk(saved) for f in files if ".tmp" in f]
+  assert left == []

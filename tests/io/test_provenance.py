@@ -80,7 +80,13 @@ def test_outside_a_checkout_everything_is_unknown_and_nothing_raises(tmp_path):
   assert state["git_sha"] == provenance.UNKNOWN
   assert state["dirty"] is None and state["diff_sha256"] is None
   assert state["config_sha256"] == provenance.config_sha256({"a": 1})
-  assert provenance.code_key(state) == provenance.UNKNOWN
+  assert provenance.code_key(state) == f"{provenance.UNKNOWN}+{provenance.package_sha256()}"
+  # Two versions of the package outside git are two keys; an old record without the hash is
+  # still "unknown".
+  other = dict(state, package_sha256="0" * 12)
+  assert provenance.code_key(other) != provenance.code_key(state)
+  assert provenance.code_key(dict(state, package_sha256=None)) == provenance.UNKNOWN
+  assert "package files" in provenance.describe(provenance.code_key(state))
   assert provenance.provenance(root=str(tmp_path / "missing"))["git_sha"] == provenance.UNKNOWN
   assert provenance.code_key(None) == provenance.UNRECORDED  # an output written before
 

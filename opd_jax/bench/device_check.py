@@ -38,7 +38,9 @@ optional part (the roofline's larger model, then the main job's time to target, 
 of priority) the clock is read again, and the part is added only if its estimate fits in what
 is left after the estimates of the current and later sections and of the later sections'
 optional parts of higher priority; what was left out, and why, is in the section's JSON. A
-section that starts with the budget already spent is {"skipped": ...}.
+section that starts with the budget already spent is {"skipped": ...}. At the default 8 minutes
+the estimates leave no room for the main job's time to target, which needs `--minutes=9` or
+more. The budget is planned, not enforced: no section is stopped once it runs.
 
 Output: {"mode", "minutes", "sections": {name: {..., "wall_s"}}, "errors", "total_wall_s"}.
 Every section records its own wall seconds; a section that raises records {"error": "..."}

@@ -34,6 +34,7 @@ DIFF_SHOWN = 12  # hex digits of the diff hash kept
 SHA_SHOWN = 12  # hex digits of a SHA in messages
 UNRECORDED = "unrecorded"  # the code_key of an output written before provenance was recorded
 KEY = "provenance"  # the entry's name in every output
+SEGMENTS = "code_segments"  # a run's code keys in the order they trained it, when several
 _GIT_TIMEOUT_S = 10
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,6 +161,9 @@ def code_key(entry: Mapping[str, Any] | None) -> str:
   (written before it was recorded)."""
   if not entry:
     return UNRECORDED
+  segments = list(dict.fromkeys(entry.get(SEGMENTS) or ()))
+  if len(segments) > 1:  # a run resumed under other code, or code changed while it ran
+    return f"mixed({'|'.join(segments)})"
   sha = entry.get("git_sha") or UNKNOWN
   if sha == UNKNOWN:
     package = entry.get("package_sha256")
@@ -173,6 +177,9 @@ def describe(key: str) -> str:
   changes (diff 9f8e…)", "unknown code (outside a git checkout)", "unrecorded code"."""
   if key == UNRECORDED:
     return "unrecorded code (written before provenance was recorded)"
+  if key.startswith("mixed("):
+    parts = key[len("mixed(") : -1].split("|")
+    return "mixed code: " + ", then ".join(describe(k) for k in parts)
   if key == UNKNOWN:
     return "unknown code (outside a git checkout)"
   if key.startswith(f"{UNKNOWN}+"):

@@ -220,6 +220,11 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     )
     rollout_spec = hook.spec if hook else spec  # e.g. the guard's rung (a resumed run's)
     source = make_rollouts(rollout_spec, setup, prompt_iter, width, state, next_batch)
+    # The code of every stretch of the run: a resumed run carries its earlier ones.
+    code_keys = list(resumed.get(provenance.SEGMENTS, [])) if resumed else []
+    now = provenance.code_key(provenance.code_state())
+    if not code_keys or code_keys[-1] != now:
+      code_keys.append(now)
     try:
       return _train(
         spec,
@@ -237,6 +242,7 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
         stop=stop,
         reference=reference,
         digests=digests,
+        code_keys=code_keys,
       )
     finally:
       source.close()
@@ -326,6 +332,19 @@ class _LagBreakdown:
     return out
 
 
+def _final_provenance(spec: RunSpec, code_keys: list[str]) -> dict:
+  """`provenance.provenance(spec)` at the end, with the code of every stretch of the run under
+  `provenance.SEGMENTS` when there was more than one (the end's included)."""
+  out = provenance.provenance(spec)
+  keys = [*code_keys]
+  end = provenance.code_key(out)
+  if not keys or keys[-1] != end:
+    keys.append(end)
+  if len(set(keys)) > 1:
+    out[provenance.SEGMENTS] = keys
+  return out
+
+
 def _train(
   spec: RunSpec,
   setup,
@@ -342,8 +361,13 @@ def _train(
   stop: StopOnSignal | None = None,
   reference=None,
   digests: dict | None = None,
+  code_keys: list[str] | None = None,
 ) -> dict:
   """The step loop: sample, update, publish, log, evaluate, checkpoint.
+
+  `code_keys` (`provenance.code_key`s, oldest first) names the code of each stretch of the run
+  so far; every checkpoint keeps it, and the result's provenance lists it when the run was
+  trained by more than one version (a resume under other code, or code changed while it ran).
 
   `schedule_steps` is the length of `tx`'s learning-rate schedule (`schedule_length`;
   None = train.steps), stored in every checkpoint for a resumed run to keep. `reference` is
@@ -389,6 +413,7 @@ def _train(
       "schedule_steps": schedule_steps or t.steps,  # the learning-rate schedule's length
       "heldout_slice": evaluate.takes_heldout_slice(spec),  # trained without it (resume check)
       run_history.START_DIGESTS: digests or {},  # the teacher and warm start it started from
+      provenance.SEGMENTS: code_keys or [],  # the code of each stretch so far
     }
     if hook:
       extra[hook.EXTRA_KEY] = hook.checkpoint_extra()  # the rung a resumed run keeps
@@ -462,7 +487,7 @@ def _train(
     "teacher_bootstrap_seconds": setup.teacher_info["seconds"],
     run_history.START_DIGESTS: digests or {},
     "wall_seconds": time.time() - start,
-    provenance.KEY: provenance.provenance(spec),  # the code and config that made the run
+    provenance.KEY: _final_provenance(spec, code_keys or []),  # the code and config
   }
   out = export_dir(spec, writer.workdir)
   if stopped_by is None and out is not None:  # a finished run exports its student

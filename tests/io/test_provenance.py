@@ -109,3 +109,15 @@ def test_config_hash_is_stable_and_sensitive():
   assert provenance.config_sha256({"a": 1}) != provenance.config_sha256({"a": "1"})
   with pytest.raises(ValueError, match="expected a ConfigDict"):
     provenance.config_sha256(3)
+
+
+def test_a_run_trained_by_two_versions_has_a_mixed_key():
+  """A run resumed under other code lists each stretch's code; its key is neither version's, so
+  a study that refuses mixed code refuses it; one version listed twice is that version."""
+  entry = {"git_sha": "b" * 40, "dirty": False, "diff_sha256": None}
+  mixed = dict(entry, code_segments=["a" * 40, "b" * 40])
+  assert provenance.code_key(mixed) == f"mixed({'a' * 40}|{'b' * 40})"
+  assert provenance.code_key(dict(entry, code_segments=["b" * 40, "b" * 40])) == "b" * 40
+  assert provenance.describe(provenance.code_key(mixed)) == (
+    f"mixed code: commit {'a' * 12}, then commit {'b' * 12}"
+  )

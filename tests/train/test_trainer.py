@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from opd_jax.data import pipeline as data
-from opd_jax.io import checkpointing, metrics_writer, params_digest, run_history
+from opd_jax.io import checkpointing, metrics_writer, params_digest, provenance, run_history
 from opd_jax.train import setup as setup_lib
 from opd_jax.train import signals, trainer
 from opd_jax.train.setup import run_spec
@@ -123,6 +123,25 @@ def test_the_result_records_the_teacher_and_warm_start_a_resumed_run_keeps(
   )
   assert resumed["start_step"] == 6
   assert resumed[run_history.START_DIGESTS] == digests
+  # Every checkpoint names the code of the run's stretches; one version: no mixed key.
+  code = provenance.code_key(result[provenance.KEY])
+  assert _restore(ckpt, 6)["extra"][provenance.SEGMENTS] == [code]
+  assert provenance.SEGMENTS not in resumed[provenance.KEY]
+  # Resumed from a checkpoint another version wrote, the result says both.
+  again = tmp_path / "again"
+  shutil.copytree(workdir, again)
+  (extra_file,) = [  # the checkpoint's JSON extra, as another version would have written it
+    p
+    for p in (again / "checkpoints" / "6" / "extra").rglob("*")
+    if p.is_file() and p.suffix != ".tmp" and provenance.SEGMENTS in p.read_text(errors="ignore")
+  ]
+  extra = json.loads(extra_file.read_text())
+  extra[provenance.SEGMENTS] = ["0" * 40]
+  extra_file.write_text(json.dumps(extra))
+  mixed = trainer.run(
+    tiny_config(teacher_cache, **{"train.steps": 8}), str(again), log=lambda *a: None
+  )
+  assert mixed[provenance.KEY][provenance.SEGMENTS] == ["0" * 40, code]
 
 
 def test_empty_prompt_file_is_refused(teacher_cache, tmp_path):

@@ -73,21 +73,24 @@ def code_state(root: str | None = None) -> dict[str, Any]:
   "package_sha256", the hash of the package's own files (`package_sha256`), so that
   `code_key` still tells two versions apart (module docstring)."""
   root = root or PACKAGE_DIR
-  unknown = {
-    "git_sha": UNKNOWN,
-    "dirty": None,
-    "diff_sha256": None,
-    "package_sha256": package_sha256(),
-  }
+
+  def unknown() -> dict[str, Any]:  # the package is hashed only where git cannot say
+    return {
+      "git_sha": UNKNOWN,
+      "dirty": None,
+      "diff_sha256": None,
+      "package_sha256": package_sha256(),
+    }
+
   sha = _git(root, "rev-parse", "--verify", "HEAD")
   top = _git(root, "rev-parse", "--show-toplevel")
   if sha is None or top is None:
-    return unknown
+    return unknown()
   top_dir = top.decode().strip()
   diff = _git(top_dir, "diff", "HEAD", "--binary")
   untracked = _git(top_dir, "ls-files", "--others", "--exclude-standard", "-z", "--", "*.py")
   if diff is None or untracked is None:
-    return unknown
+    return unknown()
   digest = hashlib.sha256(diff)
   new_files = sorted(p for p in untracked.decode().split("\0") if p)
   for path in new_files:

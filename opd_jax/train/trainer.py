@@ -221,10 +221,10 @@ def _run(config, workdir, log, step_hook, start, stop) -> dict:
     rollout_spec = hook.spec if hook else spec  # e.g. the guard's rung (a resumed run's)
     source = make_rollouts(rollout_spec, setup, prompt_iter, width, state, next_batch)
     # The code of every stretch of the run: a resumed run carries its earlier ones.
-    code_keys = list(resumed.get(provenance.SEGMENTS, [])) if resumed else []
-    now = provenance.code_key(provenance.code_state())
-    if not code_keys or code_keys[-1] != now:
-      code_keys.append(now)
+    code_keys = _with_code(
+      resumed.get(provenance.SEGMENTS, []) if resumed else [],
+      provenance.code_key(provenance.code_state()),
+    )
     try:
       return _train(
         spec,
@@ -332,14 +332,17 @@ class _LagBreakdown:
     return out
 
 
+def _with_code(code_keys: list[str], key: str) -> list[str]:
+  """`code_keys` (the code of each stretch of a run, oldest first) with `key` added when the
+  code has changed since the last stretch."""
+  return [*code_keys] if code_keys and code_keys[-1] == key else [*code_keys, key]
+
+
 def _final_provenance(spec: RunSpec, code_keys: list[str]) -> dict:
   """`provenance.provenance(spec)` at the end, with the code of every stretch of the run under
   `provenance.SEGMENTS` when there was more than one (the end's included)."""
   out = provenance.provenance(spec)
-  keys = [*code_keys]
-  end = provenance.code_key(out)
-  if not keys or keys[-1] != end:
-    keys.append(end)
+  keys = _with_code(code_keys, provenance.code_key(out))
   if len(set(keys)) > 1:
     out[provenance.SEGMENTS] = keys
   return out

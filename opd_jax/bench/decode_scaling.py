@@ -45,6 +45,7 @@ import time
 
 from absl import flags
 
+from opd_jax.bench import roofline
 from opd_jax.bench.sampler import MODELS
 from opd_jax.cli import flags as cli_flags
 from opd_jax.cli import runner
@@ -155,11 +156,7 @@ def run(
   for i, (attention, batch) in enumerate(groups):
     timed = _group(cfg, params, attention, batch, repeats, capacities, positions)
     for (kv, slots, t), (ms, per_token) in timed.items():
-      if attention in ("blockwise", "pallas"):  # both read only the filled blocks
-        size = min(block, slots)
-        read = -(-(t + 1) // size) * size  # the last block may overlap the one before it
-      else:
-        read = slots
+      read = roofline.slots_read(t, slots, attention, block)
       rows.append(
         {
           "attention": attention,
@@ -169,9 +166,7 @@ def run(
           "position": t,
           "ms_per_step": round(ms, 3),
           "kv_bytes_read": int(read * per_token * batch),
-          "dequant_copy_bytes": 0
-          if attention in ("blockwise", "pallas")
-          else slots * dequant * batch,
+          "dequant_copy_bytes": 0 if attention in roofline.BLOCK_PATHS else slots * dequant * batch,
         }
       )
     log(f"[{i + 1}/{len(groups)}] {attention}, batch {batch}: {len(timed)} rows timed")

@@ -129,15 +129,21 @@ def matmul_params(cfg: ModelConfig) -> int:
   return cfg.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f) + cfg.vocab_size * d
 
 
-def slots_read(position: int, slots: int, attention: str) -> int:
-  """Cache slots one decode step at `position` reads with a cache of `slots`: all of them for
-  the reference path; for blockwise, ⌈(position + 1) / size⌉ blocks of size = min(BLOCK, slots)
-  (`decode_attention.attend_cache`; its last block may overlap the one before)."""
-  from opd_jax.model import decode_attention
+BLOCK_PATHS = ("blockwise", "pallas")  # the decode attentions that read only the filled blocks
 
-  if attention == "reference":
+
+def slots_read(position: int, slots: int, attention: str, block: int | None = None) -> int:
+  """Cache slots one decode step at `position` reads with a cache of `slots`: for the block
+  paths (BLOCK_PATHS) ⌈(position + 1) / size⌉ blocks of size = min(block, slots), block
+  `decode_attention.BLOCK` unless given (`decode_attention.attend_cache`; its last block may
+  overlap the one before); all of them for any other (the reference)."""
+  if attention not in BLOCK_PATHS:
     return slots
-  size = min(decode_attention.BLOCK, slots)
+  if block is None:
+    from opd_jax.model import decode_attention
+
+    block = decode_attention.BLOCK
+  size = min(block, slots)
   return -(-(position + 1) // size) * size
 
 

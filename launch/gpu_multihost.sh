@@ -21,6 +21,10 @@ if [[ -n "${COORDINATOR:-}" ]]; then
   export JAX_COORDINATOR_ADDRESS="${COORDINATOR}"
   export JAX_NUM_PROCESSES="${NUM_PROCESSES:?set NUM_PROCESSES}"
   export JAX_PROCESS_ID="${PROCESS_ID:?set PROCESS_ID}"
+elif [[ -z "${SLURM_JOB_ID:-}${OMPI_COMM_WORLD_SIZE:-}${PMI_SIZE:-}" ]]; then
+  echo "gpu_multihost.sh: COORDINATOR is unset and no SLURM or MPI job was found, so JAX" \
+    "must detect the cluster itself; outside one, set COORDINATOR=host0:port," \
+    "NUM_PROCESSES and PROCESS_ID on every process" >&2
 fi
 if [[ -n "${LOCAL_DEVICE_IDS:-}" ]]; then
   export JAX_LOCAL_DEVICE_IDS="${LOCAL_DEVICE_IDS}"

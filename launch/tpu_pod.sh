@@ -13,7 +13,9 @@
 # On TPU VMs jax.distributed.initialize() discovers the slice itself (coordinator on worker 0,
 # process id = worker id, one process per worker holding its local chips), so no coordinator
 # variables are passed. JAX_PLATFORMS=tpu makes a worker fail rather than train on its CPU. The
-# workdir must be a path every worker sees (plain file I/O; gs:// URLs are not supported yet).
+# workdir must be a path every worker sees: a shared filesystem or a gs:// URL (workers need
+# `pip install -e ".[gcs]"`; docs/guides/multihost.md). A REPO_DIR of ~/x is read as x under
+# the worker's home.
 set -euo pipefail
 dry_run=0
 if [[ "${1:-}" == "--dry-run" ]]; then
@@ -27,7 +29,9 @@ for var in LIBTPU_INIT_ARGS XLA_FLAGS; do
   if [[ -n "${!var:-}" ]]; then remote_env+=("${var}=${!var}"); fi
 done
 worker_cmd=(env "${remote_env[@]}" "${PYTHON:-python3}" -m opd_jax.main --distributed "$@")
-remote="cd $(printf '%q' "${REPO_DIR:-opd_jax}") && $(printf '%q ' "${worker_cmd[@]}")"
+repo_dir="${REPO_DIR:-opd_jax}"
+repo_dir="${repo_dir#\~/}" # quoted below, so a leading ~/ would not expand: home-relative
+remote="cd $(printf '%q' "${repo_dir}") && $(printf '%q ' "${worker_cmd[@]}")"
 cmd=(gcloud compute tpus tpu-vm ssh "${tpu_name}" "--zone=${zone}" --worker=all)
 if [[ -n "${PROJECT:-}" ]]; then cmd+=("--project=${PROJECT}"); fi
 remote="${remote% }"

@@ -110,7 +110,10 @@ def _json_values(path: str) -> Iterator[tuple[str, Any]]:
       for i, value in enumerate(values):
         yield f"{path}: item {i}", value
       return
-  for i, line in enumerate(text.splitlines(), 1):
+  # Split on "\n" alone: str.splitlines also splits on U+2028/U+2029/U+0085, which JSON
+  # writers with ensure_ascii=False leave raw inside strings (a token's text).
+  for i, line in enumerate(text.split("\n"), 1):
+    line = line.removesuffix("\r")
     if not line.strip():
       continue
     try:
@@ -153,11 +156,12 @@ def read_engine_samples(path: str, fmt: str = "auto") -> list[EngineCompletion]:
       here = where if not isinstance(value, list) else f"{where} [{j}]"
       if not isinstance(record, dict):
         raise ValueError(f"{here}: a record must be a JSON object, got {type(record).__name__}")
+      shape = fmt
       try:
         shape = detect_format(record) if fmt == "auto" else fmt
         out.extend(_PARSERS[shape](record, here))
-      except (KeyError, TypeError) as e:
-        raise ValueError(f"{here}: not a {fmt} record ({type(e).__name__}: {e})") from e
+      except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"{here}: not a {shape} record ({type(e).__name__}: {e})") from e
       except ValueError as e:
         raise ValueError(e.args[0] if str(e).startswith(here) else f"{here}: {e}") from e
   if not out:
@@ -168,7 +172,10 @@ def read_engine_samples(path: str, fmt: str = "auto") -> list[EngineCompletion]:
 def _sampling(record: Mapping) -> dict[str, float]:
   """The SAMPLING_KEYS a record declares, in "sampling_params" or at its top level."""
   found = {}
-  for source in (record, record.get("sampling_params") or {}):
+  params = record.get("sampling_params") or {}
+  if not isinstance(params, Mapping):
+    raise ValueError(f"'sampling_params' must be an object, got {type(params).__name__}")
+  for source in (record, params):
     for key in SAMPLING_KEYS:
       if source.get(key) is not None:
         found[key] = float(source[key])
@@ -295,6 +302,12 @@ def _sglang(record: Mapping, where: str) -> list[EngineCompletion]:
       "missing log-probabilities: meta_info has no 'output_token_logprobs' (request with "
       "return_logprob=True)"
     )
+  for i, triple in enumerate(triples):
+    if not isinstance(triple, list | tuple) or len(triple) < 2:
+      raise ValueError(
+        f"token {i}: an output_token_logprobs entry must be [logprob, token_id, text], "
+        f"got {triple!r}"
+      )
   tokens = [_token_id(t[1], where) for t in triples]
   if record.get("output_ids") is not None and list(record["output_ids"]) != tokens:
     raise ValueError("output_ids and the token ids of output_token_logprobs differ")
@@ -302,6 +315,17 @@ def _sglang(record: Mapping, where: str) -> list[EngineCompletion]:
   tops = meta.get("output_top_logprobs")
   alternatives = None
   if tops:
+    if len(tops) != len(tokens):
+      raise ValueError(
+        f"output_top_logprobs has {len(tops)} positions but the completion {len(tokens)} "
+        "tokens: the alternatives cannot be matched to the tokens"
+      )
+    for i, top in enumerate(tops):
+      for a in top or []:
+        if not isinstance(a, list | tuple) or len(a) < 2:
+          raise ValueError(
+            f"token {i}: an output_top_logprobs entry must be [logprob, token_id, text], got {a!r}"
+          )
     alternatives = [
       {_token_id(a[1], where): _logprob(a[0], f"{where} token {i}") for a in (top or [])}
       for i, top in enumerate(tops)

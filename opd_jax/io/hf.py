@@ -37,6 +37,7 @@ import numpy as np
 import safetensors
 from safetensors.numpy import save_file
 
+from opd_jax.io import staged_dir
 from opd_jax.io.hf_layout import TensorSpec, tensor_specs
 from opd_jax.model.config import ModelConfig
 from opd_jax.model.quant import QArray
@@ -270,7 +271,12 @@ def load_checkpoint(
         except (safetensors.SafetensorError, OSError) as e:
           raise ValueError(f"cannot read safetensors file {file}: {e}") from e
       handle = handles[file]
-      found = tuple(handle.get_slice(spec.hf_name).get_shape())
+      try:
+        found = tuple(handle.get_slice(spec.hf_name).get_shape())
+      except safetensors.SafetensorError as e:
+        raise ValueError(
+          f"{spec.hf_name!r} is mapped to {file}, which does not hold it (the map: {searched}; {e})"
+        ) from e
       if found != spec.hf_shape:
         raise ValueError(
           f"tensor {spec.hf_name!r} in {file} has shape {found}, but config.json "
@@ -333,8 +339,10 @@ def save_checkpoint(
   weights in HF layout, each tensor in its own dtype. Models up to
   `max_shard_bytes` go to one model.safetensors; larger ones to
   model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json.
-  Weight files (and a generation_config.json) already in `path` are removed
-  first so that no stale shard, index or generation config survives. The host
+  The whole checkpoint is written beside `path` and then takes its place
+  (`staged_dir.replaced_directory`), so a write that fails part way leaves the
+  old checkpoint whole, and no stale shard, index or generation config
+  survives; other files in `path` (a tokenizer, a README) are kept. The host
   holds at most one shard at a time; params must be fully addressable from this
   process.
 
@@ -349,10 +357,12 @@ def save_checkpoint(
       an `eos_token_id`. None writes neither (a cache that only opd_jax reads).
 
   Raises:
-    ValueError: params hold a QArray, lack or add a tensor relative to `cfg`,
+    ValueError: a `cfg` that config.json cannot express (`hf_expressible`);
+      params hold a QArray, lack or add a tensor relative to `cfg`,
       or have a tensor of the wrong shape; a generation_config without an int
       (or list of int) eos_token_id or with an id outside the vocabulary.
   """
+  hf_expressible(cfg)
   if generation_config is not None:
     _check_ids(generation_config, cfg.vocab_size)
   quantized = [
@@ -392,12 +402,50 @@ def save_checkpoint(
       f"o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}): {', '.join(extra)}"
     )
 
-  directory = os.fspath(path)
-  os.makedirs(directory, exist_ok=True)
-  for name in os.listdir(directory):
-    if name in (SINGLE_FILE, INDEX_FILE, GENERATION_CONFIG_FILE) or _SHARD_FILE.match(name):
-      os.remove(os.path.join(directory, name))
+  with staged_dir.replaced_directory(path, owned_by_checkpoint) as directory:
+    dtype = _dtype_name(params["embed_vd"].dtype)
+    _write_checkpoint(directory, cfg, specs, leaves, dtype, max_shard_bytes, generation_config)
 
+
+def hf_expressible(cfg: ModelConfig) -> None:
+  """Refuses a `cfg` whose config.json transformers would read as another architecture.
+
+  config.json says only `model_type` and `attention_bias`, so (as `ModelConfig.from_hf_dict`
+  reads them) Qwen3 has the q/k norm and the others do not, Qwen2 has q/k/v biases and no
+  output bias, and Llama/Qwen3 have the q/k/v and output biases together or not at all.
+
+  Raises:
+    ValueError: naming the flags config.json cannot carry.
+  """
+  problems = []
+  if cfg.qk_norm != (cfg.model_type == "qwen3"):
+    problems.append(
+      f"qk_norm={cfg.qk_norm} (a {cfg.model_type} config.json implies {cfg.model_type == 'qwen3'})"
+    )
+  if cfg.model_type == "qwen2" and not (cfg.qkv_bias and not cfg.o_bias):
+    problems.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} (qwen2 implies True, False)")
+  if cfg.model_type != "qwen2" and cfg.qkv_bias != cfg.o_bias:
+    problems.append(f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias} (attention_bias sets both)")
+  if problems:
+    raise ValueError(
+      f"a Hugging Face config.json cannot express this {cfg.model_type} model: "
+      f"{'; '.join(problems)}; transformers would load it as a different model"
+    )
+
+
+def owned_by_checkpoint(name: str) -> bool:
+  """Whether `save_checkpoint` owns the file `name` of a checkpoint directory: the weights
+  (single file, shards, index), config.json and generation_config.json."""
+  return name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE) or bool(
+    _SHARD_FILE.match(name)
+  )
+
+
+def _write_checkpoint(
+  directory, cfg, specs, leaves, dtype, max_shard_bytes, generation_config
+) -> None:
+  """Writes the checked `leaves` (in `specs` order) and the JSON files, config.json's dtype
+  `dtype`, into the empty `directory`."""
   shards = _plan_shards(specs, leaves, max_shard_bytes)
   weight_map, total = {}, 0
   for s, members in enumerate(shards):
@@ -417,7 +465,6 @@ def save_checkpoint(
     with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as fh:
       json.dump(index, fh, indent=2, sort_keys=True)
 
-  dtype = _dtype_name(params["embed_vd"].dtype)
   hf = cfg.to_hf_dict() | {"torch_dtype": dtype, "dtype": dtype}
   if generation_config is not None:
     hf |= {k: generation_config[k] for k in ID_KEYS if k in generation_config}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
-from opd_jax.io import hf
+from opd_jax.io import hf, staged_dir
 from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model.config import ModelConfig
 
@@ -151,16 +153,25 @@ def save_char_tokenizer(tokenizer, path, max_length: int = 4096) -> list[str]:
 
 
 def export_student(
-  path, cfg: ModelConfig, params, tokenizer, tokenizer_dir=None, source_dir=None
+  path,
+  cfg: ModelConfig,
+  params,
+  tokenizer,
+  tokenizer_dir=None,
+  source_dir=None,
+  finish: Callable[[str], None] | None = None,
 ) -> list[str]:
   """Writes a student as a directory that `transformers` loads, tokenizer included.
 
   `save_checkpoint` with `generation_config(tokenizer, source_dir)` (so config.json
   and generation_config.json carry the bos/eos/pad ids), then the tokenizer:
   the files of `tokenizer_dir` copied as they are, or, without one, the built-in
-  character tokenizer as a fast tokenizer (`save_char_tokenizer`). Tokenizer
-  files already in `path` are removed first, so none of an earlier export's
-  tokenizer survives.
+  character tokenizer as a fast tokenizer (`save_char_tokenizer`). The export is
+  written beside `path` and then takes its place (`staged_dir.replaced_directory`):
+  a failure part way leaves the old directory whole; no weight, config or tokenizer
+  file of an earlier export survives; other files in `path` are kept. `path` may be
+  the directory the tokenizer comes from. A `gs://` path is written to a local
+  directory first and then uploaded (`staged_dir.upload`, config.json last).
 
   Args:
     path: output directory (created if needed).
@@ -171,14 +182,17 @@ def export_student(
       `HFTokenizer` was loaded from (`load_tokenizer`); a `CharTokenizer` needs none.
     source_dir: the HF checkpoint the student started from (`config.student.
       checkpoint`), whose generation_config.json sampling defaults are kept; or None.
+    finish: called with the staging directory after the rest is written, to add files
+      (a record) that must land with the export or not at all; or None.
 
   Returns:
     the names of the files in `path`, sorted.
 
   Raises:
     ValueError / FileNotFoundError: as `save_checkpoint`; a `tokenizer_dir` without tokenizer
-      files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. Checked before
-      anything is written.
+      files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. The tokenizer
+      and the config are checked before anything is written, and nothing in `path` changes
+      unless the whole export succeeds.
   """
   if not tokenizer_dir and isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     tokenizer_dir = tokenizer.hf.name_or_path  # the local directory it was loaded from
@@ -190,14 +204,22 @@ def export_student(
       "exported; only the built-in CharTokenizer is written without one"
     )
   generation = generation_config(tokenizer, source_dir)
-  directory = os.fspath(path)
-  hf.save_checkpoint(directory, cfg, params, generation_config=generation)
-  for name in TOKENIZER_FILES:
-    file = os.path.join(directory, name)
-    if os.path.isfile(file):
-      os.remove(file)
-  if tokenizer_dir:
-    copy_tokenizer_files(tokenizer_dir, directory)
-  else:
-    save_char_tokenizer(tokenizer, directory, cfg.max_position_embeddings)
-  return sorted(os.listdir(directory))
+  hf.hf_expressible(cfg)
+
+  def owned(name: str) -> bool:
+    return hf.owned_by_checkpoint(name) or name in TOKENIZER_FILES
+
+  if "://" in os.fspath(path):  # an object store: written here, then uploaded
+    with tempfile.TemporaryDirectory(prefix="opd_export_") as local:
+      export_student(local, cfg, params, tokenizer, tokenizer_dir, source_dir, finish)
+      return staged_dir.upload(local, os.fspath(path), owned, last=hf.CONFIG_FILE)
+
+  with staged_dir.replaced_directory(path, owned) as stage:
+    hf.save_checkpoint(stage, cfg, params, generation_config=generation)
+    if tokenizer_dir:  # read from where it is, which may be `path` itself, still whole
+      copy_tokenizer_files(tokenizer_dir, stage)
+    else:
+      save_char_tokenizer(tokenizer, stage, cfg.max_position_embeddings)
+    if finish is not None:
+      finish(stage)
+  return sorted(os.listdir(path))

@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -280,6 +281,15 @@ def place_rows(host_bx: np.ndarray, mesh, rules=DEFAULT_RULES) -> jax.Array:
     )
   layout = batch_sharding(mesh, host_bx.ndim, rules)
   return jax.make_array_from_callback(host_bx.shape, layout, lambda index: host_bx[index])
+
+
+def to_host(tree):
+  """Every leaf of `tree` as one whole host array, gathered across processes where a leaf
+  spans them (`process_allgather`). Every process must call it: with several processes it
+  is a collective, so calling it from process 0 alone hangs or fails the others."""
+  if jax.process_count() > 1:
+    return multihost_utils.process_allgather(tree, tiled=True)
+  return jax.device_get(tree)
 
 
 def local_rows(x) -> list[tuple[int, np.ndarray]]:

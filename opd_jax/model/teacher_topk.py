@@ -193,7 +193,10 @@ def from_logits(logits, top_k: int, temperature: float = 1.0) -> TopKTeacher:
     count = jnp.zeros(z.shape[:-1], jnp.int32)
     return TopKTeacher(top_z - log_z[..., None], ids, empty, count, float(temperature))
   in_tail = ~_in_set(ids, vocab) & (z > -jnp.inf)
-  m_t = _finite_or_zero(jnp.max(jnp.where(in_tail, z, -jnp.inf), axis=-1))
+  max_t = jnp.max(jnp.where(in_tail, z, -jnp.inf), axis=-1)
+  # An empty tail takes m_t = m_1, so that exp(m_t − m_1) · s_t = 1 · 0 even where the
+  # logits are far below 0 (a fallback of 0 would overflow exp to inf, and inf · 0 is NaN).
+  m_t = jnp.where(jnp.isfinite(max_t), max_t, m_1)
   tail_sum = jnp.sum(jnp.where(in_tail, jnp.exp(z - m_t[..., None]), 0.0), axis=-1)
   # Counted in f32 (exact below 2^24 tokens): XLA's CPU backend reduces f32, not int, fast.
   count = jnp.sum(jnp.where(in_tail, 1.0, 0.0), axis=-1).astype(jnp.int32)

@@ -2,12 +2,12 @@
 
 `export_run(workdir, out, step)` restores the student params of the run's orbax checkpoint at
 `step` (default: the latest) as `io.run_history.RunHistory` restores them, and
-writes `out` with `export_student`, as a finished run exports itself: model.safetensors,
-config.json and generation_config.json with the bos/eos/pad ids, and the tokenizer (the run's
-Hugging Face tokenizer files copied, or the built-in character tokenizer as a `transformers`
-fast tokenizer; `hf_export.export_student`), and `run_history.EXPORT_RECORD`, the step and the run's
-config it holds. `out` loads with `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained`.
+writes `out` with `export_student`, as a finished run exports itself: model.safetensors (or
+shards and their index, over 4 GiB), config.json and generation_config.json with the
+bos/eos/pad ids, and the tokenizer (the run's Hugging Face tokenizer files copied, or the
+built-in character tokenizer as a `transformers` fast tokenizer; `hf_export.export_student`),
+and `run_history.EXPORT_RECORD`, the step and the run's config it holds. `out` loads with
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
 
 A padded student (an embedding table with more rows than its tokenizer has ids; the run
 trained it with logits cut to the tokenizer's V_real, `ModelConfig.logical_vocab_size`) is
@@ -36,13 +36,12 @@ from collections.abc import Callable
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
 from opd_jax.io import build, hf, hf_export, provenance, run_history
 from opd_jax.io.run_history import EXPORT_RECORD, run_fingerprint
-from opd_jax.model import tokenizer
+from opd_jax.model import sharding, tokenizer
 from opd_jax.model import transformer as model
 from opd_jax.train import setup as setup_lib
 
@@ -210,17 +209,23 @@ def export_student(
   when "char"), and the generation defaults of the HF checkpoint the student came from, if any.
 
   `params` are those of the run's checkpoint `step`: `out` also gets the `EXPORT_RECORD` of
-  that step, the run's config and its provenance (`io.provenance`), written last, after the
-  weights.
+  that step, the run's config and its provenance (`io.provenance`), which lands with the
+  weights or not at all (`hf_export.export_student`'s `finish`).
 
   Every process must call it (params are gathered across processes); process 0 writes.
   Returns the names of the files in `out` (on other processes: []).
   """
-  if jax.process_count() > 1:
-    params = multihost_utils.process_allgather(params, tiled=True)
+  params = sharding.to_host(params)  # every process: params may span them
   if jax.process_index() != 0:
     return []
   tokenizer_path = build.tokenizer_path(spec)
+  record = {"step": step, "config": run_fingerprint(spec)}
+  record[provenance.KEY] = provenance.provenance(spec)  # the code that wrote the export
+
+  def write_record(directory: str) -> None:
+    with open(os.path.join(directory, EXPORT_RECORD), "w", encoding="utf-8") as f:
+      json.dump(record, f, indent=1, sort_keys=True)
+
   files = hf_export.export_student(
     out,
     models.student_cfg,
@@ -228,11 +233,7 @@ def export_student(
     models.tokenizer,
     tokenizer_dir=None if tokenizer_path == "char" else tokenizer_path,
     source_dir=spec.student.checkpoint or None,
+    finish=write_record,
   )
-  with open(os.path.join(out, EXPORT_RECORD), "w", encoding="utf-8") as f:
-    record = {"step": step, "config": run_fingerprint(spec)}
-    record[provenance.KEY] = provenance.provenance(spec)  # the code that wrote the export
-    json.dump(record, f, indent=1, sort_keys=True)
-  files = sorted({*files, EXPORT_RECORD})
   log(f"student exported as a Hugging Face checkpoint to {out}: {', '.join(files)}")
   return files

@@ -154,7 +154,10 @@ def per_token_kl(p_logits, q_logits, top_k: int | None = None):
 
 
 def masked_mean(x_bt, mask_bt):
-  """Σ m·x / max(Σ m, 1) in f32; values at masked-out positions (even inf/NaN) are ignored."""
+  """Σ m·x / max(Σ m, 1) in f32; values at masked-out positions (even inf/NaN) are ignored.
+
+  Their gradients are not: the masked term's cotangent is 0, and 0 times a non-finite
+  derivative is NaN, so a loss must make its masked-out terms finite before this mean."""
   m = mask_bt.astype(jnp.float32)
   x = jnp.where(m > 0, x_bt.astype(jnp.float32), 0.0)
   return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -253,8 +256,12 @@ def _bins(student_logits, teacher, mask):
   """(student [B, T, K] log-probs with gradient, teacher [B, T, K] log-probs without, the
   teacher as a `TeacherDistribution`), on the teacher's bins."""
   teacher = _checked(student_logits, teacher, mask)
-  teacher_lp = jax.lax.stop_gradient(teacher.bin_logprobs())
-  return teacher.student_bin_logprobs(student_logits), teacher_lp, teacher
+  teacher_lp = teacher.bin_logprobs()
+  # At masked-out positions the teacher becomes uniform over its K bins: a −inf teacher
+  # log-prob there (padding id 0) would make the masked term's gradient 0 · inf = NaN.
+  uniform = -jnp.log(jnp.float32(teacher_lp.shape[-1]))
+  teacher_lp = jnp.where(mask[..., None] > 0, teacher_lp, uniform)
+  return teacher.student_bin_logprobs(student_logits), jax.lax.stop_gradient(teacher_lp), teacher
 
 
 def _other_rows_mean(x_bt, mask_bt):
@@ -343,7 +350,9 @@ def reverse_kl_sampled(
   """
   teacher = _checked(student_logits, teacher, mask)
   _check_sampled_args(tokens, mask, behaviour_logprobs, is_clip, advantage_clip, baseline)
-  teacher_lp = jax.lax.stop_gradient(teacher.token_logprobs(tokens))
+  # Masked-out positions (padding) may hold any teacher log-prob, −inf included; zero them so
+  # that no 0 · inf = NaN reaches the gradient through the masked term.
+  teacher_lp = jnp.where(mask > 0, jax.lax.stop_gradient(teacher.token_logprobs(tokens)), 0.0)
   student_lp = token_logprobs(student_logits, tokens)
   advantage = jax.lax.stop_gradient(teacher_lp - student_lp)
   if is_clip is None:

@@ -388,8 +388,9 @@ def bootstrap_teacher(
     log=log,
   )
   seconds = time.time() - start
+  host = sharding.to_host(params)  # every process: params may span them
   if jax.process_index() == 0:  # a killed bootstrap never leaves a half-written cache
-    save_cached(directory, cfg, jax.device_get(params), record)
+    save_cached(directory, cfg, host, record)
   return params, {"cached": False, "seconds": seconds, "path": directory} | _record_info(record)
 
 

@@ -31,7 +31,7 @@ from opd_jax.data import prompts, task
 from opd_jax.inference import sampler, transform
 from opd_jax.io import build
 from opd_jax.io.run_history import check_same_run, run_fingerprint
-from opd_jax.model import kvcache
+from opd_jax.model import kvcache, sharding
 from opd_jax.rollout import worker as rollout_worker
 from opd_jax.train import evaluate, pretrain, train_step
 from opd_jax.train import mismatch_metrics as mismatch
@@ -391,8 +391,10 @@ def warm_started_student(spec: RunSpec, setup: Setup, log=print, cache_dir: str 
   )
   # Another run that saved the same warm start first saved the same params: save_cached keeps
   # its entry.
-  if directory and jax.process_index() == 0 and not pretrain.is_cached(directory):
-    pretrain.save_cached(directory, m.student_cfg, jax.device_get(params))
+  if directory:
+    host = sharding.to_host(params)  # every process: params may span them
+    if jax.process_index() == 0 and not pretrain.is_cached(directory):
+      pretrain.save_cached(directory, m.student_cfg, host)
   return params
 
 
@@ -436,6 +438,20 @@ def check_shapes(spec: RunSpec, task_cfg: task.TaskConfig, mesh) -> None:
       f"data.batch_size={spec.data.batch_size} must be a multiple of the data x fsdp "
       f"devices ({batch_devices})"
     )
+  supervised = (  # the supervised batches, placed as the prompts are (`pretrain`)
+    ("teacher.pretrain_batch_size", spec.teacher.pretrain_batch_size, not spec.teacher.checkpoint),
+    (
+      "student.warmup_batch_size",
+      spec.student.warmup_batch_size,
+      not spec.student.checkpoint and spec.student.warmup_steps > 0,
+    ),
+  )
+  for key, size, used in supervised:
+    if used and size % batch_devices:
+      raise ValueError(
+        f"{key}={size} must be a multiple of the data x fsdp devices ({batch_devices}): its "
+        "supervised batches are split over them as the prompts are"
+      )
   rollout_worker.rollout_mesh(
     r, spec.data.batch_size, mesh
   )  # a rollout mesh must fit the devices and batch

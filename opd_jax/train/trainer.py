@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from opd_jax.config import check as config_check
 from opd_jax.config.spec import RunSpec
@@ -79,9 +78,7 @@ def _scalars(metrics) -> dict[str, float]:
 
 def _to_host(x) -> np.ndarray:
   """A batch-sharded array as one host array, gathered across processes if needed."""
-  if jax.process_count() > 1:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
+  return np.asarray(sharding.to_host(x))
 
 
 class Evaluator:

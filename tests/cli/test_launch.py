@@ -300,11 +300,19 @@ COMPARED = (
 # both (the default with several processes, asked for with one), so neither depends on timing.
 LAUNCHED = {
   "fp8_async": (["--config=fp8_async.py:tiny"], ["--config.rollout.dispatch=inline"]),
-  "fp8_async_devices_apart": (
-    ["--config=fp8_async.py:tiny", "--config.rollout.devices=4"],
+  # fsdp spans the processes, and each run bootstraps its own teacher and warm start: the
+  # params are gathered on every process before process 0 caches them.
+  "fp8_async_devices_apart_fsdp": (
+    [
+      "--config=fp8_async.py:tiny",
+      "--config.rollout.devices=4",
+      "--config.mesh.data=1",
+      "--config.mesh.fsdp=-1",
+    ],
     ["--config.rollout.dispatch=inline"],
   ),
 }
+OWN_CACHES = {"fp8_async_devices_apart_fsdp"}  # cases whose runs each fill an empty cache
 
 
 @pytest.fixture(scope="module")
@@ -320,24 +328,46 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(
   """launch/local_multiprocess.sh end to end: the same curve from 2 processes x 4 CPU devices
   as from 1 x 8, only process 0 writes, and the checkpoints are those of the one-process run.
   For the main job (fp8_async: FP8 engine, async rollouts scored by the teacher), with the
-  rollouts on the trainer's devices and on 4 devices of their own (2 of each process's)."""
+  rollouts on the trainer's devices and on 4 devices of their own (2 of each process's), the
+  latter with fsdp across the processes and its own teacher bootstrap and warm start."""
   config_flags, single_only = LAUNCHED[case]
-  flags = [*config_flags, f"--config.teacher.cache_dir={launch_teacher_cache}"]
   one, two = tmp_path / "one", tmp_path / "two"
+
+  def cache(run):
+    return tmp_path / f"cache_{run.name}" if case in OWN_CACHES else launch_teacher_cache
+
   devices = "--xla_force_host_platform_device_count="
   single = _run(
-    [sys.executable, "-m", "opd_jax.main", *flags, *single_only, f"--workdir={one}"],
+    [
+      sys.executable,
+      "-m",
+      "opd_jax.main",
+      *config_flags,
+      f"--config.teacher.cache_dir={cache(one)}",
+      *single_only,
+      f"--workdir={one}",
+    ],
     {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_with(f"{devices}8")},
     timeout=900,
   )
   assert single.returncode == 0, single.stderr[-4000:]
   assert "process 0/1 holding 8 of 8 devices (cpu)" in single.stdout
   multi = _run(
-    ["bash", "launch/local_multiprocess.sh", "2", *flags, f"--workdir={two}"],
+    [
+      "bash",
+      "launch/local_multiprocess.sh",
+      "2",
+      *config_flags,
+      f"--config.teacher.cache_dir={cache(two)}",
+      f"--workdir={two}",
+    ],
     {"XLA_FLAGS": xla_flags_with(f"{devices}4")},
     timeout=900,
   )
   assert multi.returncode == 0, multi.stderr[-4000:]
+  if case in OWN_CACHES:  # process 0 wrote the teacher and the warm start, as one process did
+    assert "bootstrapping teacher" in multi.stdout and "warm-starting the student" in multi.stdout
+    assert sorted(p.name[:7] for p in cache(two).iterdir()) == ["student", "teacher"]
   for i in (0, 1):  # every process says what it holds, once
     assert multi.stdout.count(f"process {i}/2 holding 4 of 8 devices (cpu)") == 1
 

@@ -7,8 +7,10 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 set for that process only.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +189,23 @@ def test_rollout_engine_and_evaluation_match_unsharded_on_2x2x2(eight_devices):
   assert set(split) == set(ref)
   for name, value in ref.items():
     assert split[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize(
+  "changes, key",
+  [
+    ({}, "teacher.pretrain_batch_size=64"),
+    ({("teacher", "checkpoint"): "/some/teacher"}, "student.warmup_batch_size=64"),
+  ],
+)
+def test_supervised_batches_must_split_over_the_batch_devices(changes, key):
+  """The teacher bootstrap and the warm start place their batches as the prompts are: a size
+  the data x fsdp devices do not divide is refused before any weights load, naming the key."""
+  config = base.get_config()
+  config.data.batch_size = 48
+  for (group, name), value in changes.items():
+    config[group][name] = value
+  spec = setup_lib.run_spec(config)
+  mesh = types.SimpleNamespace(shape={"data": 6, "fsdp": 1, "tensor": 1})  # its shape alone
+  with pytest.raises(ValueError, match=rf"{re.escape(key)} must be a multiple of the data x fsdp"):
+    setup_lib.check_shapes(spec, setup_lib.task_config(spec), mesh)

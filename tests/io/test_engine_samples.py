@@ -128,6 +128,18 @@ def test_each_shape_is_read_with_its_tokens_logprobs_and_prompt(tmp_path):
     ),
     ({"meta_info": {"id": "x"}}, "return_logprob=True"),
     ({"choices": []}, "none of the known shapes"),
+    ({"meta_info": {"output_token_logprobs": [[-0.25]]}}, "must be [logprob, token_id, text]"),
+    (  # alternatives for one position of two: they cannot be matched to the tokens
+      {
+        "meta_info": {
+          "output_token_logprobs": [[-0.25, 7, None], [-0.1, 2, None]],
+          "output_top_logprobs": [[[-0.25, 7, None]]],
+        }
+      },
+      "1 positions but the completion 2 tokens",
+    ),
+    ({**PLAIN, "sampling_params": [0.7]}, "'sampling_params' must be an object"),
+    ({**VLLM, "outputs": [{"logprobs": []}]}, "not a vllm record (KeyError"),
   ],
 )
 def test_what_the_estimate_cannot_read_is_refused_when_read(tmp_path, record, words):
@@ -135,6 +147,19 @@ def test_what_the_estimate_cannot_read_is_refused_when_read(tmp_path, record, wo
   with pytest.raises(ValueError, match="bad.jsonl:1") as e:
     samples_io.read_engine_samples(path)
   assert words in str(e.value)
+
+
+def test_a_raw_unicode_line_separator_inside_a_string_is_not_a_line_break(tmp_path):
+  """JSON writers with ensure_ascii=False leave U+2028/U+2029/U+0085 raw inside strings."""
+  records = [
+    {**PLAIN, "text": "a\u2028b\u0085c"},
+    {**VLLM, "outputs": [{**VLLM["outputs"][0], "text": "x\u2029y"}]},
+  ]
+  path = tmp_path / "raw.jsonl"
+  path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\r\n")
+  assert "\u2028" in path.read_text()
+  read = samples_io.read_engine_samples(str(path))
+  assert [c.where.rsplit(":", 1)[1].split()[0] for c in read] == ["1", "2"]
 
 
 def _check(completions, **kw):

@@ -23,8 +23,9 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from opd_jax.budget import fit_budget
-from opd_jax.io import build, checkpointing, metrics_writer
+from opd_jax.io import build, checkpointing, hf_export, metrics_writer
 from opd_jax.mismatch import budget_file
+from opd_jax.model import tokenizer as tokenizer_lib
 from opd_jax.model import transformer as model
 from opd_jax.train import preflight, pretrain
 from opd_jax.train import setup as setup_lib
@@ -251,3 +252,20 @@ def test_a_second_warm_start_loads_the_first_and_one_cached_meanwhile_is_kept(bu
   _assert_same_params(trained, again)
   assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]  # no .tmp left
   _assert_same_params(untrained, pretrain.load_cached(other, jax.numpy.float32, None))
+
+
+def test_an_export_to_a_bucket_lands_in_the_bucket(bucket, tmp_path, monkeypatch):
+  """A gs:// export is uploaded whole, not written to a local folder named "gs:"; a second
+  export removes the first one's weight and tokenizer objects that it does not write."""
+  monkeypatch.chdir(tmp_path)
+  cfg = tiny_model_cfg(vocab_size=tokenizer_lib.CharTokenizer().vocab_size)
+  params = model.init_params(jax.random.key(0), cfg)
+  out = f"{bucket}/run/export"
+  (epath.Path(out) / "vocab.json").parent.mkdir(parents=True, exist_ok=True)
+  (epath.Path(out) / "vocab.json").write_text("{}")  # an earlier tokenizer's file
+  (epath.Path(out) / "README.md").write_text("kept")
+  names = hf_export.export_student(out, cfg, params, tokenizer_lib.CharTokenizer())
+  local = hf_export.export_student(tmp_path / "local", cfg, params, tokenizer_lib.CharTokenizer())
+  assert names == sorted([*local, "README.md"]) and not (tmp_path / "gs:").exists()
+  for name in local:
+    assert (epath.Path(out) / name).read_bytes() == (tmp_path / "local" / name).read_bytes()

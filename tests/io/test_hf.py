@@ -323,8 +323,8 @@ def test_save_rejects_quantized_and_mismatched_params(tmp_path):
 # Export: generation ids, generation_config.json and the tokenizer.
 
 
-def _tiny_params(cfg):
-  return model.init_params(jax.random.key(0), cfg)
+def _tiny_params(cfg, seed=0):
+  return model.init_params(jax.random.key(seed), cfg)
 
 
 def _no_bos_fast_tokenizer():
@@ -461,3 +461,71 @@ def test_export_student_refuses_before_writing(tmp_path):
   with pytest.raises(FileNotFoundError, match="tokenizer directory .* does not exist"):
     hf_export.export_student(out, cfg, params, no_bos, tokenizer_dir=tmp_path / "gone")
   assert not out.exists()
+
+
+def test_export_into_its_own_tokenizer_directory(tmp_path):
+  """A run trained from an export writes its export back over it: the tokenizer is read from
+  the old directory before the new one replaces it, and nothing of the old weights is left."""
+  cfg = tiny_model_cfg(vocab_size=21)
+  no_bos = _no_bos_tokenizer(tmp_path / "tok")
+  out = tmp_path / "out"
+  first = hf_export.export_student(out, cfg, _tiny_params(cfg), no_bos)
+  (out / "README.md").write_text("kept")  # not the export's: it survives
+  again = tokenizer_lib.load_tokenizer(str(out))
+  params = _tiny_params(cfg, seed=1)
+  files = hf_export.export_student(out, cfg, params, again)
+  assert files == sorted([*first, "README.md"]) and (out / "README.md").read_text() == "kept"
+  for name in first:
+    if name in hf_export.TOKENIZER_FILES:
+      assert (out / name).read_bytes() == (tmp_path / "tok" / name).read_bytes()
+  _, reloaded = hf.load_checkpoint(out)
+  jax.tree.map(np.testing.assert_array_equal, reloaded, params)
+
+
+def test_failed_save_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
+  cfg = tiny_model_cfg(vocab_size=21)
+  params = _tiny_params(cfg)
+  hf.save_checkpoint(tmp_path / "ckpt", cfg, params)
+  before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+  calls = []
+
+  def full_disk(tensors, file, metadata=None):
+    calls.append(file)
+    if len(calls) == 2:
+      raise OSError(28, "No space left on device")
+    save_file(tensors, file, metadata=metadata)
+
+  monkeypatch.setattr(hf, "save_file", full_disk)
+  with pytest.raises(OSError, match="No space"):
+    hf.save_checkpoint(tmp_path / "ckpt", cfg, _tiny_params(cfg, seed=1), max_shard_bytes=2_000)
+  assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left
+
+
+@pytest.mark.parametrize(
+  "model_type, flags, named",
+  [
+    ("llama", {"qk_norm": True}, "qk_norm=True"),
+    ("qwen3", {}, "qk_norm=False"),
+    ("qwen2", {"qkv_bias": False}, "qkv_bias=False, o_bias=False"),
+    ("llama", {"qkv_bias": True}, "qkv_bias=True, o_bias=False"),
+  ],
+)
+def test_save_refuses_a_config_json_cannot_express(tmp_path, model_type, flags, named):
+  cfg = ModelConfig(model_type, 21, 16, 32, 1, 2, 1, 8, **flags)
+  with pytest.raises(ValueError, match=f"cannot express this {model_type} model: .*{named}"):
+    hf.save_checkpoint(tmp_path / "out", cfg, {})
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_shard_index_naming_the_wrong_file_is_a_value_error(make_hf_checkpoint, tmp_path):
+  path = tmp_path / "ckpt"
+  shutil.copytree(make_hf_checkpoint("qwen2", max_shard_size="20KB").path, path)  # shared
+  index_file = path / "model.safetensors.index.json"
+  index = json.loads(index_file.read_text())
+  first = sorted(set(index["weight_map"].values()))[0]
+  moved = next(n for n, f in index["weight_map"].items() if f != first)
+  index["weight_map"][moved] = first
+  index_file.write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=f"'{re.escape(moved)}' is mapped to .*{first}"):
+    hf.load_checkpoint(path)

@@ -397,3 +397,40 @@ def test_bad_arguments():
     losses.forward_kl(S[:, :2], _sparse(TCH, 2), MASK[:, :2])
   with pytest.raises(ValueError, match="tokens"):
     losses.token_logprobs(S, TOKENS[:, :2])
+
+
+@pytest.mark.parametrize(
+  "loss_name", ["reverse_kl_sampled", "reverse_kl_full", "forward_kl", "jsd"]
+)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_minus_inf_teacher_at_a_masked_position_leaves_the_gradient_finite(loss_name, sparse):
+  """Padding (masked, token 0) where the teacher gives token 0 no mass: the masked term is
+  ignored in the value and must be in the gradient too (0 · inf would be NaN)."""
+  teacher = TCH.copy()
+  teacher[1, 2, 0] = -np.inf  # only at the masked position (row 1, position 2)
+  tokens = TOKENS.copy()
+  tokens[1, 2] = 0
+  target = _sparse(teacher, 2) if sparse else jnp.asarray(teacher)
+  mask = jnp.asarray(MASK)
+  if loss_name == "reverse_kl_sampled":
+    fn = functools.partial(
+      losses.reverse_kl_sampled,
+      teacher=target,
+      tokens=jnp.asarray(tokens),
+      mask=mask,
+      behaviour_logprobs=jnp.asarray(BEHAVIOUR),
+    )
+  else:
+    fn = functools.partial(getattr(losses, loss_name), teacher=target, mask=mask)
+  finite_teacher = _sparse(TCH, 2) if sparse else jnp.asarray(TCH)
+  value, grad = jax.value_and_grad(lambda s: fn(s)[0])(jnp.asarray(S))
+  assert np.all(np.isfinite(np.asarray(grad))) and np.isfinite(float(value))
+  # Unmasked positions hold the same teacher, so the value is the finite teacher's.
+  if loss_name == "reverse_kl_sampled":
+    expected = fn.func(
+      jnp.asarray(S), finite_teacher, jnp.asarray(tokens), mask, jnp.asarray(BEHAVIOUR)
+    )[0]
+  else:
+    expected = fn.func(jnp.asarray(S), finite_teacher, mask)[0]
+  np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(grad)[1, 2], 0.0)

@@ -428,3 +428,18 @@ def test_sparse_versus_full_on_a_32k_vocabulary():
       assert previous <= ratio <= 1.0 + 1e-6, (name, k, ratio)  # DPI, monotone in k
       assert ratio >= ratio_floor and cos >= cos_floor, (name, k, ratio, cos)
       previous = ratio
+
+
+@pytest.mark.parametrize("shift", [0.0, -100.0, -500.0])
+def test_an_empty_tail_is_shift_invariant_far_below_zero(shift):
+  """Every logit outside the top-k at −inf: the top-k log-probs are the softmax of the kept
+  logits wherever they sit (log-prob-like engine logits are ≤ 0; a small τ_T scales them)."""
+  z = jnp.asarray([[[0.0 + shift, -1.0 + shift, -jnp.inf, -jnp.inf]]])
+  teacher = teacher_topk.from_logits(z, 2)
+  expected = np.log(np.exp([0.0, -1.0]) / np.exp([0.0, -1.0]).sum())
+  np.testing.assert_allclose(
+    np.asarray(teacher.logprobs_bck[0, 0]), expected, atol=1e-4
+  )  # f32 at |z| = 500
+  assert float(teacher.tail_bc[0, 0]) == -np.inf
+  scaled = teacher_topk.from_logits(jnp.asarray([[[-0.9, -0.91, -jnp.inf]]]), 2, temperature=0.01)
+  assert np.all(np.isfinite(np.asarray(scaled.logprobs_bck)))

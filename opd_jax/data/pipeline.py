@@ -64,8 +64,12 @@ class JsonlSource:
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"prompt file {self.path} does not exist")
     records, lines = [], []
-    with open(self.path, encoding="utf-8") as f:
-      for line_no, line in enumerate(f, start=1):
+    with open(self.path, "rb") as f:  # split on b"\n" only; each line decoded below
+      for line_no, raw in enumerate(f, start=1):
+        try:
+          line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise ValueError(f"prompt file {self.path} line {line_no} is not UTF-8: {e}") from e
         if not line.strip():
           continue
         try:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from opd_jax.data import padding
+from opd_jax.data import padding, scoring
 
 OVERLONG = ("truncate_left", "drop", "error")
 _SHOWN = 5  # dropped records named in the log line
@@ -153,7 +153,8 @@ def prepare(
     The `PromptSet`.
 
   Raises:
-    ValueError: a record that cannot be rendered or tokenized, or an empty one (the message
+    ValueError: a record that cannot be rendered or tokenized, an empty one (no ids but bos),
+      or one whose "answer" is not a string or a number (the message
       names the record: "prompt i of <file>: ... (line n)"); with overlong="error", the first
       record longer than `max_tokens`; every record dropped; an unknown policy.
   """
@@ -168,10 +169,11 @@ def prepare(
     where = f"prompt {i} of {name}"
     try:
       text, ids = record_ids(record, tokenizer)
+      scoring.answer_of(record)  # every record's, before a held-out split picks some
     except ValueError as e:
       raise ValueError(f"{where}: {e}{_line(source, i)}") from e
-    if not ids:
-      raise ValueError(f"{where}{_line(source, i)} is empty: it encodes to no tokens")
+    if not ids or list(ids) == [tokenizer.bos_id]:
+      raise ValueError(f"{where}{_line(source, i)} is empty: it encodes to no tokens but bos")
     if max_tokens and len(ids) > max_tokens:
       if overlong == "error":
         raise ValueError(

@@ -87,7 +87,8 @@ class Rollout:
       support with top-k on large vocabularies).
     kv_saturated_fraction: f32 scalar, the share of the K/V elements written to FP8
       cache layers (prompt and counted completion tokens, K and V) that clipped at
-      ±448 · scale; 0 without FP8 layers. None for hand-built rollouts.
+      ± the format's largest value · scale (448 for e4m3); 0 without FP8 layers. None for
+      hand-built rollouts.
     teacher_logits: f32 [B, C, V], the frozen teacher's raw logits (T = 1; the train step
       divides them by `teacher.temperature`) at the
       completion positions when the rollout engine scored them

@@ -103,23 +103,32 @@ def resolve(metric: str) -> Scorer | None:
   return fn
 
 
+def answer_of(record: dict[str, Any]) -> str | None:
+  """A record's "answer" as a string (a JSON number as its text), or None when it has none.
+
+  Raises:
+    ValueError: an "answer" that is not a string or a number.
+  """
+  answer = record.get("answer")
+  if answer is None or isinstance(answer, str):
+    return answer
+  if isinstance(answer, int | float) and not isinstance(answer, bool):
+    return str(answer)
+  raise ValueError(f'its "answer" is not a string or a number: {answer!r:.80}')
+
+
 def answers(records: Sequence[dict[str, Any]], name: str) -> list[str | None]:
-  """Record i's "answer" as a string (a JSON number as its text), None where it has none.
+  """Record i's `answer_of`, None where it has none.
 
   Raises:
     ValueError: an "answer" that is not a string or a number, naming the record.
   """
   out = []
   for i, record in enumerate(records):
-    answer = record.get("answer")
-    if answer is None or isinstance(answer, str):
-      out.append(answer)
-    elif isinstance(answer, int | float) and not isinstance(answer, bool):
-      out.append(str(answer))
-    else:
-      raise ValueError(
-        f'record {i} of {name} has an "answer" that is not a string or a number: {answer!r:.80}'
-      )
+    try:
+      out.append(answer_of(record))
+    except ValueError as e:
+      raise ValueError(f"record {i} of {name}: {e}") from e
   return out
 
 

@@ -25,9 +25,10 @@ to the next power of two with rows that start finished. `SamplerConfig` and
 Sampling math (the filters, π_b, the draw and the kept set `Rollout.support_ids`) is in
 `inference.distribution`.
 
-KV saturation: with an FP8 "tensor"-scaled cache, values beyond 448 · scale are
-clipped; `Rollout.kv_saturated_fraction` is the share of the K/V elements written
-to FP8 layers (prompt and counted completion tokens) that clipped.
+KV saturation: with an FP8 "tensor"-scaled cache, values beyond the format's largest finite
+value times the scale (448 for e4m3, 57,344 for e5m2, 6 for e2m1) are clipped;
+`Rollout.kv_saturated_fraction` is the share of the K/V elements written to FP8 layers (prompt
+and counted completion tokens) that clipped.
 
 Sharded sampling (`mesh=`): the batch is split over the mesh's ("data", "fsdp") axes
 and each shard decodes only its own rows, SPMD, with the params in whatever layout

@@ -205,7 +205,9 @@ def _leaf_place(path) -> tuple[int | None, str]:
 
 
 def add_weight_noise(params, sigma: float, rng, layers: tuple[int, ...] = (), modules=()):
-  """W + σ · rms(W) · ε for every selected matrix (ndim ≥ 2) of `params`; vectors untouched.
+  """W + σ · rms(W) · ε for every selected leaf of two or more dims of `params`: the matrices
+  and the q/k/v biases (stored per head, [N, H] and [K, H]); 1-D leaves (norms, the output
+  bias) untouched.
 
   Args:
     params: a dense params pytree.

@@ -172,8 +172,9 @@ SLOT_AXIS = 2
 
 def is_tensor_scale(scale) -> bool:
   """Whether a scale array is the "tensor" granularity's one scale per sequence ([B, 1, 1, 1],
-  broadcast over the slots) rather than one per token and head ([B, K, S, 1])."""
-  return scale.shape[SLOT_AXIS] == 1
+  broadcast over the slots) rather than one per token and head ([B, K, S, 1]). One slot alone
+  does not say it: a one-slot token/head cache has [B, K, 1, 1] (the two agree when K = 1)."""
+  return scale.shape[1] == 1 and scale.shape[SLOT_AXIS] == 1
 
 
 def as_values(x):

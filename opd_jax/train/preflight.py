@@ -16,13 +16,15 @@ naming the setting, file or record at fault):
    a teacher tokenizer identical to the run's, the tokenizer's ids fit both embedding tables,
    which may differ in size: padded rows are left out of the logits; what was compared is
    logged), and a `train.teacher_top_k` that fits the teacher's vocabulary;
-4. the prompts with that tokenizer: chat rendering, tokenizability and lengths under
-   `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
+4. the prompts with that tokenizer: chat rendering, tokenizability, answers that are strings or
+   numbers, and lengths under `data.max_prompt_tokens` / `data.overlong` (`prompts.prepare`);
+   the longest prompt plus `rollout.max_new_tokens` within both models' context
+   (`check_context`);
 5. with `train.on_policy_fraction` < 1, every training record's reference completion: present
    and tokenizable (`off_policy.check_references`, naming the first record without one).
 6. evaluation (`evaluate.plan`): the scorer `data.eval_metric` names imports (checked after
    step 2, `scoring.resolve`); without a `data.eval_file`, the held-out slice of the prompt file
-   leaves at least one training batch; the held-out records' answers are strings or numbers.
+   is at most half of it (a training set smaller than a batch is drawn with repeats).
 
 Cheapest first: the first two need neither JAX's devices nor transformers (whose import
 alone takes seconds). Loading even a small checkpoint takes seconds and a large one
@@ -96,6 +98,26 @@ def check_writable(directory: str | os.PathLike, what: str) -> None:
     raise ValueError(f"{what} {directory!r} is not writable: {e}") from e
 
 
+def check_context(prepared: prompts.PromptSet, max_new_tokens: int, plan, what: str) -> None:
+  """Refuses prompts that, with `rollout.max_new_tokens` generated after them, run past the
+  context either model was built for (`max_position_embeddings`, the smaller of the two).
+
+  Raises:
+    ValueError: naming the longest prompt, the context and the keys that bound it.
+  """
+  context = min(plan.student_cfg.max_position_embeddings, plan.teacher_cfg.max_position_embeddings)
+  longest = int(prepared.lengths.max())
+  if longest + max_new_tokens > context:
+    raise ValueError(
+      f"{what} prompts of {prepared.name} reach {longest} tokens, and with "
+      f"rollout.max_new_tokens={max_new_tokens} after them a sequence would be "
+      f"{longest + max_new_tokens} positions, past the models' context of {context} "
+      "(max_position_embeddings); set data.max_prompt_tokens (at most "
+      f"{max(context - max_new_tokens, 0)}) with data.overlong=truncate_left or drop, or "
+      "lower rollout.max_new_tokens"
+    )
+
+
 def check(spec: RunSpec, workdir: str, log=print) -> Checked:
   """Runs every check that needs no weights (module docstring) and logs the prompts' summary.
 
@@ -123,6 +145,7 @@ def check(spec: RunSpec, workdir: str, log=print) -> Checked:
   for what, source in sources.items():
     prepared[what] = prompts.prepare(source, plan.tokenizer, d.max_prompt_tokens, d.overlong)
     log(f"{what} prompts {prepared[what].describe()}")
+    check_context(prepared[what], spec.rollout.max_new_tokens, plan, what)
   if spec.train.on_policy_fraction < 1 and "training" in sources:
     width = spec.rollout.max_new_tokens  # every record needs a reference (off_policy)
     log(off_policy.check_references(sources["training"], plan.tokenizer, width))

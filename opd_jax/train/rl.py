@@ -230,7 +230,8 @@ def group_advantages(reward_b, group_size: int, std_normalize: bool):
 
   The groups are G = `group_size` adjacent rows (the rollout worker's layout of
   `rollout.samples_per_prompt`); std is the sample standard deviation (ddof 1), as in TRL's
-  and verl's GRPO. A group whose rewards are all equal gets A = 0.
+  and verl's GRPO. A group whose rewards are all equal gets A = 0 exactly (not the rounding
+  of its f32 mean divided by 1e-6).
 
   Raises:
     ValueError: a reward that is not [B], G < 2, or G not dividing B.
@@ -241,7 +242,10 @@ def group_advantages(reward_b, group_size: int, std_normalize: bool):
   if group_size < 2 or b % group_size:
     raise ValueError(f"groups of {group_size} rows must be >= 2 and divide the batch ({b} rows)")
   r_gn = reward_b.astype(jnp.float32).reshape(b // group_size, group_size)
-  centred_gn = r_gn - jnp.mean(r_gn, axis=1, keepdims=True)
+  # A flat group is zeroed exactly: its f32 mean can miss the common value by one ulp (a
+  # partial credit of 1/3), and dividing that by std + 1e-6 ≈ 1e-6 would push every row alike.
+  flat_g1 = jnp.all(r_gn == r_gn[:, :1], axis=1, keepdims=True)
+  centred_gn = jnp.where(flat_g1, 0.0, r_gn - jnp.mean(r_gn, axis=1, keepdims=True))
   if std_normalize:
     std_g1 = jnp.std(r_gn, axis=1, keepdims=True, ddof=1)
     centred_gn = centred_gn / (std_g1 + STD_EPS)

@@ -138,6 +138,29 @@ def test_prompt_file_schema_errors_name_the_line(tmp_path, record, problem):
     data.JsonlSource(file)
 
 
+def test_a_line_that_is_not_utf8_is_named(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # a Latin-1 byte on line 2
+  with pytest.raises(ValueError, match=r"p.jsonl line 2 is not UTF-8"):
+    data.JsonlSource(str(path))
+
+
+def test_an_empty_prompt_is_refused_with_or_without_bos(tmp_path):
+  file = data.JsonlSource(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": ""}]))
+  for tok in (save_tokenizer(tmp_path / "tok"), save_tokenizer(tmp_path / "bos", bos=True)):
+    with pytest.raises(ValueError, match=r"prompt 1 of .*\(line 2\) is empty"):
+      prompts.prepare(file, tok)
+
+
+def test_a_bad_answer_is_named_by_its_line_wherever_the_split_puts_it(tmp_path):
+  records = [{"prompt": "a", "answer": "1"}] * 5 + [{"prompt": "b", "answer": [10]}]
+  file = data.JsonlSource(write_jsonl(tmp_path / "p.jsonl", records))
+  with pytest.raises(
+    ValueError, match=r'prompt 5 of .*: its "answer" is not a string .*\(line 6\)'
+  ):
+    prompts.prepare(file, save_tokenizer(tmp_path / "tok"))
+
+
 # ---------------------------------------------------------------------------------------------
 # The length policy.
 
@@ -253,6 +276,20 @@ def test_untokenizable_and_overlong_prompts_are_reported_before_weights(ckpts, t
   long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "hi"}, {"prompt": "x" * 50}])
   config = user_config(student, teacher, long, **{"data.max_prompt_tokens": 32})
   with pytest.raises(ValueError, match=r"prompt 1 of .*long.jsonl \(line 2\) has 50 tokens"):
+    _run(config, tmp_path / "w")
+
+
+def test_prompts_past_the_models_context_are_reported_before_weights(ckpts, tmp_path):
+  student, teacher = ckpts
+  short = _edited_copy(student, tmp_path, "ctx64", max_position_embeddings=64)
+  file = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, {"prompt": "x" * 50}])
+  config = user_config(short, teacher, file)
+  config.rollout.max_new_tokens = 28
+  with pytest.raises(
+    ValueError,
+    match=r"reach 50 tokens, .* 78 positions, past the models' "
+    r"context of 64 .*data.max_prompt_tokens \(at most 36\)",
+  ):
     _run(config, tmp_path / "w")
 
 

@@ -144,7 +144,7 @@ def test_exact_match_against_hand_computed_values():
   # JSON numbers are answers as their text; records without one are not scored.
   records = [{"answer": 4}, {"answer": "4"}, {}, {"answer": 0.5}, {"answer": None}]
   assert scoring.answers(records, "f") == ["4", "4", None, "0.5", None]
-  with pytest.raises(ValueError, match=r'record 1 of f has an "answer" that is not a string'):
+  with pytest.raises(ValueError, match=r'record 1 of f: its "answer" is not a string'):
     scoring.answers([{"answer": "a"}, {"answer": [1]}], "f")
 
 
@@ -257,7 +257,7 @@ def test_a_bad_answer_in_the_eval_file_is_refused_before_weights_load(corrupt, t
     tmp_path / "e.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": {}}]
   )
   config = user_config(student, teacher, file, **{"data.eval_file": bad})
-  with pytest.raises(ValueError, match=r'record 1 of .*e.jsonl has an "answer" that is not'):
+  with pytest.raises(ValueError, match=r'prompt 1 of .*e.jsonl: its "answer" is not .*(line 2)'):
     trainer.run(config, str(tmp_path / "w"), log=quiet)
 
 

@@ -343,3 +343,11 @@ def test_guard_falls_back_from_every_quantized_cache_to_bf16(name):
   rungs = guard.fallback_ladder(rollout)
   assert rungs[1].name == "kv bf16" and rungs[1].overrides == {"kv_cache": "bf16"}
   assert len(guard.fallback_ladder(dict(rollout, kv_cache="bf16"))) == len(rungs) - 1
+
+
+def test_the_scale_granularity_is_read_from_both_axes():
+  """One slot alone does not make a per-sequence scale: a one-slot token/head cache with two
+  KV heads keeps one scale per head (the Pallas reader would give every head head 0's)."""
+  assert kvcache.is_tensor_scale(jnp.ones((3, 1, 1, 1)))
+  assert not kvcache.is_tensor_scale(jnp.ones((3, 2, 1, 1)))
+  assert not kvcache.is_tensor_scale(jnp.ones((3, 2, 8, 1)))

@@ -45,6 +45,16 @@ def test_group_baseline_and_std_normalisation_hand_computed():
     rl.group_advantages(reward_b, 1, True)
 
 
+@pytest.mark.parametrize("value, group", [(1 / 3, 8), (0.8, 3), (0.8, 6), (2 / 3, 5)])
+def test_a_flat_group_of_inexact_rewards_gets_no_advantage(value, group):
+  """Partial credits such as 1/3 are not exact in f32: the group mean can miss them by one ulp,
+  which std + 1e-6 would turn into an advantage of a few hundredths for every row alike."""
+  reward_b = jnp.full((2 * group,), value, jnp.float32).at[group].set(0.0)  # group 2 not flat
+  advantage_b = np.asarray(rl.group_advantages(reward_b, group, True))
+  np.testing.assert_array_equal(advantage_b[:group], 0.0)
+  assert np.all(advantage_b[group + 1 :] > 0) and advantage_b[group] < 0
+
+
 def _ratios():
   """Three rows of π_old/π_b ratios, the last token of rows 1 and 2 padding.
 

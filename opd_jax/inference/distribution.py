@@ -27,8 +27,10 @@ from opd_jax.model import sharding
 
 
 def _sortable_u32(x_bv):
-  """Maps f32 to uint32 so that integer order is float order (-inf lowest)."""
-  bits = jax.lax.bitcast_convert_type(x_bv.astype(jnp.float32), jnp.uint32)
+  """Maps f32 to uint32 so that integer order is float order (-inf lowest; −0 and +0 one key,
+  so a tie between them at the top-p threshold is kept whole)."""
+  x_bv = jnp.where(x_bv == 0, 0.0, x_bv.astype(jnp.float32))
+  bits = jax.lax.bitcast_convert_type(x_bv, jnp.uint32)
   return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
@@ -92,10 +94,10 @@ def filter_logits(logits_bv, cfg):
   b, v = z_bv.shape
   if 0 < cfg.top_k < v:
     top_z_bk, ids_bk = jax.lax.top_k(z_bv, cfg.top_k)
-    keep_bk = jnp.ones(top_z_bk.shape, bool)
+    keep_bk = top_z_bk > -jnp.inf  # masked logits (fewer than k finite) are not support
     if cfg.top_p < 1.0:
       q_bk = jax.nn.softmax(top_z_bk, axis=-1)
-      keep_bk = jnp.cumsum(q_bk, axis=-1) - q_bk < cfg.top_p  # mass ranked above < p
+      keep_bk &= jnp.cumsum(q_bk, axis=-1) - q_bk < cfg.top_p  # mass ranked above < p
     rows_b1 = jnp.arange(b)[:, None]
     kept_bv = jnp.zeros((b, v), bool).at[rows_b1, ids_bk].set(keep_bk)
     return jnp.where(kept_bv, z_bv, -jnp.inf), jnp.where(keep_bk, ids_bk, -1)

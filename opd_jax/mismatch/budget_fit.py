@@ -2,8 +2,9 @@
 `mismatch/kl` and its crossing of the tolerance τ, with bootstrap intervals.
 
 Pure: no I/O, no clock, no global state; the bootstrap draws from a numpy Generator seeded
-from an argument (default `budget.SEED`), so the same records give an equal Budget, and the
-records passed in are never modified. The record format and the reasons behind the per-source
+from an argument (default `budget.SEED`), so the same records, in any order, give an equal
+Budget (each fit sorts its records before resampling them), and the records passed in are
+never modified. The record format and the reasons behind the per-source
 limits are in docs/design.md ("Budget and admission").
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -189,9 +191,16 @@ def bracketed_interval(interval, bracket) -> tuple[float, float]:
   return float(min(low, a)), float(max(high, b))
 
 
+def _key(name: str) -> int:
+  """A source's part of its bootstrap seed: crc32 of its name (stable across runs and sets)."""
+  return zlib.crc32(name.encode("utf-8"))
+
+
 def _fit_one(
   kl: np.ndarray, drop: np.ndarray, tolerance: float, level: float, num_bootstrap: int, seed
 ) -> Threshold:
+  order = np.lexsort((drop, kl))  # canonical: the records' order does not change the draws
+  kl, drop = kl[order], drop[order]
   x, f = isotonic_fit(kl, drop)
   max_kl, censored = crossing(x, f, tolerance)
   rng = np.random.default_rng(seed)
@@ -238,12 +247,12 @@ def fit_budget(
   """Fits the mismatch budget: the largest mismatch/kl whose predicted quality drop <= tolerance.
 
   Pure: no I/O, no clock, no global state; the bootstrap Generator is seeded from `seed`, so the
-  same arguments give an equal Budget, and `records` is not modified. The fit, the censoring
-  rules and the record format are in `crossing` and `validate_records`. Each fit's `interval`
-  is the equal-tailed percentile interval at `level` (numpy's linear quantile) of max_kl over
-  B = `num_bootstrap` resamples of its records (n draws with replacement), each fitted alike,
-  widened to contain the rungs that bracket the crossing (`knee_bracket`,
-  `bracketed_interval`).
+  same arguments give an equal Budget, whatever the order of `records`, which is not modified.
+  The fit, the censoring rules and the record format are in `crossing` and `validate_records`.
+  Each fit's `interval` is the equal-tailed percentile interval at `level` (numpy's linear
+  quantile) of max_kl over B = `num_bootstrap` resamples of its records (n draws with
+  replacement), each fitted alike, widened to contain the rungs that bracket the crossing
+  (`knee_bracket`, `bracketed_interval`).
 
   Per-source fits: source s's fit uses the records whose "source" is exactly s (one source, no
   "+") plus the "reference" records (the unperturbed runs, the zero-mismatch anchor); combination
@@ -264,8 +273,8 @@ def fit_budget(
   Returns:
     A Budget with the overall Threshold (from the records without "layer"), one Threshold per
     layer whose scan records span >= 2 distinct mismatch/kl values, one per source whose own
-    records and the reference's span >= 2 (bootstrap seed sequence
-    (seed, 0, 1 + j) for the j-th source in sorted order), and the records copied.
+    records and the reference's span >= 2 (bootstrap seed sequence (seed, 0, crc32 of the
+    source's name), so that other sources do not move it), and the records copied.
 
   Raises:
     ValueError: empty records, a record that is not a mapping, a missing key, a non-numeric or
@@ -320,10 +329,10 @@ def fit_budget(
     {s for s in source[overall_idx].tolist() if s and s != REFERENCE_SOURCE and "+" not in s}
   )
   sources = {}
-  for j, name in enumerate(singles):
+  for name in singles:
     idx = np.nonzero(((layer < 0) & (source == name)) | anchor)[0]
     if np.unique(kl[idx]).size >= MIN_DISTINCT_KL:
-      fitted = _fit_one(kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 0, 1 + j])
+      fitted = _fit_one(kl[idx], drop[idx], tolerance, level, num_bootstrap, [seed, 0, _key(name)])
       own = np.nonzero((layer < 0) & (source == name))[0]
       crosses = fitted.censored in ("none", "below")
       if crosses and _crossing_records(fitted, kl[own], tolerance) < min_crossing_records:

@@ -193,15 +193,23 @@ class LiveGuard:
     self._writer.write_text(step, "budget/events", text)
 
   def begin(self, step: int, state, source):
-    """Before the first step (after the first publish); returns the source to use."""
+    """Before the first step (after the first publish); returns the source to use. The start's
+    weights enter the history, as `SyncRollouts` keeps them: the first k steps of a stale rung
+    sample with them."""
+    self._remember(step, state)
     return self._act(self.guard.start(step), step, state, source)
+
+  def _remember(self, step: int, state) -> None:
+    """Adaptive with a lagged rung: a copy of the weights after `step` (the student of version
+    `step`), the oldest k + 1 kept."""
+    if self._history is not None:
+      copy = jax.device_put(state.params, jax.tree.map(lambda x: x.sharding, state.params))
+      self._history.append((step, copy))
 
   def after_step(self, step: int, state, scalars: dict, source):
     """After step `step`'s publish: observes its scalars (adding `budget/*` to them) and acts;
     returns the source to use from now on."""
-    if self._history is not None:
-      copy = jax.device_put(state.params, jax.tree.map(lambda x: x.sharding, state.params))
-      self._history.append((step, copy))
+    self._remember(step, state)
     decision = self.guard.observe(step, scalars)
     scalars.update(self.guard.scalars())
     return self._act(decision, step, state, source)

@@ -106,6 +106,8 @@ def masked_quantile(x_bc, mask_bc, q: float):
   below, above = s[lo], s[hi]
   # Equal neighbours (inf included) give that value, not inf − inf.
   value = jnp.where(above == below, below, below + frac * (above - below))
+  # A NaN among the kept values sorts after the inf placeholders; the quantile is NaN, as numpy's.
+  value = jnp.where(jnp.any(keep & jnp.isnan(x_bc.reshape(-1))), jnp.nan, value)
   return jnp.where(n > 0, value, 0.0)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 
-from opd_jax.inference import decode_loop, sampler
+from opd_jax.inference import decode_loop, distribution, sampler
 from opd_jax.inference.sampler import SamplerConfig
 from opd_jax.model import kvcache
 from opd_jax.model import transformer as model
@@ -354,3 +354,15 @@ def test_greedy_with_a_long_cache_matches_uncached_forward(params):
   for _ in range(6):
     seq.append(int(np.argmax(reference_logits(params, seq, [0])[0])))
   np.testing.assert_array_equal(np.asarray(out.completion_tokens[0]), seq[len(prompt) :])
+
+
+def test_the_filters_edges_signed_zero_ties_and_masked_logits():
+  """Top-p alone keeps a tie whole, +0 and −0 included; top-k over fewer finite logits than k
+  keeps only the finite ones (a −inf logit has no mass under π_b, so it is no support)."""
+  for zeros in ([0.0, -0.0, -5.0], [0.0, 0.0, -5.0]):
+    z, _ = distribution.filter_logits(jnp.asarray([zeros]), SamplerConfig(1, 1.0, top_p=0.4))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(z[0])), [True, True, False])
+  logits = jnp.asarray([[1.0, 0.5, -jnp.inf, -jnp.inf, -jnp.inf]])
+  for top_p in (1.0, 0.99):
+    _, support = distribution.filter_logits(logits, SamplerConfig(1, 1.0, top_k=3, top_p=top_p))
+    np.testing.assert_array_equal(np.asarray(support[0]), [0, 1, -1])

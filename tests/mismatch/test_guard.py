@@ -5,18 +5,22 @@ The budget in the unit tests is fitted on two records, (kl 0, drop 0) and (kl 0.
 tolerance 0.5: the isotonic fit is the two points themselves, so max_kl = 0 + 0.5/1 · 0.2 = 0.1.
 """
 
+import collections
 import dataclasses
 import math
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from opd_jax.io import metrics_writer
-from opd_jax.mismatch import admission, budget_file, live_guard
+from opd_jax.mismatch import admission, budget_file, candidates, live_guard
+from opd_jax.mismatch import budget as budget_lib
 from opd_jax.mismatch import guard as guard_lib
 from opd_jax.mismatch.budget import Rule
 from opd_jax.mismatch.budget_fit import fit_budget
@@ -663,3 +667,62 @@ def test_a_budget_without_a_fingerprint_needs_budget_force(tiny_setup, budget_pa
   config.budget.force = True
   assert create(lines.append).guard.rung == 0
   assert lines[0].startswith("warning: the budget has no fingerprint (budget.force)")
+
+
+def test_the_adaptive_history_holds_the_start_as_stale_rollouts_do(monkeypatch):
+  """A stale rung measured at step t ≤ k uses the start's weights, as `SyncRollouts` samples
+  with them (lag t), not the oldest weights after a step (lag t − 1)."""
+  k = 2
+  used = []
+
+  def measure_candidate(candidate, setup, prompts, params, behaviour):
+    used.append(int(behaviour["v"]))
+    return {"mismatch/kl": 0.0}
+
+  monkeypatch.setattr(admission, "calibration_prompts", lambda *a, **kw: (None, None, None))
+  monkeypatch.setattr(admission, "measure_candidate", measure_candidate)
+  monkeypatch.setattr(admission, "candidate_verdict", lambda c, base, m, *a, **kw: (m, None))
+  monkeypatch.setattr(
+    candidates, "parse_candidate", lambda spec, base: types.SimpleNamespace(lag=k)
+  )
+
+  class Quiet:  # a guard that never acts on its own
+    ladder = (guard_lib.Rung(0, "as configured", {}),)
+    rule = budget_lib.POOLED
+
+    def start(self, step):
+      return None
+
+    def observe(self, step, scalars):
+      return None
+
+    def scalars(self):
+      return {}
+
+    def on_axis(self, axis):
+      return None
+
+    def admits(self, *a):
+      return True
+
+    def limit_of(self, *a):
+      return 0.0
+
+  hook = live_guard.LiveGuard.__new__(live_guard.LiveGuard)
+  hook.guard, hook._prompts, hook._log = Quiet(), None, lambda *a: None
+  hook.setup = types.SimpleNamespace(models=types.SimpleNamespace(tokenizer=None), task_cfg=None)
+  hook.base_config = types.SimpleNamespace(
+    budget=types.SimpleNamespace(prompts=1), rollout=types.SimpleNamespace(weights="fp8")
+  )
+  hook._history = collections.deque(maxlen=k + 1)  # as __init__ builds it: adaptive, lag k
+
+  def state(version):
+    return types.SimpleNamespace(params={"v": jnp.asarray(version)})
+
+  hook.begin(0, state(0), None)
+  recheck = guard_lib.Decision(0, "recheck", 0, 0, "test", (0,))
+  for step in range(1, 5):
+    hook.after_step(step, state(step), {}, None)
+    used.clear()
+    hook._measure(recheck, step, state(step))
+    assert used == [max(step - k, 0)], step  # SyncRollouts: version max(t − k, 0)

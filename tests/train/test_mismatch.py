@@ -154,6 +154,13 @@ def test_masked_quantile_matches_numpy(q):
   assert float(mismatch.masked_quantile(jnp.asarray(x), jnp.asarray(one), q)) == x[2, 3]
   assert float(mismatch.masked_quantile(jnp.asarray(x), jnp.zeros((5, 7)), q)) == 0.0
   assert float(mismatch.masked_max(jnp.asarray(x), jnp.zeros((5, 7)))) == 0.0
+  with_nan = x.copy()
+  with_nan[np.argwhere(mask)[0][0], np.argwhere(mask)[0][1]] = np.nan  # a kept NaN: NaN, as numpy
+  assert np.isnan(float(mismatch.masked_quantile(jnp.asarray(with_nan), jnp.asarray(mask), q)))
+  with_nan[~mask] = np.nan  # NaN only where masked out: ignored
+  with_nan[mask] = x[mask]
+  got = float(mismatch.masked_quantile(jnp.asarray(with_nan), jnp.asarray(mask), q))
+  np.testing.assert_allclose(got, np.quantile(x[mask], q), rtol=1e-6)
 
 
 def test_default_return_topk_and_bad_inputs():

@@ -1,10 +1,14 @@
 """The task's rewards for the RL baselines, computed on the host from decoded text.
 
-    exact_match    r_b = 1.0 if task.score(prompt_b, completion_b) else 0.0
+    exact_match    r_b = [answer right]
     partial        r_b = (Σ_{i=1..S} [s_i = s*_i] + [answer right]) / (S + 1)
     step           c_{b,i} = [s_i = s*_i] for i = 1..S, c_{b,S+1} = [answer right]: one
                    credit per written step, each token credited with its own step's
                    (`step_credit`, `token_units`; GRPO only, `train.rl.step_group_advantages`)
+
+[answer right] is `task.score(prompt_b, completion_b)` for a completion that ended with its eos,
+and 0 for one the token budget cut off (`finished_rows`): "...>116" cut from "...>1160" is
+not a right answer. Its written steps still earn their credit.
 
 For `partial`, s*_1..s*_S are the written steps of the task's unique correct completion
 (`task.solve` / `task.solve_chain`: "37+58=95", "95+21=116" for 37+58+21=; "3:45", ... for a
@@ -67,7 +71,13 @@ def reference_example(prompt: str) -> task.Example:
   return task.solve([int(x) for x in prompt[:-1].split("+")])
 
 
-def partial_credit(prompt: str, completion: str) -> float:
+def answer_right(prompt: str, completion: str, finished: bool = True) -> float:
+  """[answer right]: 1.0 when the completion ended with its eos (`finished`) and
+  `task.score` accepts it, else 0.0."""
+  return float(finished and task.score(prompt, completion))
+
+
+def partial_credit(prompt: str, completion: str, finished: bool = True) -> float:
   """(correct written steps + right answer) / (steps + 1) (module docstring), in [0, 1].
 
   Raises:
@@ -77,7 +87,7 @@ def partial_credit(prompt: str, completion: str) -> float:
   want = truth.completion.partition(task.ANSWER_MARKER)[0].split(task.STEP_SEPARATOR)
   got = completion.partition(task.ANSWER_MARKER)[0].split(task.STEP_SEPARATOR)
   right = sum(g == w for g, w in zip(got, want, strict=False))
-  return (right + float(task.score(prompt, completion))) / (len(want) + 1)
+  return (right + answer_right(prompt, completion, finished)) / (len(want) + 1)
 
 
 def true_steps(prompt: str) -> list[str]:
@@ -90,9 +100,9 @@ def true_steps(prompt: str) -> list[str]:
   return truth.partition(task.ANSWER_MARKER)[0].split(task.STEP_SEPARATOR)
 
 
-def step_credit(prompt: str, completion: str) -> np.ndarray:
+def step_credit(prompt: str, completion: str, finished: bool = True) -> np.ndarray:
   """c_i = [s_i = s*_i] for the S true steps (`partial_credit`'s comparison; a missing step
-  reads 0), then c_{S+1} = [answer right] (`task.score`); f32 [S + 1].
+  reads 0), then c_{S+1} = [answer right] (`answer_right`); f32 [S + 1].
 
   Raises:
     ValueError: `prompt` is not a task prompt.
@@ -100,7 +110,7 @@ def step_credit(prompt: str, completion: str) -> np.ndarray:
   want = true_steps(prompt)
   got = completion.partition(task.ANSWER_MARKER)[0].split(task.STEP_SEPARATOR)
   steps = [float(i < len(got) and got[i] == w) for i, w in enumerate(want)]
-  return np.asarray([*steps, float(task.score(prompt, completion))], np.float32)
+  return np.asarray([*steps, answer_right(prompt, completion, finished)], np.float32)
 
 
 def char_units(completion: str, num_steps: int) -> list[int]:
@@ -152,11 +162,12 @@ def check_step_tokenizer(tokenizer) -> None:
 
 
 def sequence_rewards(
-  prompts: list[str], completions: list[str], kind: str = "exact_match"
+  prompts: list[str], completions: list[str], kind: str = "exact_match", finished=None
 ) -> np.ndarray:
-  """r_b of each (prompt, completion) pair: `kind` exact_match (1.0 when `task.score`, else
-  0.0) or partial (`partial_credit`); f32 [B]. The `step` kind's sequence reward is exact
-  match (its per-step credits are `step_rewards`).
+  """r_b of each (prompt, completion) pair: `kind` exact_match (`answer_right`) or partial
+  (`partial_credit`); f32 [B]. The `step` kind's sequence reward is exact match (its per-step
+  credits are `step_rewards`). `finished[b]`: whether completion b ended with its eos (None:
+  all did, for texts that are whole completions).
 
   Raises:
     ValueError: the lists differ in length, a prompt is not a task prompt, or an unknown kind.
@@ -165,23 +176,37 @@ def sequence_rewards(
     raise ValueError(f"unknown reward {kind!r}; known: {', '.join(REWARDS)}")
   if len(prompts) != len(completions):
     raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-  fn = partial_credit if kind == "partial" else task.score
-  return np.asarray([fn(p, c) for p, c in zip(prompts, completions, strict=True)], np.float32)
+  finished = [True] * len(prompts) if finished is None else [bool(f) for f in finished]
+  fn = partial_credit if kind == "partial" else answer_right
+  return np.asarray(
+    [fn(p, c, f) for p, c, f in zip(prompts, completions, finished, strict=True)], np.float32
+  )
 
 
-def _rollout_texts(rollout, tokenizer) -> tuple[list[str], list[str]]:
-  """(prompts, completions) of `rollout`: the prompt decoded from its first `prompt_lens`
-  tokens, the completion from the tokens its mask counts."""
+def finished_rows(tokens_bc, mask_bc, eos_id: int) -> np.ndarray:
+  """Whether each row's counted tokens include its eos: bool [B] (False for a completion the
+  token budget or the cache cut off)."""
+  tokens_bc, mask_bc = np.asarray(tokens_bc), np.asarray(mask_bc)
+  return np.any((tokens_bc == eos_id) & (mask_bc > 0), axis=-1)
+
+
+def _rollout_texts(rollout, tokenizer) -> tuple[list[str], list[str], np.ndarray]:
+  """(prompts, completions, finished) of `rollout`: the prompt decoded from its first
+  `prompt_lens` tokens, the completion from the tokens its mask counts, and whether those
+  include the eos (`finished_rows`)."""
   lens_b = np.asarray(rollout.prompt_lens)
   prompt_bp = np.asarray(rollout.prompt_tokens)
   prompt_mask_bp = (np.arange(prompt_bp.shape[1])[None, :] < lens_b[:, None]).astype(np.int32)
   prompts = decode_rows(prompt_bp, prompt_mask_bp, tokenizer)
-  return prompts, decode_rows(rollout.completion_tokens, rollout.completion_mask, tokenizer)
+  tokens_bc, mask_bc = rollout.completion_tokens, rollout.completion_mask
+  finished = finished_rows(tokens_bc, mask_bc, tokenizer.eos_id)
+  return prompts, decode_rows(tokens_bc, mask_bc, tokenizer), finished
 
 
 def rollout_rewards(rollout, tokenizer, kind: str = "exact_match") -> jax.Array:
   """The `kind` reward of each sequence of `rollout`, decoded with `tokenizer`: f32 [B]."""
-  return jnp.asarray(sequence_rewards(*_rollout_texts(rollout, tokenizer), kind))
+  prompts, completions, finished = _rollout_texts(rollout, tokenizer)
+  return jnp.asarray(sequence_rewards(prompts, completions, kind, finished))
 
 
 def step_rewards(rollout, tokenizer) -> tuple[np.ndarray, np.ndarray]:
@@ -193,8 +218,8 @@ def step_rewards(rollout, tokenizer) -> tuple[np.ndarray, np.ndarray]:
       prompt, or rows with different step counts S (one task config writes one S).
   """
   check_step_tokenizer(tokenizer)
-  prompts, completions = _rollout_texts(rollout, tokenizer)
-  credit = [step_credit(p, c) for p, c in zip(prompts, completions, strict=True)]
+  prompts, completions, finished = _rollout_texts(rollout, tokenizer)
+  credit = [step_credit(p, c, f) for p, c, f in zip(prompts, completions, finished, strict=True)]
   widths = sorted({len(c) for c in credit})
   if len(widths) > 1:
     raise ValueError(f"train.reward='step' needs one step count per batch; got S + 1 in {widths}")

@@ -24,8 +24,10 @@ The metrics:
                                  `evaluate` gets the training `SamplerConfig`; equal to
                                  the T = 1 value for greedy training rollouts, whose
                                  losses score T = 1, when τ_T = 1.
-    quality/<who>_accuracy     = mean_b 1[task.score(prompt_b, decode(y_b))]: the built-in
-                                 task's exact match, who = student | teacher, and
+    quality/<who>_accuracy     = mean_b 1[y_b ends with eos and task.score(prompt_b,
+                                 decode(y_b))]: the built-in task's exact match (a
+                                 completion cut off by the token budget is wrong),
+                                 who = student | teacher, and
                                  quality/relative_accuracy = student / teacher.
     quality/student_<metric>_t1 = the same score of one sample per prompt from π_θ at
                                  T = 1, unfiltered (the model itself), with a fixed key, so
@@ -62,7 +64,7 @@ import numpy as np
 
 from opd_jax.config.spec import RunSpec
 from opd_jax.data import prompts as prompts_lib
-from opd_jax.data import scoring, task
+from opd_jax.data import rewards, scoring, task
 from opd_jax.inference import distribution, sampler, teacher_forcing
 from opd_jax.model import sharding
 from opd_jax.model.config import ModelConfig
@@ -82,7 +84,10 @@ class EvalSet:
   """Held-out prompts, encoded once, and how their completions are scored.
 
   Rows are scored by `scorer(prompts[i], completion_i, answers[i])`: every row when `answers`
-  is None (the built-in task), else the rows whose answer is not None. The score's metrics
+  is None (the built-in task), else the rows whose answer is not None. With `requires_eos`
+  (`make_eval_set`: the built-in task, whose answer is the text before its eos) a completion
+  the token budget cut off scores 0 (`rewards.finished_rows`); without it (a user's scorer)
+  the text is read as written. The score's metrics
   are quality/student_<metric>, quality/teacher_<metric> and quality/relative_<metric>;
   with no scorer (or no row to score) there are none, and the KL is the whole evaluation.
   """
@@ -95,6 +100,7 @@ class EvalSet:
   metric: str = "accuracy"
   chunk: int = 0  # rows decoded at once (a fixed compiled shape and memory); 0 = all
   name: str = "the built-in task"
+  requires_eos: bool = False  # a completion without its eos scores 0 (`make_eval_set`)
 
   def __len__(self) -> int:
     return len(self.prompts)
@@ -122,10 +128,11 @@ class EvalSet:
 
 def make_eval_set(source, tokenizer, prompt_len: int) -> EvalSet:
   """The built-in task's held-out set from a random-access `source` of {"prompt": ...} dicts,
-  scored by exact match (`task.score`) as quality/*_accuracy, decoded in one batch."""
+  scored by exact match (`task.score`, and no answer without the eos: `requires_eos`) as
+  quality/*_accuracy, decoded in one batch."""
   prompts = [source[i]["prompt"] for i in range(len(source))]
   tokens_bp, lens_b = task.encode_prompts(prompts, tokenizer, prompt_len)
-  return EvalSet(prompts, tokens_bp, lens_b)
+  return EvalSet(prompts, tokens_bp, lens_b, requires_eos=True)
 
 
 def make_prompt_eval_set(
@@ -299,7 +306,8 @@ def sampled_rollout(
 def score_rollout(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[str]]:
   """The sum of the scores of a rollout's completions over `eval_set.scored`, and the texts.
 
-  Rows beyond the held-out set (a sharded rollout's padding) are not counted. Each
+  Rows beyond the held-out set (a sharded rollout's padding) are not counted; with
+  `eval_set.requires_eos` a row without its eos scores 0. Each
   process decodes and scores only the rows its devices hold, and the scores are summed on
   device, so every row counts once; texts of rows held by other processes are "".
   """
@@ -309,9 +317,12 @@ def score_rollout(rollout, eval_set: EvalSet, tokenizer) -> tuple[float, list[st
 
   def scores(start, tokens_bc, mask_bc):
     out = np.zeros(len(tokens_bc), np.float32)
+    finished_b = rewards.finished_rows(tokens_bc, mask_bc, tokenizer.eos_id)
     for i, (row, m) in enumerate(zip(tokens_bc, mask_bc, strict=True), start):
       if i < n:
         texts[i] = tokenizer.decode(row[m > 0].tolist())
+        if eval_set.requires_eos and not finished_b[i - start]:
+          continue  # cut off by the token budget: no answer (0)
         if i in scored:
           answer = None if eval_set.answers is None else eval_set.answers[i]
           where = f"held-out prompt {i} of {eval_set.name}"

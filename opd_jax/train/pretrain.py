@@ -238,7 +238,7 @@ def heldout_accuracy(params, cfg: ModelConfig, eval_set, tokenizer, max_new_toke
   """The built-in task's greedy exact-match accuracy of `params` on `eval_set`
   (`evaluate.greedy_rollout` and `evaluate.accuracy`, as quality/teacher_accuracy measures it):
 
-      accuracy = (1/N) Σ_b 1[task.score(prompt_b, greedy completion_b)]
+      accuracy = (1/N) Σ_b 1[completion_b ends with eos and task.score(prompt_b, completion_b)]
   """
   mesh = sharding.params_mesh(params)
   rollout = evaluate.greedy_rollout(params, cfg, eval_set, max_new_tokens, tokenizer.eos_id, mesh)

@@ -283,17 +283,21 @@ def test_the_engine_scores_the_reward_kind_it_is_given(writing_student):
   partial, (prompts, completions) = got["partial"]
   exact, texts = got["exact_match"]
   assert texts == (prompts, completions)  # the same samples
+  rollout = steps["partial"]
+  done = rewards.finished_rows(rollout.completion_tokens, rollout.completion_mask, TOK.eos_id)
   np.testing.assert_allclose(
-    partial, rewards.sequence_rewards(prompts, completions, "partial"), rtol=1e-6
+    partial, rewards.sequence_rewards(prompts, completions, "partial", done), rtol=1e-6
   )
-  np.testing.assert_array_equal(exact, rewards.sequence_rewards(prompts, completions))
+  np.testing.assert_array_equal(
+    exact, rewards.sequence_rewards(prompts, completions, "exact_match", done)
+  )
   assert np.any((partial > 0) & (partial < 1)), (partial, completions)  # the kind mattered
   step, texts = got["step"]  # reward_b is exact match; the steps ride beside it
   assert texts == (prompts, completions)
   np.testing.assert_array_equal(step, exact)
   rollout = steps["step"]
   credit_bs = np.stack(
-    [rewards.step_credit(p, c) for p, c in zip(prompts, completions, strict=True)]
+    [rewards.step_credit(*row) for row in zip(prompts, completions, done, strict=True)]
   )
   np.testing.assert_array_equal(rollout.step_reward_bs, credit_bs)
   tokens_bc, mask_bc = np.asarray(rollout.completion_tokens), np.asarray(rollout.completion_mask)

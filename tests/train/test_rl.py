@@ -17,7 +17,7 @@ from opd_jax.data.rollout_types import Rollout
 from opd_jax.inference import teacher_forcing
 from opd_jax.model import tokenizer
 from opd_jax.model import transformer as model
-from opd_jax.train import rl, train_step
+from opd_jax.train import evaluate, rl, train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "configs"))
 import base  # noqa: E402
@@ -124,8 +124,9 @@ def test_reinforce_refuses_missing_reward_and_bad_shapes():
     rl.reinforce(logits, tokens, mask, reward_b, jnp.zeros((2, 3)))
 
 
-def _text_rollout(prompts, completions, junk_after_mask=False):
-  """A Rollout of the given texts, tokenized as the engine does (bos + prompt, eos)."""
+def _text_rollout(prompts, completions, junk_after_mask=False, cut=()):
+  """A Rollout of the given texts, tokenized as the engine does (bos + prompt, eos); the rows
+  in `cut` have no eos (the token budget ended them)."""
   tok = tokenizer.CharTokenizer()
   p, c = 12, 28
   prompt_bp = np.zeros((len(prompts), p), np.int32)
@@ -135,7 +136,7 @@ def _text_rollout(prompts, completions, junk_after_mask=False):
   for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
     ids = [tok.bos_id, *tok.encode(prompt)]
     prompt_bp[b, : len(ids)], lens_b[b] = ids, len(ids)
-    out = [*tok.encode(completion), tok.eos_id]
+    out = [*tok.encode(completion), *([] if b in cut else [tok.eos_id])]
     tokens_bc[b, : len(out)], mask_bc[b, : len(out)] = out, 1
     if junk_after_mask:
       tokens_bc[b, len(out) :] = tok.encode("9")[0]
@@ -164,6 +165,16 @@ def test_reward_from_decoded_text():
   rollout, tok = _text_rollout(prompts, engine_texts, junk_after_mask=True)
   # The tokens past the mask (a junk '9' after eos) are not part of the completion.
   np.testing.assert_array_equal(rewards.rollout_rewards(rollout, tok), [1, 0, 1, 0])
+  # Cut off by the token budget ("...>1160" stopped after "...>116"): no answer, whatever
+  # the text; its written steps still count for partial credit (2 of 2, answer 0: 2/3).
+  rollout, tok = _text_rollout(prompts[:2], [completions[0]] * 2, cut=(1,))
+  np.testing.assert_array_equal(rewards.rollout_rewards(rollout, tok), [1, 0])
+  np.testing.assert_allclose(rewards.rollout_rewards(rollout, tok, "partial"), [1, 2 / 3])
+  # The held-out accuracy reads the same rule; a user's scorer reads whatever was written.
+  eval_set = evaluate.make_eval_set([{"prompt": p} for p in prompts[:2]], tok, 12)
+  assert evaluate.accuracy(rollout, eval_set, tok)[0] == 0.5
+  lenient = dataclasses.replace(eval_set, requires_eos=False)
+  assert evaluate.accuracy(rollout, lenient, tok)[0] == 1.0
   with pytest.raises(ValueError, match="not a task prompt"):
     rewards.sequence_rewards(["hello"], ["1"])
   with pytest.raises(ValueError, match="2 prompts but 1"):

@@ -97,6 +97,10 @@ def test_step_rewards_of_a_rollout():
   want_1 = [0] * 9 + [1] * 8 + [3] * 3 + [3] + [3] * (c - len(wrong) - 1)  # eos, then masked
   np.testing.assert_array_equal(index_bc[1], want_1)
   np.testing.assert_array_equal(index_bc[0][-3:], [3, 3, 3])  # "0", eos, masked
+  # The right completion cut off before its eos: its steps keep their credit, the answer none.
+  mask[0, len(truth)] = 0
+  credit_bs, _ = rewards.step_rewards(_rollout(prompt, tokens, mask), TOK)
+  np.testing.assert_array_equal(credit_bs, [[1, 1, 1, 0], [1, 0, 0, 0]])
 
 
 def _rollout(prompt_bp, tokens_bc, mask_bc, **fields):

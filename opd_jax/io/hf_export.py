@@ -191,8 +191,9 @@ def export_student(
   Raises:
     ValueError / FileNotFoundError: as `save_checkpoint`; a `tokenizer_dir` without tokenizer
       files; no `tokenizer_dir` for a tokenizer that is not a `CharTokenizer`. The tokenizer
-      and the config are checked before anything is written, and nothing in `path` changes
-      unless the whole export succeeds.
+      is checked before anything is written, the config (`hf.hf_expressible`) before
+      anything is written to `path`, and nothing in `path` changes unless the whole export
+      succeeds.
   """
   if not tokenizer_dir and isinstance(tokenizer, tokenizer_lib.HFTokenizer):
     tokenizer_dir = tokenizer.hf.name_or_path  # the local directory it was loaded from
@@ -204,7 +205,6 @@ def export_student(
       "exported; only the built-in CharTokenizer is written without one"
     )
   generation = generation_config(tokenizer, source_dir)
-  hf.hf_expressible(cfg)
 
   def owned(name: str) -> bool:
     return hf.owned_by_checkpoint(name) or name in TOKENIZER_FILES

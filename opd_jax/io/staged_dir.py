@@ -5,13 +5,14 @@ fills it; on a clean exit the files of the old `path` that the writer does not o
 (`owned(name)` false, and no file of that name written) are copied in, and the staging
 directory takes `path`'s place by two renames (`path` → `path.old<pid>`, staging → `path`).
 An exception inside the block removes the staging directory and leaves `path` as it was.
-
-An object store (a `gs://` URI) has no renames: `upload(local, uri, owned)` copies a finished
-local directory there, config.json last, then deletes the owned objects it did not write.
-That is not atomic; a reader that waits for config.json sees whole weights.
 Between the two renames `path` is briefly absent, with both the old and the new directory
 whole on disk; a crash there is reported by the next writer, which refuses to write while
 `path` is absent and a `path.old*` holds the old contents.
+
+An object store (a `gs://` URI) has no renames: `upload(local, uri, owned)` copies a finished
+local directory there, config.json last, then deletes the owned objects it did not write.
+That is not atomic; a reader that waits for config.json sees whole weights (the teacher
+cache's `is_cached` does).
 """
 
 from __future__ import annotations

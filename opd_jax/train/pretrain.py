@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from opd_jax.data import task
-from opd_jax.io import build, hf
+from opd_jax.io import build, hf, staged_dir
 from opd_jax.model import sharding
 from opd_jax.model import transformer as model
 from opd_jax.model.config import ModelConfig
@@ -174,14 +174,9 @@ def save_cached(
       # Another run finished the same entry first: the key hashes every setting that shaped
       # it, so its checkpoint stands for this one.
     return
-  target = epath.Path(directory)
-  target.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(prefix="opd_cache_") as local:
-    write(local)
-    names = sorted(os.listdir(local), key=lambda n: n == hf.CONFIG_FILE)  # config.json last
-    for name in names:
-      with open(os.path.join(local, name), "rb") as f:
-        (target / name).write_bytes(f.read())
+    write(local)  # a new entry's key: nothing of another entry to delete
+    staged_dir.upload(local, directory, owned=lambda name: False, last=hf.CONFIG_FILE)
 
 
 def load_record(directory: str | os.PathLike) -> dict | None:
